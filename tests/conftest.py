@@ -1,0 +1,79 @@
+"""Shared test helpers: the variant configurations under test and fresh random inputs."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+import variants
+
+#: (variant name, parameters): every registered variant, several settings each.
+CONFIGS = [
+    ("softmax", {}),
+    ("softmax", {"scale": 0.3}),
+    ("linear", {}),
+    ("linear", {"chunk_size": 16}),
+    ("linear", {"phi": "identity", "normalize": False, "chunk_size": 16}),
+    ("linear", {"phi": "dpfp", "nu": 2, "sum_norm": True, "chunk_size": 32}),
+    ("performer", {"m": 16, "chunk_size": 16}),
+    ("performer", {"d_dot": 10, "seed": 3}),
+    ("dpfp", {"nu": 1, "chunk_size": 16}),
+    ("dpfp", {"nu": 3, "normalize": False}),
+    ("delta", {}),
+    ("delta", {"chunk_size": 16}),
+    ("delta", {"phi": "identity", "sum_norm": False, "chunk_size": 16}),
+    ("delta", {"attn_norm": True, "chunk_size": 16}),
+    ("delta", {"phi": "dpfp", "nu": 2, "chunk_size": 16}),
+    ("delta", {"phi": "favor", "m": 8, "attn_norm": True}),
+]
+
+
+def config_id(config) -> str:
+    name, params = config
+    return name + "".join(f"-{key}={value}" for key, value in params.items())
+
+
+@pytest.fixture
+def seed(request) -> int:
+    """A fresh seed per test (or ATTNBENCH_TEST_SEED), shown in the report when a test fails."""
+    value = int(os.environ.get("ATTNBENCH_TEST_SEED", random.randrange(2**31)))
+    request.node.user_properties.append(("seed", value))
+    return value
+
+
+def make_inputs(core, batch, heads, length, d_value, *, dtype, seed, requires_grad=False):
+    """Random q, k, v (and β for the delta rule) for ``core``.
+
+    Identity-φ variants get unit-norm keys: the plain delta rule is only stable while
+    β‖k‖² < 2, and plain linear attention grows with ‖q‖‖k‖.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, heads, length, core.d_key, generator=gen, dtype=torch.float64)
+    k = torch.randn(batch, heads, length, core.d_key, generator=gen, dtype=torch.float64)
+    v = torch.randn(batch, heads, length, d_value, generator=gen, dtype=torch.float64)
+    if getattr(core, "phi_name", None) == "identity":
+        k = k / k.norm(dim=-1, keepdim=True)
+        q = q / q.norm(dim=-1, keepdim=True)
+    beta = torch.rand(batch, heads, length, generator=gen, dtype=torch.float64) if core.needs_beta else None
+    tensors = [t.to(dtype).requires_grad_(requires_grad) if t is not None else None for t in (q, k, v, beta)]
+    return tuple(tensors)
+
+
+def run_steps(core, q, k, v, beta, state=None):
+    """The recurrent form over a whole sequence: ``[B, H, T, Dv]`` and the final state."""
+    if state is None:
+        state = core.init_state(q.shape[0], q.shape[1], v.shape[-1], dtype=q.dtype)
+    outputs = []
+    for t in range(q.shape[2]):
+        beta_t = beta[:, :, t] if beta is not None else None
+        out, state = core.step(q[:, :, t], k[:, :, t], v[:, :, t], state, beta_t=beta_t)
+        outputs.append(out)
+    return torch.stack(outputs, dim=2), state
+
+
+def build(config, d_key, dtype=torch.float64):
+    name, params = config
+    return variants.create(name, d_key, **params).to(dtype)

@@ -1,0 +1,88 @@
+"""What the linear-time variants share: φ, the fast weight state and the normaliser.
+
+Schlag et al. 2021 frame every linear attention as a fast weight programmer: an update
+rule (sum, delta) writes key/value outer products into a matrix, and a query reads it.
+This module holds the parts that do not depend on the rule.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from .base import AttentionCore, VariantError
+from .feature_maps import EPS, FeatureMap, SumNormalized, make_feature_map
+
+
+class FastWeightState(NamedTuple):
+    """The decoding state of a linear-time variant.
+
+    ``weights``: the fast weight matrix S = Wᵀ, ``[B, H, d_dot, Dv]``.
+    ``normaliser``: z = Σ φ(k), ``[B, H, d_dot]``, or None when the variant does not normalise.
+    """
+
+    weights: torch.Tensor
+    normaliser: torch.Tensor | None
+
+
+class FastWeightCore(AttentionCore):
+    """Base of the sum and delta rules: builds φ, owns the state and the attention normaliser.
+
+    ``phi`` names the feature map ('identity', 'elu1', 'favor' with ``m``, 'dpfp' with
+    ``nu``; ``d_dot`` may stand in for m or ν). ``sum_norm`` divides φ(q), φ(k) by the sum
+    of their components; ``attn_norm`` divides each read by z·φ(q).
+    """
+
+    def __init__(self, d_key, *, phi, sum_norm, attn_norm, chunk_size, m=None, nu=None, d_dot=None, seed=0):
+        super().__init__(d_key)
+        if not isinstance(chunk_size, int) or chunk_size < 1:
+            raise VariantError(f"chunk_size must be a positive int, got {chunk_size!r}")
+        feature_map: FeatureMap = make_feature_map(phi, d_key, m=m, nu=nu, d_dot=d_dot, seed=seed)
+        self.phi = SumNormalized(feature_map) if sum_norm else feature_map
+        self.phi_name = phi
+        self.sum_norm = sum_norm
+        self.attn_norm = attn_norm
+        self.chunk_size = chunk_size
+        self.d_dot = feature_map.d_dot
+
+    def init_state(self, batch, heads, d_value, *, device=None, dtype=None) -> FastWeightState:
+        weights = torch.zeros(batch, heads, self.d_dot, d_value, device=device, dtype=dtype)
+        normaliser = torch.zeros(batch, heads, self.d_dot, device=device, dtype=dtype) if self.attn_norm else None
+        return FastWeightState(weights, normaliser)
+
+    def prefill(self, q, k, v, *, beta=None, state: FastWeightState | None = None):
+        """Causal parallel form that also returns the decoding state after the last token,
+        so that ``step`` can continue from it. ``state`` (optional) is the state before the first."""
+        self._check_sequence(q, k, v, beta, True)
+        if state is None:
+            state = self.init_state(q.shape[0], q.shape[1], v.shape[-1], device=q.device, dtype=q.dtype)
+        return self._run(self.phi(q), self.phi(k), v, beta, state, causal=True)
+
+    def _parallel(self, q, k, v, beta, causal):
+        state = self.init_state(q.shape[0], q.shape[1], v.shape[-1], device=q.device, dtype=q.dtype)
+        return self._run(self.phi(q), self.phi(k), v, beta, state, causal)[0]
+
+    def _step(self, q_t, k_t, v_t, state, beta_t):
+        features_q, features_k = self.phi(q_t), self.phi(k_t)
+        normaliser = state.normaliser + features_k if self.attn_norm else None
+        weights = self._write(features_k, v_t, beta_t, state)
+        read = (features_q.unsqueeze(-2) @ weights).squeeze(-2)
+        if self.attn_norm:
+            read = read / ((features_q * normaliser).sum(-1, keepdim=True) + EPS)
+        return read, FastWeightState(weights, normaliser)
+
+    def extra_repr(self) -> str:
+        return (
+            f"{super().extra_repr()}, phi={self.phi_name}, sum_norm={self.sum_norm}, "
+            f"attn_norm={self.attn_norm}, chunk_size={self.chunk_size}"
+        )
+
+    # --- implemented by each rule -------------------------------------------------
+    def _run(self, features_q, features_k, v, beta, state, causal):
+        """Parallel form on feature-mapped inputs: ``(out, final_state)``."""
+        raise NotImplementedError
+
+    def _write(self, features_k, v_t, beta_t, state):
+        """One write into the fast weights: the new ``weights``."""
+        raise NotImplementedError

@@ -1,0 +1,165 @@
+"""Feature maps φ: R^d_key -> R^d_dot that linearise attention (Schlag et al. 2021, §5).
+
+Every linear-time variant is an update rule (sum or delta) times one of these maps.
+Each map is a small module with ``d_dot`` (its output dimension) and ``forward(x)``
+acting on the last dim of ``x``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .base import VariantError
+
+#: ε in the sum normalisation φ(x) / (Σ_j φ(x)_j + ε) and in the attention normaliser.
+EPS = 1e-6
+
+
+class FeatureMap(nn.Module):
+    """φ acting on the last dim: ``[..., d_key] -> [..., d_dot]``."""
+
+    def __init__(self, d_key: int, d_dot: int):
+        super().__init__()
+        self.d_key = d_key
+        self.d_dot = d_dot
+
+    def extra_repr(self) -> str:
+        return f"d_key={self.d_key}, d_dot={self.d_dot}"
+
+
+class Identity(FeatureMap):
+    """φ(x) = x: plain (unnormalised) linear attention, the 1992 fast weight programmer."""
+
+    def __init__(self, d_key: int):
+        super().__init__(d_key, d_key)
+
+    def forward(self, x):
+        return x
+
+
+class Elu1(FeatureMap):
+    """φ(x) = elu(x) + 1 (Katharopoulos et al. 2020, eq. 7): positive, d_dot = d_key."""
+
+    def __init__(self, d_key: int):
+        super().__init__(d_key, d_key)
+
+    def forward(self, x):
+        return F.elu(x) + 1
+
+
+class Favor(FeatureMap):
+    """FAVOR+ positive random features (Choromanski et al. 2021, Lemma 1, hyperbolic form).
+
+    φ(x) = exp(-‖x̃‖²/2) / sqrt(2m) · [exp(ω_i·x̃), exp(-ω_i·x̃)]_{i=1..m}, with x̃ = x / d_key^{1/4},
+    so that E[φ(q)·φ(k)] = exp(q·k / sqrt(d_key)), the softmax kernel with SDPA's scale.
+    ω are ``m`` orthogonal random features (blocks of d_key orthogonal rows, each row
+    rescaled to the norm of a Gaussian vector), drawn from ``seed``; d_dot = 2m.
+    """
+
+    def __init__(self, d_key: int, m: int, *, seed: int = 0, orthogonal: bool = True):
+        if not isinstance(m, int) or m < 1:
+            raise VariantError(f"favor: the number of random features m must be a positive int, got {m!r}")
+        super().__init__(d_key, 2 * m)
+        self.m = m
+        self.orthogonal = orthogonal
+        self.register_buffer("omega", torch.empty(m, d_key, dtype=torch.float64))
+        self.redraw(seed)
+
+    def redraw(self, seed: int | None = None) -> None:
+        """Draw fresh random features ω; the same ``seed`` gives the same features."""
+        gen = torch.Generator()
+        gen.manual_seed(int(torch.randint(2**62, ()).item()) if seed is None else seed)
+        gaussian = torch.randn(self.m, self.d_key, generator=gen, dtype=torch.float64)
+        if self.orthogonal:
+            blocks = []
+            for start in range(0, self.m, self.d_key):
+                square = torch.randn(self.d_key, self.d_key, generator=gen, dtype=torch.float64)
+                blocks.append(torch.linalg.qr(square).Q.T[: self.m - start])
+            directions = torch.cat(blocks)
+            gaussian = directions * gaussian.norm(dim=-1, keepdim=True)
+        self.omega.copy_(gaussian)
+
+    def forward(self, x):
+        x = x * self.d_key**-0.25
+        projected = x @ self.omega.to(x.dtype).T
+        half_sq_norm = 0.5 * (x * x).sum(-1, keepdim=True)
+        features = torch.cat([projected - half_sq_norm, -projected - half_sq_norm], dim=-1)
+        return torch.exp(features) / math.sqrt(2 * self.m)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, m={self.m}, orthogonal={self.orthogonal}"
+
+
+class DPFP(FeatureMap):
+    """Deterministic parameter-free projection (Schlag et al. 2021, §5.4, eq. 37-38).
+
+    r(x) = [ReLU(x), ReLU(-x)] ∈ R^{2d}; φ(x) = [r(x)_i · r(x)_{i+s}] for shifts s = 1..ν and
+    i = 1..2d (indices modulo 2d), so d_dot = 2·d_key·ν and φ(x) ≥ 0. Keys in disjoint
+    sign regions switch on disjoint features, so they map to orthogonal vectors.
+    """
+
+    def __init__(self, d_key: int, nu: int):
+        if not isinstance(nu, int) or not 1 <= nu < 2 * d_key:
+            raise VariantError(f"dpfp: nu must be an int in [1, 2*d_key-1] = [1, {2 * d_key - 1}], got {nu!r}")
+        super().__init__(d_key, 2 * d_key * nu)
+        self.nu = nu
+
+    def forward(self, x):
+        r = torch.cat([F.relu(x), F.relu(-x)], dim=-1)
+        return torch.cat([r * r.roll(shifts=s, dims=-1) for s in range(1, self.nu + 1)], dim=-1)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, nu={self.nu}"
+
+
+class SumNormalized(FeatureMap):
+    """φ'(x) = φ(x) / (Σ_j φ(x)_j + ε): Schlag et al. 2021's sum normalisation (§4.2, eq. 22)."""
+
+    def __init__(self, inner: FeatureMap):
+        super().__init__(inner.d_key, inner.d_dot)
+        self.inner = inner
+
+    def forward(self, x):
+        features = self.inner(x)
+        return features / (features.sum(-1, keepdim=True) + EPS)
+
+
+PHI_NAMES = ("identity", "elu1", "favor", "dpfp")
+
+
+def make_feature_map(
+    phi: str, d_key: int, *, m: int | None = None, nu: int | None = None, d_dot: int | None = None, seed: int = 0
+) -> FeatureMap:
+    """Build φ by name. ``d_dot`` may stand in for ``m`` (favor: m = d_dot / 2) or ``nu``
+    (dpfp: ν = d_dot / (2 d_key)); it must then be reachable exactly."""
+    if phi not in PHI_NAMES:
+        raise VariantError(f"unknown feature map phi={phi!r}; known: {', '.join(PHI_NAMES)}")
+    if phi == "favor":
+        m = _resolve(phi, "m", m, d_dot, 2, "d_dot = 2m")
+        return Favor(d_key, m, seed=seed)
+    if phi == "dpfp":
+        nu = _resolve(phi, "nu", nu, d_dot, 2 * d_key, f"d_dot = 2*d_key*nu = {2 * d_key}*nu")
+        return DPFP(d_key, nu)
+    if m is not None or nu is not None:
+        raise VariantError(f"phi={phi!r} takes neither m nor nu")
+    if d_dot is not None and d_dot != d_key:
+        raise VariantError(f"phi={phi!r} has d_dot = d_key = {d_key}; cannot give d_dot={d_dot}")
+    return Identity(d_key) if phi == "identity" else Elu1(d_key)
+
+
+def _resolve(phi: str, label: str, value, d_dot, per_unit: int, rule: str) -> int:
+    """Take ``value`` or derive it from ``d_dot`` = per_unit · value."""
+    if d_dot is None:
+        if value is None:
+            raise VariantError(f"phi={phi!r} needs {label} (or d_dot, with {rule})")
+        return value
+    if not isinstance(d_dot, int) or d_dot < 1 or d_dot % per_unit:
+        raise VariantError(f"phi={phi!r}: d_dot={d_dot!r} is not reachable; it must be a positive multiple of {per_unit} ({rule})")
+    derived = d_dot // per_unit
+    if value is not None and value != derived:
+        raise VariantError(f"phi={phi!r}: {label}={value} gives a d_dot other than the asked d_dot={d_dot} ({rule})")
+    return derived

@@ -1,0 +1,75 @@
+"""The sum rule (linear attention) and its named presets: linear, performer, dpfp.
+
+    S_t = S_{t-1} + φ(k_t) v_tᵀ,   z_t = z_{t-1} + φ(k_t),   y_t = S_tᵀ φ(q_t) / (z_t·φ(q_t) + ε)
+
+Katharopoulos et al. 2020, eq. 9-12; Schlag et al. 2021, eq. 17-19. ``normalize=False``
+drops the denominator (y_t = S_tᵀ φ(q_t)); with ``phi='identity'`` that is plain causal
+(Q Kᵀ ⊙ M) V with no scale.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .base import register
+from .chunked import running_normaliser, sum_rule_chunked
+from .fast_weights import FastWeightCore, FastWeightState
+from .feature_maps import EPS
+
+DEFAULT_CHUNK = 64
+
+
+@register("linear")
+class SumRule(FastWeightCore):
+    """Linear attention: the sum rule with any φ (default elu+1) and, by default,
+    Katharopoulos' normalisation. ``sum_norm`` (off by default) is Schlag's φ / Σφ."""
+
+    def __init__(
+        self, d_key, *, phi="elu1", normalize=True, sum_norm=False, chunk_size=DEFAULT_CHUNK, m=None, nu=None, d_dot=None, seed=0
+    ):
+        super().__init__(
+            d_key, phi=phi, sum_norm=sum_norm, attn_norm=normalize, chunk_size=chunk_size, m=m, nu=nu, d_dot=d_dot, seed=seed
+        )
+
+    @property
+    def normalize(self) -> bool:
+        return self.attn_norm
+
+    def _run(self, features_q, features_k, v, beta, state, causal):
+        if causal:
+            read, weights = sum_rule_chunked(features_q, features_k, v, state.weights, self.chunk_size)
+        else:
+            weights = state.weights + features_k.transpose(-1, -2) @ v
+            read = features_q @ weights
+        if not self.attn_norm:
+            return read, FastWeightState(weights, None)
+        denominator, z = running_normaliser(features_q, features_k, state.normaliser, causal)
+        return read / (denominator + EPS), FastWeightState(weights, z[:, :, -1])
+
+    def _write(self, features_k, v_t, beta_t, state):
+        return state.weights + features_k.unsqueeze(-1) * v_t.unsqueeze(-2)
+
+    def _reference(self, q, k, v, beta, causal):
+        """The O(T²) masked form: y_t = Σ_{i≤t} (φ(q_t)·φ(k_i)) v_i / Σ_{i≤t} φ(q_t)·φ(k_i)."""
+        scores = self.phi(q) @ self.phi(k).transpose(-1, -2)
+        if causal:
+            scores = torch.tril(scores)
+        read = scores @ v
+        return read / (scores.sum(-1, keepdim=True) + EPS) if self.attn_norm else read
+
+
+@register("performer")
+def performer(d_key, *, m=None, d_dot=None, seed=0, normalize=True, chunk_size=DEFAULT_CHUNK):
+    """Performer: the sum rule with FAVOR+ (m random features, d_dot = 2m; default m = d_key).
+    ``core.phi.redraw(seed)`` draws new features."""
+    if m is None and d_dot is None:
+        m = d_key
+    return SumRule(d_key, phi="favor", m=m, d_dot=d_dot, seed=seed, normalize=normalize, chunk_size=chunk_size)
+
+
+@register("dpfp")
+def dpfp(d_key, *, nu=None, d_dot=None, normalize=True, chunk_size=DEFAULT_CHUNK):
+    """The sum rule with DPFP-ν (Schlag et al. 2021, eq. 37; d_dot = 2·d_key·ν; default ν = 1)."""
+    if nu is None and d_dot is None:
+        nu = 1
+    return SumRule(d_key, phi="dpfp", nu=nu, d_dot=d_dot, normalize=normalize, chunk_size=chunk_size)
