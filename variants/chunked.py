@@ -1,16 +1,20 @@
 """The chunked scan machinery shared by every linear-time variant.
 
-All functions act on already feature-mapped queries and keys (φ(q), φ(k)) and carry a
-fast weight matrix ``S`` of shape ``[B, H, d_dot, Dv]`` (the transpose of Schlag et al.'s
-``W``, so that a read is ``qᵀ S``). Within a chunk of C tokens the work is a few dense
-C×C and C×d products; across chunks only the state is carried, so memory stays linear
-in T and no T×T matrix is ever formed. T need not be a multiple of C: the last chunk is
+Both scans take raw queries and keys and apply the feature map φ chunk by chunk, so the
+feature-mapped sequence never exists in full. They carry a fast weight matrix ``S`` of
+shape ``[B, H, d_dot, Dv]`` (the transpose of Schlag et al.'s ``W``, so that a read is
+``φ(q)ᵀ S``) and, for the attention normaliser, ``z = Σ φ(k)`` of shape ``[B, H, d_dot]``.
+Within a chunk of C tokens the work is a few dense C×C and C×d products; across chunks
+only the state is carried, so memory stays linear in T, no T×T matrix is formed and no
+T-long prefix sum is materialised. T need not be a multiple of C: the last chunk is
 simply shorter.
 """
 
 from __future__ import annotations
 
 import torch
+
+from .feature_maps import EPS
 
 
 def _chunks(length: int, chunk_size: int):
@@ -19,58 +23,70 @@ def _chunks(length: int, chunk_size: int):
     return [(start, min(start + chunk_size, length)) for start in range(0, length, chunk_size)]
 
 
-def sum_rule_chunked(q, k, v, weights, chunk_size: int):
-    """Causal sum rule: o_t = q_tᵀ S_t with S_t = S_0 + Σ_{i≤t} k_i v_iᵀ.
+def safe_reciprocal(x):
+    """1 / x where x > 0, else 0 (so that nothing is retrieved before anything was written)."""
+    positive = x > 0
+    return torch.where(positive, 1 / torch.where(positive, x, torch.ones_like(x)), torch.zeros_like(x))
 
-    Katharopoulos et al. 2020, eq. 9-10 (the numerator), i.e. Schlag et al. 2021, eq. 17
-    with y = W φ(q). ``q, k: [B, H, T, F]``, ``v: [B, H, T, Dv]``, ``weights`` S_0:
-    ``[B, H, F, Dv]``. Returns ``(o [B, H, T, Dv], S_T)``.
+
+def _identity(x):
+    return x
+
+
+def sum_rule_chunked(q, k, v, weights, normaliser, chunk_size: int, phi=_identity):
+    """Causal sum rule: y_t = φ(q_t)ᵀ S_t / (φ(q_t)·z_t + ε), S_t = S_0 + Σ_{i≤t} φ(k_i) v_iᵀ,
+    z_t = z_0 + Σ_{i≤t} φ(k_i).
+
+    Katharopoulos et al. 2020, eq. 9-12; Schlag et al. 2021, eq. 17-19. With
+    ``normaliser=None`` there is no denominator: y_t = φ(q_t)ᵀ S_t.
+    ``q, k: [B, H, T, Dk]``, ``v: [B, H, T, Dv]``, ``weights`` S_0: ``[B, H, F, Dv]``,
+    ``normaliser`` z_0: ``[B, H, F]`` or None. Returns ``(y [B, H, T, Dv], S_T, z_T)``.
     """
     outputs = []
     for start, end in _chunks(q.shape[2], chunk_size):
-        q_c, k_c, v_c = q[:, :, start:end], k[:, :, start:end], v[:, :, start:end]
-        intra = torch.tril(q_c @ k_c.transpose(-1, -2))
-        outputs.append(intra @ v_c + q_c @ weights)
+        q_c, k_c, v_c = phi(q[:, :, start:end]), phi(k[:, :, start:end]), v[:, :, start:end]
+        scores = torch.tril(q_c @ k_c.transpose(-1, -2))
+        read = scores @ v_c + q_c @ weights
+        if normaliser is not None:
+            denominator = scores.sum(-1, keepdim=True) + q_c @ normaliser.unsqueeze(-1)
+            read = read / (denominator + EPS)
+            normaliser = normaliser + k_c.sum(2)
+        outputs.append(read)
         weights = weights + k_c.transpose(-1, -2) @ v_c
-    return torch.cat(outputs, dim=2), weights
+    return torch.cat(outputs, dim=2), weights, normaliser
 
 
-def delta_rule_chunked(q, k, v, write, erase, weights, chunk_size: int):
-    """Causal (generalised) delta rule through the WY / UT-transform representation.
+def delta_rule_chunked(q, k, v, beta, weights, normaliser, chunk_size: int, phi=_identity):
+    """Causal delta rule through the WY / UT-transform representation.
 
-    S_t = S_{t-1} + k_t (b_t v_t − a_t S_{t-1}ᵀ k_t)ᵀ and o_t = S_tᵀ q_t, with write strength
-    b = ``write`` and erase strength a = ``erase`` (both ``[B, H, T]``). With a = b = β this
-    is Schlag et al. 2021, eq. 24-25; with a = β / (z_{t-1}·k_t) their attention-normalised
-    retrieval, eq. 27. Per chunk (Yang et al. 2024, arXiv:2406.06484v6, eq. 8-11, extended
-    to a ≠ b): with A = tril(diag(a) K Kᵀ, −1),
+    S_t = S_{t-1} + φ(k_t) (b_t v_t − a_t S_{t-1}ᵀ φ(k_t))ᵀ and y_t = S_tᵀ φ(q_t), with write
+    strength b = β and erase strength a = β: Schlag et al. 2021, eq. 20-25. With a
+    ``normaliser`` z it is their attention-normalised form, eq. 26-28: a_t = β_t / (z_{t-1}·φ(k_t))
+    (0 while that is 0) and y_t = S_tᵀ φ(q_t) / (z_t·φ(q_t) + ε).
+    Per chunk (Yang et al. 2024, arXiv:2406.06484v6, eq. 8-11, extended to a ≠ b), with
+    A = tril(diag(a) K Kᵀ, −1):
         U = (I + A)⁻¹ diag(b) V,   W = (I + A)⁻¹ diag(a) K,
         U' = U − W S,   O = Q S + tril(Q Kᵀ) U',   S ← S + Kᵀ U'.
-    ``q, k: [B, H, T, F]``, ``v: [B, H, T, Dv]``, ``weights`` S_0: ``[B, H, F, Dv]``.
-    Returns ``(o [B, H, T, Dv], S_T)``.
+    ``q, k: [B, H, T, Dk]``, ``v: [B, H, T, Dv]``, ``beta: [B, H, T]``, ``weights`` S_0:
+    ``[B, H, F, Dv]``, ``normaliser`` z_0: ``[B, H, F]`` or None. Returns ``(y, S_T, z_T)``.
     """
     d_value = v.shape[-1]
     outputs = []
     for start, end in _chunks(q.shape[2], chunk_size):
-        q_c, k_c, v_c = q[:, :, start:end], k[:, :, start:end], v[:, :, start:end]
-        a_c, b_c = erase[:, :, start:end, None], write[:, :, start:end, None]
-        strictly_lower = torch.tril(a_c * (k_c @ k_c.transpose(-1, -2)), diagonal=-1)
+        q_c, k_c, v_c = phi(q[:, :, start:end]), phi(k[:, :, start:end]), v[:, :, start:end]
+        write = erase = beta[:, :, start:end, None]
+        if normaliser is not None:
+            z = normaliser.unsqueeze(2) + k_c.cumsum(2)
+            erase = write * safe_reciprocal(((z - k_c) * k_c).sum(-1, keepdim=True))
+            normaliser = z[:, :, -1]
+        strictly_lower = torch.tril(erase * (k_c @ k_c.transpose(-1, -2)), diagonal=-1)
         solved = torch.linalg.solve_triangular(
-            strictly_lower, torch.cat([b_c * v_c, a_c * k_c], dim=-1), upper=False, unitriangular=True
+            strictly_lower, torch.cat([write * v_c, erase * k_c], dim=-1), upper=False, unitriangular=True
         )
         new_values = solved[..., :d_value] - solved[..., d_value:] @ weights
-        intra = torch.tril(q_c @ k_c.transpose(-1, -2))
-        outputs.append(q_c @ weights + intra @ new_values)
+        read = q_c @ weights + torch.tril(q_c @ k_c.transpose(-1, -2)) @ new_values
+        if normaliser is not None:
+            read = read / ((q_c * z).sum(-1, keepdim=True) + EPS)
+        outputs.append(read)
         weights = weights + k_c.transpose(-1, -2) @ new_values
-    return torch.cat(outputs, dim=2), weights
-
-
-def running_normaliser(q, k, normaliser, causal: bool):
-    """The attention normaliser d_t = q_t · z_t with z_t = z_0 + Σ_{i≤t} k_i.
-
-    Katharopoulos et al. 2020, eq. 11-12 (denominator); Schlag et al. 2021, eq. 18-19 and
-    26. Non-causal: z = z_0 + Σ_i k_i for every t. ``q, k: [B, H, T, F]``, ``normaliser``
-    z_0: ``[B, H, F]``. Returns ``(d [B, H, T, 1], z [B, H, T, F])``; ``z[:, :, -1]`` is z_T.
-    """
-    accumulated = k.cumsum(dim=2) if causal else k.sum(dim=2, keepdim=True).expand_as(k)
-    z = normaliser[:, :, None] + accumulated
-    return (q * z).sum(-1, keepdim=True), z
+    return torch.cat(outputs, dim=2), weights, normaliser

@@ -15,15 +15,9 @@ from __future__ import annotations
 import torch
 
 from .base import register
-from .chunked import delta_rule_chunked, running_normaliser
+from .chunked import delta_rule_chunked, safe_reciprocal
 from .fast_weights import FastWeightCore, FastWeightState
 from .feature_maps import EPS
-
-
-def _safe_reciprocal(x):
-    """1 / x where x > 0, else 0 (so that v̄ = 0 before anything was written)."""
-    positive = x > 0
-    return torch.where(positive, 1 / torch.where(positive, x, torch.ones_like(x)), torch.zeros_like(x))
 
 
 @register("delta")
@@ -38,19 +32,14 @@ class DeltaRule(FastWeightCore):
             d_key, phi=phi, sum_norm=sum_norm, attn_norm=attn_norm, chunk_size=chunk_size, m=m, nu=nu, d_dot=d_dot, seed=seed
         )
 
-    def _run(self, features_q, features_k, v, beta, state, causal):
-        if not self.attn_norm:
-            read, weights = delta_rule_chunked(features_q, features_k, v, beta, beta, state.weights, self.chunk_size)
-            return read, FastWeightState(weights, None)
-        denominator, z = running_normaliser(features_q, features_k, state.normaliser, causal=True)
-        erase = beta * _safe_reciprocal(((z - features_k) * features_k).sum(-1))
-        read, weights = delta_rule_chunked(features_q, features_k, v, beta, erase, state.weights, self.chunk_size)
-        return read / (denominator + EPS), FastWeightState(weights, z[:, :, -1])
+    def _run(self, q, k, v, beta, state, causal):
+        read, weights, normaliser = delta_rule_chunked(q, k, v, beta, *state, self.chunk_size, phi=self.phi)
+        return read, FastWeightState(weights, normaliser)
 
     def _write(self, features_k, v_t, beta_t, state):
         retrieved = (features_k.unsqueeze(-2) @ state.weights).squeeze(-2)
         if self.attn_norm:
-            retrieved = retrieved * _safe_reciprocal((state.normaliser * features_k).sum(-1, keepdim=True))
+            retrieved = retrieved * safe_reciprocal((state.normaliser * features_k).sum(-1, keepdim=True))
         return state.weights + features_k.unsqueeze(-1) * (beta_t.unsqueeze(-1) * (v_t - retrieved)).unsqueeze(-2)
 
     def _reference(self, q, k, v, beta, causal):
@@ -64,7 +53,7 @@ class DeltaRule(FastWeightCore):
             phi_k, phi_q = features_k[:, :, t], features_q[:, :, t]
             v_bar = torch.einsum("bhvd,bhd->bhv", W, phi_k)
             if self.attn_norm:
-                v_bar = v_bar * _safe_reciprocal(torch.einsum("bhd,bhd->bh", z, phi_k)).unsqueeze(-1)
+                v_bar = v_bar * safe_reciprocal(torch.einsum("bhd,bhd->bh", z, phi_k)).unsqueeze(-1)
                 z = z + phi_k
             W = W + torch.einsum("bhv,bhd->bhvd", beta[:, :, t, None] * (v[:, :, t] - v_bar), phi_k)
             y = torch.einsum("bhvd,bhd->bhv", W, phi_q)

@@ -57,11 +57,11 @@ class FastWeightCore(AttentionCore):
         self._check_sequence(q, k, v, beta, True)
         if state is None:
             state = self.init_state(q.shape[0], q.shape[1], v.shape[-1], device=q.device, dtype=q.dtype)
-        return self._run(self.phi(q), self.phi(k), v, beta, state, causal=True)
+        return self._run(q, k, v, beta, state, causal=True)
 
     def _parallel(self, q, k, v, beta, causal):
         state = self.init_state(q.shape[0], q.shape[1], v.shape[-1], device=q.device, dtype=q.dtype)
-        return self._run(self.phi(q), self.phi(k), v, beta, state, causal)[0]
+        return self._run(q, k, v, beta, state, causal)[0]
 
     def _step(self, q_t, k_t, v_t, state, beta_t):
         features_q, features_k = self.phi(q_t), self.phi(k_t)
@@ -79,8 +79,8 @@ class FastWeightCore(AttentionCore):
         )
 
     # --- implemented by each rule -------------------------------------------------
-    def _run(self, features_q, features_k, v, beta, state, causal):
-        """Parallel form on feature-mapped inputs: ``(out, final_state)``."""
+    def _run(self, q, k, v, beta, state, causal):
+        """Parallel form from ``state``: ``(out, final_state)``."""
         raise NotImplementedError
 
     def _write(self, features_k, v_t, beta_t, state):

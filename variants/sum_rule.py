@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from .base import register
-from .chunked import running_normaliser, sum_rule_chunked
+from .chunked import sum_rule_chunked
 from .fast_weights import FastWeightCore, FastWeightState
 from .feature_maps import EPS
 
@@ -35,16 +35,17 @@ class SumRule(FastWeightCore):
     def normalize(self) -> bool:
         return self.attn_norm
 
-    def _run(self, features_q, features_k, v, beta, state, causal):
+    def _run(self, q, k, v, beta, state, causal):
         if causal:
-            read, weights = sum_rule_chunked(features_q, features_k, v, state.weights, self.chunk_size)
-        else:
-            weights = state.weights + features_k.transpose(-1, -2) @ v
-            read = features_q @ weights
+            read, weights, normaliser = sum_rule_chunked(q, k, v, *state, self.chunk_size, phi=self.phi)
+            return read, FastWeightState(weights, normaliser)
+        features_q, features_k = self.phi(q), self.phi(k)
+        weights = state.weights + features_k.transpose(-1, -2) @ v
+        read = features_q @ weights
         if not self.attn_norm:
             return read, FastWeightState(weights, None)
-        denominator, z = running_normaliser(features_q, features_k, state.normaliser, causal)
-        return read / (denominator + EPS), FastWeightState(weights, z[:, :, -1])
+        normaliser = state.normaliser + features_k.sum(2)
+        return read / (features_q @ normaliser.unsqueeze(-1) + EPS), FastWeightState(weights, normaliser)
 
     def _write(self, features_k, v_t, beta_t, state):
         return state.weights + features_k.unsqueeze(-1) * v_t.unsqueeze(-2)

@@ -1,0 +1,85 @@
+"""Forward tokens/s of each variant's parallel form against SDPA and the token loop.
+
+The table of docs/performance.md. fp32, B=4, H=8, D=64 by default; every cell is the
+median of ``--repeats`` runs after a warm-up, with the p20-p80 spread, all in one run so
+that the ratios are comparable. Usage: ``python benchmarks/cpu_throughput.py [--lengths ...]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+
+import pandas as pd
+import torch
+
+import variants
+from harness.measure import time_callable
+
+CONTENDERS = [
+    # (label, variant, params, form)
+    ("softmax (SDPA)", "softmax", {}, "parallel"),
+    ("linear, phi=identity, unnormalised", "linear", {"phi": "identity", "normalize": False}, "parallel"),
+    ("linear (elu+1, normalised)", "linear", {}, "parallel"),
+    ("performer m=64", "performer", {"m": 64}, "parallel"),
+    ("dpfp nu=1", "dpfp", {"nu": 1}, "parallel"),
+    ("delta (chunked)", "delta", {}, "parallel"),
+    ("delta (token loop)", "delta", {}, "reference"),
+]
+
+
+def measure(lengths, loop_lengths, batch, heads, dim, repeats):
+    rows = []
+    gen = torch.Generator().manual_seed(0)
+    for length in lengths:
+        q, k, v = (torch.randn(batch, heads, length, dim, generator=gen) for _ in range(3))
+        beta = torch.rand(batch, heads, length, generator=gen)
+        for label, name, params, form in CONTENDERS:
+            if form == "reference" and length not in loop_lengths:
+                continue
+            core = variants.create(name, dim, **params)
+            fn = getattr(core, "forward" if form == "parallel" else "reference")
+            kwargs = {"beta": beta} if core.needs_beta else {}
+            with torch.no_grad():
+                timing = time_callable(lambda: fn(q, k, v, **kwargs), warmup=1, repeats=repeats)
+            tokens = batch * length
+            rows.append(
+                {
+                    "contender": label,
+                    "T": length,
+                    "median_ms": 1e3 * timing.median_s,
+                    "p20_ms": 1e3 * timing.p20_s,
+                    "p80_ms": 1e3 * timing.p80_s,
+                    "tokens_per_s": tokens / timing.median_s,
+                }
+            )
+            print(f"{label:40s} T={length:6d} {rows[-1]['tokens_per_s']:12,.0f} tokens/s", flush=True)
+    return pd.DataFrame(rows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 16384])
+    parser.add_argument("--loop-lengths", type=int, nargs="+", default=[2048], help="T at which the delta token loop runs")
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--dim", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--json", help="also write the rows to this JSON file")
+    args = parser.parse_args()
+    print(
+        f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
+        f"fp32, B={args.batch} H={args.heads} D={args.dim}, median of {args.repeats} after 1 warm-up"
+    )
+    table = measure(args.lengths, args.loop_lengths, args.batch, args.heads, args.dim, args.repeats)
+    wide = table.pivot(index="contender", columns="T", values="tokens_per_s").reindex([c[0] for c in CONTENDERS])
+    print("\ntokens/s (median):")
+    print(wide.to_string(float_format=lambda x: f"{x:,.0f}", na_rep="-"))
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump(table.to_dict(orient="records"), handle, indent=1)
+
+
+if __name__ == "__main__":
+    main()

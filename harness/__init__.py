@@ -1,0 +1,1 @@
+"""attnbench's harness: scenarios, measurement, results, reports (see ../shared/DESIGN.md)."""
