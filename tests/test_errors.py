@@ -250,3 +250,30 @@ def test_layer_passes_core_errors_on():
         variants.AttentionLayer(8, 2, "nope")
     with pytest.raises(E, match=r"unexpected keyword argument 'nu'"):
         variants.AttentionLayer(8, 2, "softmax", nu=1)
+
+
+@pytest.mark.parametrize("name", ["softmax", "linear", "delta"])
+def test_empty_sequence_is_a_clear_error(name):
+    core = variants.create(name, 4)
+    q = torch.randn(1, 1, 0, 4)
+    beta = torch.rand(1, 1, 0) if core.needs_beta else None
+    with pytest.raises(variants.VariantError, match="empty"):
+        core(q, q, q, beta=beta)
+
+
+def test_dpfp_rejects_d_key_one():
+    with pytest.raises(variants.VariantError, match="d_key >= 2"):
+        variants.create("dpfp", 1)
+
+
+@pytest.mark.parametrize("kwargs", [{"n_heads": 0}, {"d_key": 0}, {"d_value": -1}])
+def test_layer_rejects_non_positive_sizes(kwargs):
+    args = {"d_model": 8, "n_heads": 2, "core_name": "linear", **kwargs}
+    with pytest.raises(variants.VariantError, match="positive int"):
+        variants.AttentionLayer(**args)
+
+
+@pytest.mark.parametrize("scale", [0, -1.0, "a"])
+def test_softmax_scale_must_be_positive(scale):
+    with pytest.raises(variants.VariantError, match="scale"):
+        variants.create("softmax", 4, scale=scale)

@@ -118,6 +118,8 @@ class AttentionCore(nn.Module):
                 shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
                 raise VariantError(f"{name}: {label} must be a 4-d tensor [B, H, T, D], got {shape}")
         self._check_common(q, k, v, "[B, H, T, D]")
+        if q.shape[2] == 0:
+            raise VariantError(f"{name}: the sequence is empty (T = 0); give at least one token")
         if not causal and not self.supports_noncausal:
             raise VariantError(f"{name}: this variant is causal only; causal=False is not defined for it")
         self._check_beta(beta, q.shape[:3], "beta", "[B, H, T]")

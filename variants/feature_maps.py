@@ -52,7 +52,8 @@ class Elu1(FeatureMap):
 
 
 class Favor(FeatureMap):
-    """FAVOR+ positive random features (Choromanski et al. 2021, Lemma 1, hyperbolic form).
+    """FAVOR+ positive random features, hyperbolic form (Choromanski et al. 2021, Lemma 1,
+    eq. 7; Schlag et al. 2021, eq. 31-32).
 
     φ(x) = exp(-‖x̃‖²/2) / sqrt(2m) · [exp(ω_i·x̃), exp(-ω_i·x̃)]_{i=1..m}, with x̃ = x / d_key^{1/4},
     so that E[φ(q)·φ(k)] = exp(q·k / sqrt(d_key)), the softmax kernel with SDPA's scale.
@@ -75,11 +76,9 @@ class Favor(FeatureMap):
         gen.manual_seed(int(torch.randint(2**62, ()).item()) if seed is None else seed)
         gaussian = torch.randn(self.m, self.d_key, generator=gen, dtype=torch.float64)
         if self.orthogonal:
-            blocks = []
-            for start in range(0, self.m, self.d_key):
-                square = torch.randn(self.d_key, self.d_key, generator=gen, dtype=torch.float64)
-                blocks.append(torch.linalg.qr(square).Q.T[: self.m - start])
-            directions = torch.cat(blocks)
+            blocks = -(-self.m // self.d_key)
+            squares = torch.randn(blocks, self.d_key, self.d_key, generator=gen, dtype=torch.float64)
+            directions = torch.linalg.qr(squares).Q.transpose(-1, -2).reshape(-1, self.d_key)[: self.m]
             gaussian = directions * gaussian.norm(dim=-1, keepdim=True)
         self.omega.copy_(gaussian)
 
@@ -95,14 +94,17 @@ class Favor(FeatureMap):
 
 
 class DPFP(FeatureMap):
-    """Deterministic parameter-free projection (Schlag et al. 2021, §5.4, eq. 37-38).
+    """Deterministic parameter-free projection (Schlag et al. 2021, §5.4, eq. 37).
 
-    r(x) = [ReLU(x), ReLU(-x)] ∈ R^{2d}; φ(x) = [r(x)_i · r(x)_{i+s}] for shifts s = 1..ν and
-    i = 1..2d (indices modulo 2d), so d_dot = 2·d_key·ν and φ(x) ≥ 0. Keys in disjoint
+    r(x) = [ReLU(x), ReLU(-x)] ∈ R^{2d}; φ(x) = [r(x)_i · r(x)_{i-s}] for shifts s = 1..ν and
+    i = 1..2d (indices modulo 2d; the paper's r_i · r_{i+s} in another order), so
+    d_dot = 2·d_key·ν and φ(x) ≥ 0. Keys in disjoint
     sign regions switch on disjoint features, so they map to orthogonal vectors.
     """
 
     def __init__(self, d_key: int, nu: int):
+        if d_key < 2:
+            raise VariantError(f"dpfp: needs d_key >= 2 (with d_key=1 every feature is 0), got d_key={d_key}")
         if not isinstance(nu, int) or not 1 <= nu < 2 * d_key:
             raise VariantError(f"dpfp: nu must be an int in [1, 2*d_key-1] = [1, {2 * d_key - 1}], got {nu!r}")
         super().__init__(d_key, 2 * d_key * nu)
@@ -117,7 +119,7 @@ class DPFP(FeatureMap):
 
 
 class SumNormalized(FeatureMap):
-    """φ'(x) = φ(x) / (Σ_j φ(x)_j + ε): Schlag et al. 2021's sum normalisation (§4.2, eq. 22)."""
+    """φ'(x) = φ(x) / (Σ_j φ(x)_j + ε): Schlag et al. 2021's sum normalisation (§4.2, eq. 29)."""
 
     def __init__(self, inner: FeatureMap):
         super().__init__(inner.d_key, inner.d_dot)

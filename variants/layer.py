@@ -17,12 +17,14 @@ class AttentionLayer(nn.Module):
 
     def __init__(self, d_model: int, n_heads: int, core_name: str, *, d_key=None, d_value=None, bias=False, **params):
         super().__init__()
-        if d_key is None or d_value is None:
-            if d_model % n_heads:
-                raise VariantError(f"d_model={d_model} is not divisible by n_heads={n_heads}; give d_key and d_value")
+        for label, value in (("d_model", d_model), ("n_heads", n_heads), ("d_key", d_key), ("d_value", d_value)):
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise VariantError(f"AttentionLayer: {label} must be a positive int, got {value!r}")
+        if (d_key is None or d_value is None) and d_model % n_heads:
+            raise VariantError(f"d_model={d_model} is not divisible by n_heads={n_heads}; give d_key and d_value")
         self.n_heads = n_heads
-        self.d_key = d_key or d_model // n_heads
-        self.d_value = d_value or d_model // n_heads
+        self.d_key = d_model // n_heads if d_key is None else d_key
+        self.d_value = d_model // n_heads if d_value is None else d_value
         self.core = create(core_name, self.d_key, **params)
         self.query = nn.Linear(d_model, n_heads * self.d_key, bias=bias)
         self.key = nn.Linear(d_model, n_heads * self.d_key, bias=bias)

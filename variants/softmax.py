@@ -14,7 +14,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from .base import AttentionCore, register
+from .base import AttentionCore, VariantError, register
 
 
 class KVCache(NamedTuple):
@@ -50,6 +50,8 @@ class Softmax(AttentionCore):
 
     def __init__(self, d_key, *, scale: float | None = None):
         super().__init__(d_key)
+        if scale is not None and (not isinstance(scale, (int, float)) or scale <= 0):
+            raise VariantError(f"softmax: scale must be a positive number, got {scale!r}")
         self.scale = 1 / math.sqrt(d_key) if scale is None else float(scale)
 
     def _parallel(self, q, k, v, beta, causal):
