@@ -1,13 +1,14 @@
 """Forward tokens/s of each variant's parallel form against SDPA and the token loop.
 
 The table of docs/performance.md. fp32, B=4, H=8, D=64 by default; every cell is the
-median of ``--repeats`` runs after a warm-up, with the p20-p80 spread, all in one run so
-that the ratios are comparable. Usage: ``python benchmarks/cpu_throughput.py [--lengths ...]``.
+median of ``--repeats`` runs after a warm-up, with the p20-p80 spread. All cells are timed
+in interleaved rounds (each cell once per round) so that the ratios are comparable. Usage: ``python benchmarks/cpu_throughput.py [--lengths ...]``.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import platform
 
@@ -15,7 +16,7 @@ import pandas as pd
 import torch
 
 import variants
-from harness.measure import time_callable
+from harness.measure import time_interleaved
 
 CONTENDERS = [
     # (label, variant, params, form)
@@ -30,8 +31,9 @@ CONTENDERS = [
 
 
 def measure(lengths, loop_lengths, batch, heads, dim, repeats):
-    rows = []
+    """Every (contender, T) cell timed in interleaved rounds, so all share the machine's drift."""
     gen = torch.Generator().manual_seed(0)
+    calls = {}
     for length in lengths:
         q, k, v = (torch.randn(batch, heads, length, dim, generator=gen) for _ in range(3))
         beta = torch.rand(batch, heads, length, generator=gen)
@@ -41,21 +43,30 @@ def measure(lengths, loop_lengths, batch, heads, dim, repeats):
             core = variants.create(name, dim, **params)
             fn = getattr(core, "forward" if form == "parallel" else "reference")
             kwargs = {"beta": beta} if core.needs_beta else {}
-            with torch.no_grad():
-                timing = time_callable(lambda: fn(q, k, v, **kwargs), warmup=1, repeats=repeats)
-            tokens = batch * length
-            rows.append(
-                {
-                    "contender": label,
-                    "T": length,
-                    "median_ms": 1e3 * timing.median_s,
-                    "p20_ms": 1e3 * timing.p20_s,
-                    "p80_ms": 1e3 * timing.p80_s,
-                    "tokens_per_s": tokens / timing.median_s,
-                }
-            )
-            print(f"{label:40s} T={length:6d} {rows[-1]['tokens_per_s']:12,.0f} tokens/s", flush=True)
+            calls[label, length] = functools.partial(fn, q, k, v, **kwargs)
+    with torch.no_grad():
+        timings = time_interleaved(calls, warmup=1, repeats=repeats)
+    rows = []
+    for (label, length), timing in timings.items():
+        rows.append(
+            {
+                "contender": label,
+                "T": length,
+                "median_ms": 1e3 * timing.median_s,
+                "p20_ms": 1e3 * timing.p20_s,
+                "p80_ms": 1e3 * timing.p80_s,
+                "tokens_per_s": batch * length / timing.median_s,
+            }
+        )
     return pd.DataFrame(rows)
+
+
+def _has_tabulate() -> bool:
+    try:
+        import tabulate  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def main() -> None:
@@ -73,9 +84,14 @@ def main() -> None:
         f"fp32, B={args.batch} H={args.heads} D={args.dim}, median of {args.repeats} after 1 warm-up"
     )
     table = measure(args.lengths, args.loop_lengths, args.batch, args.heads, args.dim, args.repeats)
-    wide = table.pivot(index="contender", columns="T", values="tokens_per_s").reindex([c[0] for c in CONTENDERS])
-    print("\ntokens/s (median):")
-    print(wide.to_string(float_format=lambda x: f"{x:,.0f}", na_rep="-"))
+    tokens = args.batch * table["T"]
+    table["cell"] = [
+        f"{rate / 1e3:,.0f}k ({low / 1e3:,.0f}-{high / 1e3:,.0f})"
+        for rate, low, high in zip(table["tokens_per_s"], tokens / table["p80_ms"] * 1e3, tokens / table["p20_ms"] * 1e3)
+    ]
+    wide = table.pivot(index="contender", columns="T", values="cell").reindex([c[0] for c in CONTENDERS])
+    print("\ntokens/s: median (p20-p80 of the per-run rates)")
+    print(wide.fillna("-").to_markdown() if _has_tabulate() else wide.fillna("-").to_string())
     if args.json:
         with open(args.json, "w") as handle:
             json.dump(table.to_dict(orient="records"), handle, indent=1)

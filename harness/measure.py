@@ -33,19 +33,31 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_callable(fn, *, warmup: int = 2, repeats: int = 7, device="cpu") -> Timing:
-    """Run ``fn()`` ``warmup`` times untimed, then ``repeats`` times, each timed alone with
-    ``time.perf_counter`` between device synchronisations."""
+def _time_once(fn, device: torch.device) -> float:
+    start = time.perf_counter()
+    fn()
+    _synchronize(device)
+    return time.perf_counter() - start
+
+
+def time_interleaved(fns: dict, *, warmup: int = 2, repeats: int = 7, device="cpu") -> dict:
+    """Time several callables in rounds (A B C A B C ...), so that drift of a noisy machine
+    hits all of them alike. Each is warmed up ``warmup`` times first; each sample is one
+    call timed with ``time.perf_counter`` between device synchronisations."""
     if warmup < 0 or repeats < 1:
         raise ValueError(f"need warmup >= 0 and repeats >= 1, got warmup={warmup}, repeats={repeats}")
     device = torch.device(device)
-    for _ in range(warmup):
-        fn()
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
     _synchronize(device)
-    samples = []
+    samples = {key: [] for key in fns}
     for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        _synchronize(device)
-        samples.append(time.perf_counter() - start)
-    return Timing(tuple(samples))
+        for key, fn in fns.items():
+            samples[key].append(_time_once(fn, device))
+    return {key: Timing(tuple(values)) for key, values in samples.items()}
+
+
+def time_callable(fn, *, warmup: int = 2, repeats: int = 7, device="cpu") -> Timing:
+    """Run ``fn()`` ``warmup`` times untimed, then time ``repeats`` calls one by one."""
+    return time_interleaved({None: fn}, warmup=warmup, repeats=repeats, device=device)[None]

@@ -7,7 +7,8 @@ shape ``[B, H, d_dot, Dv]`` (the transpose of Schlag et al.'s ``W``, so that a r
 Within a chunk of C tokens the work is a few dense C×C and C×d products; across chunks
 only the state is carried, so memory stays linear in T, no T×T matrix is formed and no
 T-long prefix sum is materialised. T need not be a multiple of C: the last chunk is
-simply shorter.
+simply shorter. Each chunk's output is written into one preallocated tensor (a list of
+chunks joined by ``torch.cat`` costs a T-long copy and an allocation per chunk).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ def sum_rule_chunked(q, k, v, weights, normaliser, chunk_size: int, phi=_identit
     ``q, k: [B, H, T, Dk]``, ``v: [B, H, T, Dv]``, ``weights`` S_0: ``[B, H, F, Dv]``,
     ``normaliser`` z_0: ``[B, H, F]`` or None. Returns ``(y [B, H, T, Dv], S_T, z_T)``.
     """
-    outputs = []
+    output = v.new_empty(v.shape)
     for start, end in _chunks(q.shape[2], chunk_size):
         q_c, k_c, v_c = phi(q[:, :, start:end]), phi(k[:, :, start:end]), v[:, :, start:end]
         scores = torch.tril(q_c @ k_c.transpose(-1, -2))
@@ -51,9 +52,9 @@ def sum_rule_chunked(q, k, v, weights, normaliser, chunk_size: int, phi=_identit
             denominator = scores.sum(-1, keepdim=True) + q_c @ normaliser.unsqueeze(-1)
             read = read / (denominator + EPS)
             normaliser = normaliser + k_c.sum(2)
-        outputs.append(read)
+        output[:, :, start:end] = read
         weights = weights + k_c.transpose(-1, -2) @ v_c
-    return torch.cat(outputs, dim=2), weights, normaliser
+    return output, weights, normaliser
 
 
 def delta_rule_chunked(q, k, v, beta, weights, normaliser, chunk_size: int, phi=_identity):
@@ -71,7 +72,7 @@ def delta_rule_chunked(q, k, v, beta, weights, normaliser, chunk_size: int, phi=
     ``[B, H, F, Dv]``, ``normaliser`` z_0: ``[B, H, F]`` or None. Returns ``(y, S_T, z_T)``.
     """
     d_value = v.shape[-1]
-    outputs = []
+    output = v.new_empty(v.shape)
     for start, end in _chunks(q.shape[2], chunk_size):
         q_c, k_c, v_c = phi(q[:, :, start:end]), phi(k[:, :, start:end]), v[:, :, start:end]
         write = erase = beta[:, :, start:end, None]
@@ -87,6 +88,6 @@ def delta_rule_chunked(q, k, v, beta, weights, normaliser, chunk_size: int, phi=
         read = q_c @ weights + torch.tril(q_c @ k_c.transpose(-1, -2)) @ new_values
         if normaliser is not None:
             read = read / ((q_c * z).sum(-1, keepdim=True) + EPS)
-        outputs.append(read)
+        output[:, :, start:end] = read
         weights = weights + k_c.transpose(-1, -2) @ new_values
-    return torch.cat(outputs, dim=2), weights, normaliser
+    return output, weights, normaliser
