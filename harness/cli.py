@@ -1,14 +1,89 @@
-"""The ``attnbench`` command line."""
+"""The ``attnbench`` command line: run, list, env, demo."""
 
 from __future__ import annotations
 
 import argparse
+import os
+import shlex
 import sys
+from pathlib import Path
 
-import torch
+#: What ``attnbench run`` measures when no scenario is named.
+CPU_DEFAULT = [("smoke-cpu", None)]
+GPU_DEFAULT = [("seq-sweep", "gpu"), ("d-dot-sweep", "gpu"), ("decode", "gpu"), ("paper-small-lm", "gpu")]
+EXIT_INTERRUPTED = 130
+
+
+def _plugins(args) -> list[str]:
+    from_env = [p for p in os.environ.get("ATTNBENCH_PLUGINS", "").split(",") if p]
+    return from_env + list(args.plugin or [])
+
+
+def _default_scenarios() -> list[tuple[str, str | None]]:
+    import torch
+
+    return GPU_DEFAULT if torch.cuda.is_available() else CPU_DEFAULT
+
+
+def _run(args) -> int:
+    from . import runner
+    from .scenario import ScenarioError, describe, load_scenario
+
+    plugins = _plugins(args)
+    runner.load_plugins(plugins)
+    if args.scenarios:
+        chosen = [(spec, args.preset) for spec in args.scenarios]
+    else:
+        chosen = [(spec, args.preset or preset) for spec, preset in _default_scenarios()]
+        print("attnbench run: no scenario named; measuring the default set: " + ", ".join(spec for spec, _ in chosen))
+    try:
+        loaded = [load_scenario(spec, preset=preset, overrides=args.set or []) for spec, preset in chosen]
+    except ScenarioError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.dry_run:
+        for scenario in loaded:
+            cells = scenario.cells()
+            print(f"{scenario.path} ({scenario.name}{', preset ' + scenario.preset if scenario.preset else ''}): {len(cells)} cells")
+            for cell in cells:
+                print(f"  {cell['cell_id']}  {describe(cell)}")
+        return 0
+    command = "attnbench " + " ".join(shlex.quote(arg) for arg in sys.argv[1:])
+    for scenario in loaded:
+        try:
+            summary = runner.run(scenario, args.out, resume=args.resume or False, plugins=plugins, command=command, progress=not args.no_progress)
+        except (FileNotFoundError, RuntimeError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        counts = ", ".join(f"{count} {status}" for status, count in sorted(summary.statuses.items())) or "nothing new"
+        done = f", {summary.skipped_as_done} already done" if summary.skipped_as_done else ""
+        print(f"{scenario.name}: {summary.total} cells ({counts}{done}) in {summary.seconds:.1f} s -> {summary.path}")
+        if summary.interrupted:
+            print(f"interrupted: every finished cell is in {summary.path}; continue with the same command and --resume", file=sys.stderr)
+            return EXIT_INTERRUPTED
+    return 0
+
+
+def _list(args) -> int:
+    import variants
+
+    from .scenario import shipped
+
+    print("variants: " + ", ".join(variants.names()))
+    print("scenarios: " + ", ".join(shipped()))
+    return 0
+
+
+def _env(args) -> int:
+    from . import machine
+
+    print(machine.format_fingerprint(machine.fingerprint(args.device)))
+    return 0
 
 
 def _demo(args) -> int:
+    import torch
+
     from .demo import DemoShape, format_table, run_demo
 
     shape = DemoShape(batch=args.batch, heads=args.heads, length=args.seq_len, d_key=args.d_key, d_value=args.d_key)
@@ -21,9 +96,28 @@ def _demo(args) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="attnbench", description="Benchmark attention variants across hardware.")
     commands = parser.add_subparsers(dest="command", required=True)
+
+    run = commands.add_parser("run", help="measure scenarios (default: smoke-cpu, or the GPU set where CUDA is present)")
+    run.add_argument("scenarios", nargs="*", help="scenario files or names of shipped scenarios (attnbench list)")
+    run.add_argument("--out", type=Path, default=Path("results"), help="directory of the results files (default: results/)")
+    run.add_argument("--preset", help="apply the scenario's named preset, e.g. ci or full")
+    run.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a field: seq_len=1024, measure.repeats=3")
+    run.add_argument("--dry-run", action="store_true", help="list the expanded cells and measure nothing")
+    run.add_argument("--resume", nargs="?", const=True, metavar="FILE", help="continue the latest (or the given) results file")
+    run.add_argument("--plugin", action="append", help="module or .py file registering extra variants (also ATTNBENCH_PLUGINS)")
+    run.add_argument("--no-progress", action="store_true", help="no progress bar")
+    run.set_defaults(handler=_run)
+
+    listing = commands.add_parser("list", help="list the variants and the shipped scenarios")
+    listing.set_defaults(handler=_list)
+
+    env = commands.add_parser("env", help="print this machine's fingerprint")
+    env.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    env.set_defaults(handler=_env)
+
     demo = commands.add_parser("demo", help="run every variant's forms on a small CPU input and print a table")
     demo.add_argument("--batch", type=int, default=2)
     demo.add_argument("--heads", type=int, default=4)
@@ -31,7 +125,11 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--d-key", type=int, default=64)
     demo.add_argument("--repeats", type=int, default=5)
     demo.set_defaults(handler=_demo)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     return args.handler(args)
 
 

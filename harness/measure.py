@@ -1,12 +1,22 @@
-"""Honest wall-clock timing: warm-up first, synchronise the device, repeat, keep every sample."""
+"""Honest timing and memory: warm up, synchronise, repeat, keep every sample.
+
+CPU: ``time.perf_counter`` around synchronous work. GPU: a CUDA event pair around every
+call, with the L2 cache flushed before each (as ``triton.testing.do_bench`` does), so a
+kernel is not timed on data a previous iteration left in cache. Nothing here knows any
+variant: a measured thing is a callable.
+"""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
+
+#: Bytes written between GPU iterations to evict the L2 cache (H100/H200: 50 MiB of L2).
+L2_FLUSH_BYTES = 256 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -27,37 +37,121 @@ class Timing:
     def p80_s(self) -> float:
         return float(np.percentile(self.samples_s, 80))
 
+    @property
+    def iqr_s(self) -> float:
+        return float(np.percentile(self.samples_s, 75) - np.percentile(self.samples_s, 25))
 
-def _synchronize(device: torch.device) -> None:
+    def summary(self) -> dict:
+        return {
+            "median_s": self.median_s,
+            "p20_s": self.p20_s,
+            "p80_s": self.p80_s,
+            "iqr_s": self.iqr_s,
+            "samples_s": list(self.samples_s),
+        }
+
+
+def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
-def _time_once(fn, device: torch.device) -> float:
-    start = time.perf_counter()
-    fn()
-    _synchronize(device)
-    return time.perf_counter() - start
+class Clock:
+    """Times one call, ``clock(fn) -> (result, seconds)``: CUDA events on a GPU (after an L2
+    flush when ``flush_l2``), perf_counter on the CPU."""
+
+    def __init__(self, device, flush_l2: bool):
+        self.device = torch.device(device)
+        self.flush = None
+        if self.device.type == "cuda" and flush_l2:
+            self.flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.int8, device=self.device)
+
+    def __call__(self, fn):
+        if self.device.type != "cuda":
+            start = time.perf_counter()
+            result = fn()
+            return result, time.perf_counter() - start
+        if self.flush is not None:
+            self.flush.zero_()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        result = fn()
+        end.record()
+        end.synchronize()
+        return result, start.elapsed_time(end) / 1e3
 
 
-def time_interleaved(fns: dict, *, warmup: int = 2, repeats: int = 7, device="cpu") -> dict:
+def time_interleaved(fns: dict, *, warmup: int = 2, repeats: int = 7, device="cpu", flush_l2: bool = True) -> dict:
     """Time several callables in rounds (A B C A B C ...), so that drift of a noisy machine
-    hits all of them alike. Each is warmed up ``warmup`` times first; each sample is one
-    call timed with ``time.perf_counter`` between device synchronisations."""
+    hits all of them alike. Each is warmed up ``warmup`` times first (this also triggers
+    compilation and autotuning); each sample is one call."""
     if warmup < 0 or repeats < 1:
         raise ValueError(f"need warmup >= 0 and repeats >= 1, got warmup={warmup}, repeats={repeats}")
-    device = torch.device(device)
+    clock = Clock(device, flush_l2)
     for fn in fns.values():
         for _ in range(warmup):
             fn()
-    _synchronize(device)
+    synchronize(clock.device)
     samples = {key: [] for key in fns}
     for _ in range(repeats):
         for key, fn in fns.items():
-            samples[key].append(_time_once(fn, device))
+            samples[key].append(clock(fn)[1])
     return {key: Timing(tuple(values)) for key, values in samples.items()}
 
 
-def time_callable(fn, *, warmup: int = 2, repeats: int = 7, device="cpu") -> Timing:
+def time_callable(fn, *, warmup: int = 2, repeats: int = 7, device="cpu", flush_l2: bool = True) -> Timing:
     """Run ``fn()`` ``warmup`` times untimed, then time ``repeats`` calls one by one."""
-    return time_interleaved({None: fn}, warmup=warmup, repeats=repeats, device=device)[None]
+    return time_interleaved({None: fn}, warmup=warmup, repeats=repeats, device=device, flush_l2=flush_l2)[None]
+
+
+class PeakMemory:
+    """Peak memory of what runs inside ``with PeakMemory(device) as peak:``, in ``peak.bytes``.
+
+    GPU: ``torch.cuda.max_memory_allocated`` after a reset, minus what was allocated at the
+    start (kind ``cuda_max_allocated``). CPU (Linux): the rise of the process's peak
+    resident set (VmHWM, reset through /proc/self/clear_refs) above its resident set at
+    the start (kind ``rss_peak_delta``); this counts every allocation, PyTorch's or not,
+    and is exact only in a process that ran little before, such as a fresh worker. Where
+    neither is available, ``bytes`` is None (kind ``unavailable``).
+    """
+
+    def __init__(self, device):
+        self.device = torch.device(device)
+        self.bytes: int | None = None
+        self.kind = "unavailable"
+
+    def __enter__(self):
+        if self.device.type == "cuda":
+            synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._start = torch.cuda.memory_allocated(self.device)
+        elif _reset_peak_rss():
+            self._start = _status_bytes("VmRSS")
+        else:
+            self._start = None
+        return self
+
+    def __exit__(self, *exc):
+        if self.device.type == "cuda":
+            synchronize(self.device)
+            self.bytes = torch.cuda.max_memory_allocated(self.device) - self._start
+            self.kind = "cuda_max_allocated"
+        elif self._start is not None:
+            self.bytes = max(0, _status_bytes("VmHWM") - self._start)
+            self.kind = "rss_peak_delta"
+        return False
+
+
+def _status_bytes(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+
+def _reset_peak_rss() -> bool:
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False

@@ -53,3 +53,22 @@ def test_normalised_linear_attention_is_katharopoulos(seed):
         torch.einsum("bhtd,bhtd->bht", phi_q, phi_k.cumsum(2)).unsqueeze(-1) + 1e-6
     )
     torch.testing.assert_close(variants.create("linear", 6, chunk_size=16)(q, k, v), expected, rtol=1e-10, atol=1e-10)
+
+
+def test_flop_counts_match_torch_flop_counter():
+    """core.flops agrees with torch's FlopCounterMode on the matmuls it sees (it does not
+    count the delta rule's triangular solve, which core.flops includes)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    batch, heads, length, d = 2, 3, 100, 16
+    for name, params in [("linear", {}), ("linear", {"normalize": False}), ("dpfp", {"nu": 2}), ("delta", {})]:
+        core = variants.create(name, d, **params)
+        q, k, v = (torch.randn(batch, heads, length, d) for _ in range(3))
+        beta = torch.rand(batch, heads, length) if core.needs_beta else None
+        with FlopCounterMode(display=False) as counter:
+            core(q, k, v, beta=beta)
+        solve = 0
+        if name == "delta":
+            chunks = [core.chunk_size] * (length // core.chunk_size) + [length % core.chunk_size]
+            solve = batch * heads * sum(n * n * (d + core.d_dot) for n in chunks)
+        assert counter.get_total_flops() == core.flops(batch, heads, length, d) - solve, (name, params)

@@ -93,12 +93,30 @@ class AttentionCore(nn.Module):
         self._check_token(q_t, k_t, v_t, beta_t)
         return self._step(q_t, k_t, v_t, state, beta_t)
 
+    def prefill(self, q, k, v, *, beta=None, state=None):
+        """Causal parallel form that also returns the decoding state after its last token,
+        continuing from ``state`` when given: ``(out [B, H, T, Dv], state)``."""
+        raise NotImplementedError
+
     def init_state(self, batch: int, heads: int, d_value: int, *, device=None, dtype=None):
         """The empty decoding state (a KV cache, or the fast weight matrix and normaliser)."""
         raise NotImplementedError
 
     def extra_repr(self) -> str:
         return f"d_key={self.d_key}, d_dot={self.d_dot}"
+
+    # --- metadata for the harness (a multiply-add counts as 2 FLOPs) -------------------
+    def flops(self, batch: int, heads: int, length: int, d_value: int, *, causal: bool = True) -> int:
+        """Matmul FLOPs of one call of the parallel form, as implemented."""
+        raise NotImplementedError
+
+    def step_flops(self, batch: int, heads: int, d_value: int, position: int) -> int:
+        """Matmul FLOPs of one ``step`` at 0-based ``position`` (``position`` tokens before it)."""
+        raise NotImplementedError
+
+    def state_numel(self, batch: int, heads: int, d_value: int, length: int) -> int:
+        """Elements of the decoding state after ``length`` tokens."""
+        raise NotImplementedError
 
     # --- implemented by each family ---------------------------------------------
     def _parallel(self, q, k, v, beta, causal):

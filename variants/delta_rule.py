@@ -42,6 +42,15 @@ class DeltaRule(FastWeightCore):
             retrieved = retrieved * safe_reciprocal((state.normaliser * features_k).sum(-1, keepdim=True))
         return state.weights + features_k.unsqueeze(-1) * (beta_t.unsqueeze(-1) * (v_t - retrieved)).unsqueeze(-2)
 
+    def _chunk_flops(self, n, d_value):
+        """K Kᵀ and Q Kᵀ (n × n), the triangular solve for [U, W], W S, the read Q S, the
+        intra product with U' and the write Kᵀ U'."""
+        d_dot = self.d_dot
+        return 4 * n * n * d_dot + n * n * (d_value + d_dot) + 2 * n * n * d_value + 6 * n * d_dot * d_value
+
+    def _step_flops_per_head(self, d_value):
+        return 6 * self.d_dot * d_value
+
     def _reference(self, q, k, v, beta, causal):
         """Token by token, in the paper's notation: W is [Dv, d_dot], eq. 20-28."""
         features_q, features_k = self.phi(q), self.phi(k)

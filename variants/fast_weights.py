@@ -72,6 +72,23 @@ class FastWeightCore(AttentionCore):
             read = read / ((features_q * normaliser).sum(-1, keepdim=True) + EPS)
         return read, FastWeightState(weights, normaliser)
 
+    def flops(self, batch, heads, length, d_value, *, causal=True):
+        """Matmul FLOPs of the chunked scan (φ itself not counted): per chunk of n tokens the
+        rule's intra-chunk products plus reading and writing the d_dot × Dv state, and the
+        normaliser's read φ(q)·z."""
+        normaliser = 2 * length * self.d_dot if self.attn_norm else 0
+        if not causal:
+            return batch * heads * (4 * length * self.d_dot * d_value + normaliser)
+        chunks, rest = divmod(length, self.chunk_size)
+        per_head = chunks * self._chunk_flops(self.chunk_size, d_value) + (self._chunk_flops(rest, d_value) if rest else 0)
+        return batch * heads * (per_head + normaliser)
+
+    def step_flops(self, batch, heads, d_value, position):
+        return batch * heads * self._step_flops_per_head(d_value)
+
+    def state_numel(self, batch, heads, d_value, length):
+        return batch * heads * self.d_dot * (d_value + (1 if self.attn_norm else 0))
+
     def extra_repr(self) -> str:
         return (
             f"{super().extra_repr()}, phi={self.phi_name}, sum_norm={self.sum_norm}, "
@@ -85,4 +102,11 @@ class FastWeightCore(AttentionCore):
 
     def _write(self, features_k, v_t, beta_t, state):
         """One write into the fast weights: the new ``weights``."""
+        raise NotImplementedError
+
+    def _chunk_flops(self, n: int, d_value: int) -> int:
+        """Matmul FLOPs of one chunk of ``n`` tokens, per head."""
+        raise NotImplementedError
+
+    def _step_flops_per_head(self, d_value: int) -> int:
         raise NotImplementedError

@@ -39,12 +39,22 @@ class AttentionLayer(nn.Module):
         beta = torch.sigmoid(self.write_strength(x)) if self.write_strength is not None else None
         return q, k, v, beta
 
-    def forward(self, x, *, causal: bool = True):
+    def _project_sequence(self, x):
+        """``x: [B, T, d_model]`` -> q, k, v ``[B, H, T, D]`` and β ``[B, H, T]`` or None."""
         q, k, v, beta = self._project(x)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        beta = beta.transpose(1, 2) if beta is not None else None
+        return q, k, v, beta.transpose(1, 2) if beta is not None else None
+
+    def forward(self, x, *, causal: bool = True):
+        q, k, v, beta = self._project_sequence(x)
         y = self.core(q, k, v, beta=beta, causal=causal)
         return self.out(y.transpose(1, 2).flatten(2))
+
+    def prefill(self, x, state=None):
+        """Causal parallel form over ``x: [B, T, d_model]`` that also returns the decoding state."""
+        q, k, v, beta = self._project_sequence(x)
+        y, state = self.core.prefill(q, k, v, beta=beta, state=state)
+        return self.out(y.transpose(1, 2).flatten(2)), state
 
     def init_state(self, batch: int, *, device=None, dtype=None):
         return self.core.init_state(batch, self.n_heads, self.d_value, device=device, dtype=dtype)

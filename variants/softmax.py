@@ -87,5 +87,16 @@ class Softmax(AttentionCore):
             scores = scores.masked_fill(future, float("-inf"))
         return torch.softmax(scores, dim=-1) @ v
 
+    def flops(self, batch, heads, length, d_value, *, causal=True):
+        """Q Kᵀ and P V over the visible pairs: T(T+1)/2 of them when causal, T² otherwise."""
+        pairs = length * (length + 1) // 2 if causal else length * length
+        return 2 * batch * heads * pairs * (self.d_key + d_value)
+
+    def step_flops(self, batch, heads, d_value, position):
+        return 2 * batch * heads * (position + 1) * (self.d_key + d_value)
+
+    def state_numel(self, batch, heads, d_value, length):
+        return batch * heads * length * (self.d_key + d_value)
+
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, scale={self.scale:.4g}"

@@ -50,6 +50,13 @@ class SumRule(FastWeightCore):
     def _write(self, features_k, v_t, beta_t, state):
         return state.weights + features_k.unsqueeze(-1) * v_t.unsqueeze(-2)
 
+    def _chunk_flops(self, n, d_value):
+        """φ(Q)φ(K)ᵀ and its product with V (n × n), the read φ(Q)S and the write φ(K)ᵀV."""
+        return 2 * n * n * (self.d_dot + d_value) + 4 * n * self.d_dot * d_value
+
+    def _step_flops_per_head(self, d_value):
+        return 4 * self.d_dot * d_value
+
     def _reference(self, q, k, v, beta, causal):
         """The O(T²) masked form: y_t = Σ_{i≤t} (φ(q_t)·φ(k_i)) v_i / Σ_{i≤t} φ(q_t)·φ(k_i)."""
         scores = self.phi(q) @ self.phi(k).transpose(-1, -2)

@@ -1,0 +1,220 @@
+"""Results files: append one JSON line per run or cell, atomically; load them into pandas.
+
+A results file is JSON Lines (schema ``SCHEMA_VERSION``): a ``run`` line first, then one
+``cell`` line per measured cell, and another ``run`` line for each ``--resume``. The format,
+field by field, is in docs/results.md.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+import pandas as pd
+
+SCHEMA_VERSION = 1
+STATUSES = ("ok", "oom", "error", "nan", "skipped")
+
+#: Keys a record must carry (before ``kind`` and ``schema`` are added).
+REQUIRED = {
+    "run": ("run_id", "started_at", "scenario", "machine"),
+    "cell": ("run_id", "cell_id", "scenario", "variant", "mode", "status"),
+}
+
+#: The columns ``load`` always returns first, even when there are no cells.
+COLUMNS = [
+    "file", "run_id", "cell_id", "scenario", "variant", "backend", "mode", "target", "status",
+    "error", "machine_id", "commit", "started_at", "duration_s",
+]
+
+#: JSON has no NaN or infinities; metrics store them as these strings.
+_NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+
+
+class ResultsFileError(ValueError):
+    """A results file is missing or malformed; the message names the file (and line)."""
+
+
+def _encode(value):
+    """``value`` with every NaN/±inf float (also inside lists and dicts) as its string."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+    if isinstance(value, dict):
+        return {key: _encode(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_encode(item) for item in value]
+    return value
+
+
+def _decode(value):
+    """The inverse of ``_encode``: the strings "NaN", "Infinity", "-Infinity" become floats."""
+    if isinstance(value, str):
+        return _NONFINITE.get(value, value)
+    if isinstance(value, dict):
+        return {key: _decode(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_decode(item) for item in value]
+    return value
+
+
+def _missing_key(record: dict, kind: str) -> str | None:
+    """The first required key ``record`` lacks, or None."""
+    for key in REQUIRED[kind]:
+        if key not in record:
+            return key
+    if kind == "run" and not (isinstance(record["machine"], dict) and "machine_id" in record["machine"]):
+        return "machine.machine_id"
+    return None
+
+
+class ResultsWriter:
+    """Appends run and cell records to one results file, one whole line per ``os.write``."""
+
+    def __init__(self, path):
+        self.path = Path(path)
+
+    def write_run(self, record: dict) -> None:
+        """Append a ``run`` line (the fingerprint of this run: machine, commit, scenario)."""
+        self._write("run", record)
+
+    def write_cell(self, record: dict) -> None:
+        """Append a ``cell`` line (one measured cell); NaN/±inf metrics are stored as strings."""
+        if "status" in record and record["status"] not in STATUSES:
+            raise ValueError(f"cell status {record['status']!r} is not one of {', '.join(STATUSES)}")
+        self._write("cell", {**record, "metrics": _encode(record.get("metrics", {}))})
+
+    def _write(self, kind: str, record: dict) -> None:
+        missing = _missing_key(record, kind)
+        if missing is not None:
+            raise ValueError(f"{kind} record for {self.path} is missing the required key {missing!r}")
+        line = {"kind": kind, "schema": SCHEMA_VERSION, **record}
+        line.update(kind=kind, schema=SCHEMA_VERSION)  # first in the line, and never the caller's
+        data = (json.dumps(line, allow_nan=False, ensure_ascii=False) + "\n").encode("utf-8")
+        self._append(data)
+
+    def _append(self, data: bytes) -> None:
+        """One ``os.write`` of the whole line on an O_APPEND descriptor, then fsync."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            written = os.write(fd, data)
+            if written != len(data):
+                raise OSError(f"short write to {self.path}: {written} of {len(data)} bytes")
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def repair_tail(path) -> bool:
+    """Cut an interrupted last line (one without its newline); True if anything was cut."""
+    data = Path(path).read_bytes()
+    if not data or data.endswith(b"\n"):
+        return False
+    os.truncate(path, data.rfind(b"\n") + 1)
+    return True
+
+
+def _parse_line(raw: bytes, path: Path, where: str) -> dict:
+    """One line as a dict with ``kind`` and the current ``schema``, or ResultsFileError."""
+    try:
+        record = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ResultsFileError(f"{where} is not valid JSON ({exc})") from None
+    if not isinstance(record, dict) or "kind" not in record or "schema" not in record:
+        raise ResultsFileError(f"{where} is not a results record (a JSON object with 'kind' and 'schema')")
+    if record["schema"] != SCHEMA_VERSION:
+        raise ResultsFileError(
+            f"file {path} was written with results schema {record['schema']}; "
+            f"this attnbench reads schema {SCHEMA_VERSION} ({where})"
+        )
+    if record["kind"] not in REQUIRED:
+        raise ResultsFileError(f"{where} has unknown kind {record['kind']!r} (expected 'run' or 'cell')")
+    missing = _missing_key(record, record["kind"])
+    if missing is not None:
+        raise ResultsFileError(f"{where} ({record['kind']} line) is missing the required key {missing!r}")
+    return record
+
+
+def _check_cell(record: dict, run_ids: set, where: str) -> None:
+    """A cell must follow the run line it belongs to and carry a known status."""
+    if not run_ids:
+        raise ResultsFileError(f"{where} is a cell before any run line")
+    if record["run_id"] not in run_ids:
+        raise ResultsFileError(f"{where} belongs to run {record['run_id']!r}, which no run line above declares")
+    if record["status"] not in STATUSES:
+        raise ResultsFileError(f"{where} has status {record['status']!r}, not one of {', '.join(STATUSES)}")
+
+
+def read_records(path) -> list[dict]:
+    """Every record of one results file, in order, metrics decoded; strict about every line."""
+    path = Path(path)
+    if not path.exists():
+        raise ResultsFileError(f"results file {path} does not exist")
+    if not path.is_file():
+        raise ResultsFileError(f"results file {path} is not a file")
+    lines = path.read_bytes().split(b"\n")
+    if lines == [b""]:
+        raise ResultsFileError(f"results file {path} is empty")
+    if lines[-1] != b"":
+        raise ResultsFileError(
+            f"{path}, line {len(lines)}: the last line is incomplete (no trailing newline), so the "
+            "run was interrupted while writing it; `attnbench run --resume` repairs the file"
+        )
+    records, run_ids = [], set()
+    for number, raw in enumerate(lines[:-1], start=1):
+        where = f"{path}, line {number}"
+        record = _parse_line(raw, path, where)
+        if record["kind"] == "run":
+            run_ids.add(record["run_id"])
+        else:
+            _check_cell(record, run_ids, where)
+            record["metrics"] = _decode(record.get("metrics", {}))
+        records.append(record)
+    return records
+
+
+def completed_cell_ids(path) -> set[str]:
+    """The cell_ids already recorded in ``path``, whatever their status (for ``--resume``)."""
+    return {record["cell_id"] for record in read_records(path) if record["kind"] == "cell"}
+
+
+def _expand(paths) -> list[Path]:
+    """Results files named by ``paths``: files as given, directories as their sorted *.jsonl."""
+    if isinstance(paths, (str, os.PathLike)):
+        paths = [paths]
+    files = []
+    for path in map(Path, paths):
+        if path.is_dir():
+            found = sorted(path.glob("*.jsonl"))
+            if not found:
+                raise ResultsFileError(f"results directory {path} holds no *.jsonl files")
+            files.extend(found)
+        else:
+            files.append(path)
+    if not files:
+        raise ValueError("load() needs at least one results file or directory")
+    return files
+
+
+def _cell_rows(path: Path) -> list[dict]:
+    """The cell records of one file, each with its file name and its run's machine fingerprint."""
+    records = read_records(path)
+    machines = {record["run_id"]: record["machine"] for record in records if record["kind"] == "run"}
+    return [
+        {"file": str(path), **record, "machine": machines[record["run_id"]]}
+        for record in records
+        if record["kind"] == "cell"
+    ]
+
+
+def load(paths: str | os.PathLike | Iterable[str | os.PathLike]) -> pd.DataFrame:
+    """One row per cell across all files; nested fields become dotted columns (``axes.seq_len``,
+    ``metrics.median_s``, ``machine.gpu.name``); lists stay whole. Any bad file raises."""
+    rows = [row for path in _expand(paths) for row in _cell_rows(path)]
+    if not rows:
+        return pd.DataFrame(columns=COLUMNS)
+    frame = pd.json_normalize(rows, sep=".").drop(columns=["kind", "schema"])
+    return frame.reindex(columns=COLUMNS + [c for c in frame.columns if c not in COLUMNS])

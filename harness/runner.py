@@ -1,0 +1,265 @@
+"""Run a scenario's cells one at a time in a worker process, resumably.
+
+The worker is a separate process, so a crash, a hang or an out-of-memory kill in one cell
+costs that cell only: it is recorded with its status and message, the worker is restarted
+and the sweep goes on. Each finished cell is appended to the results file at once, so
+Ctrl-C or a crash of the runner itself keeps every finished cell, and ``--resume``
+measures only what is missing.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import gc
+import importlib
+import importlib.util
+import multiprocessing
+import os
+import sys
+import time
+import traceback
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tqdm import tqdm
+
+from . import machine
+from .results import ResultsWriter, completed_cell_ids, read_records, repair_tail
+from .scenario import LoadedScenario, describe
+
+#: glibc returns blocks above this size to the OS on free, so a worker's resident set
+#: tracks its live memory and the per-cell peak RSS (harness.measure.PeakMemory) is honest.
+WORKER_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
+WORKER_START_TIMEOUT_S = 300
+
+
+def load_plugins(plugins) -> None:
+    """Import modules (names or .py paths) that register extra variants with ``variants.register``."""
+    for plugin in plugins:
+        if plugin.endswith(".py"):
+            spec = importlib.util.spec_from_file_location(Path(plugin).stem, plugin)
+            if spec is None or spec.loader is None:
+                raise ImportError(f"cannot load plugin file {plugin}")
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[spec.name] = module
+            spec.loader.exec_module(module)
+        else:
+            importlib.import_module(plugin)
+
+
+def _serve(conn, plugins) -> None:
+    """The worker's loop: receive a cell, measure it, send back its result; ``None`` stops."""
+    from .workloads import is_out_of_memory, measure_cell
+
+    load_plugins(plugins)
+    conn.send("ready")
+    while (cell := conn.recv()) is not None:
+        try:
+            result = measure_cell(cell)
+        except BaseException as exc:  # noqa: BLE001 - every failure of a cell is recorded
+            status = "oom" if is_out_of_memory(exc) else "error"
+            summary = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+            where = traceback.extract_tb(exc.__traceback__)[-1:] if exc.__traceback__ else []
+            location = f" (at {where[0].filename}:{where[0].lineno})" if where else ""
+            result = {"status": status, "error": summary + location, "metrics": {}}
+        conn.send(result)
+        gc.collect()
+        _empty_cuda_cache()
+
+
+def _empty_cuda_cache() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+class Worker:
+    """A child process that measures cells; restarted whenever it dies or hangs."""
+
+    def __init__(self, plugins=()):
+        self.plugins = list(plugins)
+        self.process = None
+        self._start()
+
+    def _start(self) -> None:
+        context = multiprocessing.get_context("spawn")
+        self.conn, child = context.Pipe()
+        saved = {key: os.environ.get(key) for key in WORKER_ENV}
+        os.environ.update(WORKER_ENV)
+        try:
+            self.process = context.Process(target=_serve, args=(child, self.plugins), daemon=True)
+            self.process.start()
+        finally:
+            for key, value in saved.items():
+                os.environ.pop(key) if value is None else os.environ.__setitem__(key, value)
+        child.close()
+        # Wait for the imports, so that a cell's timeout counts its own time only.
+        try:
+            ready = self.conn.poll(WORKER_START_TIMEOUT_S) and self.conn.recv() == "ready"
+        except EOFError:
+            ready = False
+        if not ready:
+            self.kill()
+            raise RuntimeError(f"the worker process did not start (exit code {self.process.exitcode}); see the messages above")
+
+    def measure(self, cell: dict, timeout_s: float) -> dict:
+        self.conn.send(cell)
+        if self.conn.poll(timeout_s):
+            try:
+                return self.conn.recv()
+            except EOFError:
+                pass
+            return self._died()
+        self.restart()
+        return {"status": "error", "error": f"timed out after {timeout_s:g} s (cell stopped; measure.timeout_s)", "metrics": {}}
+
+    def _died(self) -> dict:
+        self.process.join(5)
+        code = self.process.exitcode
+        self.restart()
+        if code is not None and code < 0 and -code == 9:
+            return {"status": "oom", "error": "the worker was killed by SIGKILL (on Linux usually the out-of-memory killer)", "metrics": {}}
+        return {"status": "error", "error": f"the worker process died (exit code {code})", "metrics": {}}
+
+    def restart(self) -> None:
+        self.kill()
+        self._start()
+
+    def kill(self) -> None:
+        if self.process is not None and self.process.is_alive():
+            self.process.kill()
+            self.process.join()
+
+    def close(self) -> None:
+        if self.process is not None and self.process.is_alive():
+            try:
+                self.conn.send(None)
+                self.process.join(10)
+            except (BrokenPipeError, OSError):
+                pass
+        self.kill()
+
+
+@dataclass
+class RunSummary:
+    path: Path
+    total: int
+    skipped_as_done: int
+    statuses: dict = field(default_factory=dict)
+    seconds: float = 0.0
+    interrupted: bool = False
+
+
+def _now() -> str:
+    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def results_path(out_dir: Path, name: str, resume) -> Path:
+    """The file to write: a new timestamped one, or with ``resume`` the given file or the
+    latest one of this scenario in ``out_dir``."""
+    if resume is True:
+        candidates = sorted(out_dir.glob(f"{name}-*.jsonl"))
+        if not candidates:
+            raise FileNotFoundError(f"--resume: no results of scenario {name!r} in {out_dir} to resume")
+        return candidates[-1]
+    if resume:
+        return Path(resume)
+    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    return out_dir / f"{name}-{stamp}.jsonl"
+
+
+def _device_of(cells) -> str:
+    return "cuda" if any(cell["axes"]["device"].startswith("cuda") for cell in cells) else "cpu"
+
+
+def run(loaded: LoadedScenario, out_dir, *, resume=False, plugins=(), command: str = "", progress: bool = True) -> RunSummary:
+    """Measure every cell of ``loaded`` not yet in the results file; return a summary."""
+    cells = loaded.cells()
+    out_dir = Path(out_dir)
+    path = results_path(out_dir, loaded.name, resume)
+    fingerprint = machine.fingerprint(_device_of(cells))
+    resumed_from, done = None, set()
+    if resume:
+        if repair_tail(path):
+            print(f"warning: {path}: dropped an incomplete last line left by an interrupted write", file=sys.stderr)
+        previous = [r for r in read_records(path) if r["kind"] == "run"]
+        if previous[-1]["machine"]["machine_id"] != fingerprint["machine_id"]:
+            raise RuntimeError(
+                f"--resume: {path} was measured on machine {previous[-1]['machine']['machine_id']} "
+                f"({previous[-1]['machine'].get('hostname')}); this is {fingerprint['machine_id']}. "
+                "Results of two machines do not mix in one run: start a new run instead."
+            )
+        resumed_from, done = previous[-1]["run_id"], completed_cell_ids(path)
+    writer = ResultsWriter(path)
+    run_id = uuid.uuid4().hex
+    writer.write_run(
+        {
+            "run_id": run_id,
+            "started_at": _now(),
+            "scenario": loaded.name,
+            "scenario_file": str(loaded.path),
+            "scenario_sha256": loaded.sha256,
+            "preset": loaded.preset,
+            "overrides": loaded.overrides,
+            "command": command,
+            "machine": fingerprint,
+            "commit": fingerprint["git"]["commit"],
+            "dirty": fingerprint["git"]["dirty"],
+            "resumed_from": resumed_from,
+        }
+    )
+    todo = [cell for cell in cells if cell["cell_id"] not in done]
+    summary = RunSummary(path=path, total=len(cells), skipped_as_done=len(cells) - len(todo))
+    start = time.perf_counter()
+    worker = Worker(plugins)
+    bar = tqdm(todo, total=len(cells), initial=summary.skipped_as_done, unit="cell", disable=not progress, dynamic_ncols=True)
+    try:
+        for cell in bar:
+            bar.set_description(describe(cell))
+            record = _measure(worker, cell, run_id, fingerprint)
+            writer.write_cell(record)
+            summary.statuses[record["status"]] = summary.statuses.get(record["status"], 0) + 1
+            if cell["measure"].get("fresh_worker"):
+                worker.restart()
+    except KeyboardInterrupt:
+        summary.interrupted = True
+    finally:
+        bar.close()
+        worker.close()
+        summary.seconds = time.perf_counter() - start
+    return summary
+
+
+def _measure(worker: Worker, cell: dict, run_id: str, fingerprint: dict) -> dict:
+    device = cell["axes"]["device"]
+    before = machine.throttle_state(device)
+    started, clock = _now(), time.perf_counter()
+    result = worker.measure(cell, cell["measure"]["timeout_s"])
+    after = machine.throttle_state(device)
+    metrics = dict(result["metrics"])
+    if before is not None or after is not None:
+        metrics.update(
+            throttle_before=before,
+            throttle_after=after,
+            throttled=bool((before or {}).get("throttled") or (after or {}).get("throttled")),
+        )
+    return {
+        "run_id": run_id,
+        "cell_id": cell["cell_id"],
+        "scenario": cell["scenario"],
+        "variant": cell["variant"],
+        "backend": cell["backend"],
+        "params": cell["params"],
+        "axes": cell["axes"],
+        "mode": cell["mode"],
+        "target": cell["target"],
+        "status": result["status"],
+        "error": result["error"],
+        "metrics": metrics,
+        "machine_id": fingerprint["machine_id"],
+        "commit": fingerprint["git"]["commit"],
+        "started_at": started,
+        "duration_s": time.perf_counter() - clock,
+    }

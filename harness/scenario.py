@@ -1,0 +1,314 @@
+"""Scenarios: YAML files validated with pydantic and expanded into cells.
+
+A scenario names variants (with parameters; a list value sweeps), backends, axes (each a
+value or a list to sweep), modes, measurement settings, optional rules and presets. See
+README.md ("Scenario format") for the full format. Every error names the file, the field
+path, the value and what was expected.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import itertools
+import json
+from pathlib import Path
+from typing import Any, Literal, Union
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+import variants
+
+SCENARIO_DIR = Path(__file__).resolve().parent.parent / "scenarios"
+DTYPES = ("float32", "float16", "bfloat16", "float64")
+MODES = ("forward", "train", "decode")
+BACKENDS = ("torch",)
+AXES = ("seq_len", "batch", "heads", "d_key", "d_value", "dtype", "device")
+
+
+class ScenarioError(ValueError):
+    """A scenario that cannot be run: the message names the file, field, value and expectation."""
+
+
+Scalar = Union[int, float, str, bool, None]
+Sweep = Union[Scalar, list[Scalar]]
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Axes(Strict):
+    seq_len: Union[int, list[int]]
+    batch: Union[int, list[int]] = 1
+    heads: Union[int, list[int]] = 8
+    d_key: Union[int, list[int]] = 64
+    d_value: Union[int, list[int], None] = None
+    dtype: Union[str, list[str]] = "float32"
+    device: Union[str, list[str]] = "cpu"
+    d_dot: Union[int, list[int], None] = None
+
+    @field_validator("seq_len", "batch", "heads", "d_key", "d_value", "d_dot")
+    @classmethod
+    def _positive(cls, value):
+        for item in value if isinstance(value, list) else [value]:
+            if item is not None and item < 1:
+                raise ValueError(f"expected positive integers, got {item}")
+        if isinstance(value, list) and not value:
+            raise ValueError("expected at least one value")
+        return value
+
+    @field_validator("dtype")
+    @classmethod
+    def _dtype(cls, value):
+        for item in value if isinstance(value, list) else [value]:
+            if item not in DTYPES:
+                raise ValueError(f"expected one of {', '.join(DTYPES)}, got {item!r}")
+        return value
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, value):
+        for item in value if isinstance(value, list) else [value]:
+            kind, _, index = item.partition(":")
+            if kind not in ("cpu", "cuda") or (index and not index.isdigit()) or (kind == "cpu" and index):
+                raise ValueError(f"expected 'cpu', 'cuda' or 'cuda:N', got {item!r}")
+        return value
+
+
+class Measure(Strict):
+    warmup: int = Field(2, ge=0)
+    repeats: int = Field(7, ge=1)
+    timeout_s: float = Field(900.0, gt=0, description="a cell running longer is stopped and recorded as an error")
+    flush_l2: bool = True
+    fresh_worker: bool = Field(False, description="restart the worker process before each cell (exact CPU peak memory)")
+
+
+class Decode(Strict):
+    new_tokens: int = Field(64, ge=1)
+
+
+class Rules(Strict):
+    tokens_per_batch: int | None = Field(None, ge=1, description="batch = max(1, tokens_per_batch // seq_len)")
+
+
+class ModelSpec(Strict):
+    preset: str = "small"
+    vocab_size: int = Field(32000, ge=2)
+    overrides: dict[str, Any] = {}
+
+
+class Scenario(Strict):
+    name: str
+    description: str = ""
+    variants: dict[str, Union[dict[str, Sweep], list[dict[str, Sweep]], None]]
+    backends: list[str] = ["torch"]
+    axes: Axes
+    modes: list[Literal["forward", "train", "decode"]] = ["forward"]
+    target: Literal["core", "layer", "model"] = "core"
+    decode: Decode = Decode()
+    measure: Measure = Measure()
+    rules: Rules = Rules()
+    model: ModelSpec | None = None
+    presets: dict[str, dict[str, Any]] = {}
+
+    @field_validator("variants")
+    @classmethod
+    def _known_variants(cls, value):
+        unknown = [name for name in value if name not in variants.names()]
+        if unknown:
+            raise ValueError(f"unknown variant {unknown[0]!r}; known: {', '.join(variants.names())}")
+        if not value:
+            raise ValueError("expected at least one variant")
+        return value
+
+    @field_validator("backends")
+    @classmethod
+    def _known_backends(cls, value):
+        for backend in value:
+            if backend not in BACKENDS:
+                raise ValueError(f"expected backends among {', '.join(BACKENDS)}, got {backend!r}")
+        return value
+
+    @model_validator(mode="after")
+    def _model_target(self):
+        if self.target == "model" and self.model is None:
+            raise ValueError("target 'model' needs a 'model' section (preset, vocab_size)")
+        return self
+
+
+def _format_validation(path: str, exc: ValidationError) -> str:
+    lines = [f"{path}: invalid scenario"]
+    for error in exc.errors():
+        field = ".".join(str(part) for part in error["loc"]) or "(top level)"
+        value = error.get("input")
+        shown = json.dumps(value, default=str) if not isinstance(value, dict) else "{...}"
+        lines.append(f"  {field}: {error['msg']} (got {shown})")
+    return "\n".join(lines)
+
+
+def deep_merge(base: dict, override: dict) -> dict:
+    """``override`` on top of ``base``, recursively for dicts (lists and scalars replace)."""
+    merged = copy.deepcopy(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = deep_merge(merged[key], value)
+        else:
+            merged[key] = copy.deepcopy(value)
+    return merged
+
+
+def _apply_set(raw: dict, assignment: str, path: str) -> dict:
+    """``--set key=value``: a bare axis name means ``axes.<name>``; the value is YAML."""
+    key, sep, text = assignment.partition("=")
+    if not sep or not key:
+        raise ScenarioError(f"{path}: --set {assignment!r}: expected KEY=VALUE, e.g. seq_len=1024 or measure.repeats=3")
+    parts = key.split(".")
+    if len(parts) == 1 and parts[0] in AXES + ("d_dot",):
+        parts = ["axes", parts[0]]
+    override: dict = yaml.safe_load(text)
+    for part in reversed(parts):
+        override = {part: override}
+    return deep_merge(raw, override)
+
+
+def resolve_path(spec: str) -> Path:
+    """A scenario file path, or the name of a shipped scenario (``smoke-cpu``)."""
+    path = Path(spec)
+    if path.exists():
+        return path
+    for candidate in (SCENARIO_DIR / spec, SCENARIO_DIR / f"{spec}.yaml"):
+        if candidate.exists():
+            return candidate
+    raise ScenarioError(f"{spec}: no such scenario file (shipped scenarios: {', '.join(shipped())})")
+
+
+def shipped() -> list[str]:
+    return sorted(str(p.relative_to(SCENARIO_DIR).with_suffix("")) for p in SCENARIO_DIR.rglob("*.yaml"))
+
+
+def load_scenario(spec: str, *, preset: str | None = None, overrides: list[str] = ()) -> "LoadedScenario":
+    """Read, merge the preset and ``--set`` overrides, and validate a scenario."""
+    path = resolve_path(spec)
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise ScenarioError(f"{path}: not valid YAML: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ScenarioError(f"{path}: expected a mapping at the top level, got {type(raw).__name__}")
+    raw.setdefault("name", path.stem)
+    if preset is not None:
+        presets = raw.get("presets") or {}
+        if preset not in presets:
+            raise ScenarioError(f"{path}: presets.{preset}: no such preset (this file has: {', '.join(presets) or 'none'})")
+        raw = deep_merge(raw, presets[preset])
+    for assignment in overrides:
+        raw = _apply_set(raw, assignment, str(path))
+    try:
+        scenario = Scenario.model_validate(raw)
+    except ValidationError as exc:
+        raise ScenarioError(_format_validation(str(path), exc)) from None
+    text = path.read_text()
+    return LoadedScenario(scenario, path, hashlib.sha256(text.encode()).hexdigest(), preset, list(overrides))
+
+
+class LoadedScenario:
+    """A validated scenario with where it came from."""
+
+    def __init__(self, scenario: Scenario, path: Path, sha256: str, preset: str | None, overrides: list[str]):
+        self.scenario, self.path, self.sha256, self.preset, self.overrides = scenario, path, sha256, preset, overrides
+
+    @property
+    def name(self) -> str:
+        return self.scenario.name
+
+    def cells(self) -> list[dict]:
+        return expand(self.scenario, str(self.path))
+
+
+def _sweep(value) -> list:
+    return value if isinstance(value, list) else [value]
+
+
+def _param_grid(params: dict) -> list[dict]:
+    keys = list(params)
+    return [dict(zip(keys, combo)) for combo in itertools.product(*(_sweep(params[key]) for key in keys))]
+
+
+def _variant_configs(scenario: Scenario) -> list[tuple[str, dict, str]]:
+    """(name, params, field path) for every variant configuration the scenario sweeps."""
+    configs = []
+    for name, spec in scenario.variants.items():
+        specs = spec if isinstance(spec, list) else [spec or {}]
+        for index, params in enumerate(specs):
+            field = f"variants.{name}" + (f"[{index}]" if isinstance(spec, list) else "")
+            configs.extend((name, grid, field) for grid in _param_grid(params or {}))
+    return configs
+
+
+def cell_id(cell: dict) -> str:
+    """A stable id of what a cell measures (not how often): used to resume."""
+    identity = {key: cell[key] for key in ("scenario", "variant", "backend", "params", "axes", "mode", "target", "model")}
+    return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def expand(scenario: Scenario, path: str = "<scenario>") -> list[dict]:
+    """Every cell of the sweep, in a deterministic order. Each variant configuration is built
+    once here, so an impossible parameter (a ν or m that cannot give the asked d_dot) fails
+    before anything is measured."""
+    axes = scenario.axes
+    axis_values = {name: _sweep(getattr(axes, name)) for name in AXES}
+    d_dots = _sweep(axes.d_dot)
+    cells, seen = [], set()
+    for name, params, field in _variant_configs(scenario):
+        for d_dot in d_dots:
+            full_params = dict(params, **({"d_dot": d_dot} if d_dot is not None else {}))
+            for d_key in axis_values["d_key"]:
+                _check_variant(name, d_key, full_params, field, path)
+            for backend, mode in itertools.product(scenario.backends, scenario.modes):
+                for combo in itertools.product(*(axis_values[axis] for axis in AXES)):
+                    cell_axes = dict(zip(AXES, combo))
+                    if cell_axes["d_value"] is None:
+                        cell_axes["d_value"] = cell_axes["d_key"]
+                    if scenario.rules.tokens_per_batch is not None:
+                        cell_axes["batch"] = max(1, scenario.rules.tokens_per_batch // cell_axes["seq_len"])
+                    if mode == "decode":
+                        cell_axes["new_tokens"] = scenario.decode.new_tokens
+                    if scenario.target == "model":
+                        cell_axes["model"] = scenario.model.preset
+                    cell = {
+                        "scenario": scenario.name,
+                        "variant": name,
+                        "backend": backend,
+                        "params": full_params,
+                        "axes": cell_axes,
+                        "mode": mode,
+                        "target": scenario.target,
+                        "decode": scenario.decode.model_dump(),
+                        "model": scenario.model.model_dump() if scenario.target == "model" else None,
+                        "measure": scenario.measure.model_dump(),
+                    }
+                    cell["cell_id"] = cell_id(cell)
+                    if cell["cell_id"] not in seen:
+                        seen.add(cell["cell_id"])
+                        cells.append(cell)
+    return cells
+
+
+def _check_variant(name: str, d_key: int, params: dict, field: str, path: str) -> None:
+    try:
+        variants.create(name, d_key, **params)
+    except variants.VariantError as exc:
+        raise ScenarioError(f"{path}: {field}: parameters {json.dumps(params)} at d_key={d_key}: {exc}") from None
+
+
+def describe(cell: dict) -> str:
+    """A one-line name of a cell, for progress bars and listings."""
+    params = ",".join(f"{key}={value}" for key, value in cell["params"].items())
+    axes = cell["axes"]
+    return (
+        f"{cell['variant']}{'(' + params + ')' if params else ''}[{cell['backend']}] {cell['mode']}/{cell['target']} "
+        f"T={axes['seq_len']} B={axes['batch']} H={axes['heads']} Dk={axes['d_key']} Dv={axes['d_value']} "
+        f"{axes['dtype']} {axes['device']}"
+    )

@@ -1,0 +1,249 @@
+"""Turn one cell into something to measure, measure it, and return its metrics.
+
+A cell's ``target`` says what is built (the attention ``core``, a whole ``layer`` with its
+projections, or a decoder-only LM ``model``) and its ``mode`` what one iteration is:
+``forward``; ``train`` (forward + backward; for a model also the optimiser step);
+``decode`` (a prefill of ``seq_len`` tokens, then ``decode.new_tokens`` steps, each timed).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+
+import variants
+
+from .measure import Clock, PeakMemory, Timing, time_callable
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
+
+
+class CellError(ValueError):
+    """A cell that cannot be built as specified (recorded as an error, the sweep goes on)."""
+
+
+@dataclass
+class Workload:
+    """One iteration (``run``) with how many tokens and FLOPs it processes."""
+
+    run: Callable[[], torch.Tensor]
+    tokens: int
+    flops: int
+
+
+def _generator(device):
+    return torch.Generator(device=device).manual_seed(0)
+
+
+def _attention_inputs(core, axes, device, dtype, requires_grad):
+    gen = _generator(device)
+    shape = (axes["batch"], axes["heads"], axes["seq_len"])
+    make = lambda dim: torch.randn(*shape, dim, generator=gen, device=device).to(dtype)  # noqa: E731
+    q, k, v = make(axes["d_key"]), make(axes["d_key"]), make(axes["d_value"])
+    beta = torch.rand(*shape, generator=gen, device=device).to(dtype) if core.needs_beta else None
+    inputs = [t.requires_grad_(requires_grad) if t is not None else None for t in (q, k, v, beta)]
+    return inputs
+
+
+def _core_workload(cell, device, dtype) -> Workload:
+    axes = cell["axes"]
+    core = variants.create(cell["variant"], axes["d_key"], **cell["params"]).to(device=device, dtype=dtype)
+    train = cell["mode"] == "train"
+    q, k, v, beta = _attention_inputs(core, axes, device, dtype, train)
+    flops = core.flops(axes["batch"], axes["heads"], axes["seq_len"], axes["d_value"])
+    if not train:
+        return Workload(torch.no_grad()(lambda: core(q, k, v, beta=beta)), axes["batch"] * axes["seq_len"], flops)
+    leaves = [t for t in (q, k, v, beta) if t is not None]
+    cotangent = torch.randn_like(v)
+
+    def forward_backward():
+        out = core(q, k, v, beta=beta)
+        torch.autograd.grad(out, leaves, cotangent)
+        return out.detach()
+
+    return Workload(forward_backward, axes["batch"] * axes["seq_len"], 3 * flops)
+
+
+def _layer(cell, device, dtype):
+    axes = cell["axes"]
+    layer = variants.AttentionLayer(
+        axes["heads"] * axes["d_key"], axes["heads"], cell["variant"], d_key=axes["d_key"], d_value=axes["d_value"], **cell["params"]
+    )
+    return layer.to(device=device, dtype=dtype)
+
+
+def _layer_flops(layer, axes) -> int:
+    """The core's FLOPs plus 2 per weight per token for the projections."""
+    projections = sum(p.numel() for name, p in layer.named_parameters() if name.endswith("weight") and not name.startswith("core"))
+    tokens = axes["batch"] * axes["seq_len"]
+    return layer.core.flops(axes["batch"], axes["heads"], axes["seq_len"], axes["d_value"]) + 2 * projections * tokens
+
+
+def _layer_workload(cell, device, dtype) -> Workload:
+    axes = cell["axes"]
+    layer = _layer(cell, device, dtype)
+    x = torch.randn(axes["batch"], axes["seq_len"], axes["heads"] * axes["d_key"], generator=_generator(device), device=device)
+    x = x.to(dtype)
+    tokens, flops = axes["batch"] * axes["seq_len"], _layer_flops(layer, axes)
+    if cell["mode"] != "train":
+        return Workload(torch.no_grad()(lambda: layer(x)), tokens, flops)
+    x.requires_grad_(True)
+    leaves = [x, *layer.parameters()]
+
+    def forward_backward():
+        out = layer(x)
+        torch.autograd.grad(out.float().square().mean(), leaves)
+        return out.detach()
+
+    return Workload(forward_backward, tokens, 3 * flops)
+
+
+def _model_workload(cell, device, dtype) -> Workload:
+    from .models import DecoderLM, lm_config
+
+    axes, spec = cell["axes"], cell["model"]
+    config = lm_config(spec["preset"], spec["vocab_size"], variant=cell["variant"], variant_params=cell["params"], **spec["overrides"])
+    d_head = config.d_model // config.n_heads
+    if (axes["heads"], axes["d_key"]) != (config.n_heads, d_head):
+        raise CellError(
+            f"model preset {spec['preset']!r} has {config.n_heads} heads of dimension {d_head}; "
+            f"set axes.heads={config.n_heads} and axes.d_key={d_head} (got heads={axes['heads']}, d_key={axes['d_key']})"
+        )
+    if axes["seq_len"] > config.context:
+        raise CellError(f"seq_len={axes['seq_len']} exceeds the model's context {config.context}")
+    model = DecoderLM(config).to(device=device, dtype=dtype)
+    gen = _generator(device)
+    tokens = torch.randint(config.vocab_size, (axes["batch"], axes["seq_len"] + 1), generator=gen, device=device)
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    count = axes["batch"] * axes["seq_len"]
+    attention = model.blocks[0].attn.core.flops(axes["batch"], config.n_heads, axes["seq_len"], d_head)
+    dense = sum(p.numel() for name, p in model.named_parameters() if p.dim() == 2 and "pos" not in name)
+    flops = 2 * dense * count + config.n_layers * attention
+    if cell["mode"] != "train":
+        return Workload(torch.no_grad()(lambda: model(inputs)), count, flops)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
+
+    def train_step():
+        optimizer.zero_grad(set_to_none=True)
+        loss = model.loss(inputs, targets)
+        loss.backward()
+        optimizer.step()
+        return loss.detach()
+
+    return Workload(train_step, count, 3 * flops)
+
+
+BUILDERS = {"core": _core_workload, "layer": _layer_workload, "model": _model_workload}
+
+
+def _finite(output) -> bool:
+    return bool(torch.isfinite(output).all())
+
+
+def measure_cell(cell: dict) -> dict:
+    """Build, check and time one cell: ``{"status", "error", "metrics"}``. Exceptions (and
+    out-of-memory errors) propagate to the caller, which records them."""
+    axes, measure = cell["axes"], cell["measure"]
+    device, dtype = torch.device(axes["device"]), DTYPES[axes["dtype"]]
+    if device.type == "cuda" and not torch.cuda.is_available():
+        return {"status": "skipped", "error": "CUDA is not available on this machine", "metrics": {}}
+    torch.manual_seed(0)
+    if cell["mode"] == "decode":
+        return _measure_decode(cell, device, dtype)
+    with PeakMemory(device) as peak:
+        workload = BUILDERS[cell["target"]](cell, device, dtype)
+        finite = _finite(workload.run())
+    timing = time_callable(workload.run, warmup=measure["warmup"], repeats=measure["repeats"], device=device, flush_l2=measure["flush_l2"])
+    metrics = {
+        **timing.summary(),
+        "tokens": workload.tokens,
+        "tokens_per_s": workload.tokens / timing.median_s,
+        "peak_mem_bytes": peak.bytes,
+        "memory_kind": peak.kind,
+        "flops": workload.flops,
+        "flops_per_s": workload.flops / timing.median_s,
+        "torch_threads": torch.get_num_threads(),
+    }
+    if cell["target"] == "model":
+        metrics["words_per_s"] = metrics["tokens_per_s"]
+    return _result(finite, metrics)
+
+
+def _measure_decode(cell, device, dtype) -> dict:
+    """Prefill ``seq_len`` tokens, then time ``new_tokens`` single steps, ``repeats`` times
+    (after ``warmup`` untimed rounds); each round starts from a fresh prefill."""
+    axes, measure, new_tokens = cell["axes"], cell["measure"], cell["decode"]["new_tokens"]
+    if cell["target"] not in ("core", "layer"):
+        raise CellError(f"decode mode measures target 'core' or 'layer', not {cell['target']!r}")
+    context, clock = axes["seq_len"], Clock(device, flush_l2=False)
+    with PeakMemory(device) as peak, torch.no_grad():
+        core, prefill, step = _decoder(cell, device, dtype, context, new_tokens)
+        rounds = []
+        for _ in range(measure["warmup"] + measure["repeats"]):
+            (_, state), prefill_s = clock(prefill)
+            step_s = []
+            for i in range(new_tokens):
+                (out, state), seconds = clock(lambda: step(i, state))
+                step_s.append(seconds)
+            rounds.append((prefill_s, step_s, _finite(out)))
+    rounds = rounds[measure["warmup"] :]
+    finite = all(ok for _, _, ok in rounds)
+    timing = Timing(tuple(sum(step_s) for _, step_s, _ in rounds))
+    tokens = axes["batch"] * new_tokens
+    flops = sum(core.step_flops(axes["batch"], axes["heads"], axes["d_value"], context + i) for i in range(new_tokens))
+    metrics = {
+        **timing.summary(),
+        "tokens": tokens,
+        "tokens_per_s": tokens / timing.median_s,
+        "step_latency_s": np.median([step_s for _, step_s, _ in rounds], axis=0).tolist(),
+        "prefill_median_s": float(np.median([prefill_s for prefill_s, _, _ in rounds])),
+        "peak_mem_bytes": peak.bytes,
+        "memory_kind": peak.kind,
+        "state_numel": core.state_numel(axes["batch"], axes["heads"], axes["d_value"], context + new_tokens),
+        "flops": flops,
+        "flops_per_s": flops / timing.median_s,
+        "torch_threads": torch.get_num_threads(),
+    }
+    return _result(finite, metrics)
+
+
+def _decoder(cell, device, dtype, context, new_tokens):
+    """``(core, prefill() -> (out, state), step(i, state) -> (out, state))`` for a decode cell."""
+    axes = cell["axes"]
+    total = dict(axes, seq_len=context + new_tokens)
+    if cell["target"] == "core":
+        core = variants.create(cell["variant"], axes["d_key"], **cell["params"]).to(device=device, dtype=dtype)
+        q, k, v, beta = _attention_inputs(core, total, device, dtype, False)
+        prefill = lambda: core.prefill(q[:, :, :context], k[:, :, :context], v[:, :, :context], beta=_head(beta, context))  # noqa: E731
+        step = lambda i, state: core.step(  # noqa: E731
+            q[:, :, context + i], k[:, :, context + i], v[:, :, context + i], state, beta_t=_at(beta, context + i)
+        )
+        return core, prefill, step
+    layer = _layer(cell, device, dtype)
+    x = torch.randn(axes["batch"], context + new_tokens, axes["heads"] * axes["d_key"], generator=_generator(device), device=device)
+    x = x.to(dtype)
+    return layer.core, (lambda: layer.prefill(x[:, :context])), (lambda i, state: layer.step(x[:, context + i], state))
+
+
+def _result(finite: bool, metrics: dict) -> dict:
+    return {"status": "ok" if finite else "nan", "error": None if finite else "the output contains NaN or Inf", "metrics": metrics}
+
+
+def _head(beta, length):
+    return None if beta is None else beta[:, :, :length]
+
+
+def _at(beta, position):
+    return None if beta is None else beta[:, :, position]
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """Whether an exception means the device (or host) ran out of memory."""
+    if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
+        return True
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and ("out of memory" in text or "can't allocate memory" in text)
+

@@ -1,0 +1,131 @@
+"""The runner end to end, through the command line in subprocesses: failures are recorded
+and the sweep goes on; a killed or interrupted run keeps every finished cell and
+``--resume`` measures only what is missing."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from harness.results import load, read_records
+
+PLUGIN = str(Path(__file__).with_name("fault_plugin.py"))
+
+
+def write_scenario(tmp_path, variants_yaml: str, *, seq_len="[32]", modes="[forward]", extra="") -> Path:
+    path = tmp_path / "faults.yaml"
+    lines = ["name: faults", "variants:", textwrap.indent(variants_yaml, "  ")]
+    lines += [f"axes: {{seq_len: {seq_len}, batch: 1, heads: 2, d_key: 8}}", f"modes: {modes}"]
+    lines += ["measure: {warmup: 1, repeats: 2, timeout_s: 60}", extra]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def attnbench(*args, env=None, **kwargs) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "harness.cli", *args]
+    return subprocess.run(command, capture_output=True, text=True, env={**os.environ, **(env or {})}, timeout=300, **kwargs)
+
+
+def cells_of(out_dir: Path) -> list[dict]:
+    (path,) = out_dir.glob("*.jsonl")
+    return [r for r in read_records(path) if r["kind"] == "cell"]
+
+
+def test_failures_are_recorded_and_the_sweep_goes_on(tmp_path):
+    scenario = write_scenario(tmp_path, "fault_oom: {}\nfault_error: {}\nfault_crash: {}\nfault_nan: {}\nsoftmax: {}")
+    done = attnbench("run", str(scenario), "--plugin", PLUGIN, "--out", str(tmp_path / "out"), "--no-progress")
+    assert done.returncode == 0, done.stderr
+    by_variant = {cell["variant"]: cell for cell in cells_of(tmp_path / "out")}
+    assert by_variant["fault_oom"]["status"] == "oom" and "out of memory" in by_variant["fault_oom"]["error"]
+    assert by_variant["fault_error"]["status"] == "error" and "injected failure" in by_variant["fault_error"]["error"]
+    assert by_variant["fault_crash"]["status"] == "error" and "exit code 3" in by_variant["fault_crash"]["error"]
+    assert by_variant["fault_nan"]["status"] == "nan" and by_variant["fault_nan"]["metrics"]["median_s"] > 0
+    assert by_variant["softmax"]["status"] == "ok", "the cell after a crashed worker was not measured"
+    assert by_variant["softmax"]["metrics"]["tokens_per_s"] > 0
+    assert "5 cells" in done.stdout
+
+
+def test_a_hanging_cell_times_out_and_the_sweep_goes_on(tmp_path):
+    scenario = write_scenario(tmp_path, "fault_slow: {}\nsoftmax: {}", extra="")
+    text = scenario.read_text().replace("timeout_s: 60", "timeout_s: 3")
+    scenario.write_text(text)
+    done = attnbench("run", str(scenario), "--plugin", PLUGIN, "--out", str(tmp_path / "out"), "--no-progress", env={"FAULT_SLOW_S": "30"})
+    assert done.returncode == 0, done.stderr
+    by_variant = {cell["variant"]: cell for cell in cells_of(tmp_path / "out")}
+    assert by_variant["fault_slow"]["status"] == "error" and "timed out" in by_variant["fault_slow"]["error"]
+    assert by_variant["softmax"]["status"] == "ok"
+
+
+def _run_until(tmp_path, scenario, finished: int, sig) -> tuple[subprocess.Popen, list[dict]]:
+    """Start a run, wait until ``finished`` cells are recorded, then send ``sig`` to it."""
+    out = tmp_path / "out"
+    command = [sys.executable, "-m", "harness.cli", "run", str(scenario), "--plugin", PLUGIN, "--out", str(out), "--no-progress"]
+    process = subprocess.Popen(command, env={**os.environ, "FAULT_SLOW_S": "0.3"}, start_new_session=True, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        files = list(out.glob("*.jsonl"))
+        if files and sum('"kind": "cell"' in line for line in files[0].read_text().splitlines()) >= finished:
+            break
+        time.sleep(0.05)
+    else:
+        process.kill()
+        pytest.fail("the run never recorded enough cells")
+    os.killpg(process.pid, sig) if sig == signal.SIGKILL else process.send_signal(sig)
+    process.wait(60)
+    return process, cells_of(out)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT], ids=["killed", "ctrl-c"])
+def test_resume_after_a_crash_loses_and_repeats_nothing(tmp_path, sig):
+    scenario = write_scenario(tmp_path, "fault_slow: {}", seq_len="[16, 24, 32, 40, 48, 56]")
+    process, before = _run_until(tmp_path, scenario, finished=2, sig=sig)
+    if sig == signal.SIGINT:
+        assert process.returncode == 130, process.stderr.read()
+        assert "--resume" in process.stderr.read()
+    assert 2 <= len(before) < 6
+    resumed = attnbench("run", str(scenario), "--plugin", PLUGIN, "--out", str(tmp_path / "out"), "--no-progress", "--resume")
+    assert resumed.returncode == 0, resumed.stderr
+    after = cells_of(tmp_path / "out")
+    ids = [cell["cell_id"] for cell in after]
+    assert len(ids) == len(set(ids)) == 6, "a cell was lost or measured twice"
+    assert after[: len(before)] == before, "finished cells changed on resume"
+    assert {cell["axes"]["seq_len"] for cell in after} == {16, 24, 32, 40, 48, 56}
+    assert f"{len(before)} already done" in resumed.stdout
+    runs = [r for r in read_records(next((tmp_path / "out").glob("*.jsonl"))) if r["kind"] == "run"]
+    assert len(runs) == 2 and runs[1]["resumed_from"] == runs[0]["run_id"]
+
+
+def test_dry_run_lists_cells_and_measures_nothing(tmp_path):
+    scenario = write_scenario(tmp_path, "softmax: {}\ndpfp: {nu: [1, 2]}", seq_len="[16, 32]", modes="[forward, train]")
+    done = attnbench("run", str(scenario), "--dry-run", "--out", str(tmp_path / "out"))
+    assert done.returncode == 0, done.stderr
+    assert "12 cells" in done.stdout and done.stdout.count("dpfp(nu=2)") == 4
+    assert not (tmp_path / "out").exists()
+
+
+def test_bad_scenario_exits_2_with_the_file_and_field(tmp_path):
+    scenario = write_scenario(tmp_path, "softmax: {}", seq_len="[-4]")
+    done = attnbench("run", str(scenario), "--out", str(tmp_path / "out"))
+    assert done.returncode == 2
+    assert str(scenario) in done.stderr and "axes.seq_len" in done.stderr and "-4" in done.stderr
+
+
+def test_smoke_ci_preset_runs_and_loads(tmp_path):
+    """The shipped smoke scenario end to end (ci preset): every cell ok, loadable, with metrics."""
+    done = attnbench("run", "smoke-cpu", "--preset", "ci", "--set", "measure.repeats=2", "--out", str(tmp_path / "out"), "--no-progress")
+    assert done.returncode == 0, done.stderr
+    table = load([tmp_path / "out"])
+    assert len(table) == 18 and set(table["status"]) == {"ok"}, table[["variant", "mode", "status", "error"]]
+    assert (table["metrics.tokens_per_s"] > 0).all() and (table["metrics.flops"] > 0).all()
+    decode = table[table["mode"] == "decode"]
+    assert all(len(latency) == 16 for latency in decode["metrics.step_latency_s"])
+    assert table["machine.machine_id"].nunique() == 1
+    json.dumps(table.drop(columns=["metrics.samples_s", "metrics.step_latency_s"]).to_dict())
