@@ -1,4 +1,10 @@
-"""nox sessions: ``nox -s tests`` (the default), ``nox -s demo``, ``nox -s microbench``, ``nox -s perf_cpu``.
+"""nox sessions. A bare ``nox`` runs only ``tests``; the benchmarks are named explicitly.
+
+- ``tests``: the test suite (micro-benchmarks run once each, untimed).
+- ``run``: the main job, ``attnbench run`` on the default set (smoke-cpu on a CPU machine,
+  the GPU set where CUDA is present); posargs go to ``attnbench run``.
+- ``bench-cpu`` / ``bench-gpu``: every shipped speed scenario on the CPU / on a CUDA GPU.
+- ``microbench``, ``perf_cpu``, ``demo``, ``lint``.
 
 Every session installs attnbench into its own virtual environment. PyTorch comes from the
 spec in ATTNBENCH_TORCH (default ``torch>=2.4``); CI sets ``ATTNBENCH_TORCH=torch==2.13.0``
@@ -6,6 +12,7 @@ to take the CPU build, and a CUDA machine can name its own build there.
 """
 
 import os
+import shutil
 
 import nox
 
@@ -13,6 +20,12 @@ nox.options.sessions = ["tests"]
 nox.options.reuse_existing_virtualenvs = True
 
 TORCH = os.environ.get("ATTNBENCH_TORCH", "torch>=2.4")
+SPEED_SCENARIOS = ["seq-sweep", "d-dot-sweep", "decode", "paper-small-lm"]
+CUDA_CHECK = (
+    "import sys, torch; ok = torch.cuda.is_available(); "
+    "print('CUDA:', torch.cuda.get_device_name(0) if ok else 'none', '| torch', torch.__version__); "
+    "sys.exit(0 if ok else 'bench-gpu: this torch build sees no CUDA GPU; set ATTNBENCH_TORCH to a CUDA build of torch')"
+)
 
 
 def install(session, extras: str = "test") -> None:
@@ -22,14 +35,38 @@ def install(session, extras: str = "test") -> None:
 
 @nox.session
 def tests(session):
-    """The test suite (micro-benchmarks run once each, untimed)."""
+    """The test suite."""
     install(session)
     session.run("pytest", "-q", "--benchmark-disable", *session.posargs)
 
 
 @nox.session
+def run(session):
+    """The main job: attnbench run (default set; results under results/)."""
+    install(session)
+    session.run("attnbench", "run", *session.posargs)
+
+
+@nox.session(name="bench-cpu")
+def bench_cpu(session):
+    """Every shipped scenario on the CPU (smoke-cpu and the speed scenarios, default presets)."""
+    install(session)
+    session.run("attnbench", "run", "smoke-cpu", *SPEED_SCENARIOS, *session.posargs)
+
+
+@nox.session(name="bench-gpu")
+def bench_gpu(session):
+    """The speed scenarios with their gpu presets, on a CUDA machine."""
+    if shutil.which("nvidia-smi") is None:
+        session.error("bench-gpu needs a CUDA GPU and its driver (nvidia-smi not found); on this machine use nox -s bench-cpu")
+    install(session, extras="test,triton")
+    session.run("python", "-c", CUDA_CHECK)
+    session.run("attnbench", "run", *SPEED_SCENARIOS, "--preset", "gpu", *session.posargs)
+
+
+@nox.session
 def demo(session):
-    """The main job for now: every variant's forms on the CPU, checked and timed."""
+    """Every variant's forms on the CPU, checked against float64 and timed."""
     install(session)
     session.run("attnbench", "demo", *session.posargs)
 
@@ -46,3 +83,10 @@ def perf_cpu(session):
     """The tokens/s table of docs/performance.md (chunked forms vs SDPA and the token loop)."""
     install(session)
     session.run("python", "benchmarks/cpu_throughput.py", *session.posargs)
+
+
+@nox.session
+def lint(session):
+    """ruff over the whole tree."""
+    session.install("ruff")
+    session.run("ruff", "check", ".")

@@ -240,7 +240,7 @@ def _gpu(device: str | torch.device) -> dict | None:
     }
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _nvml():
     """The pynvml module, initialised once per process; None (remembered) when NVML cannot load."""
     try:

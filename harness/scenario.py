@@ -40,14 +40,14 @@ class Strict(BaseModel):
 
 
 class Axes(Strict):
-    seq_len: Union[int, list[int]]
-    batch: Union[int, list[int]] = 1
-    heads: Union[int, list[int]] = 8
-    d_key: Union[int, list[int]] = 64
-    d_value: Union[int, list[int], None] = None
-    dtype: Union[str, list[str]] = "float32"
-    device: Union[str, list[str]] = "cpu"
-    d_dot: Union[int, list[int], None] = None
+    seq_len: int | list[int]
+    batch: int | list[int] = 1
+    heads: int | list[int] = 8
+    d_key: int | list[int] = 64
+    d_value: int | list[int] | None = None
+    dtype: str | list[str] = "float32"
+    device: str | list[str] = "cpu"
+    d_dot: int | list[int] | None = None
 
     @field_validator("seq_len", "batch", "heads", "d_key", "d_value", "d_dot")
     @classmethod
@@ -102,7 +102,7 @@ class ModelSpec(Strict):
 class Scenario(Strict):
     name: str
     description: str = ""
-    variants: dict[str, Union[dict[str, Sweep], list[dict[str, Sweep]], None]]
+    variants: dict[str, dict[str, Sweep] | list[dict[str, Sweep]] | None]
     backends: list[str] = ["torch"]
     axes: Axes
     modes: list[Literal["forward", "train", "decode"]] = ["forward"]
@@ -188,7 +188,7 @@ def shipped() -> list[str]:
     return sorted(str(p.relative_to(SCENARIO_DIR).with_suffix("")) for p in SCENARIO_DIR.rglob("*.yaml"))
 
 
-def load_scenario(spec: str, *, preset: str | None = None, overrides: list[str] = ()) -> "LoadedScenario":
+def load_scenario(spec: str, *, preset: str | None = None, overrides: list[str] = ()) -> LoadedScenario:
     """Read, merge the preset and ``--set`` overrides, and validate a scenario."""
     path = resolve_path(spec)
     try:

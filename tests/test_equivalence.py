@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import CONFIGS, build, config_id, make_inputs, run_steps
 
 #: rtol and atol; atol is scaled by the largest magnitude of the expected tensor (at least 1).

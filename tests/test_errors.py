@@ -241,7 +241,7 @@ def test_beta_refused_by_variants_without_one(name):
 def test_layer_d_model_not_divisible(d_model, n_heads):
     with pytest.raises(E, match=rf"d_model={d_model} is not divisible by n_heads={n_heads}"):
         variants.AttentionLayer(d_model, n_heads, "linear")
-    with pytest.raises(E, match=rf"not divisible"):
+    with pytest.raises(E, match=r"not divisible"):
         variants.AttentionLayer(d_model, n_heads, "softmax", d_key=4)  # d_value still defaulted
 
 

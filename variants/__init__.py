@@ -5,13 +5,12 @@ attention core (parallel form, recurrent ``step``, ``reference``), and ``Attenti
 wraps a core with its projections. See docs/variants.md for every definition.
 """
 
+# Importing the families registers them.
+from . import delta_rule, softmax, sum_rule  # noqa: E402,F401
 from .base import AttentionCore, VariantError, create, names, register
 from .fast_weights import FastWeightState
 from .layer import AttentionLayer
 from .softmax import KVCache
-
-# Importing the families registers them.
-from . import delta_rule, softmax, sum_rule  # noqa: E402,F401
 
 __all__ = [
     "AttentionCore",

@@ -13,12 +13,13 @@ compute the same function:
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
 
-_REGISTRY: dict[str, Callable[..., "AttentionCore"]] = {}
+_REGISTRY: dict[str, Callable[..., AttentionCore]] = {}
 
 
 class VariantError(ValueError):
@@ -44,7 +45,7 @@ def names() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def create(name: str, d_key: int, **params: Any) -> "AttentionCore":
+def create(name: str, d_key: int, **params: Any) -> AttentionCore:
     """Build the attention core registered as ``name`` for head dimension ``d_key``."""
     if name not in _REGISTRY:
         raise VariantError(f"unknown variant {name!r}; known variants: {', '.join(names())}")

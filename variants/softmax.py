@@ -28,7 +28,7 @@ class KVCache(NamedTuple):
     def filled(self):
         return self.keys[:, :, : self.length], self.values[:, :, : self.length]
 
-    def append(self, k_t, v_t) -> "KVCache":
+    def append(self, k_t, v_t) -> KVCache:
         """Add one token (``k_t: [B, H, Dk]``, ``v_t: [B, H, Dv]``). Under autograd the cache
         is rebuilt out of place, so that earlier steps keep the tensors they saved."""
         if torch.is_grad_enabled() and (k_t.requires_grad or v_t.requires_grad or self.keys.requires_grad):

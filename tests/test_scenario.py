@@ -1,0 +1,139 @@
+"""Scenario files: parsing, every validation error (naming file, field, value and what was
+expected), presets, --set overrides and the expansion into cells."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+import variants
+from harness.scenario import ScenarioError, load_scenario, shipped
+
+BASE = {
+    "name": "t",
+    "variants": {"softmax": {}, "dpfp": {"nu": [1, 2, 3]}},
+    "axes": {"seq_len": [64, 128], "batch": 2, "heads": 2, "d_key": 8},
+    "modes": ["forward", "train"],
+}
+
+
+def write(tmp_path, data, name="t.yaml"):
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(data, sort_keys=False) if isinstance(data, dict) else data)
+    return str(path)
+
+
+def error_of(tmp_path, data, **kwargs) -> str:
+    path = write(tmp_path, data)
+    with pytest.raises(ScenarioError) as info:
+        load_scenario(path, **kwargs).cells()
+    message = str(info.value)
+    assert path in message, message
+    return message
+
+
+@pytest.mark.parametrize("name", shipped())
+@pytest.mark.parametrize("preset", [None, "ci"])
+def test_shipped_scenarios_validate_and_expand(name, preset):
+    cells = load_scenario(name, preset=preset).cells()
+    assert cells and len({cell["cell_id"] for cell in cells}) == len(cells)
+
+
+def test_expansion_counts_and_order(tmp_path):
+    cells = load_scenario(write(tmp_path, BASE)).cells()
+    # (1 softmax + 3 dpfp) configurations x 2 modes x 2 lengths
+    assert len(cells) == 16
+    assert [c["params"].get("nu") for c in cells[:4]] == [None] * 4
+    assert {c["axes"]["d_value"] for c in cells} == {8}, "d_value defaults to d_key"
+    assert sorted({(c["variant"], c["params"].get("nu")) for c in cells}, key=str) == sorted(
+        [("softmax", None), ("dpfp", 1), ("dpfp", 2), ("dpfp", 3)], key=str
+    )
+
+
+def test_cell_ids_are_stable_and_ignore_repeats(tmp_path):
+    first = load_scenario(write(tmp_path, BASE)).cells()
+    more_repeats = dict(BASE, measure={"repeats": 20})
+    second = load_scenario(write(tmp_path, more_repeats, "u.yaml")).cells()
+    assert [c["cell_id"] for c in first] == [c["cell_id"] for c in second]
+
+
+def test_list_of_parameter_sets_and_d_dot_axis(tmp_path):
+    data = dict(BASE, variants={"performer": {}, "dpfp": {}}, axes={"seq_len": 32, "d_key": 8, "d_dot": [16, 32]})
+    cells = load_scenario(write(tmp_path, data)).cells()
+    assert sorted((c["variant"], c["params"]["d_dot"]) for c in cells if c["mode"] == "forward") == [
+        ("dpfp", 16), ("dpfp", 32), ("performer", 16), ("performer", 32)
+    ]
+    data["variants"] = {"delta": [{}, {"phi": "dpfp", "nu": [1, 2]}]}
+    data["axes"] = {"seq_len": 32, "d_key": 8}
+    cells = load_scenario(write(tmp_path, data, "v.yaml")).cells()
+    assert [c["params"] for c in cells if c["mode"] == "forward"] == [{}, {"phi": "dpfp", "nu": 1}, {"phi": "dpfp", "nu": 2}]
+
+
+def test_unreachable_d_dot_is_a_clear_error(tmp_path):
+    data = dict(BASE, variants={"linear": {}}, axes={"seq_len": 32, "d_key": 8, "d_dot": [16]})
+    message = error_of(tmp_path, data)
+    assert "variants.linear" in message and "d_dot" in message and "16" in message
+    data = dict(BASE, variants={"dpfp": {"d_dot": 100}}, axes={"seq_len": 32, "d_key": 64})
+    message = error_of(tmp_path, data)
+    assert "variants.dpfp" in message and "d_dot=100" in message and "multiple of 128" in message
+
+
+def test_tokens_per_batch_rule_scales_batch(tmp_path):
+    data = dict(BASE, variants={"softmax": {}}, modes=["forward"], axes={"seq_len": [512, 1024, 4096], "batch": 1}, rules={"tokens_per_batch": 8192})
+    cells = load_scenario(write(tmp_path, data)).cells()
+    assert [(c["axes"]["seq_len"], c["axes"]["batch"]) for c in cells] == [(512, 16), (1024, 8), (4096, 2)]
+
+
+def test_preset_and_set_overrides(tmp_path):
+    data = dict(BASE, presets={"ci": {"axes": {"seq_len": [16]}, "measure": {"repeats": 2}}})
+    path = write(tmp_path, data)
+    cells = load_scenario(path, preset="ci").cells()
+    assert {c["axes"]["seq_len"] for c in cells} == {16} and cells[0]["measure"]["repeats"] == 2
+    cells = load_scenario(path, overrides=["seq_len=[256, 512]", "measure.repeats=4", "dtype=float64"]).cells()
+    assert {c["axes"]["seq_len"] for c in cells} == {256, 512}
+    assert cells[0]["measure"]["repeats"] == 4 and cells[0]["axes"]["dtype"] == "float64"
+
+
+@pytest.mark.parametrize(
+    "change, field, shown",
+    [
+        ({"colour": "red"}, "colour", "red"),
+        ({"axes": {"seq_len": 8, "sequence": 3}}, "axes.sequence", "3"),
+        ({"axes": {"seq_len": [0, 8]}}, "axes.seq_len", "0"),
+        ({"axes": {"seq_len": 8, "dtype": "float8"}}, "axes.dtype", "float8"),
+        ({"axes": {"seq_len": 8, "device": "tpu"}}, "axes.device", "tpu"),
+        ({"axes": {"seq_len": "long"}}, "axes.seq_len", "long"),
+        ({"modes": ["forwards"]}, "modes.0", "forwards"),
+        ({"measure": {"repeats": 0}}, "measure.repeats", "0"),
+        ({"measure": {"repetitions": 5}}, "measure.repetitions", "5"),
+        ({"backends": ["cuda-graphs"]}, "backends", "cuda-graphs"),
+        ({"target": "model"}, "(top level)", ""),
+    ],
+)
+def test_validation_errors_name_field_and_value(tmp_path, change, field, shown):
+    message = error_of(tmp_path, {**BASE, **change})
+    assert field in message and shown in message, message
+
+
+def test_unknown_variant_lists_known_ones(tmp_path):
+    message = error_of(tmp_path, dict(BASE, variants={"softmaxx": {}}))
+    assert "variants" in message and "softmaxx" in message
+    assert all(name in message.split("known:")[1] for name in variants.names())
+
+
+def test_unknown_variant_parameter(tmp_path):
+    message = error_of(tmp_path, dict(BASE, variants={"linear": {"feature_map": "elu1"}}))
+    assert "variants.linear" in message and "feature_map" in message
+
+
+def test_unknown_preset_missing_file_bad_yaml_bad_set(tmp_path):
+    message = error_of(tmp_path, BASE, preset="nightly")
+    assert "presets.nightly" in message and "none" in message
+    with pytest.raises(ScenarioError, match="no such scenario file"):
+        load_scenario(str(tmp_path / "missing.yaml"))
+    message = error_of(tmp_path, "variants: [unclosed")
+    assert "not valid YAML" in message
+    message = error_of(tmp_path, "- just\n- a list\n")
+    assert "mapping" in message
+    with pytest.raises(ScenarioError, match="KEY=VALUE"):
+        load_scenario(write(tmp_path, BASE), overrides=["seq_len"])
