@@ -144,7 +144,7 @@ def _format_validation(path: str, exc: ValidationError) -> str:
         field = ".".join(str(part) for part in error["loc"]) or "(top level)"
         value = error.get("input")
         shown = json.dumps(value, default=str) if not isinstance(value, dict) else "{...}"
-        lines.append(f"  {field}: {error['msg']} (got {shown})")
+        lines.append(f"  {field}: {error['msg'].removeprefix('Value error, ')} (got {shown})")
     return "\n".join(lines)
 
 
@@ -209,22 +209,23 @@ def load_scenario(spec: str, *, preset: str | None = None, overrides: list[str] 
         scenario = Scenario.model_validate(raw)
     except ValidationError as exc:
         raise ScenarioError(_format_validation(str(path), exc)) from None
-    text = path.read_text()
-    return LoadedScenario(scenario, path, hashlib.sha256(text.encode()).hexdigest(), preset, list(overrides))
+    sha256 = hashlib.sha256(path.read_bytes()).hexdigest()
+    return LoadedScenario(scenario, expand(scenario, str(path)), path, sha256, preset, list(overrides))
 
 
 class LoadedScenario:
-    """A validated scenario with where it came from."""
+    """A validated scenario, its expanded cells and where it came from."""
 
-    def __init__(self, scenario: Scenario, path: Path, sha256: str, preset: str | None, overrides: list[str]):
-        self.scenario, self.path, self.sha256, self.preset, self.overrides = scenario, path, sha256, preset, overrides
+    def __init__(self, scenario: Scenario, cells: list[dict], path: Path, sha256: str, preset: str | None, overrides: list[str]):
+        self.scenario, self._cells, self.path, self.sha256 = scenario, cells, path, sha256
+        self.preset, self.overrides = preset, overrides
 
     @property
     def name(self) -> str:
         return self.scenario.name
 
     def cells(self) -> list[dict]:
-        return expand(self.scenario, str(self.path))
+        return self._cells
 
 
 def _sweep(value) -> list:
