@@ -15,6 +15,7 @@ import importlib
 import importlib.util
 import multiprocessing
 import os
+import signal
 import sys
 import time
 import traceback
@@ -52,6 +53,7 @@ def _serve(conn, plugins) -> None:
     """The worker's loop: receive a cell, measure it, send back its result; ``None`` stops."""
     from .workloads import is_out_of_memory, measure_cell
 
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the runner's to handle: it stops the worker
     load_plugins(plugins)
     conn.send("ready")
     while (cell := conn.recv()) is not None:
