@@ -28,7 +28,7 @@ CUDA_CHECK = (
 )
 
 
-def install(session, extras: str = "test") -> None:
+def install(session, extras: str = "test,triton") -> None:
     session.install(TORCH)
     session.install("-e", f".[{extras}]")
 
@@ -59,7 +59,7 @@ def bench_gpu(session):
     """The speed scenarios with their gpu presets, on a CUDA machine."""
     if shutil.which("nvidia-smi") is None:
         session.error("bench-gpu needs a CUDA GPU and its driver (nvidia-smi not found); on this machine use nox -s bench-cpu")
-    install(session, extras="test,triton")
+    install(session)
     session.run("python", "-c", CUDA_CHECK)
     session.run("attnbench", "run", *SPEED_SCENARIOS, "--preset", "gpu", *session.posargs)
 

@@ -238,7 +238,10 @@ def _measure(worker: Worker, cell: dict, run_id: str, fingerprint: dict) -> dict
     device = cell["axes"]["device"]
     before = machine.throttle_state(device)
     started, clock = _now(), time.perf_counter()
-    result = worker.measure(cell, cell["measure"]["timeout_s"])
+    if cell["skip"]:
+        result = {"status": "skipped", "error": cell["skip"], "metrics": {}}
+    else:
+        result = worker.measure(cell, cell["measure"]["timeout_s"])
     after = machine.throttle_state(device)
     metrics = dict(result["metrics"])
     if before is not None or after is not None:

@@ -23,7 +23,7 @@ import variants
 SCENARIO_DIR = Path(__file__).resolve().parent.parent / "scenarios"
 DTYPES = ("float32", "float16", "bfloat16", "float64")
 MODES = ("forward", "train", "decode")
-BACKENDS = ("torch",)
+BACKENDS = ("torch", "triton")
 AXES = ("seq_len", "batch", "heads", "d_key", "d_value", "dtype", "device")
 
 
@@ -265,8 +265,9 @@ def expand(scenario: Scenario, path: str = "<scenario>") -> list[dict]:
     for name, params, field in _variant_configs(scenario):
         for d_dot in d_dots:
             full_params = dict(params, **({"d_dot": d_dot} if d_dot is not None else {}))
+            unsupported = {}
             for d_key in axis_values["d_key"]:
-                _check_variant(name, d_key, full_params, field, path)
+                unsupported.update(_unsupported_backends(name, d_key, full_params, scenario.backends, field, path))
             for backend, mode in itertools.product(scenario.backends, scenario.modes):
                 for combo in itertools.product(*(axis_values[axis] for axis in AXES)):
                     cell_axes = dict(zip(AXES, combo))
@@ -289,6 +290,7 @@ def expand(scenario: Scenario, path: str = "<scenario>") -> list[dict]:
                         "decode": scenario.decode.model_dump(),
                         "model": scenario.model.model_dump() if scenario.target == "model" else None,
                         "measure": scenario.measure.model_dump(),
+                        "skip": unsupported.get(backend),
                     }
                     cell["cell_id"] = cell_id(cell)
                     if cell["cell_id"] not in seen:
@@ -297,19 +299,27 @@ def expand(scenario: Scenario, path: str = "<scenario>") -> list[dict]:
     return cells
 
 
-def _check_variant(name: str, d_key: int, params: dict, field: str, path: str) -> None:
-    try:
-        variants.create(name, d_key, **params)
-    except variants.VariantError as exc:
-        raise ScenarioError(f"{path}: {field}: parameters {json.dumps(params)} at d_key={d_key}: {exc}") from None
+def _unsupported_backends(name: str, d_key: int, params: dict, backends: list[str], field: str, path: str) -> dict:
+    """Build the variant once per backend: ``{backend: reason}`` for the backends it has no
+    implementation for (their cells are recorded as skipped); any other problem is an error."""
+    unsupported = {}
+    for backend in backends:
+        try:
+            variants.create(name, d_key, backend=backend, **params)
+        except variants.UnsupportedBackend as exc:
+            unsupported[backend] = str(exc)
+        except variants.VariantError as exc:
+            raise ScenarioError(f"{path}: {field}: parameters {json.dumps(params)} at d_key={d_key}: {exc}") from None
+    return unsupported
 
 
 def describe(cell: dict) -> str:
     """A one-line name of a cell, for progress bars and listings."""
     params = ",".join(f"{key}={value}" for key, value in cell["params"].items())
     axes = cell["axes"]
+    skipped = " (skipped: no such backend)" if cell["skip"] else ""
     return (
-        f"{cell['variant']}{'(' + params + ')' if params else ''}[{cell['backend']}] {cell['mode']}/{cell['target']} "
+        f"{cell['variant']}{'(' + params + ')' if params else ''}[{cell['backend']}]{skipped} {cell['mode']}/{cell['target']} "
         f"T={axes['seq_len']} B={axes['batch']} H={axes['heads']} Dk={axes['d_key']} Dv={axes['d_value']} "
         f"{axes['dtype']} {axes['device']}"
     )

@@ -39,6 +39,10 @@ def _generator(device):
     return torch.Generator(device=device).manual_seed(0)
 
 
+def _core(cell):
+    return variants.create(cell["variant"], cell["axes"]["d_key"], backend=cell["backend"], **cell["params"])
+
+
 def _attention_inputs(core, axes, device, dtype, requires_grad):
     gen = _generator(device)
     shape = (axes["batch"], axes["heads"], axes["seq_len"])
@@ -51,7 +55,7 @@ def _attention_inputs(core, axes, device, dtype, requires_grad):
 
 def _core_workload(cell, device, dtype) -> Workload:
     axes = cell["axes"]
-    core = variants.create(cell["variant"], axes["d_key"], **cell["params"]).to(device=device, dtype=dtype)
+    core = _core(cell).to(device=device, dtype=dtype)
     train = cell["mode"] == "train"
     q, k, v, beta = _attention_inputs(core, axes, device, dtype, train)
     flops = core.flops(axes["batch"], axes["heads"], axes["seq_len"], axes["d_value"])
@@ -71,7 +75,13 @@ def _core_workload(cell, device, dtype) -> Workload:
 def _layer(cell, device, dtype):
     axes = cell["axes"]
     layer = variants.AttentionLayer(
-        axes["heads"] * axes["d_key"], axes["heads"], cell["variant"], d_key=axes["d_key"], d_value=axes["d_value"], **cell["params"]
+        axes["heads"] * axes["d_key"],
+        axes["heads"],
+        cell["variant"],
+        d_key=axes["d_key"],
+        d_value=axes["d_value"],
+        backend=cell["backend"],
+        **cell["params"],
     )
     return layer.to(device=device, dtype=dtype)
 
@@ -106,7 +116,8 @@ def _model_workload(cell, device, dtype) -> Workload:
     from .models import DecoderLM, lm_config
 
     axes, spec = cell["axes"], cell["model"]
-    config = lm_config(spec["preset"], spec["vocab_size"], variant=cell["variant"], variant_params=cell["params"], **spec["overrides"])
+    variant_params = dict(cell["params"], backend=cell["backend"])
+    config = lm_config(spec["preset"], spec["vocab_size"], variant=cell["variant"], variant_params=variant_params, **spec["overrides"])
     d_head = config.d_model // config.n_heads
     if (axes["heads"], axes["d_key"]) != (config.n_heads, d_head):
         raise CellError(
@@ -231,7 +242,7 @@ def _decoder(cell, device, dtype, context, new_tokens):
     axes = cell["axes"]
     total = dict(axes, seq_len=context + new_tokens)
     if cell["target"] == "core":
-        core = variants.create(cell["variant"], axes["d_key"], **cell["params"]).to(device=device, dtype=dtype)
+        core = _core(cell).to(device=device, dtype=dtype)
         q, k, v, beta = _attention_inputs(core, total, device, dtype, False)
         prefill = lambda: core.prefill(q[:, :, :context], k[:, :, :context], v[:, :, :context], beta=_head(beta, context))  # noqa: E731
         step = lambda i, state: core.step(  # noqa: E731

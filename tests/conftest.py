@@ -8,6 +8,11 @@ import random
 import pytest
 import torch
 
+# Triton decides when its kernels are imported whether they run natively or through its
+# interpreter; without a GPU, every kernel test runs through the interpreter on the CPU.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import variants
 
 #: (variant name, parameters): every registered variant, several settings each.

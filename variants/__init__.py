@@ -7,7 +7,7 @@ wraps a core with its projections. See docs/variants.md for every definition.
 
 # Importing the families registers them.
 from . import delta_rule, softmax, sum_rule  # noqa: E402,F401
-from .base import AttentionCore, VariantError, create, names, register
+from .base import AttentionCore, UnsupportedBackend, VariantError, create, names, register
 from .fast_weights import FastWeightState
 from .layer import AttentionLayer
 from .softmax import KVCache
@@ -17,6 +17,7 @@ __all__ = [
     "AttentionLayer",
     "FastWeightState",
     "KVCache",
+    "UnsupportedBackend",
     "VariantError",
     "create",
     "names",

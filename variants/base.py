@@ -26,6 +26,10 @@ class VariantError(ValueError):
     """Bad input to a variant: an unknown name, a wrong shape, a parameter out of range."""
 
 
+class UnsupportedBackend(VariantError):
+    """A known backend that this variant (or this configuration of it) has no implementation for."""
+
+
 def register(name: str) -> Callable:
     """Decorator of a core class or factory: make ``variants.create(name, ...)`` build it."""
 
@@ -45,15 +49,22 @@ def names() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def create(name: str, d_key: int, **params: Any) -> AttentionCore:
-    """Build the attention core registered as ``name`` for head dimension ``d_key``."""
+def create(name: str, d_key: int, *, backend: str = "torch", **params: Any) -> AttentionCore:
+    """Build the attention core registered as ``name`` for head dimension ``d_key``.
+
+    ``backend`` picks the implementation of the parallel form: 'torch' (every variant) or
+    'triton' (the linear-time rules); a core class that takes no ``backend`` is torch only."""
     if name not in _REGISTRY:
         raise VariantError(f"unknown variant {name!r}; known variants: {', '.join(names())}")
     if not isinstance(d_key, int) or d_key < 1:
         raise VariantError(f"{name}: d_key must be a positive int, got {d_key!r}")
+    if backend != "torch":
+        params["backend"] = backend
     try:
         core = _REGISTRY[name](d_key, **params)
     except TypeError as exc:  # an unexpected keyword argument
+        if "'backend'" in str(exc):
+            raise UnsupportedBackend(f"{name}: has only the 'torch' backend, got backend={backend!r}") from None
         raise VariantError(f"{name}: {exc}") from None
     core.variant_name = name
     return core

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from . import kernels
 from .base import register
 from .chunked import delta_rule_chunked, safe_reciprocal
 from .fast_weights import FastWeightCore, FastWeightState
@@ -27,12 +28,29 @@ class DeltaRule(FastWeightCore):
     needs_beta = True
     supports_noncausal = False
 
-    def __init__(self, d_key, *, phi="elu1", sum_norm=True, attn_norm=False, chunk_size=64, m=None, nu=None, d_dot=None, seed=0):
+    def __init__(
+        self, d_key, *, phi="elu1", sum_norm=True, attn_norm=False, chunk_size=64, m=None, nu=None, d_dot=None, seed=0, backend="torch"
+    ):
         super().__init__(
-            d_key, phi=phi, sum_norm=sum_norm, attn_norm=attn_norm, chunk_size=chunk_size, m=m, nu=nu, d_dot=d_dot, seed=seed
+            d_key,
+            phi=phi,
+            sum_norm=sum_norm,
+            attn_norm=attn_norm,
+            chunk_size=chunk_size,
+            m=m,
+            nu=nu,
+            d_dot=d_dot,
+            seed=seed,
+            backend=backend,
         )
+        if backend == "triton" and attn_norm:
+            raise kernels.UnsupportedBackend("delta: backend='triton' implements the delta rule without attention normalisation; use attn_norm=False or backend='torch'")
 
     def _run(self, q, k, v, beta, state, causal):
+        if self.backend == "triton":
+            kernel = self._kernel("delta_rule", q).delta_rule_triton
+            read, weights = kernel(self.phi(q), self.phi(k), v, beta, state.weights)
+            return read, FastWeightState(weights.to(v.dtype), None)
         read, weights, normaliser = delta_rule_chunked(q, k, v, beta, *state, self.chunk_size, phi=self.phi)
         return read, FastWeightState(weights, normaliser)
 

@@ -11,6 +11,7 @@ from typing import NamedTuple
 
 import torch
 
+from . import kernels
 from .base import AttentionCore, VariantError
 from .feature_maps import EPS, FeatureMap, SumNormalized, make_feature_map
 
@@ -34,10 +35,12 @@ class FastWeightCore(AttentionCore):
     of their components; ``attn_norm`` divides each read by z·φ(q).
     """
 
-    def __init__(self, d_key, *, phi, sum_norm, attn_norm, chunk_size, m=None, nu=None, d_dot=None, seed=0):
+    def __init__(self, d_key, *, phi, sum_norm, attn_norm, chunk_size, m=None, nu=None, d_dot=None, seed=0, backend="torch"):
         super().__init__(d_key)
         if not isinstance(chunk_size, int) or chunk_size < 1:
             raise VariantError(f"chunk_size must be a positive int, got {chunk_size!r}")
+        kernels.check_backend(self.variant_name, backend)
+        self.backend = backend
         feature_map: FeatureMap = make_feature_map(phi, d_key, m=m, nu=nu, d_dot=d_dot, seed=seed)
         self.phi = SumNormalized(feature_map) if sum_norm else feature_map
         self.phi_name = phi
@@ -92,13 +95,18 @@ class FastWeightCore(AttentionCore):
     def extra_repr(self) -> str:
         return (
             f"{super().extra_repr()}, phi={self.phi_name}, sum_norm={self.sum_norm}, "
-            f"attn_norm={self.attn_norm}, chunk_size={self.chunk_size}"
+            f"attn_norm={self.attn_norm}, chunk_size={self.chunk_size}, backend={self.backend}"
         )
 
     # --- implemented by each rule -------------------------------------------------
     def _run(self, q, k, v, beta, state, causal):
         """Parallel form from ``state``: ``(out, final_state)``."""
         raise NotImplementedError
+
+    def _kernel(self, rule: str, q):
+        """The Triton kernel module of ``rule``, after checking it can run on ``q``'s device."""
+        kernels.require_device(self.variant_name, q.device)
+        return kernels.load(rule)
 
     def _write(self, features_k, v_t, beta_t, state):
         """One write into the fast weights: the new ``weights``."""

@@ -25,10 +25,30 @@ class SumRule(FastWeightCore):
     Katharopoulos' normalisation. ``sum_norm`` (off by default) is Schlag's φ / Σφ."""
 
     def __init__(
-        self, d_key, *, phi="elu1", normalize=True, sum_norm=False, chunk_size=DEFAULT_CHUNK, m=None, nu=None, d_dot=None, seed=0
+        self,
+        d_key,
+        *,
+        phi="elu1",
+        normalize=True,
+        sum_norm=False,
+        chunk_size=DEFAULT_CHUNK,
+        m=None,
+        nu=None,
+        d_dot=None,
+        seed=0,
+        backend="torch",
     ):
         super().__init__(
-            d_key, phi=phi, sum_norm=sum_norm, attn_norm=normalize, chunk_size=chunk_size, m=m, nu=nu, d_dot=d_dot, seed=seed
+            d_key,
+            phi=phi,
+            sum_norm=sum_norm,
+            attn_norm=normalize,
+            chunk_size=chunk_size,
+            m=m,
+            nu=nu,
+            d_dot=d_dot,
+            seed=seed,
+            backend=backend,
         )
 
     @property
@@ -36,6 +56,10 @@ class SumRule(FastWeightCore):
         return self.attn_norm
 
     def _run(self, q, k, v, beta, state, causal):
+        if causal and self.backend == "triton":
+            kernel = self._kernel("sum_rule", q).sum_rule_triton
+            read, weights, normaliser = kernel(self.phi(q), self.phi(k), v, *state, normalize=self.attn_norm)
+            return read, FastWeightState(weights.to(v.dtype), None if normaliser is None else normaliser.to(v.dtype))
         if causal:
             read, weights, normaliser = sum_rule_chunked(q, k, v, *state, self.chunk_size, phi=self.phi)
             return read, FastWeightState(weights, normaliser)
@@ -67,17 +91,17 @@ class SumRule(FastWeightCore):
 
 
 @register("performer")
-def performer(d_key, *, m=None, d_dot=None, seed=0, normalize=True, chunk_size=DEFAULT_CHUNK):
+def performer(d_key, *, m=None, d_dot=None, seed=0, normalize=True, chunk_size=DEFAULT_CHUNK, backend="torch"):
     """Performer: the sum rule with FAVOR+ (m random features, d_dot = 2m; default m = d_key).
     ``core.phi.redraw(seed)`` draws new features."""
     if m is None and d_dot is None:
         m = d_key
-    return SumRule(d_key, phi="favor", m=m, d_dot=d_dot, seed=seed, normalize=normalize, chunk_size=chunk_size)
+    return SumRule(d_key, phi="favor", m=m, d_dot=d_dot, seed=seed, normalize=normalize, chunk_size=chunk_size, backend=backend)
 
 
 @register("dpfp")
-def dpfp(d_key, *, nu=None, d_dot=None, normalize=True, chunk_size=DEFAULT_CHUNK):
+def dpfp(d_key, *, nu=None, d_dot=None, normalize=True, chunk_size=DEFAULT_CHUNK, backend="torch"):
     """The sum rule with DPFP-ν (Schlag et al. 2021, eq. 37; d_dot = 2·d_key·ν; default ν = 1)."""
     if nu is None and d_dot is None:
         nu = 1
-    return SumRule(d_key, phi="dpfp", nu=nu, d_dot=d_dot, normalize=normalize, chunk_size=chunk_size)
+    return SumRule(d_key, phi="dpfp", nu=nu, d_dot=d_dot, normalize=normalize, chunk_size=chunk_size, backend=backend)

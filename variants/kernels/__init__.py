@@ -1,0 +1,42 @@
+"""Triton kernels for the two linear-time rules, one file per rule, each with its autograd
+wrapper: ``sum_rule.sum_rule_triton`` and ``delta_rule.delta_rule_triton``.
+
+They are imported lazily (``load``), after the caller chose the backend, because Triton
+decides at import time whether its kernels run natively or through its interpreter
+(``TRITON_INTERPRET=1``, the way the tests run them on a CPU).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+
+from ..base import UnsupportedBackend, VariantError
+
+BACKENDS = ("torch", "triton")
+
+
+def check_backend(variant: str, backend: str, supported=BACKENDS) -> None:
+    """Refuse an unknown backend, or one this variant has no implementation for."""
+    if backend not in supported:
+        kind = UnsupportedBackend if backend in BACKENDS else VariantError
+        raise kind(f"{variant}: backend must be one of {', '.join(supported)}, got {backend!r}")
+    if backend == "triton" and importlib.util.find_spec("triton") is None:
+        raise VariantError(f"{variant}: backend='triton' needs the triton package: pip install 'attnbench[triton]'")
+
+
+def require_device(variant: str, device) -> None:
+    """Triton runs natively on CUDA tensors; CPU tensors need its interpreter."""
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise VariantError(
+            f"{variant}: backend='triton' got CPU tensors; Triton runs them only through its interpreter: "
+            "set TRITON_INTERPRET=1 before starting Python (slow, meant for tests), or move the inputs to a CUDA device"
+        )
+    if device.type not in ("cpu", "cuda"):
+        raise VariantError(f"{variant}: backend='triton' runs on CUDA devices (or the CPU interpreter), got {device.type}")
+
+
+def load(rule: str):
+    """The kernel module of ``rule`` ('sum_rule' or 'delta_rule')."""
+    return importlib.import_module(f"{__name__}.{rule}")
