@@ -201,7 +201,8 @@ def main() -> None:
         print("\nnot timed:\n" + failed[["contender", "mode", "T", "d", "dtype", "status"]].to_string(index=False))
     if args.json:
         with open(args.json, "w") as handle:
-            json.dump({"device": name, "torch": torch.__version__, "checks": checks.to_dict("records"), "timings": timings.to_dict("records")}, handle, indent=1)
+            record = {"device": name, "torch": torch.__version__, "checks": checks.to_dict("records"), "timings": timings.to_dict("records")}
+            json.dump(record, handle, indent=1)
 
 
 if __name__ == "__main__":

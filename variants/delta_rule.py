@@ -44,7 +44,9 @@ class DeltaRule(FastWeightCore):
             backend=backend,
         )
         if backend == "triton" and attn_norm:
-            raise kernels.UnsupportedBackend("delta: backend='triton' implements the delta rule without attention normalisation; use attn_norm=False or backend='torch'")
+            raise kernels.UnsupportedBackend(
+                "delta: backend='triton' implements the delta rule without attention normalisation; use attn_norm=False or backend='torch'"
+            )
 
     def _run(self, q, k, v, beta, state, causal):
         if self.backend == "triton":
