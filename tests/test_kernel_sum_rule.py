@@ -1,0 +1,236 @@
+"""The Triton sum-rule kernel (variants/kernels/sum_rule.py) against the float64 PyTorch form.
+
+Without a CUDA GPU the kernels run on the CPU through Triton's interpreter (TRITON_INTERPRET=1,
+set before triton is imported); with one, the same tests run natively on "cuda". Every test
+runs with ``POISON`` on, so outputs and gradients start as NaN and any element a kernel
+fails to write shows up as a NaN.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+
+import variants  # noqa: E402
+from variants.chunked import sum_rule_chunked  # noqa: E402
+from variants.kernels import sum_rule as kernel_module  # noqa: E402
+from variants.kernels.sum_rule import sum_rule_triton  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+F64 = torch.float64
+
+
+@pytest.fixture(autouse=True)
+def poison(monkeypatch):
+    monkeypatch.setattr(kernel_module, "POISON", True)
+
+
+def _inputs(batch, heads, length, d_dot, d_value, *, normalize, initial, seed):
+    """float64 leaves q, k, v (and S_0, z_0 when ``initial``); q, k > 0 when normalising."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, heads, length, d_dot, generator=gen, dtype=F64)
+    k = torch.randn(batch, heads, length, d_dot, generator=gen, dtype=F64)
+    v = torch.randn(batch, heads, length, d_value, generator=gen, dtype=F64)
+    if normalize:
+        q, k = torch.nn.functional.elu(q) + 1, torch.nn.functional.elu(k) + 1
+    else:  # unit scale reads whatever T
+        q, k = q / d_dot**0.5, k / d_dot**0.5
+    weights = torch.randn(batch, heads, d_dot, d_value, generator=gen, dtype=F64) if initial else None
+    normaliser = (torch.rand(batch, heads, d_dot, generator=gen, dtype=F64) * length if initial else None) if normalize else None
+    return {"q": q, "k": k, "v": v, "weights": weights, "normaliser": normaliser}
+
+
+def _reference(q, k, v, weights, normaliser, normalize):
+    batch, heads, _, d_dot = q.shape
+    if weights is None:
+        weights = q.new_zeros(batch, heads, d_dot, v.shape[-1])
+    if normalize and normaliser is None:
+        normaliser = q.new_zeros(batch, heads, d_dot)
+    return sum_rule_chunked(q, k, v, weights, normaliser, 16)
+
+
+def _leaves(tensors, dtype=torch.float32):
+    """Copies on DEVICE in ``dtype`` that require grad (None stays None)."""
+    return {n: None if t is None else t.detach().to(DEVICE, dtype).requires_grad_(True) for n, t in tensors.items()}
+
+
+def _max_error(actual, expected):
+    return ((actual.detach().to("cpu", F64) - expected.detach()).abs().max() / expected.detach().abs().max().clamp_min(1e-12)).item()
+
+
+def _assert_close(actual, expected, name, rtol=1e-4, atol=1e-4):
+    """Elementwise |a - e| <= atol * max|e| + rtol * |e|, and no NaN (an unwritten element)."""
+    assert not torch.isnan(actual).any(), f"{name}: NaN (an element the kernel did not write)"
+    actual = actual.detach().to("cpu", F64)
+    expected = expected.detach()
+    scale = expected.abs().max().clamp_min(1e-12)
+    torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol * scale.item(), msg=lambda m: f"{name}: {m}")
+
+
+def _check_against_reference(case, seed, *, state_cotangent=True, rtol=1e-4, atol=1e-4):
+    """Forward and every gradient of the kernel (float32) against the float64 reference."""
+    batch, heads, length, d_dot, d_value, chunk, normalize, initial = case
+    ref_in = {n: None if t is None else t.requires_grad_(True) for n, t in _inputs(
+        batch, heads, length, d_dot, d_value, normalize=normalize, initial=initial, seed=seed).items()}  # fmt: skip
+    run_in = _leaves(ref_in)
+
+    y, s_final, z_final = sum_rule_triton(**run_in, normalize=normalize, chunk_size=chunk)
+    y_ref, s_ref, z_ref = _reference(**ref_in, normalize=normalize)
+    assert y.dtype == torch.float32 and s_final.dtype == torch.float32
+    assert y.shape == (batch, heads, length, d_value) and s_final.shape == (batch, heads, d_dot, d_value)
+    assert (z_final is None) == (not normalize)
+    errors = {"y": _max_error(y, y_ref), "S_T": _max_error(s_final, s_ref)}
+    _assert_close(y, y_ref, "y", rtol, atol)
+    _assert_close(s_final, s_ref, "S_T", rtol, atol)
+    if normalize:
+        errors["z_T"] = _max_error(z_final, z_ref)
+        _assert_close(z_final, z_ref, "z_T", rtol, atol)
+
+    gen = torch.Generator().manual_seed(seed + 1)
+    outputs, outputs_ref, cotangents = [y], [y_ref], [torch.randn(y_ref.shape, generator=gen, dtype=F64)]
+    if state_cotangent:
+        outputs += [s_final] + ([z_final] if normalize else [])
+        outputs_ref += [s_ref] + ([z_ref] if normalize else [])
+        cotangents += [torch.randn(t.shape, generator=gen, dtype=F64) for t in outputs_ref[1:]]
+    names = [n for n, t in ref_in.items() if t is not None]
+    grads = torch.autograd.grad(outputs, [run_in[n] for n in names], [c.to(DEVICE, torch.float32) for c in cotangents])
+    grads_ref = torch.autograd.grad(outputs_ref, [ref_in[n] for n in names], cotangents)
+    for name, grad, grad_ref in zip(names, grads, grads_ref):
+        assert grad.dtype == run_in[name].dtype
+        errors["d" + name] = _max_error(grad, grad_ref)
+        _assert_close(grad, grad_ref, "d" + name, rtol, atol)
+    print(f"\n{case}: max |error| / max |reference|: " + ", ".join(f"{n} {e:.1e}" for n, e in errors.items()))
+    return errors
+
+
+# (B, H, T, F, Dv, chunk_size, normalize, initial state). Not T = 1 normalised from a zero
+# state: there y_1 = v_1 (q·k) / (q·k + ε), whose q- and k-gradients are O(ε) and vanish in
+# float32 rounding (the kernel correctly returns ~0; a relative test cannot pass on that).
+CASES = [
+    (1, 1, 1, 16, 8, None, True, True),
+    (1, 1, 1, 5, 7, 16, False, False),
+    (2, 3, 17, 16, 8, 16, True, True),
+    (2, 3, 17, 5, 7, None, False, False),
+    (1, 1, 63, 5, 7, 16, True, False),
+    (1, 1, 63, 16, 8, 20, False, True),
+    (1, 1, 130, 16, 8, 32, True, True),
+    (2, 3, 130, 5, 7, 64, False, True),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "B{}H{}T{}F{}Dv{}-C{}-norm{}-init{}".format(*c))
+def test_matches_reference(case, seed):
+    _check_against_reference(case, seed)
+
+
+@pytest.mark.parametrize("normalize", [True, False])
+def test_cotangent_on_output_only(normalize, seed):
+    """Only y receives a gradient (S_T, z_T get None): the state cotangents are absent."""
+    _check_against_reference((1, 2, 40, 7, 16, 16, normalize, True), seed, state_cotangent=False)
+
+
+@pytest.mark.parametrize("normalize", [True, False])
+def test_state_split_into_blocks(monkeypatch, normalize, seed):
+    """Several programs per (b, h), each owning a block of the state, with ragged last blocks."""
+    monkeypatch.setattr(kernel_module, "STATE_BLOCK", 16)
+    _check_against_reference((1, 2, 33, 40, 24, 16, normalize, True), seed)
+
+
+def test_some_inputs_without_grad(seed):
+    """Kernels for inputs that need no gradient are skipped; the others stay right."""
+    ref_in = _inputs(1, 2, 30, 8, 8, normalize=True, initial=True, seed=seed)
+    run_in = {n: t.detach().to(DEVICE, torch.float32) for n, t in ref_in.items()}
+    for wanted in (["v"], ["q"], ["weights"], ["normaliser", "k"]):
+        ref = {n: t.detach().requires_grad_(n in wanted) for n, t in ref_in.items()}
+        run = {n: t.detach().requires_grad_(n in wanted) for n, t in run_in.items()}
+        y, s_final, _ = sum_rule_triton(**run, normalize=True, chunk_size=16)
+        y_ref, s_ref, _ = _reference(**ref, normalize=True)
+        grads = torch.autograd.grad((y.sum() + s_final.sum()), [run[n] for n in wanted])
+        grads_ref = torch.autograd.grad((y_ref.sum() + s_ref.sum()), [ref[n] for n in wanted])
+        for name, grad, grad_ref in zip(wanted, grads, grads_ref):
+            _assert_close(grad, grad_ref, f"d{name} (only {wanted} need grad)")
+
+
+@pytest.mark.parametrize("normalize", [True, False])
+def test_chaining_through_the_state(normalize, seed):
+    """Two calls with the state carried == one call over the whole sequence, forward and backward."""
+    split = 23
+    ref_in = _inputs(1, 2, 50, 7, 5, normalize=normalize, initial=True, seed=seed)
+    whole_in, piece_in = _leaves(ref_in), _leaves(ref_in)
+    whole = sum_rule_triton(**whole_in, normalize=normalize, chunk_size=16)
+    q, k, v = piece_in["q"], piece_in["k"], piece_in["v"]
+    y1, s1, z1 = sum_rule_triton(
+        q[:, :, :split], k[:, :, :split], v[:, :, :split], piece_in["weights"], piece_in["normaliser"],
+        normalize=normalize, chunk_size=16,
+    )  # fmt: skip
+    y2, s2, z2 = sum_rule_triton(q[:, :, split:], k[:, :, split:], v[:, :, split:], s1, z1, normalize=normalize, chunk_size=16)
+    pieces = (torch.cat([y1, y2], dim=2), s2, z2)
+    for name, a, b in zip(("y", "S_T", "z_T"), pieces, whole):
+        if b is not None:
+            _assert_close(a, b.detach().double().cpu(), f"chained {name}", rtol=1e-5, atol=1e-5)
+
+    gen = torch.Generator().manual_seed(seed + 1)
+    used = [t for t in whole if t is not None]
+    cotangents = [torch.randn(t.shape, generator=gen, dtype=torch.float32).to(DEVICE) for t in used]
+    names = [n for n, t in whole_in.items() if t is not None]
+    grads_whole = torch.autograd.grad(used, [whole_in[n] for n in names], cotangents)
+    grads_pieces = torch.autograd.grad([t for t in pieces if t is not None], [piece_in[n] for n in names], cotangents)
+    for name, a, b in zip(names, grads_pieces, grads_whole):
+        _assert_close(a, b.detach().double().cpu(), f"chained d{name}", rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_accumulates_in_float32(dtype, seed):
+    """16-bit inputs: y in the input dtype (one rounding), the state in float32 (fp32 accumulation)."""
+    ref_in = _inputs(1, 2, 40, 16, 8, normalize=True, initial=False, seed=seed)
+    run_in = _leaves(ref_in, dtype)
+    rounded = {n: None if t is None else t.detach().to(dtype).to(F64).requires_grad_(True) for n, t in ref_in.items()}
+    y, s_final, z_final = sum_rule_triton(**run_in, normalize=True, chunk_size=16)
+    y_ref, s_ref, z_ref = _reference(**rounded, normalize=True)
+    assert y.dtype == dtype and s_final.dtype == torch.float32 and z_final.dtype == torch.float32
+    resolution = torch.finfo(dtype).eps
+    _assert_close(y, y_ref, "y", rtol=resolution, atol=resolution)
+    _assert_close(s_final, s_ref, "S_T", rtol=1e-5, atol=1e-5)
+    _assert_close(z_final, z_ref, "z_T", rtol=1e-5, atol=1e-5)
+    grad_y = torch.randn(y_ref.shape, generator=torch.Generator().manual_seed(seed), dtype=F64)
+    names = ["q", "k", "v"]
+    grads = torch.autograd.grad(y, [run_in[n] for n in names], grad_y.to(DEVICE, dtype))
+    grads_ref = torch.autograd.grad(y_ref, [rounded[n] for n in names], grad_y.to(dtype).to(F64))
+    for name, grad, grad_ref in zip(names, grads, grads_ref):
+        assert grad.dtype == dtype
+        # each gradient is rounded once to the 16-bit dtype; everything before is float32
+        _assert_close(grad, grad_ref, "d" + name, rtol=resolution, atol=resolution)
+
+
+def test_poison_marks_unwritten_elements():
+    """The helper the kernels allocate through fills with NaN while POISON is set."""
+    like = torch.zeros(1, device=DEVICE)
+    assert torch.isnan(kernel_module._new_output((3, 4), like)).all()
+    assert kernel_module._new_output((3, 4), like, torch.float16).dtype == torch.float16
+
+
+@pytest.mark.parametrize(("d_dot", "d_value"), [(384, 64), (64, 320)])
+def test_dims_above_256_are_an_error(d_dot, d_value):
+    q = torch.rand(1, 1, 4, d_dot, device=DEVICE)
+    v = torch.rand(1, 1, 4, d_value, device=DEVICE)
+    with pytest.raises(ValueError, match=f"up to 256, got d_dot={d_dot}, d_value={d_value}: use backend='torch'"):
+        sum_rule_triton(q, q, v, normalize=True)
+
+
+def test_input_errors():
+    q = torch.rand(1, 1, 4, 8, device=DEVICE)
+    v = torch.rand(1, 1, 4, 8, device=DEVICE)
+    with pytest.raises(variants.VariantError, match="normalize=False"):
+        sum_rule_triton(q, q, v, None, torch.zeros(1, 1, 8, device=DEVICE), normalize=False)
+    with pytest.raises(variants.VariantError, match="weights must be"):
+        sum_rule_triton(q, q, v, torch.zeros(1, 1, 8, 7, device=DEVICE), normalize=False)
+    with pytest.raises(variants.VariantError, match="chunk_size"):
+        sum_rule_triton(q, q, v, normalize=False, chunk_size=0)
+    with pytest.raises(ValueError, match="float64"):
+        sum_rule_triton(q.double(), q.double(), v.double(), normalize=False)
