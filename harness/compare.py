@@ -1,0 +1,342 @@
+"""Compare two sets of results from one machine (two commits, say): per cell, the ratio of
+median times head/base with a bootstrap confidence interval, and a mark.
+
+Cells are matched on what they measure (scenario, variant, backend, params, axes, mode,
+target). A timing difference between two machines is not a regression, so ``compare``
+refuses inputs measured on different machines; putting machines side by side is what the
+report does (``harness.report``). The marks, the statistics and the exit codes are
+explained in docs/reports.md. Like the report, this module reads results files only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import textwrap
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+
+from .results import load
+
+EXIT_OK = 0  #: no regression
+EXIT_REGRESSION = 1  #: at least one cell is worse or newly failing
+EXIT_INCOMPARABLE = 2  #: the inputs cannot be compared (different machines, nothing in common, usage error)
+
+FAILING = ("oom", "error", "nan")
+REGRESSION_MARKS = ("worse", "newly failing")
+#: Every mark, most alarming first (the order of rows without a ratio).
+MARKS = (
+    "worse", "newly failing", "still failing", "changed (not significant)", "unchanged", "better", "fixed",
+    "not comparable", "new", "removed",
+)
+RESAMPLES = 2000
+MIN_SAMPLES = 2
+NOTE_WIDTH = 120  #: characters of a note shown by format_table (the table keeps it whole)
+
+#: The columns that identify a cell across files (``params`` and ``axes`` as canonical JSON).
+CELL_KEY = ["scenario", "variant", "backend", "params_key", "axes_key", "mode", "target"]
+TABLE_COLUMNS = [
+    "scenario", "variant", "backend", "params", "axes", "mode", "target",
+    "base_median_s", "head_median_s", "ratio", "ci_low", "ci_high", "mark", "note",
+]
+_AXIS_SHORT = {"seq_len": "T", "batch": "B", "heads": "H", "d_key": "Dk", "d_value": "Dv"}
+
+
+class CompareError(ValueError):
+    """The two sides cannot be compared; the message says why and what to do instead."""
+
+
+# --- cell identity (shared with harness.report) -------------------------------------------
+
+
+def present(value) -> bool:
+    """False for None and NaN (the holes pandas leaves when flattening dicts), else True."""
+    return value is not None and not (isinstance(value, float) and math.isnan(value))
+
+
+def _plain(value):
+    """A JSON-friendly scalar: numpy scalars unwrapped, integral floats as ints (pandas turns
+    an int column with holes into floats, and ``m=32`` must match ``m=32.0``)."""
+    if isinstance(value, np.generic):
+        value = value.item()
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+def nested(record: dict, prefix: str, ignore=()) -> dict:
+    """The dict ``load`` flattened into ``prefix.*`` columns, without holes or ``ignore``d keys."""
+    start = len(prefix) + 1
+    return {
+        key[start:]: _plain(value)
+        for key, value in record.items()
+        if key.startswith(prefix + ".") and present(value) and key[start:] not in ignore
+    }
+
+
+def params_text(params: dict) -> str:
+    """``m=32,phi=dpfp`` (empty for no parameters)."""
+    return ",".join(f"{key}={value}" for key, value in sorted(params.items()))
+
+
+def axes_text(axes: dict) -> str:
+    """``T=64 B=1 H=2 Dk=16 Dv=16 float32 cpu``, then any other axis as ``name=value``."""
+    parts = [f"{short}={axes[name]}" for name, short in _AXIS_SHORT.items() if name in axes]
+    parts += [str(axes[name]) for name in ("dtype", "device") if name in axes]
+    parts += [f"{name}={value}" for name, value in sorted(axes.items()) if name not in _AXIS_SHORT and name not in ("dtype", "device")]
+    return " ".join(parts)
+
+
+def machine_name(record: dict) -> str:
+    """``hostname (GPU name)``, or ``hostname (CPU model)`` for a machine without a GPU."""
+    hardware = record.get("machine.gpu.name")
+    if not present(hardware):
+        hardware = record.get("machine.cpu.model")
+    return f"{record.get('machine.hostname')} ({hardware if present(hardware) else 'unknown hardware'})"
+
+
+def identify(frame: pd.DataFrame, *, ignore_axes=()) -> pd.DataFrame:
+    """``frame`` (from ``load``) with the identity columns added: ``params_key`` and
+    ``axes_key`` (canonical JSON; ``ignore_axes`` left out), ``params_text``, ``axes_text``,
+    ``machine_key`` (the run line's machine_id), ``machine`` and ``gpu`` (its GPU name or None)."""
+    records = frame.to_dict("records")
+    params = [nested(record, "params") for record in records]
+    axes = [nested(record, "axes", ignore_axes) for record in records]
+    gpu = frame["machine.gpu.name"] if "machine.gpu.name" in frame else pd.Series(None, index=frame.index)
+    return frame.assign(
+        params_key=[json.dumps(p, sort_keys=True) for p in params],
+        axes_key=[json.dumps(a, sort_keys=True) for a in axes],
+        params_text=[params_text(p) for p in params],
+        axes_text=[axes_text(a) for a in axes],
+        machine_key=frame["machine.machine_id"] if "machine.machine_id" in frame else frame["machine_id"],
+        machine=[machine_name(record) for record in records],
+        gpu=[value if present(value) else None for value in gpu],
+    )
+
+
+def latest(frame: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
+    """One row per ``keys``: the cell measured last (a cell measured again supersedes the old one)."""
+    return frame.sort_values("started_at", kind="stable").drop_duplicates(keys, keep="last")
+
+
+# --- statistics ---------------------------------------------------------------------------
+
+
+def ratio_ci(base, head, *, alpha: float, seed) -> tuple[float, float, float]:
+    """The ratio of medians head/base and its percentile bootstrap interval at 1-alpha:
+    each side's raw samples are resampled with replacement ``RESAMPLES`` times."""
+    base, head = np.asarray(base, dtype=float), np.asarray(head, dtype=float)
+    rng = np.random.default_rng(seed)
+    base_medians = np.median(rng.choice(base, size=(RESAMPLES, base.size)), axis=1)
+    head_medians = np.median(rng.choice(head, size=(RESAMPLES, head.size)), axis=1)
+    low, high = np.quantile(head_medians / base_medians, [alpha / 2, 1 - alpha / 2])
+    return float(np.median(head) / np.median(base)), float(low), float(high)
+
+
+def timing_mark(ratio: float, low: float, high: float, factor: float) -> str:
+    """worse / better when the interval excludes 1 and the ratio passes the factor; otherwise
+    "changed (not significant)" beyond the factor and "unchanged" within it."""
+    significant = low > 1 or high < 1
+    if significant and ratio > factor:
+        return "worse"
+    if significant and ratio < 1 / factor:
+        return "better"
+    if ratio > factor or ratio < 1 / factor:
+        return "changed (not significant)"
+    return "unchanged"
+
+
+def _pair_seed(seed: int, pair: dict) -> list[int]:
+    """A seed per cell, from ``seed`` and the cell's identity, so no cell depends on the others."""
+    identity = json.dumps([pair[key] for key in CELL_KEY], default=str)
+    return [seed, int(hashlib.sha256(identity.encode()).hexdigest()[:8], 16)]
+
+
+# --- judging one pair ---------------------------------------------------------------------
+
+
+def _samples(value) -> list:
+    return list(value) if isinstance(value, (list, tuple, np.ndarray)) else []
+
+
+def _message(pair: dict, side: str) -> str:
+    error = pair.get(f"error_{side}")
+    return f"{side} {pair[f'status_{side}']}" + (f": {error}" if present(error) else "")
+
+
+def _machines_note(pair: dict) -> str:
+    return (
+        f"different machines: base on {pair['machine_base']} (machine {pair['machine_key_base']}), "
+        f"head on {pair['machine_head']} (machine {pair['machine_key_head']})"
+    )
+
+
+def _judge_statuses(pair: dict) -> tuple[str, str] | None:
+    """(mark, note) when the statuses alone decide the mark; None when both sides are ok."""
+    base, head = pair["status_base"], pair["status_head"]
+    if "skipped" in (base, head):
+        side = "base" if base == "skipped" else "head"
+        return "not comparable", _message(pair, side)
+    if base == "ok" and head in FAILING:
+        return "newly failing", _message(pair, "head")
+    if base in FAILING and head == "ok":
+        return "fixed", _message(pair, "base")
+    if base in FAILING and head in FAILING:
+        return "still failing", _message(pair, "head")
+    return None
+
+
+def _judge(pair: dict, *, factor: float, alpha: float, seed: int) -> dict:
+    """The mark, note and statistics of one row of the outer join of base and head."""
+    if pair["_merge"] != "both":
+        return {"mark": "removed" if pair["_merge"] == "left_only" else "new", "note": ""}
+    if pair["machine_key_base"] != pair["machine_key_head"]:
+        return {"mark": "not comparable", "note": _machines_note(pair)}
+    decided = _judge_statuses(pair)
+    if decided is not None:
+        return dict(zip(("mark", "note"), decided))
+    base, head = _samples(pair["metrics.samples_s_base"]), _samples(pair["metrics.samples_s_head"])
+    if min(len(base), len(head)) < MIN_SAMPLES:
+        return {"mark": "not comparable", "note": f"fewer than {MIN_SAMPLES} raw samples (base {len(base)}, head {len(head)})"}
+    ratio, low, high = ratio_ci(base, head, alpha=alpha, seed=_pair_seed(seed, pair))
+    return {"mark": timing_mark(ratio, low, high, factor), "note": "", "ratio": ratio, "ci_low": low, "ci_high": high}
+
+
+# --- the comparison -----------------------------------------------------------------------
+
+
+def _side(paths) -> pd.DataFrame:
+    """The cells of one side, identified, the latest measurement of each cell."""
+    return latest(identify(load(paths)), CELL_KEY)
+
+
+def _gpu_text(value) -> str:
+    return str(value) if present(value) else "none"
+
+
+def _check_machines(pairs: pd.DataFrame, allow: bool) -> None:
+    """Refuse (CompareError) when no matched cell shares a machine, or a GPU name differs."""
+    matched = pairs[pairs["_merge"] == "both"]
+    if matched.empty or allow:
+        return
+    other_machine = matched["machine_key_base"] != matched["machine_key_head"]
+    other_gpu = matched["gpu_base"].fillna("no GPU") != matched["gpu_head"].fillna("no GPU")
+    if not (other_machine.all() or other_gpu.any()):
+        return
+    example = matched[other_gpu].iloc[0] if other_gpu.any() else matched.iloc[0]
+    raise CompareError(
+        f"base and head were measured on different machines ({_machines_note(example)}; "
+        f"GPU {_gpu_text(example['gpu_base'])} vs {_gpu_text(example['gpu_head'])}). A difference between two machines "
+        "is not a regression. Comparing machines is what `attnbench report BASE HEAD` does (side by side, with ratios); "
+        "comparing commits on one machine is what `attnbench compare` does. To list these cells as 'not comparable' "
+        "instead, pass allow_different_machines=True (--allow-different-machines)."
+    )
+
+
+def _table(pairs: pd.DataFrame, judged: list[dict]) -> pd.DataFrame:
+    """The result table: one row per cell, sorted by ratio (descending), then by mark."""
+    marks = pd.DataFrame(judged, index=pairs.index).reindex(columns=["mark", "note", "ratio", "ci_low", "ci_high"])
+    pick = lambda column: pairs[f"{column}_base"].where(pairs["_merge"] != "right_only", pairs[f"{column}_head"])
+    table = pd.DataFrame(
+        {
+            **{column: pairs[column] for column in ("scenario", "variant", "backend", "mode", "target")},
+            "params": pick("params_text"),
+            "axes": pick("axes_text"),
+            "base_median_s": pairs["metrics.median_s_base"].where(pairs["status_base"] == "ok"),
+            "head_median_s": pairs["metrics.median_s_head"].where(pairs["status_head"] == "ok"),
+            **marks,
+        }
+    )
+    table["_rank"] = table["mark"].map(MARKS.index)
+    table = table.sort_values(["ratio", "_rank"], ascending=[False, True], na_position="last", kind="stable")
+    return table.drop(columns="_rank").reindex(columns=TABLE_COLUMNS).reset_index(drop=True)
+
+
+def compare(base_paths, head_paths, *, factor: float = 1.1, alpha: float = 0.05, seed: int = 0, allow_different_machines: bool = False) -> CompareResult:
+    """Match the cells of ``base_paths`` and ``head_paths`` (files or directories, as for
+    ``load``) and mark each pair; raises CompareError for results of different machines
+    unless ``allow_different_machines`` (then those cells are marked "not comparable")."""
+    if factor < 1 or not 0 < alpha < 1:
+        raise CompareError(f"factor must be >= 1 and alpha in (0, 1); got factor={factor}, alpha={alpha}")
+    columns = CELL_KEY + ["status", "error", "machine_key", "machine", "gpu", "params_text", "axes_text", "metrics.median_s", "metrics.samples_s"]
+    base, head = _side(base_paths), _side(head_paths)
+    pairs = base.reindex(columns=columns).merge(head.reindex(columns=columns), on=CELL_KEY, how="outer", suffixes=("_base", "_head"), indicator=True)
+    pairs = pairs.sort_values(CELL_KEY, kind="stable").reset_index(drop=True)
+    pairs["_merge"] = pairs["_merge"].astype(str)
+    _check_machines(pairs, allow_different_machines)
+    judged = [_judge(pair, factor=factor, alpha=alpha, seed=seed) for pair in pairs.to_dict("records")]
+    return CompareResult(_table(pairs, judged), factor=factor, alpha=alpha)
+
+
+# --- the result ---------------------------------------------------------------------------
+
+
+def format_seconds(value) -> str:
+    """A time with its unit: ``812 µs``, ``20.3 ms``, ``1.25 s``; ``-`` for a missing value."""
+    if not present(value):
+        return "-"
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6)):
+        if abs(value) >= scale:
+            return f"{value / scale:.3g} {unit}"
+    return f"{value / 1e-9:.3g} ns"
+
+
+def format_ratio(value) -> str:
+    return "-" if not present(value) else f"{value:.3f}"
+
+
+def _text_table(rows: list[list[str]], headers: list[str]) -> str:
+    """Columns padded to their widest cell, a rule under the header."""
+    widths = [max(len(str(cell)) for cell in column) for column in zip(headers, *rows)]
+    line = lambda cells: "  ".join(str(cell).ljust(width) for cell, width in zip(cells, widths)).rstrip()
+    return "\n".join([line(headers), line(["-" * width for width in widths]), *map(line, rows)])
+
+
+@dataclass
+class CompareResult:
+    """The outcome of ``compare``: ``table`` (one row per cell), ``regressions``, ``exit_code``."""
+
+    table: pd.DataFrame
+    factor: float
+    alpha: float
+
+    @property
+    def regressions(self) -> pd.DataFrame:
+        """The rows marked "worse" or "newly failing"."""
+        return self.table[self.table["mark"].isin(REGRESSION_MARKS)]
+
+    @property
+    def exit_code(self) -> int:
+        """EXIT_REGRESSION if any regression, else EXIT_INCOMPARABLE if no cell could be
+        compared (nothing matched, or only across machines), else EXIT_OK."""
+        if not self.regressions.empty:
+            return EXIT_REGRESSION
+        compared = ~self.table["mark"].isin(("not comparable", "new", "removed"))
+        return EXIT_OK if compared.any() else EXIT_INCOMPARABLE
+
+    def counts(self) -> dict[str, int]:
+        """How many cells got each mark, in the order of ``MARKS``."""
+        found = self.table["mark"].value_counts()
+        return {mark: int(found[mark]) for mark in MARKS if mark in found}
+
+    def summary(self) -> str:
+        """One line: the counts of each mark, the thresholds and the exit code."""
+        counts = ", ".join(f"{count} {mark}" for mark, count in self.counts().items()) or "no cells"
+        return f"{len(self.table)} cells: {counts} (factor {self.factor:g}, alpha {self.alpha:g}); exit code {self.exit_code}"
+
+    def format_table(self) -> str:
+        """The table as plain text for a terminal, then the summary line."""
+        headers = ["scenario", "variant", "params", "axes", "mode", "base", "head", "ratio", f"{1 - self.alpha:.0%} CI", "mark", "note"]
+        rows = [
+            [
+                row["scenario"], f"{row['variant']}[{row['backend']}]", row["params"] or "-", row["axes"], f"{row['mode']}/{row['target']}",
+                format_seconds(row["base_median_s"]), format_seconds(row["head_median_s"]), format_ratio(row["ratio"]),
+                "-" if not present(row["ci_low"]) else f"[{row['ci_low']:.3f}, {row['ci_high']:.3f}]",
+                row["mark"], textwrap.shorten(row["note"], NOTE_WIDTH, placeholder=" ..."),
+            ]
+            for row in self.table.to_dict("records")
+        ]
+        return _text_table(rows, headers) + "\n" + self.summary()

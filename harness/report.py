@@ -1,0 +1,618 @@
+"""An HTML report of results files: what was measured where, plots per scenario, machines
+side by side, and optionally a comparison of two commits.
+
+``build_report(paths, out_dir)`` writes ``out_dir/index.html`` (self-contained: every plot
+is embedded as a PNG data URI), ``out_dir/cells.csv`` (one row per cell) and every plot as a
+PNG file under ``out_dir/plots/``. It reads results files only (``harness.results``), never
+the runner, so a report can be made on a laptop from files measured on a cluster. How to
+read it is in docs/reports.md.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime as dt
+import importlib.resources
+import io
+import json
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import jinja2
+import numpy as np
+import pandas as pd
+import seaborn as sns
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
+from matplotlib.ticker import MaxNLocator, NullLocator
+
+from .compare import CELL_KEY, CompareResult, format_ratio, format_seconds, identify, latest, present
+from .results import load, read_records
+
+#: Axes that can be the x axis of a plot, in order of preference.
+X_CANDIDATES = ("seq_len", "batch", "heads", "d_key", "d_value", "new_tokens")
+#: Axes that, when they vary within one line, become part of its label.
+LABEL_AXES = X_CANDIDATES + ("dtype", "device", "model")
+TIMED_MODES = ("forward", "train", "decode")
+FAILED = ("oom", "error", "nan")
+QUALITY_METRICS = ("loss", "ppl", "bleu")
+DASHES = ("-", "--", ":", "-.")
+#: What one measurement is, per machine: a cell measured again supersedes the earlier one.
+MEASUREMENT = CELL_KEY + ["machine_key", "axes.device"]
+#: Metric columns the plots and tables read (added, empty, when no cell has them).
+PLOTTED = [
+    f"metrics.{name}"
+    for name in ("median_s", "p20_s", "p80_s", "tokens", "tokens_per_s", "peak_mem_bytes", "memory_kind", "words_per_s", "throttled")
+]
+MIB = 2**20
+#: How a failed cell is drawn: an x, in its line's colour.
+FAILURE_MARK = {"marker": "x", "markersize": 9, "markeredgewidth": 2, "linestyle": "none"}
+
+
+# --- the cells ----------------------------------------------------------------------------
+
+
+def _base_label(record: dict, show_backend: bool) -> str:
+    """``performer(m=32)``, with ``[backend]`` when the report holds several backends."""
+    params = record["params_text"]
+    return record["variant"] + (f"({params})" if params else "") + (f"[{record['backend']}]" if show_backend else "")
+
+
+def _varying_axes(cells: pd.DataFrame, x: str) -> list[str]:
+    """The axes (other than ``x``) that take several values along one line of one machine."""
+    group = ["_label", "machine_key", "mode", f"axes.{x}"]
+    return [
+        axis for axis in LABEL_AXES
+        if axis != x and f"axes.{axis}" in cells and cells.groupby(group, dropna=False)[f"axes.{axis}"].nunique().max() > 1
+    ]
+
+
+def x_axis(cells: pd.DataFrame) -> str:
+    """The swept axis to plot against: the first of ``X_CANDIDATES`` that varies, else seq_len."""
+    for axis in X_CANDIDATES:
+        if f"axes.{axis}" in cells and cells[f"axes.{axis}"].nunique() > 1:
+            return axis
+    return "seq_len"
+
+
+def _series(cells: pd.DataFrame, x: str) -> pd.Series:
+    """Each cell's line label: variant, parameters, backend, and any other axis that varies."""
+    extra = _varying_axes(cells, x)
+    return pd.Series(
+        [
+            " ".join([record["_label"], *(f"{axis}={record[f'axes.{axis}']}" for axis in extra)])
+            for record in cells.to_dict("records")
+        ],
+        index=cells.index,
+        dtype=object,
+    )
+
+
+def _machine_names(cells: pd.DataFrame) -> dict[str, str]:
+    """machine_id -> display name, in order of appearance; the id is added where names collide."""
+    first = cells.drop_duplicates("machine_key")
+    names = dict(zip(first["machine_key"], first["machine"]))
+    collide = pd.Series(names).duplicated(keep=False)
+    return {key: f"{name} #{key[:6]}" if collide[key] else name for key, name in names.items()}
+
+
+def prepare(frame: pd.DataFrame) -> pd.DataFrame:
+    """The cells of ``load`` with what the report needs: the identity columns (machines are
+    matched without the device name), the machine's display name, each scenario's x axis
+    and each cell's line label (``series``); the latest measurement of each cell only."""
+    cells = identify(frame, ignore_axes=("device",))
+    cells = latest(cells, MEASUREMENT)
+    show_backend = cells["backend"].nunique() > 1
+    cells["_label"] = [_base_label(record, show_backend) for record in cells.to_dict("records")]
+    cells["machine"] = cells["machine_key"].map(_machine_names(cells))
+    x_of = {name: x_axis(group) for name, group in cells.groupby("scenario")}
+    cells["x_axis"] = cells["scenario"].map(x_of)
+    cells["series"] = pd.concat([_series(group, x_of[name]) for name, group in cells.groupby("scenario")])
+    missing = [column for column in PLOTTED if column not in cells]
+    return cells.drop(columns="_label").assign(**dict.fromkeys(missing, np.nan))
+
+
+def palette(cells: pd.DataFrame) -> dict[str, tuple]:
+    """One colour per line label for the whole report, so a variant looks the same in every plot."""
+    labels = sorted(cells["series"].unique())
+    if len(labels) > 20:
+        return dict(zip(labels, sns.color_palette("husl", len(labels))))
+    tab20 = sns.color_palette("tab20")
+    return dict(zip(labels, tab20[0::2] + tab20[1::2]))  # the ten strong colours first, then their light shades
+
+
+def _machine_styles(cells: pd.DataFrame) -> dict[str, str]:
+    """One line style per machine (solid for the first)."""
+    return {name: DASHES[index % len(DASHES)] for index, name in enumerate(cells["machine"].unique())}
+
+
+# --- plots --------------------------------------------------------------------------------
+
+
+@dataclass
+class Plot:
+    title: str
+    caption: str
+    file: str
+    data_uri: str
+
+
+@dataclass(frozen=True)
+class Metric:
+    """What a plot shows: the y value of a cell and its p20-p80 band (None: no band)."""
+
+    slug: str
+    title: str
+    ylabel: str
+    value: Callable[[pd.DataFrame], pd.Series]
+    band: Callable[[pd.DataFrame], tuple[pd.Series, pd.Series]] | None = None
+    detail: Callable[[pd.DataFrame], str] = lambda cells: ""
+
+
+METRICS = (
+    Metric("time", "Time per call (median, p20-p80 band)", "seconds",
+           lambda c: c["metrics.median_s"], lambda c: (c["metrics.p20_s"], c["metrics.p80_s"])),
+    Metric("throughput", "Throughput (tokens/s at the median, band from p80 and p20)", "tokens / s",
+           lambda c: c["metrics.tokens_per_s"], lambda c: (c["metrics.tokens"] / c["metrics.p80_s"], c["metrics.tokens"] / c["metrics.p20_s"])),
+    Metric("memory", "Peak memory", "MiB", lambda c: c["metrics.peak_mem_bytes"] / MIB,
+           detail=lambda c: "Counter: " + ", ".join(c["metrics.memory_kind"].dropna().unique()) + " (docs/results.md)."),
+)
+
+
+def _geometric(values) -> bool:
+    """Whether sorted distinct positive ``values`` grow by one constant factor of at least 2."""
+    values = np.unique(np.asarray([v for v in values if present(v)], dtype=float))
+    if len(values) < 2 or values[0] <= 0:
+        return False
+    ratios = values[1:] / values[:-1]
+    return bool(ratios[0] >= 2 and np.allclose(ratios, ratios[0], rtol=1e-6))
+
+
+@dataclass
+class Figures:
+    """Everything plots share in one report: the output folder, colours and line styles."""
+
+    out_dir: Path
+    colours: dict[str, tuple]
+    styles: dict[str, str]
+
+    def save(self, figure: Figure, name: str, title: str, caption: str) -> Plot:
+        """Write ``figure`` to plots/NAME.png and return it with its data URI."""
+        buffer = io.BytesIO()
+        FigureCanvasAgg(figure).print_png(buffer)
+        data = buffer.getvalue()
+        path = self.out_dir / "plots" / f"{name}.png"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+        return Plot(title, caption, f"plots/{path.name}", "data:image/png;base64," + base64.b64encode(data).decode("ascii"))
+
+    def legend(self, figure: Figure, cells: pd.DataFrame, failures: bool) -> None:
+        """Colours of the lines shown, line styles of the machines, the failure marker."""
+        handles = [Line2D([], [], color=self.colours[s], marker="o", label=s) for s in sorted(cells["series"].unique())]
+        machines = cells["machine"].unique()
+        if len(machines) > 1:
+            handles += [Line2D([], [], color="black", linestyle=self.styles[m], label=m) for m in machines]
+        if failures:
+            handles.append(Line2D([], [], color="black", label="failed (oom / error / nan)", **FAILURE_MARK))
+        figure.legend(handles=handles, loc="outside right upper", fontsize="small")
+
+
+def _new_figure(panels: int) -> tuple[Figure, list]:
+    columns = min(panels, 3)
+    rows = -(-panels // columns)
+    figure = Figure(figsize=(4.6 * columns + 3.2, 3.6 * rows), layout="constrained")
+    with sns.axes_style("whitegrid"):
+        axes = figure.subplots(rows, columns, squeeze=False).ravel()
+    for extra in axes[panels:]:
+        extra.set_visible(False)
+    return figure, list(axes[:panels])
+
+
+def _draw_lines(ax, ok: pd.DataFrame, x: str, metric: Metric, figures: Figures) -> None:
+    """One line per label and machine, with its band."""
+    for (series, machine), line in ok.groupby(["series", "machine"], sort=True):
+        line = line.sort_values(f"axes.{x}")
+        xs, ys = line[f"axes.{x}"].to_numpy(float), metric.value(line).to_numpy(float)
+        colour, style = figures.colours[series], figures.styles[machine]
+        ax.plot(xs, ys, color=colour, linestyle=style, marker="o", markersize=4)
+        if metric.band is not None:
+            low, high = metric.band(line)
+            ax.fill_between(xs, low.to_numpy(float), high.to_numpy(float), color=colour, alpha=0.2, linewidth=0)
+
+
+def _draw_failures(ax, failed: pd.DataFrame, x: str, figures: Figures) -> None:
+    """An 'x' on the x axis at the position of each failed cell, in its line's colour; the
+    failures at one position are stacked upwards so that none hides another."""
+    failed = failed.sort_values(["series", "machine"])
+    heights = 0.04 + 0.06 * failed.groupby(f"axes.{x}").cumcount()
+    for record, height in zip(failed.to_dict("records"), heights):
+        ax.plot(record[f"axes.{x}"], height, color=figures.colours[record["series"]], transform=ax.get_xaxis_transform(), clip_on=False, **FAILURE_MARK)
+
+
+def _draw_bars(ax, ok: pd.DataFrame, failed: pd.DataFrame, metric: Metric, figures: Figures) -> None:
+    """A sweep of a single point: one horizontal bar per label (and machine) with the band as an
+    error bar; a failed cell gets an 'x' at the start of its row."""
+    entries = pd.concat([ok, failed]).sort_values(["series", "machine"], ascending=False).reset_index(drop=True)
+    values = metric.value(entries).where(entries["status"] == "ok")
+    error = None
+    if metric.band is not None:
+        low, high = metric.band(entries)
+        error = np.vstack([values - low, high - values])
+    positions = np.arange(len(entries))
+    ax.barh(positions, values.fillna(0), xerr=error, color=[figures.colours[s] for s in entries["series"]], alpha=0.85)
+    several = entries["machine"].nunique() > 1
+    ax.set_yticks(positions, [f"{r['series']} · {r['machine']}" if several else r["series"] for r in entries.to_dict("records")])
+    for position in positions[entries["status"].isin(FAILED).to_numpy()]:
+        ax.plot(0.02, position, color=figures.colours[entries["series"][position]], transform=ax.get_yaxis_transform(), clip_on=False, **FAILURE_MARK)
+
+
+def _draw_panel(ax, ok: pd.DataFrame, failed: pd.DataFrame, x: str, metric: Metric, figures: Figures) -> None:
+    """Lines against ``x`` for a sweep, bars for a single point."""
+    if pd.concat([ok, failed])[f"axes.{x}"].nunique() == 1:
+        _draw_bars(ax, ok, failed, metric, figures)
+        ax.set(xlabel=metric.ylabel)
+        return
+    _draw_lines(ax, ok, x, metric, figures)
+    _draw_failures(ax, failed, x, figures)
+    _scale_axes(ax, pd.concat([ok, failed])[f"axes.{x}"], metric.value(ok).dropna())
+    ax.set(xlabel=x, ylabel=metric.ylabel)
+
+
+def _scale_axes(ax, xs, ys) -> None:
+    """Log x (base 2, ticks at the swept values) for a geometric sweep, then log y when every
+    value is positive."""
+    if _geometric(xs):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sorted(set(xs)), [f"{value:g}" for value in sorted(set(xs))])
+        ax.xaxis.set_minor_locator(NullLocator())
+        if len(ys) and (np.asarray(ys, dtype=float) > 0).all():
+            ax.set_yscale("log")
+
+
+def _metric_plot(cells: pd.DataFrame, metric: Metric, figures: Figures, name: str) -> Plot | None:
+    """``metric`` against the scenario's x axis, one panel per mode; None without data."""
+    x = cells["x_axis"].iloc[0]
+    timed = cells[cells["mode"].isin(TIMED_MODES)]
+    ok = timed[(timed["status"] == "ok") & metric.value(timed).notna()]
+    failed = timed[timed["status"].isin(FAILED)]
+    if ok.empty:
+        return None
+    modes = [mode for mode in TIMED_MODES if mode in set(timed["mode"])]
+    figure, axes = _new_figure(len(modes))
+    for ax, mode in zip(axes, modes):
+        _draw_panel(ax, ok[ok["mode"] == mode], failed[failed["mode"] == mode], x, metric, figures)
+        ax.set_title(mode)
+    figures.legend(figure, pd.concat([ok, failed]), not failed.empty)
+    caption = " ".join(filter(None, [f"{metric.title} against {x}.", metric.detail(ok), _decode_note(cells)]))
+    return figures.save(figure, f"{name}-{metric.slug}", metric.title, caption)
+
+
+def _decode_note(cells: pd.DataFrame) -> str:
+    """What one decode call is, when the scenario decodes."""
+    if "decode" not in set(cells["mode"]) or "axes.new_tokens" not in cells:
+        return ""
+    steps = "/".join(str(int(s)) for s in sorted(cells["axes.new_tokens"].dropna().unique()))
+    return f"decode: one call is the {steps} generated tokens of one round, after a prefill of {cells['x_axis'].iloc[0]} tokens."
+
+
+def _latency_plot(cells: pd.DataFrame, figures: Figures, name: str) -> Plot | None:
+    """Decode: each generated token's median latency against its position, one panel per context."""
+    if "metrics.step_latency_s" not in cells:
+        return None
+    decode = cells[(cells["mode"] == "decode") & (cells["status"] == "ok") & cells["metrics.step_latency_s"].map(lambda v: isinstance(v, list))]
+    if decode.empty:
+        return None
+    contexts = sorted(decode["axes.seq_len"].unique())
+    figure, axes = _new_figure(len(contexts))
+    for ax, context in zip(axes, contexts):
+        for record in decode[decode["axes.seq_len"] == context].sort_values("series").to_dict("records"):
+            latency = np.asarray(record["metrics.step_latency_s"], dtype=float)
+            positions = context + np.arange(1, len(latency) + 1)
+            ax.plot(positions, latency * 1e3, color=figures.colours[record["series"]], linestyle=figures.styles[record["machine"]], marker=".")
+        ax.set(title=f"context {context}", xlabel="position of the generated token", ylabel="latency (ms)")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    figures.legend(figure, decode, False)
+    title = "Decode latency per generated token (median over rounds)"
+    return figures.save(figure, f"{name}-decode-latency", title, f"{title}, after a prefill of the context; one panel per context length.")
+
+
+# --- tables -------------------------------------------------------------------------------
+
+
+@dataclass
+class Table:
+    title: str
+    headers: list[str]
+    rows: list[list[str]]
+    row_classes: list[str] = field(default_factory=list)
+    caption: str = ""
+
+
+def _text(value) -> str:
+    if not present(value):
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+def _si(value) -> str:
+    """``214k``, ``1.23M``: three significant digits with a k/M/G suffix."""
+    if not present(value):
+        return "-"
+    for suffix, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(value) >= scale:
+            return f"{value / scale:.3g}{suffix}"
+    return f"{value:.3g}"
+
+
+def _mib(value) -> str:
+    return "-" if not present(value) else f"{value / MIB:.1f} MiB"
+
+
+def _gib(value) -> str:
+    return "-" if not present(value) else f"{value / 2**30:.1f} GiB"
+
+
+def _table(title: str, frame: pd.DataFrame, columns: list[tuple[str, str, Callable]], caption: str = "", classes: str | None = None) -> Table:
+    """A Table of ``frame``: ``columns`` are (header, column, formatter); missing columns show '-'."""
+    records = frame.to_dict("records")
+    rows = [[formatter(record.get(column)) for _, column, formatter in columns] for record in records]
+    row_classes = [re.sub(r"[^a-z0-9]+", "-", str(record.get(classes)).lower()).strip("-") for record in records] if classes else []
+    return Table(title, [header for header, _, _ in columns], rows, row_classes, caption)
+
+
+def _cell_columns(cells: pd.DataFrame) -> list[tuple[str, str, Callable]]:
+    """The columns that name a cell: line label, machine (when several), mode, axes."""
+    machine = [("machine", "machine", _text)] if cells["machine"].nunique() > 1 else []
+    return [("variant", "series", _text), *machine, ("mode", "mode", _text), ("axes", "axes_text", _text)]
+
+
+def _failures_table(cells: pd.DataFrame) -> Table | None:
+    failures = cells[cells["status"] != "ok"].sort_values(["status", "series", "mode"])
+    if failures.empty:
+        return None
+    columns = _cell_columns(cells) + [("status", "status", _text), ("message", "error", _text)]
+    caption = "Every cell without valid numbers (oom, error, nan, skipped) and its message; failed cells are the 'x' marks on the plots."
+    return _table("Cells that failed or were skipped", failures, columns, caption, classes="status")
+
+
+def _model_table(cells: pd.DataFrame) -> Table | None:
+    """Model-level cells in the paper's shape: variant, d_dot, words/s, memory."""
+    model = cells[cells["target"] == "model"].sort_values(["series", "mode"])
+    if model.empty:
+        return None
+    columns = [
+        ("variant", "variant", _text), ("d_dot", "params.d_dot", _text), ("params", "params_text", _text),
+        *_cell_columns(cells)[1:], ("words/s", "metrics.words_per_s", _si), ("memory", "metrics.peak_mem_bytes", _mib),
+        ("status", "status", _text),
+    ]
+    return _table("Model: words per second and memory", model, columns, "words/s: tokens per second of one training step (one word per token).")
+
+
+def _quality_table(cells: pd.DataFrame) -> Table | None:
+    found = [metric for metric in QUALITY_METRICS if f"metrics.{metric}" in cells and cells[f"metrics.{metric}"].notna().any()]
+    if not found:
+        return None
+    quality = cells[cells[[f"metrics.{m}" for m in found]].notna().any(axis=1)].sort_values(["series", "mode"])
+    columns = _cell_columns(cells) + [(metric, f"metrics.{metric}", _text) for metric in found]
+    return _table("Quality", quality, columns)
+
+
+def _timing_table(cells: pd.DataFrame) -> Table | None:
+    ok = cells[(cells["status"] == "ok") & cells["mode"].isin(TIMED_MODES)].sort_values(["mode", "series", f"axes.{cells['x_axis'].iloc[0]}"])
+    if ok.empty:
+        return None
+    columns = _cell_columns(cells) + [
+        ("median", "metrics.median_s", format_seconds), ("p20", "metrics.p20_s", format_seconds), ("p80", "metrics.p80_s", format_seconds),
+        ("tokens/s", "metrics.tokens_per_s", _si), ("peak memory", "metrics.peak_mem_bytes", _mib), ("throttled", "metrics.throttled", _text),
+    ]
+    return _table("Every timed cell", ok, columns)
+
+
+# --- machines side by side ----------------------------------------------------------------
+
+
+def machine_ratios(cells: pd.DataFrame) -> pd.DataFrame:
+    """For each scenario measured on several machines: every matching ok cell's median time on
+    each other machine over that on the scenario's first machine (matched on scenario,
+    variant, backend, params, axes without the device, mode, target). ``cells`` from ``prepare``."""
+    ok = cells[cells["status"] == "ok"]
+    rows = []
+    for _, scenario in ok.groupby("scenario", sort=True):
+        machines = list(dict.fromkeys(scenario["machine"]))
+        reference = scenario[scenario["machine"] == machines[0]]
+        for machine in machines[1:]:
+            other = scenario[scenario["machine"] == machine]
+            pairs = reference.merge(other, on=CELL_KEY, suffixes=("_ref", ""))
+            pairs["reference"], pairs["median_s_ref"], pairs["median_s"] = machines[0], pairs["metrics.median_s_ref"], pairs["metrics.median_s"]
+            rows.append(pairs.assign(ratio=pairs["median_s"] / pairs["median_s_ref"]))
+    columns = ["scenario", "series", "mode", "axes_text", "reference", "machine", "median_s_ref", "median_s", "ratio"]
+    return pd.concat(rows, ignore_index=True)[columns] if rows else pd.DataFrame(columns=columns)
+
+
+def _ratio_tables(ratios: pd.DataFrame) -> list[Table]:
+    tables = []
+    for (scenario, reference, machine), group in ratios.groupby(["scenario", "reference", "machine"], sort=False):
+        geomean = float(np.exp(np.log(group["ratio"]).mean()))
+        columns = [("variant", "series", _text), ("mode", "mode", _text), ("axes", "axes_text", _text),
+                   (reference, "median_s_ref", format_seconds), (machine, "median_s", format_seconds), ("ratio", "ratio", format_ratio)]
+        caption = f"median time on {machine} / on {reference}, per matching cell; geometric mean {geomean:.3f} over {len(group)} cells."
+        tables.append(_table(f"{scenario}: {machine} / {reference}", group.sort_values(["mode", "series"]), columns, caption))
+    return tables
+
+
+# --- the header: machines and runs --------------------------------------------------------
+
+
+def _runs(files) -> list[dict]:
+    """The run lines of every file, each with its file."""
+    return [dict(record, file=str(path)) for path in files for record in read_records(path) if record["kind"] == "run"]
+
+
+def _gpu_facts(gpu: dict | None, versions: dict) -> list[tuple[str, str]]:
+    if not gpu:
+        return [("GPU", "none")]
+    return [
+        ("GPU", f"{gpu.get('name')}, {_gib(gpu.get('memory_bytes'))}, compute capability {_text(gpu.get('compute_capability'))}"),
+        ("driver / CUDA", f"driver {_text(gpu.get('driver_version'))}, CUDA driver {_text(gpu.get('cuda_driver_version'))}, "
+                          f"CUDA runtime {_text(versions.get('cuda'))}"),
+        ("power limit / ECC", f"{_text(gpu.get('power_limit_w'))} W, ECC {_text(gpu.get('ecc_enabled'))}"),
+    ]
+
+
+def _machine_facts(machine: dict) -> list[tuple[str, str]]:
+    """The fingerprint as (label, text) rows."""
+    cpu, versions = machine.get("cpu") or {}, machine.get("versions") or {}
+    return [
+        ("hostname", _text(machine.get("hostname"))),
+        ("platform", f"{_text(machine.get('platform'))}, Python {_text(machine.get('python'))}"),
+        ("CPU", f"{_text(cpu.get('model'))}, {_text(cpu.get('usable_cores'))} usable of {_text(cpu.get('logical_cores'))} cores, "
+                f"{_text(cpu.get('torch_threads'))} torch threads"),
+        ("memory", _gib(machine.get("memory_bytes"))),
+        *_gpu_facts(machine.get("gpu"), versions),
+        ("versions", f"torch {_text(versions.get('torch'))}, triton {_text(versions.get('triton'))}, cudnn {_text(versions.get('cudnn'))}, "
+                     f"numpy {_text(versions.get('numpy'))}"),
+        ("machine id", machine["machine_id"]),
+    ]
+
+
+def _commit_text(run: dict) -> str:
+    commit = run.get("commit")
+    return "-" if not commit else commit[:12] + (" (dirty: uncommitted changes)" if run.get("dirty") else "")
+
+
+def _reproduce(run: dict) -> str:
+    """The shell lines that repeat a run: check out its commit, then its exact command."""
+    checkout = f"git checkout {run['commit']}\n" if run.get("commit") else ""
+    command = run.get("command") or f"attnbench run {run.get('scenario_file') or run['scenario']}"
+    return checkout + command
+
+
+def _run_view(run: dict) -> dict:
+    """What the page shows of a run line (fields the format does not require may be missing)."""
+    return {
+        "run_id": run["run_id"], "scenario": run["scenario"], "started_at": run["started_at"],
+        "scenario_file": run.get("scenario_file") or "-", "sha256": (run.get("scenario_sha256") or "-")[:12],
+        "preset": run.get("preset") or "none", "overrides": " ".join(run.get("overrides") or []) or "none",
+        "resumed_from": run.get("resumed_from"), "commit": _commit_text(run), "reproduce": _reproduce(run),
+    }
+
+
+@dataclass
+class MachineSection:
+    name: str
+    facts: list[tuple[str, str]]
+    runs: list[dict]
+    throttled: Table | None
+    throttled_count: int
+
+
+def _throttled(cells: pd.DataFrame) -> pd.DataFrame:
+    return cells[cells["metrics.throttled"].map(lambda value: value is True)]
+
+
+def _machine_section(name: str, runs: list[dict], cells: pd.DataFrame) -> MachineSection:
+    throttled = _throttled(cells)
+    dates = sorted(run["started_at"] for run in runs)
+    facts = _machine_facts(runs[-1]["machine"]) + [
+        ("commits", ", ".join(dict.fromkeys(_commit_text(run) for run in runs))),
+        ("run dates", dates[0] if dates[0] == dates[-1] else f"{dates[0]} to {dates[-1]}"),
+    ]
+    reasons = [(f"reasons {when}", f"metrics.throttle_{when}.reasons", _text) for when in ("before", "after")]
+    table = _table("Throttled cells", throttled, [("scenario", "scenario", _text), *_cell_columns(cells), *reasons]) if len(throttled) else None
+    return MachineSection(name, facts, [_run_view(run) for run in runs], table, len(throttled))
+
+
+def _machine_sections(cells: pd.DataFrame, runs: list[dict]) -> list[MachineSection]:
+    names = dict(zip(cells["machine_key"], cells["machine"]))
+    sections = []
+    for key, name in names.items():
+        own = [run for run in runs if run["machine"]["machine_id"] == key]
+        sections.append(_machine_section(name, own, cells[cells["machine_key"] == key]))
+    return sections
+
+
+# --- the report ---------------------------------------------------------------------------
+
+
+@dataclass
+class ScenarioSection:
+    name: str
+    target: str
+    x: str
+    statuses: str
+    plots: list[Plot]
+    tables: list[Table]
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "-", text).strip("-") or "scenario"
+
+
+def _statuses(cells: pd.DataFrame) -> str:
+    counts = cells["status"].value_counts()
+    return f"{len(cells)} cells: " + ", ".join(f"{count} {status}" for status, count in counts.items())
+
+
+def _scenario_section(name: str, cells: pd.DataFrame, figures: Figures) -> ScenarioSection:
+    slug = _slug(name)
+    plots = [_metric_plot(cells, metric, figures, slug) for metric in METRICS] + [_latency_plot(cells, figures, slug)]
+    tables = [_model_table(cells), _quality_table(cells), _failures_table(cells), _timing_table(cells)]
+    targets = ", ".join(cells["target"].dropna().unique())
+    return ScenarioSection(name, targets, cells["x_axis"].iloc[0], _statuses(cells),
+                           [p for p in plots if p is not None], [t for t in tables if t is not None])
+
+
+def _compare_table(result: CompareResult) -> Table:
+    columns = [
+        ("scenario", "scenario", _text), ("variant", "variant", _text), ("params", "params", _text), ("axes", "axes", _text),
+        ("mode", "mode", _text), ("base", "base_median_s", format_seconds), ("head", "head_median_s", format_seconds),
+        ("ratio", "ratio", format_ratio), ("CI low", "ci_low", format_ratio), ("CI high", "ci_high", format_ratio),
+        ("mark", "mark", _text), ("note", "note", _text),
+    ]
+    return _table("Comparison of two commits", result.table, columns, result.summary(), classes="mark")
+
+
+def _csv_value(value):
+    return json.dumps(value) if isinstance(value, (list, dict)) else value
+
+
+def write_cells_csv(frame: pd.DataFrame, path: Path) -> None:
+    """Every cell of ``load``, one row each; list values (raw samples, latencies) as JSON."""
+    frame.map(_csv_value).to_csv(path, index=False)
+
+
+def _template() -> jinja2.Template:
+    source = importlib.resources.files("harness").joinpath("templates/report.html.j2").read_text(encoding="utf-8")
+    return jinja2.Environment(autoescape=True, undefined=jinja2.StrictUndefined).from_string(source)
+
+
+def build_report(paths, out_dir, *, title: str | None = None, compare_base: CompareResult | None = None) -> Path:
+    """Write the report of the results files or directories ``paths`` into ``out_dir``
+    (index.html, cells.csv, plots/*.png); return the path of index.html."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    frame = load(paths)
+    if frame.empty:
+        raise ValueError("the results files hold no cells: nothing to report")
+    write_cells_csv(frame, out_dir / "cells.csv")
+    cells = prepare(frame)
+    runs = _runs(frame["file"].unique())
+    figures = Figures(out_dir, palette(cells), _machine_styles(cells))
+    scenarios = [_scenario_section(name, group, figures) for name, group in cells.groupby("scenario", sort=True)]
+    page = _template().render(
+        title=title or "attnbench report: " + ", ".join(section.name for section in scenarios),
+        generated=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        files=list(frame["file"].unique()),
+        machines=_machine_sections(cells, runs),
+        scenarios=scenarios,
+        side_by_side=_ratio_tables(machine_ratios(cells)),
+        comparison=_compare_table(compare_base) if compare_base is not None else None,
+    )
+    index = out_dir / "index.html"
+    index.write_text(page, encoding="utf-8")
+    return index

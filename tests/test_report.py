@@ -1,0 +1,272 @@
+"""The report end to end: real results of tiny scenarios, written by the runner in
+subprocesses (with failing cells from tests/fault_plugin.py), turned into HTML, CSV and PNG
+files; checked by parsing the files and by opening the page in headless Chromium."""
+
+from __future__ import annotations
+
+import base64
+import csv
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from harness.compare import compare
+from harness.report import build_report, machine_ratios, prepare
+from harness.results import load, read_records
+
+PLUGIN = str(Path(__file__).with_name("fault_plugin.py"))
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+CORE_SCENARIO = """
+name: tiny-report
+variants: {softmax: {}, linear: {}, fault_error: {}, fault_oom: {}}
+axes: {seq_len: [16, 32], batch: 1, heads: 2, d_key: 8}
+modes: [forward, train, decode]
+decode: {new_tokens: 4}
+measure: {warmup: 1, repeats: 3, timeout_s: 60}
+"""
+MODEL_SCENARIO = """
+name: tiny-lm
+variants: {softmax: {}, linear: {}}
+target: model
+model: {preset: small, vocab_size: 500, overrides: {n_layers: 1, d_ff: 256}}
+axes: {seq_len: 32, batch: 2, heads: 8, d_key: 16}
+modes: [train]
+measure: {warmup: 1, repeats: 2, timeout_s: 60}
+"""
+CHROMIUM_FLAGS = [
+    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+    "--disable-component-update", "--disable-sync",
+]
+
+
+def measure(tmp_path: Path, text: str, *args: str) -> Path:
+    """Write scenario ``text``, run it through the CLI and return its results file."""
+    scenario = tmp_path / "scenario.yaml"
+    scenario.write_text(textwrap.dedent(text))
+    command = [sys.executable, "-m", "harness.cli", "run", str(scenario), "--out", str(tmp_path / "out"), "--no-progress", *args]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    (path,) = (tmp_path / "out").glob("*.jsonl")
+    return path
+
+
+def as_other_machine(source: Path, target: Path) -> Path:
+    """A copy of ``source`` whose run lines say it was measured on another machine, a GPU
+    machine that reported power throttling during its first ok cell."""
+    other = {"hostname": "gpu-box-b", "machine_id": "b0b0b0b0b0b0b0b0", "gpu": {"name": "Simulated GPU B", "memory_bytes": 2**34}}
+    throttle = {"throttled": True, "throttle_before": None, "throttle_after": {"throttled": True, "reasons": ["SwPowerCap"]}}
+    lines, first_ok = [], True
+    for record in read_records(source):
+        if record["kind"] == "run":
+            record["machine"] = {**record["machine"], **other}
+        else:
+            record["machine_id"] = other["machine_id"]
+            if record["status"] == "ok" and first_ok:
+                record["metrics"].update(throttle)
+                first_ok = False
+        lines.append(json.dumps(record) + "\n")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text("".join(lines))
+    return target
+
+
+class Page(HTMLParser):
+    """What the tests read from a page: its text, <img> sources, tables and tag balance."""
+
+    VOID = {"meta", "img", "br", "hr", "link", "input"}
+
+    def __init__(self, text: str):
+        super().__init__()
+        self.text, self.images, self.tables, self.open, self.by_id = [], [], [], Counter(), {}
+        self._row, self._in_cell = None, False
+        self.feed(text)
+        self.close()
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        if tag not in self.VOID:
+            self.open[tag] += 1
+        if "id" in attrs:
+            self.by_id[attrs["id"]] = attrs
+        if tag == "img":
+            self.images.append(attrs["src"])
+        elif tag == "table":
+            self.tables.append([])
+        elif tag == "tr":
+            self._row = []
+            self.tables[-1].append(self._row)
+        elif tag in ("td", "th"):
+            self._row.append("")
+            self._in_cell = True
+
+    def handle_endtag(self, tag):
+        self.open[tag] -= 1
+        if tag in ("td", "th"):
+            self._in_cell = False
+
+    def handle_data(self, data):
+        self.text.append(data)
+        if self._in_cell:
+            self._row[-1] += data.strip()
+
+    @property
+    def all_text(self) -> str:
+        return " ".join(" ".join(self.text).split())
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> dict[str, Path]:
+    """Real results: a core scenario with errors and OOMs in three modes, and a model scenario."""
+    with ThreadPoolExecutor(2) as pool:
+        core = pool.submit(measure, tmp_path_factory.mktemp("core"), CORE_SCENARIO, "--plugin", PLUGIN)
+        model = pool.submit(measure, tmp_path_factory.mktemp("model"), MODEL_SCENARIO)
+        return {"core": core.result(), "model": model.result()}
+
+
+@pytest.fixture(scope="module")
+def report(results, tmp_path_factory) -> Path:
+    return build_report([results["core"], results["model"]], tmp_path_factory.mktemp("report") / "out")
+
+
+@pytest.fixture(scope="module")
+def page(report) -> Page:
+    return Page(report.read_text(encoding="utf-8"))
+
+
+def cells_of(path: Path) -> list[dict]:
+    return [record for record in read_records(path) if record["kind"] == "cell"]
+
+
+def test_the_page_parses_and_its_tags_balance(page):
+    unbalanced = {tag: count for tag, count in page.open.items() if count}
+    assert not unbalanced, f"unclosed or stray tags: {unbalanced}"
+    assert page.all_text.startswith("attnbench report: tiny-lm, tiny-report")
+
+
+def test_every_plot_is_a_png_file_and_embedded_in_the_page(report, page):
+    files = sorted((report.parent / "plots").glob("*.png"))
+    names = {path.stem for path in files}
+    assert {"tiny-report-time", "tiny-report-throughput", "tiny-report-memory", "tiny-report-decode-latency", "tiny-lm-time"} <= names
+    assert all(path.stat().st_size > 1000 for path in files)
+    assert len(page.images) == len(files)
+    embedded = []
+    for source in page.images:
+        assert source.startswith("data:image/png;base64,"), source[:40]
+        data = base64.b64decode(source.split(",", 1)[1], validate=True)
+        assert data.startswith(PNG_SIGNATURE)
+        assert Image.open(io.BytesIO(data)).size[0] > 100
+        embedded.append(data)
+    assert sorted(embedded) == sorted(path.read_bytes() for path in files), "the page and plots/ hold different images"
+
+
+def test_cells_csv_has_one_row_per_cell_with_its_status(report, results):
+    with open(report.parent / "cells.csv", newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    cells = cells_of(results["core"]) + cells_of(results["model"])
+    assert sorted(row["cell_id"] for row in rows) == sorted(cell["cell_id"] for cell in cells)
+    assert Counter(row["status"] for row in rows) == Counter(cell["status"] for cell in cells)
+    assert {"ok", "error", "oom"} <= {row["status"] for row in rows}
+    ok = next(row for row in rows if row["status"] == "ok")
+    assert len(json.loads(ok["metrics.samples_s"])) >= 2
+
+
+def test_failed_cells_are_listed_with_their_messages(page, results):
+    failed = [cell for cell in cells_of(results["core"]) if cell["status"] != "ok"]
+    table = next(table for table in page.tables if table and "message" in table[0])
+    header, rows = table[0], table[1:]
+    assert len(rows) == len(failed)
+    listed = Counter((row[header.index("variant")], row[header.index("status")]) for row in rows)
+    assert listed == Counter((cell["variant"], cell["status"]) for cell in failed)
+    assert listed[("fault_oom", "oom")] >= 4 and listed[("fault_error", "error")] >= 4  # forward and train, two seq_len each
+    assert "CUDA out of memory. Tried to allocate 1.00 TiB" in page.all_text
+    assert "RuntimeError: injected failure" in page.all_text
+
+
+def test_the_header_says_where_and_how_it_was_measured(page, results):
+    run = next(record for record in read_records(results["core"]) if record["kind"] == "run")
+    text = page.all_text
+    assert "What was measured where" in text
+    assert run["machine"]["hostname"] in text and run["machine"]["machine_id"] in text
+    assert str(run["machine"]["cpu"]["model"]) in text and run["machine"]["versions"]["torch"] in text
+    assert run["command"].startswith("attnbench run ") and run["command"] in text
+    assert "no cell reported throttling" in text
+
+
+def test_the_model_table_has_words_per_second_and_memory(page, results):
+    table = next(table for table in page.tables if table and "words/s" in table[0])
+    header, rows = table[0], table[1:]
+    assert [row[header.index("variant")] for row in rows] == ["linear", "softmax"]
+    assert all(row[header.index("words/s")] not in ("", "-") for row in rows)
+    assert all(row[header.index("memory")].endswith("MiB") for row in rows)
+
+
+def test_a_second_machine_gets_a_side_by_side_section_with_ratios_and_its_throttling(results, tmp_path):
+    other = as_other_machine(results["core"], tmp_path / "b" / "tiny-report-b.jsonl")
+    index = build_report([results["core"], other], tmp_path / "report")
+    page = Page(index.read_text(encoding="utf-8"))
+    ratios = machine_ratios(prepare(load([results["core"], other])))
+    ok = [cell for cell in cells_of(results["core"]) if cell["status"] == "ok"]
+    assert len(ratios) == len(ok) and (ratios["ratio"] == 1.0).all()
+    assert set(ratios["machine"]) == {"gpu-box-b (Simulated GPU B)"}
+    assert "Machines side by side" in page.all_text and "Simulated GPU B" in page.all_text
+    assert "1 cell ran while the GPU was throttled" in page.all_text and "SwPowerCap" in page.all_text
+    table = next(table for table in page.tables if table and "ratio" in table[0] and "gpu-box-b (Simulated GPU B)" in table[0])
+    assert len(table) - 1 == len(ok) and {row[-1] for row in table[1:]} == {"1.000"}
+
+
+def test_a_comparison_becomes_a_section(results, tmp_path):
+    index = build_report([results["core"]], tmp_path / "report", title="with a comparison", compare_base=compare(results["core"], results["core"]))
+    page = Page(index.read_text(encoding="utf-8"))
+    table = next(table for table in page.tables if table and "mark" in table[0])
+    marks = Counter(row[table[0].index("mark")] for row in table[1:])
+    assert marks["unchanged"] == sum(cell["status"] == "ok" for cell in cells_of(results["core"]))
+    assert "Comparison of two commits" in page.all_text and page.all_text.startswith("with a comparison")
+
+
+def _chromium() -> str:
+    found = shutil.which("chromium")
+    if found is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail("chromium is not installed, and CI must run the browser test (apt-get install chromium)")
+        pytest.skip("chromium is not installed (apt-get install chromium); CI runs this test")
+    return found
+
+
+def _browse(report: Path, profile: Path, *args: str) -> subprocess.CompletedProcess:
+    command = [_chromium(), *CHROMIUM_FLAGS, f"--user-data-dir={profile}", *args, report.resolve().as_uri()]
+    return subprocess.run(command, capture_output=True, text=True, timeout=120)
+
+
+def test_the_page_renders_in_headless_chromium(report, page, tmp_path):
+    """Every image decodes, no script error or console message, and the screenshot is not blank;
+    the screenshot and the page are kept in $ATTNBENCH_ARTIFACTS (default: this test's tmp_path)."""
+    dom = _browse(report, tmp_path / "profile-dom", "--enable-logging=stderr", "--v=0", "--dump-dom")
+    assert dom.returncode == 0, dom.stderr[-2000:]
+    check = Page(dom.stdout).by_id["render-check"]
+    total = str(len(page.images))
+    assert (check["data-images-loaded"], check["data-images-total"], check["data-errors"]) == (total, total, "0"), check
+    console = [line for line in dom.stderr.splitlines() if ":CONSOLE" in line]
+    assert not console, console
+    artifacts = Path(os.environ.get("ATTNBENCH_ARTIFACTS", tmp_path))
+    artifacts.mkdir(parents=True, exist_ok=True)
+    shutil.copy(report, artifacts / "report.html")
+    screenshot = artifacts / "report-screenshot.png"
+    shot = _browse(report, tmp_path / "profile-shot", f"--screenshot={screenshot}", "--window-size=1400,4000")
+    assert shot.returncode == 0 and screenshot.stat().st_size > 10_000, shot.stderr[-2000:]
+    image = Image.open(screenshot).convert("RGB")
+    assert image.size == (1400, 4000)
+    colours = image.getcolors(maxcolors=1 << 20)
+    assert len(colours) > 50, "the screenshot is (nearly) one colour"
+    white = {colour: count for count, colour in colours}.get((255, 255, 255), 0)
+    assert white < 0.97 * image.size[0] * image.size[1], "the screenshot is almost all white"
