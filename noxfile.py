@@ -4,6 +4,7 @@
 - ``run``: the main job, ``attnbench run`` on the default set (smoke-cpu on a CPU machine,
   the GPU set where CUDA is present); posargs go to ``attnbench run``.
 - ``bench-cpu`` / ``bench-gpu``: every shipped speed scenario on the CPU / on a CUDA GPU.
+- ``report``: an HTML report from results files (default: results/ -> reports/latest/).
 - ``microbench``, ``perf_cpu``, ``demo``, ``lint``.
 
 Every session installs attnbench into its own virtual environment. PyTorch comes from the
@@ -62,6 +63,13 @@ def bench_gpu(session):
     install(session)
     session.run("python", "-c", CUDA_CHECK)
     session.run("attnbench", "run", *SPEED_SCENARIOS, "--preset", "gpu", *session.posargs)
+
+
+@nox.session
+def report(session):
+    """attnbench report: posargs are results files and -o DIR (default: results/ -> reports/latest/)."""
+    install(session)
+    session.run("attnbench", "report", *(session.posargs or ["results", "-o", "reports/latest"]))
 
 
 @nox.session

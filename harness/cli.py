@@ -1,4 +1,4 @@
-"""The ``attnbench`` command line: run, list, env, demo."""
+"""The ``attnbench`` command line: run, report, compare, list, env, demo."""
 
 from __future__ import annotations
 
@@ -64,6 +64,40 @@ def _run(args) -> int:
     return 0
 
 
+def _report(args) -> int:
+    from .compare import CompareError, compare
+    from .report import build_report
+    from .results import ResultsFileError
+
+    try:
+        baseline = compare(args.compare_base, args.results, factor=args.factor, alpha=args.alpha) if args.compare_base else None
+        index = build_report(args.results, args.out, title=args.title, compare_base=baseline)
+    except (CompareError, ResultsFileError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"report: {index} (plots in {index.parent / 'plots'}, every cell in {index.parent / 'cells.csv'})")
+    return 0
+
+
+def _compare(args) -> int:
+    from .compare import EXIT_INCOMPARABLE, CompareError, compare
+    from .report import build_report
+    from .results import ResultsFileError
+
+    try:
+        result = compare(
+            args.base, args.head, factor=args.factor, alpha=args.alpha, seed=args.seed, allow_different_machines=args.allow_different_machines
+        )
+    except (CompareError, ResultsFileError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_INCOMPARABLE
+    print(result.format_table())
+    if args.report:
+        index = build_report([*args.base, *args.head], args.report, compare_base=result)
+        print(f"report: {index}")
+    return result.exit_code
+
+
 def _list(args) -> int:
     import variants
 
@@ -110,6 +144,27 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--plugin", action="append", help="module or .py file registering extra variants (also ATTNBENCH_PLUGINS)")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
     run.set_defaults(handler=_run)
+
+    report = commands.add_parser("report", help="write an HTML report (plots, tables, machines) from results files")
+    report.add_argument("results", nargs="+", help="results files or directories (several machines, several runs)")
+    report.add_argument("-o", "--out", type=Path, required=True, help="directory for index.html, cells.csv and plots/")
+    report.add_argument("--title")
+    report.add_argument("--compare-base", nargs="+", metavar="BASE", help="also compare RESULTS against these results")
+    report.add_argument("--factor", type=float, default=1.1)
+    report.add_argument("--alpha", type=float, default=0.05)
+    report.set_defaults(handler=_report)
+
+    compare = commands.add_parser(
+        "compare", help="compare two runs cell by cell (exit 0: no regression, 1: regression, 2: not comparable)"
+    )
+    compare.add_argument("base", nargs=1, help="results file or directory of the base")
+    compare.add_argument("head", nargs=1, help="results file or directory of the head")
+    compare.add_argument("--factor", type=float, default=1.1, help="a regression must be slower by more than this ratio")
+    compare.add_argument("--alpha", type=float, default=0.05, help="significance level of the bootstrap interval")
+    compare.add_argument("--seed", type=int, default=0)
+    compare.add_argument("--allow-different-machines", action="store_true", help="mark cells of different machines as not comparable")
+    compare.add_argument("--report", type=Path, help="also write an HTML report with the comparison into this directory")
+    compare.set_defaults(handler=_compare)
 
     listing = commands.add_parser("list", help="list the variants and the shipped scenarios")
     listing.set_defaults(handler=_list)
