@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import config_id, make_inputs, run_steps
 
 import variants
-from conftest import config_id, make_inputs, run_steps
 
 pytest.importorskip("triton")
 
