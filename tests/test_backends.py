@@ -61,3 +61,5 @@ def test_triton_backend_refusals():
         variants.create("delta", 8, backend="triton", attn_norm=True)
     with pytest.raises(variants.VariantError, match="backend must be one of"):
         variants.create("linear", 8, backend="cuda")
+    with pytest.raises(variants.UnsupportedBackend, match="d_dot=384 exceeds the Triton kernels' limit of 256"):
+        variants.create("dpfp", 64, nu=3, backend="triton")

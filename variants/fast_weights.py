@@ -12,7 +12,7 @@ from typing import NamedTuple
 import torch
 
 from . import kernels
-from .base import AttentionCore, VariantError
+from .base import AttentionCore, UnsupportedBackend, VariantError
 from .feature_maps import EPS, FeatureMap, SumNormalized, make_feature_map
 
 
@@ -42,6 +42,10 @@ class FastWeightCore(AttentionCore):
         kernels.check_backend(self.variant_name, backend)
         self.backend = backend
         feature_map: FeatureMap = make_feature_map(phi, d_key, m=m, nu=nu, d_dot=d_dot, seed=seed)
+        if backend == "triton" and feature_map.d_dot > kernels.MAX_HEAD_DIM:
+            raise UnsupportedBackend(
+                f"{self.variant_name}: d_dot={feature_map.d_dot} exceeds the Triton kernels' limit of {kernels.MAX_HEAD_DIM}; use backend='torch'"
+            )
         self.phi = SumNormalized(feature_map) if sum_norm else feature_map
         self.phi_name = phi
         self.sum_norm = sum_norm

@@ -15,6 +15,8 @@ import os
 from ..base import UnsupportedBackend, VariantError
 
 BACKENDS = ("torch", "triton")
+#: The largest d_dot and d_value the Triton kernels take.
+MAX_HEAD_DIM = 256
 
 
 def check_backend(variant: str, backend: str, supported=BACKENDS) -> None:

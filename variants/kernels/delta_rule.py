@@ -83,12 +83,13 @@ import torch
 import triton
 import triton.language as tl
 
+from ..base import UnsupportedBackend
+from . import MAX_HEAD_DIM
+
 #: Set by tests: every output and gradient buffer is filled with NaN before the kernels
 #: write it, so an element a kernel forgets to write shows up.
 POISON = False
 
-#: Largest d_dot and d_value the kernels accept.
-MAX_HEAD_DIM = 256
 #: Largest chunk size (C×C tiles and [C, d_dot] tiles live in registers).
 MAX_CHUNK_SIZE = 128
 
@@ -465,7 +466,7 @@ def _check(q, k, v, beta, weights, chunk_size) -> int:
         raise ValueError("delta_rule_triton: the sequence is empty (T = 0); give at least one token")
     too_big = [f"{name}={size}" for name, size in (("d_dot", d_dot), ("d_value", d_value)) if size > MAX_HEAD_DIM]
     if too_big:
-        raise ValueError(f"delta_rule_triton supports d_dot and d_value up to {MAX_HEAD_DIM}, got {', '.join(too_big)}: use backend='torch'")
+        raise UnsupportedBackend(f"delta_rule_triton supports d_dot and d_value up to {MAX_HEAD_DIM}, got {', '.join(too_big)}: use backend='torch'")
     tensors = [q, k, v, beta] + ([weights] if weights is not None else [])
     if any(t.dtype != q.dtype for t in (k, v, beta)):
         raise ValueError(f"delta_rule_triton: q, k, v and beta must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}, {beta.dtype}")

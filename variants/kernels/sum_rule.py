@@ -58,9 +58,8 @@ from torch.autograd.function import once_differentiable
 
 from ..base import UnsupportedBackend, VariantError
 from ..feature_maps import EPS
+from . import MAX_HEAD_DIM
 
-#: The largest d_dot and d_value the kernel takes (its tiles are held in registers).
-MAX_DIM = 256
 #: Rows (F) or columns (Dv) of the state one program holds; a power of two ≥ 16.
 STATE_BLOCK = 64
 #: tl.dot precision for float32 inputs ("ieee": true fp32; "tf32" is faster and ~1e-3 relative).
@@ -485,9 +484,9 @@ def _check(q, k, v, weights, normaliser, normalize, chunk_size):
         )
     batch, heads, _, d_dot = q.shape
     d_value = v.shape[-1]
-    if d_dot > MAX_DIM or d_value > MAX_DIM:
+    if d_dot > MAX_HEAD_DIM or d_value > MAX_HEAD_DIM:
         raise UnsupportedBackend(
-            f"sum_rule_triton supports d_dot and d_value up to {MAX_DIM}, got d_dot={d_dot}, d_value={d_value}: use backend='torch'"
+            f"sum_rule_triton supports d_dot and d_value up to {MAX_HEAD_DIM}, got d_dot={d_dot}, d_value={d_value}: use backend='torch'"
         )
     if not (q.dtype == k.dtype == v.dtype) or q.dtype not in _SUPPORTED_DTYPES:
         raise UnsupportedBackend(
