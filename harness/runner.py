@@ -29,9 +29,10 @@ from . import machine
 from .results import ResultsWriter, completed_cell_ids, read_records, repair_tail
 from .scenario import LoadedScenario, describe
 
-#: glibc returns blocks above this size to the OS on free, so a worker's resident set
-#: tracks its live memory and the per-cell peak RSS (harness.measure.PeakMemory) is honest.
-WORKER_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
+#: glibc maps blocks of 64 KiB and more on their own and trims its heap at once, so freed
+#: memory leaves a worker's resident set and the per-cell peak RSS (harness.measure.PeakMemory)
+#: follows live memory to about 2 MiB.
+WORKER_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0", "MALLOC_TOP_PAD_": "0"}
 WORKER_START_TIMEOUT_S = 300
 
 
