@@ -35,8 +35,6 @@ def test_unknown_variant_lists_the_known_names():
     [
         ("softmax", {"m": 3}, "m"),
         ("linear", {"colour": "red"}, "colour"),
-        ("performer", {"nu": 2}, "nu"),
-        ("dpfp", {"m": 2}, "m"),
         ("delta", {"normalize": True}, "normalize"),
     ],
 )
@@ -277,3 +275,17 @@ def test_layer_rejects_non_positive_sizes(kwargs):
 def test_softmax_scale_must_be_positive(scale):
     with pytest.raises(variants.VariantError, match="scale"):
         variants.create("softmax", 4, scale=scale)
+
+
+@pytest.mark.parametrize(
+    "name, params, message",
+    [
+        ("performer", {"nu": 2}, "phi='favor' takes m, not nu"),
+        ("linear", {"phi": "favor", "m": 4, "nu": 2}, "phi='favor' takes m, not nu"),
+        ("dpfp", {"m": 2}, "phi='dpfp' takes nu, not m"),
+        ("delta", {"phi": "dpfp", "m": 2}, "phi='dpfp' takes nu, not m"),
+    ],
+)
+def test_a_parameter_of_the_other_feature_map_is_refused(name, params, message):
+    with pytest.raises(variants.VariantError, match=re.escape(message)):
+        variants.create(name, 8, **params)

@@ -28,22 +28,9 @@ class DeltaRule(FastWeightCore):
     needs_beta = True
     supports_noncausal = False
 
-    def __init__(
-        self, d_key, *, phi="elu1", sum_norm=True, attn_norm=False, chunk_size=64, m=None, nu=None, d_dot=None, seed=0, backend="torch"
-    ):
-        super().__init__(
-            d_key,
-            phi=phi,
-            sum_norm=sum_norm,
-            attn_norm=attn_norm,
-            chunk_size=chunk_size,
-            m=m,
-            nu=nu,
-            d_dot=d_dot,
-            seed=seed,
-            backend=backend,
-        )
-        if backend == "triton" and attn_norm:
+    def __init__(self, d_key, *, phi="elu1", sum_norm=True, attn_norm=False, **options):
+        super().__init__(d_key, phi=phi, sum_norm=sum_norm, attn_norm=attn_norm, **options)
+        if self.backend == "triton" and attn_norm:
             raise kernels.UnsupportedBackend(
                 "delta: backend='triton' implements the delta rule without attention normalisation; use attn_norm=False or backend='torch'"
             )

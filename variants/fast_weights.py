@@ -15,6 +15,8 @@ from . import kernels
 from .base import AttentionCore, UnsupportedBackend, VariantError
 from .feature_maps import EPS, FeatureMap, SumNormalized, make_feature_map
 
+DEFAULT_CHUNK = 64
+
 
 class FastWeightState(NamedTuple):
     """The decoding state of a linear-time variant.
@@ -31,11 +33,12 @@ class FastWeightCore(AttentionCore):
     """Base of the sum and delta rules: builds φ, owns the state and the attention normaliser.
 
     ``phi`` names the feature map ('identity', 'elu1', 'favor' with ``m``, 'dpfp' with
-    ``nu``; ``d_dot`` may stand in for m or ν). ``sum_norm`` divides φ(q), φ(k) by the sum
-    of their components; ``attn_norm`` divides each read by z·φ(q).
+    ``nu``; ``d_dot`` may stand in for m or ν; ``seed`` draws FAVOR+'s features). ``sum_norm``
+    divides φ(q), φ(k) by the sum of their components; ``attn_norm`` divides each read by
+    z·φ(q). ``chunk_size`` is the scan's chunk; ``backend`` 'torch' or 'triton'.
     """
 
-    def __init__(self, d_key, *, phi, sum_norm, attn_norm, chunk_size, m=None, nu=None, d_dot=None, seed=0, backend="torch"):
+    def __init__(self, d_key, *, phi, sum_norm, attn_norm, chunk_size=DEFAULT_CHUNK, m=None, nu=None, d_dot=None, seed=0, backend="torch"):
         super().__init__(d_key)
         if not isinstance(chunk_size, int) or chunk_size < 1:
             raise VariantError(f"chunk_size must be a positive int, got {chunk_size!r}")

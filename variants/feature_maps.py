@@ -140,6 +140,10 @@ def make_feature_map(
     (dpfp: ν = d_dot / (2 d_key)); it must then be reachable exactly."""
     if phi not in PHI_NAMES:
         raise VariantError(f"unknown feature map phi={phi!r}; known: {', '.join(PHI_NAMES)}")
+    if phi == "favor" and nu is not None:
+        raise VariantError(f"phi='favor' takes m, not nu (nu={nu!r} belongs to phi='dpfp')")
+    if phi == "dpfp" and m is not None:
+        raise VariantError(f"phi='dpfp' takes nu, not m (m={m!r} belongs to phi='favor')")
     if phi == "favor":
         m = _resolve(phi, "m", m, d_dot, 2, "d_dot = 2m")
         return Favor(d_key, m, seed=seed)

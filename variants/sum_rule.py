@@ -16,40 +16,14 @@ from .chunked import sum_rule_chunked
 from .fast_weights import FastWeightCore, FastWeightState
 from .feature_maps import EPS
 
-DEFAULT_CHUNK = 64
-
 
 @register("linear")
 class SumRule(FastWeightCore):
     """Linear attention: the sum rule with any φ (default elu+1) and, by default,
     Katharopoulos' normalisation. ``sum_norm`` (off by default) is Schlag's φ / Σφ."""
 
-    def __init__(
-        self,
-        d_key,
-        *,
-        phi="elu1",
-        normalize=True,
-        sum_norm=False,
-        chunk_size=DEFAULT_CHUNK,
-        m=None,
-        nu=None,
-        d_dot=None,
-        seed=0,
-        backend="torch",
-    ):
-        super().__init__(
-            d_key,
-            phi=phi,
-            sum_norm=sum_norm,
-            attn_norm=normalize,
-            chunk_size=chunk_size,
-            m=m,
-            nu=nu,
-            d_dot=d_dot,
-            seed=seed,
-            backend=backend,
-        )
+    def __init__(self, d_key, *, phi="elu1", normalize=True, sum_norm=False, **options):
+        super().__init__(d_key, phi=phi, sum_norm=sum_norm, attn_norm=normalize, **options)
 
     @property
     def normalize(self) -> bool:
@@ -91,17 +65,17 @@ class SumRule(FastWeightCore):
 
 
 @register("performer")
-def performer(d_key, *, m=None, d_dot=None, seed=0, normalize=True, chunk_size=DEFAULT_CHUNK, backend="torch"):
+def performer(d_key, *, m=None, d_dot=None, **options):
     """Performer: the sum rule with FAVOR+ (m random features, d_dot = 2m; default m = d_key).
     ``core.phi.redraw(seed)`` draws new features."""
     if m is None and d_dot is None:
         m = d_key
-    return SumRule(d_key, phi="favor", m=m, d_dot=d_dot, seed=seed, normalize=normalize, chunk_size=chunk_size, backend=backend)
+    return SumRule(d_key, phi="favor", m=m, d_dot=d_dot, **options)
 
 
 @register("dpfp")
-def dpfp(d_key, *, nu=None, d_dot=None, normalize=True, chunk_size=DEFAULT_CHUNK, backend="torch"):
+def dpfp(d_key, *, nu=None, d_dot=None, **options):
     """The sum rule with DPFP-ν (Schlag et al. 2021, eq. 37; d_dot = 2·d_key·ν; default ν = 1)."""
     if nu is None and d_dot is None:
         nu = 1
-    return SumRule(d_key, phi="dpfp", nu=nu, d_dot=d_dot, normalize=normalize, chunk_size=chunk_size, backend=backend)
+    return SumRule(d_key, phi="dpfp", nu=nu, d_dot=d_dot, **options)
