@@ -154,6 +154,40 @@ def _load_beta(beta_ptr, bh, chunk, seq_len, chunk_size, CT: tl.constexpr):
 
 
 @triton.jit
+def _state_tile(block, d_dot, d_value, FP: tl.constexpr, BV: tl.constexpr):
+    """Value-column block ``block`` of one [F, Dv] state: ``(feats, vcols, offsets, mask)``, the
+    padded row and column indices, their offsets in a contiguous [F, Dv] matrix and the mask."""
+    feats = tl.arange(0, FP)
+    vcols = block * BV + tl.arange(0, BV)
+    offsets = feats[:, None] * d_value + vcols[None, :]
+    mask = (feats < d_dot)[:, None] & (vcols < d_value)[None, :]
+    return feats, vcols, offsets, mask
+
+
+@triton.jit
+def _load_state(ptr, bh, d_dot, d_value, offsets, mask, PRESENT: tl.constexpr, FP: tl.constexpr, BV: tl.constexpr):
+    """A state block of a [B·H, F, Dv] input as fp32 [FP, BV] (zeros outside), or zeros when not ``PRESENT``."""
+    if PRESENT:
+        state = tl.load(ptr + bh * d_dot * d_value + offsets, mask=mask, other=0.0).to(tl.float32)
+    else:
+        state = tl.zeros([FP, BV], dtype=tl.float32)
+    return state
+
+
+@triton.jit
+def _store_state(ptr, state, bh, d_dot, d_value, offsets, mask):
+    """The inverse of ``_load_state``: masked store, cast to the buffer's dtype."""
+    tl.store(ptr + bh * d_dot * d_value + offsets, state.to(ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _chunk_state_offsets(bh, chunk, num_chunks, feats, vcols, FP: tl.constexpr, DVP: tl.constexpr):
+    """Offsets of rows ``feats``, columns ``vcols`` of chunk ``chunk``'s entry in a padded
+    [B·H, NC, FP, DVP] buffer of per-chunk states."""
+    return (bh * num_chunks + chunk) * FP * DVP + feats[:, None] * DVP + vcols[None, :]
+
+
+@triton.jit
 def _ut_transform_kernel(
     k_ptr, v_ptr, beta_ptr,  # inputs [BH, T, F], [BH, T, Dv], [BH, T]
     t_ptr, w_ptr, u_ptr,  # outputs (fp32, padded) [BH, NC, CT, CT], [BH, NC·CT, FP], [BH, NC·CT, DVP]
@@ -201,19 +235,13 @@ def _forward_scan_kernel(
     block = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     rows = tl.arange(0, CT)
-    feats = tl.arange(0, FP)
-    vcols = block * BV + tl.arange(0, BV)
-    state_mask = (feats < d_dot)[:, None] & (vcols < d_value)[None, :]
-    state_offsets = feats[:, None] * d_value + vcols[None, :]
-    if HAS_S0:
-        state = tl.load(s0_ptr + bh * d_dot * d_value + state_offsets, mask=state_mask, other=0.0).to(tl.float32)
-    else:
-        state = tl.zeros([FP, BV], dtype=tl.float32)
+    feats, vcols, state_offsets, state_mask = _state_tile(block, d_dot, d_value, FP, BV)
+    state = _load_state(s0_ptr, bh, d_dot, d_value, state_offsets, state_mask, HAS_S0, FP, BV)
     causal = rows[:, None] >= rows[None, :]
     for chunk in range(0, num_chunks):
         tile = (bh * num_chunks + chunk) * CT
         if STORE_STATES:
-            tl.store(states_ptr + (bh * num_chunks + chunk) * FP * DVP + feats[:, None] * DVP + vcols[None, :], state)
+            tl.store(states_ptr + _chunk_state_offsets(bh, chunk, num_chunks, feats, vcols, FP, DVP), state)
         queries = _load_tokens(q_ptr, bh, chunk, seq_len, d_dot, chunk_size, CT, FP, 0)
         keys = _load_tokens(k_ptr, bh, chunk, seq_len, d_dot, chunk_size, CT, FP, 0)
         w = tl.load(w_ptr + (tile + rows)[:, None] * FP + feats[None, :])
@@ -224,7 +252,7 @@ def _forward_scan_kernel(
         _store_tokens(y_ptr, out, bh, chunk, seq_len, d_value, chunk_size, CT, BV, block * BV)
         tl.store(u_ptr + u_offsets, new_values)
         state += tl.dot(tl.trans(keys), new_values, input_precision=PRECISION)
-    tl.store(s_final_ptr + bh * d_dot * d_value + state_offsets, state, mask=state_mask)
+    _store_state(s_final_ptr, state, bh, d_dot, d_value, state_offsets, state_mask)
 
 
 @triton.jit
@@ -242,19 +270,13 @@ def _backward_scan_kernel(
     block = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     rows = tl.arange(0, CT)
-    feats = tl.arange(0, FP)
-    vcols = block * BV + tl.arange(0, BV)
-    state_mask = (feats < d_dot)[:, None] & (vcols < d_value)[None, :]
-    state_offsets = feats[:, None] * d_value + vcols[None, :]
-    if HAS_DS_FINAL:
-        dstate = tl.load(ds_final_ptr + bh * d_dot * d_value + state_offsets, mask=state_mask, other=0.0).to(tl.float32)
-    else:
-        dstate = tl.zeros([FP, BV], dtype=tl.float32)
+    feats, vcols, state_offsets, state_mask = _state_tile(block, d_dot, d_value, FP, BV)
+    dstate = _load_state(ds_final_ptr, bh, d_dot, d_value, state_offsets, state_mask, HAS_DS_FINAL, FP, BV)
     causal = rows[:, None] >= rows[None, :]
     for step in range(0, num_chunks):
         chunk = num_chunks - 1 - step
         tile = (bh * num_chunks + chunk) * CT
-        tl.store(dstates_ptr + (bh * num_chunks + chunk) * FP * DVP + feats[:, None] * DVP + vcols[None, :], dstate)
+        tl.store(dstates_ptr + _chunk_state_offsets(bh, chunk, num_chunks, feats, vcols, FP, DVP), dstate)
         queries = _load_tokens(q_ptr, bh, chunk, seq_len, d_dot, chunk_size, CT, FP, 0)
         keys = _load_tokens(k_ptr, bh, chunk, seq_len, d_dot, chunk_size, CT, FP, 0)
         w = tl.load(w_ptr + (tile + rows)[:, None] * FP + feats[None, :])
@@ -263,7 +285,7 @@ def _backward_scan_kernel(
         dnew_values = tl.dot(tl.trans(scores), dout, input_precision=PRECISION) + tl.dot(keys, dstate, input_precision=PRECISION)
         dstate += tl.dot(tl.trans(queries), dout, input_precision=PRECISION) - tl.dot(tl.trans(w), dnew_values, input_precision=PRECISION)
     if STORE_DS0:
-        tl.store(ds0_ptr + bh * d_dot * d_value + state_offsets, dstate.to(ds0_ptr.dtype.element_ty), mask=state_mask)
+        _store_state(ds0_ptr, dstate, bh, d_dot, d_value, state_offsets, state_mask)
 
 
 @triton.jit
@@ -286,7 +308,6 @@ def _backward_chunk_kernel(
     rows = tl.arange(0, CT)
     feats = tl.arange(0, FP)
     tile = (bh * num_chunks + chunk) * CT
-    state_base = (bh * num_chunks + chunk) * FP * DVP
 
     queries = _load_tokens(q_ptr, bh, chunk, seq_len, d_dot, chunk_size, CT, FP, 0)
     keys = _load_tokens(k_ptr, bh, chunk, seq_len, d_dot, chunk_size, CT, FP, 0)
@@ -302,7 +323,7 @@ def _backward_chunk_kernel(
     dbeta = tl.zeros([CT], dtype=tl.float32)
     for block in range(0, DVP // BV):
         vcols = block * BV + tl.arange(0, BV)
-        state_offsets = state_base + feats[:, None] * DVP + vcols[None, :]
+        state_offsets = _chunk_state_offsets(bh, chunk, num_chunks, feats, vcols, FP, DVP)
         state = tl.load(states_ptr + state_offsets)
         dstate_next = tl.load(dstates_ptr + state_offsets)
         new_values = tl.load(u_ptr + (tile + rows)[:, None] * DVP + vcols[None, :])

@@ -88,6 +88,39 @@ def _pow2_block(n: int) -> int:
 
 
 @triton.jit
+def _state_tile(bh, offs_f, offs_v, F, DV):
+    """Offsets and mask of rows ``offs_f``, columns ``offs_v`` of a contiguous [B·H, F, Dv] state."""
+    offs = bh * F * DV + offs_f[:, None] * DV + offs_v[None, :]
+    mask = (offs_f < F)[:, None] & (offs_v < DV)[None, :]
+    return offs, mask
+
+
+@triton.jit
+def _load_or_zeros(ptr, offs, mask, PRESENT: tl.constexpr):
+    """``ptr[offs]`` as float32 (masked, 0 outside) when ``PRESENT``, else float32 zeros of ``offs``'s shape."""
+    if PRESENT:
+        values = tl.load(ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    else:
+        values = tl.zeros(offs.shape, dtype=tl.float32)
+    return values
+
+
+@triton.jit
+def _chunk_rows(chunk, T, CHUNK, offs_c):
+    """Token indices of chunk ``chunk`` and which of them are real (inside the chunk and the sequence)."""
+    rows = chunk * CHUNK + offs_c
+    return rows, (offs_c < CHUNK) & (rows < T)
+
+
+@triton.jit
+def _token_tile(bh, T, rows, row_ok, cols, width):
+    """Offsets and mask of tokens ``rows``, columns ``cols`` of a contiguous [B·H, T, width] tensor."""
+    offs = bh * T * width + rows[:, None] * width + cols[None, :]
+    mask = row_ok[:, None] & (cols < width)[None, :]
+    return offs, mask
+
+
+@triton.jit
 def _forward_kernel(
     q_ptr, k_ptr, v_ptr, s0_ptr, z0_ptr,  # inputs
     y_ptr, st_ptr, zt_ptr, rinv_ptr,  # outputs
@@ -107,27 +140,16 @@ def _forward_kernel(
     offs_f = tl.arange(0, BLOCK_F)
     offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
     f_ok = offs_f < F
-    v_ok = offs_v < DV
     causal = offs_c[:, None] >= offs_c[None, :]
 
-    state_offs = bh * F * DV + offs_f[:, None] * DV + offs_v[None, :]
-    state_mask = f_ok[:, None] & v_ok[None, :]
-    if HAS_S0:
-        state = tl.load(s0_ptr + state_offs, mask=state_mask, other=0.0).to(tl.float32)
-    else:
-        state = tl.zeros([BLOCK_F, BLOCK_V], dtype=tl.float32)
-    if HAS_Z0:
-        norm = tl.load(z0_ptr + bh * F + offs_f, mask=f_ok, other=0.0).to(tl.float32)
-    else:
-        norm = tl.zeros([BLOCK_F], dtype=tl.float32)
+    state_offs, state_mask = _state_tile(bh, offs_f, offs_v, F, DV)
+    state = _load_or_zeros(s0_ptr, state_offs, state_mask, HAS_S0)
+    norm = _load_or_zeros(z0_ptr, bh * F + offs_f, f_ok, HAS_Z0)
 
     for chunk in range(n_chunks):
-        rows = chunk * CHUNK + offs_c
-        row_ok = (offs_c < CHUNK) & (rows < T)
-        qk_offs = bh * T * F + rows[:, None] * F + offs_f[None, :]
-        qk_mask = row_ok[:, None] & f_ok[None, :]
-        v_offs = bh * T * DV + rows[:, None] * DV + offs_v[None, :]
-        v_mask = row_ok[:, None] & v_ok[None, :]
+        rows, row_ok = _chunk_rows(chunk, T, CHUNK, offs_c)
+        qk_offs, qk_mask = _token_tile(bh, T, rows, row_ok, offs_f, F)
+        v_offs, v_mask = _token_tile(bh, T, rows, row_ok, offs_v, DV)
         q = tl.load(q_ptr + qk_offs, mask=qk_mask, other=0.0).to(tl.float32)
         k = tl.load(k_ptr + qk_offs, mask=qk_mask, other=0.0).to(tl.float32)
         v = tl.load(v_ptr + v_offs, mask=v_mask, other=0.0).to(tl.float32)
@@ -160,10 +182,10 @@ def _forward_kernel(
 
 
 @triton.jit
-def _load_cotangent(dy_ptr, rinv_ptr, delta_ptr, bh, T, DV, rows, row_ok, offs_v, v_ok, NORMALIZE: tl.constexpr):
+def _load_cotangent(dy_ptr, rinv_ptr, delta_ptr, bh, T, DV, rows, row_ok, offs_v, NORMALIZE: tl.constexpr):
     """g = dy·r and dden = −r (dy·y) for one chunk (g = dy, dden = 0 without normalisation)."""
-    dy_offs = bh * T * DV + rows[:, None] * DV + offs_v[None, :]
-    g = tl.load(dy_ptr + dy_offs, mask=row_ok[:, None] & v_ok[None, :], other=0.0).to(tl.float32)
+    dy_offs, dy_mask = _token_tile(bh, T, rows, row_ok, offs_v, DV)
+    g = tl.load(dy_ptr + dy_offs, mask=dy_mask, other=0.0).to(tl.float32)
     if NORMALIZE:
         rinv = tl.load(rinv_ptr + bh * T + rows, mask=row_ok, other=0.0)
         delta = tl.load(delta_ptr + bh * T + rows, mask=row_ok, other=0.0)
@@ -172,6 +194,15 @@ def _load_cotangent(dy_ptr, rinv_ptr, delta_ptr, bh, T, DV, rows, row_ok, offs_v
     else:
         dden = tl.zeros_like(rows).to(tl.float32)
     return g, dden
+
+
+@triton.jit
+def _cotangent_scores(g, v, dden, causal, NORMALIZE: tl.constexpr, PRECISION: tl.constexpr):
+    """P = tril(G Vᵀ + dden 1ᵀ) for one chunk (P = tril(G Vᵀ) without normalisation)."""
+    p = tl.dot(g, tl.trans(v), input_precision=PRECISION)
+    if NORMALIZE:
+        p += dden[:, None]
+    return tl.where(causal, p, 0.0)
 
 
 @triton.jit
@@ -190,35 +221,21 @@ def _backward_dq_kernel(
     offs_c = tl.arange(0, BLOCK_C)
     offs_f = pid_f * BLOCK_F + tl.arange(0, BLOCK_F)
     offs_v = tl.arange(0, BLOCK_V)
-    f_ok = offs_f < F
-    v_ok = offs_v < DV
     causal = offs_c[:, None] >= offs_c[None, :]
 
-    state_offs = bh * F * DV + offs_f[:, None] * DV + offs_v[None, :]
-    state_mask = f_ok[:, None] & v_ok[None, :]
-    if HAS_S0:
-        state = tl.load(s0_ptr + state_offs, mask=state_mask, other=0.0).to(tl.float32)
-    else:
-        state = tl.zeros([BLOCK_F, BLOCK_V], dtype=tl.float32)
-    if HAS_Z0:
-        norm = tl.load(z0_ptr + bh * F + offs_f, mask=f_ok, other=0.0).to(tl.float32)
-    else:
-        norm = tl.zeros([BLOCK_F], dtype=tl.float32)
+    state_offs, state_mask = _state_tile(bh, offs_f, offs_v, F, DV)
+    state = _load_or_zeros(s0_ptr, state_offs, state_mask, HAS_S0)
+    norm = _load_or_zeros(z0_ptr, bh * F + offs_f, offs_f < F, HAS_Z0)
 
     for chunk in range(n_chunks):
-        rows = chunk * CHUNK + offs_c
-        row_ok = (offs_c < CHUNK) & (rows < T)
-        k_offs = bh * T * F + rows[:, None] * F + offs_f[None, :]
-        k_mask = row_ok[:, None] & f_ok[None, :]
-        v_offs = bh * T * DV + rows[:, None] * DV + offs_v[None, :]
+        rows, row_ok = _chunk_rows(chunk, T, CHUNK, offs_c)
+        k_offs, k_mask = _token_tile(bh, T, rows, row_ok, offs_f, F)
+        v_offs, v_mask = _token_tile(bh, T, rows, row_ok, offs_v, DV)
         k = tl.load(k_ptr + k_offs, mask=k_mask, other=0.0).to(tl.float32)
-        v = tl.load(v_ptr + v_offs, mask=row_ok[:, None] & v_ok[None, :], other=0.0).to(tl.float32)
-        g, dden = _load_cotangent(dy_ptr, rinv_ptr, delta_ptr, bh, T, DV, rows, row_ok, offs_v, v_ok, NORMALIZE)
+        v = tl.load(v_ptr + v_offs, mask=v_mask, other=0.0).to(tl.float32)
+        g, dden = _load_cotangent(dy_ptr, rinv_ptr, delta_ptr, bh, T, DV, rows, row_ok, offs_v, NORMALIZE)
 
-        p = tl.dot(g, tl.trans(v), input_precision=PRECISION)
-        if NORMALIZE:
-            p += dden[:, None]
-        p = tl.where(causal, p, 0.0)
+        p = _cotangent_scores(g, v, dden, causal, NORMALIZE, PRECISION)
         dq = tl.dot(p, k, input_precision=PRECISION)
         dq += tl.dot(g, tl.trans(state), input_precision=PRECISION)
         if NORMALIZE:
@@ -245,35 +262,21 @@ def _backward_dk_kernel(
     offs_f = pid_f * BLOCK_F + tl.arange(0, BLOCK_F)
     offs_v = tl.arange(0, BLOCK_V)
     f_ok = offs_f < F
-    v_ok = offs_v < DV
     causal = offs_c[:, None] >= offs_c[None, :]
 
-    state_offs = bh * F * DV + offs_f[:, None] * DV + offs_v[None, :]
-    state_mask = f_ok[:, None] & v_ok[None, :]
-    if HAS_DST:
-        dstate = tl.load(dst_ptr + state_offs, mask=state_mask, other=0.0).to(tl.float32)
-    else:
-        dstate = tl.zeros([BLOCK_F, BLOCK_V], dtype=tl.float32)
-    if HAS_DZT:
-        dnorm = tl.load(dzt_ptr + bh * F + offs_f, mask=f_ok, other=0.0).to(tl.float32)
-    else:
-        dnorm = tl.zeros([BLOCK_F], dtype=tl.float32)
+    state_offs, state_mask = _state_tile(bh, offs_f, offs_v, F, DV)
+    dstate = _load_or_zeros(dst_ptr, state_offs, state_mask, HAS_DST)
+    dnorm = _load_or_zeros(dzt_ptr, bh * F + offs_f, f_ok, HAS_DZT)
 
     for step in range(n_chunks):
-        chunk = n_chunks - 1 - step
-        rows = chunk * CHUNK + offs_c
-        row_ok = (offs_c < CHUNK) & (rows < T)
-        q_offs = bh * T * F + rows[:, None] * F + offs_f[None, :]
-        q_mask = row_ok[:, None] & f_ok[None, :]
-        v_offs = bh * T * DV + rows[:, None] * DV + offs_v[None, :]
+        rows, row_ok = _chunk_rows(n_chunks - 1 - step, T, CHUNK, offs_c)
+        q_offs, q_mask = _token_tile(bh, T, rows, row_ok, offs_f, F)
+        v_offs, v_mask = _token_tile(bh, T, rows, row_ok, offs_v, DV)
         q = tl.load(q_ptr + q_offs, mask=q_mask, other=0.0).to(tl.float32)
-        v = tl.load(v_ptr + v_offs, mask=row_ok[:, None] & v_ok[None, :], other=0.0).to(tl.float32)
-        g, dden = _load_cotangent(dy_ptr, rinv_ptr, delta_ptr, bh, T, DV, rows, row_ok, offs_v, v_ok, NORMALIZE)
+        v = tl.load(v_ptr + v_offs, mask=v_mask, other=0.0).to(tl.float32)
+        g, dden = _load_cotangent(dy_ptr, rinv_ptr, delta_ptr, bh, T, DV, rows, row_ok, offs_v, NORMALIZE)
 
-        p = tl.dot(g, tl.trans(v), input_precision=PRECISION)
-        if NORMALIZE:
-            p += dden[:, None]
-        p = tl.where(causal, p, 0.0)
+        p = _cotangent_scores(g, v, dden, causal, NORMALIZE, PRECISION)
         dk = tl.dot(tl.trans(p), q, input_precision=PRECISION)
         dk += tl.dot(v, tl.trans(dstate), input_precision=PRECISION)
         if NORMALIZE:
@@ -303,28 +306,18 @@ def _backward_dv_kernel(
     offs_c = tl.arange(0, BLOCK_C)
     offs_f = tl.arange(0, BLOCK_F)
     offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
-    f_ok = offs_f < F
-    v_ok = offs_v < DV
     causal = offs_c[:, None] >= offs_c[None, :]
 
-    state_offs = bh * F * DV + offs_f[:, None] * DV + offs_v[None, :]
-    state_mask = f_ok[:, None] & v_ok[None, :]
-    if HAS_DST:
-        dstate = tl.load(dst_ptr + state_offs, mask=state_mask, other=0.0).to(tl.float32)
-    else:
-        dstate = tl.zeros([BLOCK_F, BLOCK_V], dtype=tl.float32)
+    state_offs, state_mask = _state_tile(bh, offs_f, offs_v, F, DV)
+    dstate = _load_or_zeros(dst_ptr, state_offs, state_mask, HAS_DST)
 
     for step in range(n_chunks):
-        chunk = n_chunks - 1 - step
-        rows = chunk * CHUNK + offs_c
-        row_ok = (offs_c < CHUNK) & (rows < T)
-        qk_offs = bh * T * F + rows[:, None] * F + offs_f[None, :]
-        qk_mask = row_ok[:, None] & f_ok[None, :]
-        v_offs = bh * T * DV + rows[:, None] * DV + offs_v[None, :]
-        v_mask = row_ok[:, None] & v_ok[None, :]
+        rows, row_ok = _chunk_rows(n_chunks - 1 - step, T, CHUNK, offs_c)
+        qk_offs, qk_mask = _token_tile(bh, T, rows, row_ok, offs_f, F)
+        v_offs, v_mask = _token_tile(bh, T, rows, row_ok, offs_v, DV)
         q = tl.load(q_ptr + qk_offs, mask=qk_mask, other=0.0).to(tl.float32)
         k = tl.load(k_ptr + qk_offs, mask=qk_mask, other=0.0).to(tl.float32)
-        g, dden = _load_cotangent(dy_ptr, rinv_ptr, delta_ptr, bh, T, DV, rows, row_ok, offs_v, v_ok, NORMALIZE)
+        g, dden = _load_cotangent(dy_ptr, rinv_ptr, delta_ptr, bh, T, DV, rows, row_ok, offs_v, NORMALIZE)
 
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         scores = tl.where(causal, scores, 0.0)
