@@ -96,7 +96,10 @@ class Worker:
             self.process.start()
         finally:
             for key, value in saved.items():
-                os.environ.pop(key) if value is None else os.environ.__setitem__(key, value)
+                if value is None:
+                    os.environ.pop(key)
+                else:
+                    os.environ[key] = value
         child.close()
         # Wait for the imports, so that a cell's timeout counts its own time only.
         try:
@@ -109,20 +112,19 @@ class Worker:
 
     def measure(self, cell: dict, timeout_s: float) -> dict:
         self.conn.send(cell)
-        if self.conn.poll(timeout_s):
-            try:
-                return self.conn.recv()
-            except EOFError:
-                pass
+        if not self.conn.poll(timeout_s):
+            self.restart()
+            return {"status": "error", "error": f"timed out after {timeout_s:g} s (cell stopped; measure.timeout_s)", "metrics": {}}
+        try:
+            return self.conn.recv()
+        except EOFError:
             return self._died()
-        self.restart()
-        return {"status": "error", "error": f"timed out after {timeout_s:g} s (cell stopped; measure.timeout_s)", "metrics": {}}
 
     def _died(self) -> dict:
         self.process.join(5)
         code = self.process.exitcode
         self.restart()
-        if code is not None and code < 0 and -code == 9:
+        if code == -signal.SIGKILL:
             return {"status": "oom", "error": "the worker was killed by SIGKILL (on Linux usually the out-of-memory killer)", "metrics": {}}
         return {"status": "error", "error": f"the worker process died (exit code {code})", "metrics": {}}
 
