@@ -1,0 +1,1 @@
+"""Quality tasks: small models built on attnbench variants, trained and evaluated as one cell."""

@@ -1,0 +1,268 @@
+"""Synthetic associative retrieval (Schlag et al. 2021, §6.1).
+
+There are S keys and S values; value i is the one-hot vector v_i ∈ R^S. A sequence is L
+(key, value) pairs followed by one query key, and the model must return the value bound
+to the query. Keys are embedded by a learned e: K → R^{d_emb}; the memory is written with
+keys k = W_K [e(k); v] and values v, and read with q = W_Q e(q). The loss is
+l = Σ_j ½ (v*_j − v̂_j)².
+
+* Setting 1 (capacity): L = S, keys and values drawn without replacement (a random pairing).
+* Setting 2 (update rules): L = 2S, keys and values drawn with replacement; the query is a
+  key present in the sequence and its answer is the value most recently bound to it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import variants
+
+SETTINGS = (1, 2)
+
+
+@dataclass
+class RetrievalBatch:
+    """``keys``, ``values``: ``[batch, L]``; ``query``, ``answer``: ``[batch]`` (all long)."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    query: torch.Tensor
+    answer: torch.Tensor
+
+
+@dataclass
+class RetrievalResult:
+    """One training run (Schlag et al. 2021, §6.1 report the best validation loss)."""
+
+    loss: float
+    final_loss: float
+    steps: int
+    evaluations: list[tuple[int, float]] = field(default_factory=list)
+    wall_s: float = 0.0
+    stopped: str = "max_steps"
+    seed: int = 0
+
+
+# --- data ------------------------------------------------------------------------------
+
+
+def _check_positive_int(name: str, value, minimum: int = 1) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+
+
+def _check_setting(setting) -> None:
+    if isinstance(setting, bool) or setting not in SETTINGS:
+        raise ValueError(f"setting must be 1 (capacity) or 2 (update rules), got {setting!r}")
+
+
+def _check_generator(generator) -> None:
+    if not isinstance(generator, torch.Generator):
+        raise ValueError(f"generator must be a torch.Generator, got {type(generator).__name__}")
+
+
+def sequence_length(setting: int, S: int) -> int:
+    """L = S in setting 1, L = 2S in setting 2 (Schlag et al. 2021, §6.1)."""
+    return S if setting == 1 else 2 * S
+
+
+def _sample_pairs(setting: int, S: int, batch: int, generator: torch.Generator):
+    """Keys and values ``[batch, L]``: permutations in setting 1, uniform draws in setting 2."""
+    if setting == 1:
+        keys = torch.rand(batch, S, generator=generator).argsort(dim=1)
+        values = torch.rand(batch, S, generator=generator).argsort(dim=1)
+        return keys, values
+    L = sequence_length(setting, S)
+    return torch.randint(S, (batch, L), generator=generator), torch.randint(S, (batch, L), generator=generator)
+
+
+def _present(keys: torch.Tensor, S: int) -> torch.Tensor:
+    """``[batch, S]`` bool: which keys occur in each sequence."""
+    return F.one_hot(keys, S).sum(dim=1) > 0
+
+
+def _answers(keys: torch.Tensor, values: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
+    """The value most recently bound to ``query`` in each sequence (the query must occur)."""
+    positions = torch.arange(keys.shape[1]).expand_as(keys)
+    last = torch.where(keys == query[:, None], positions, -1).amax(dim=1)
+    return values.gather(1, last[:, None]).squeeze(1)
+
+
+def make_batch(setting: int, S: int, batch: int, generator: torch.Generator) -> RetrievalBatch:
+    """``batch`` training sequences, each with one query drawn uniformly among its keys
+    (Schlag et al. 2021, §6.1)."""
+    _check_setting(setting)
+    _check_positive_int("S", S)
+    _check_positive_int("batch", batch)
+    _check_generator(generator)
+    keys, values = _sample_pairs(setting, S, batch, generator)
+    scores = torch.rand(batch, S, generator=generator).masked_fill(~_present(keys, S), -1.0)
+    query = scores.argmax(dim=1)
+    return RetrievalBatch(keys, values, query, _answers(keys, values, query))
+
+
+def make_eval_batch(setting: int, S: int, sequences: int = 20, *, generator: torch.Generator) -> RetrievalBatch:
+    """``sequences`` sequences, each queried with every distinct key it contains: "we sample
+    20 sequences and test all possible queries" (Schlag et al. 2021, §6.1)."""
+    _check_setting(setting)
+    _check_positive_int("S", S)
+    _check_positive_int("sequences", sequences)
+    _check_generator(generator)
+    keys, values = _sample_pairs(setting, S, sequences, generator)
+    row, query = _present(keys, S).nonzero(as_tuple=True)
+    keys, values = keys[row], values[row]
+    return RetrievalBatch(keys, values, query, _answers(keys, values, query))
+
+
+# --- model -----------------------------------------------------------------------------
+
+
+class RetrievalModel(nn.Module):
+    """e, W_K, W_Q (and W_β for the delta rule) around one head of an attention core
+    (Schlag et al. 2021, §6.1); the memory's values are the one-hot v, so d_value = S.
+
+    The read after all L writes comes from the core's causal parallel form: the real query
+    q = W_Q e(q) is placed at the last position L − 1 and the queries before it are zeros.
+    Every form's output at position t includes token t (softmax attends to keys ≤ t, the
+    fast weight rules write token t before reading with q_t), so the output at L − 1 is the
+    read with q after the L writes; outputs at earlier positions are computed and discarded.
+    """
+
+    def __init__(self, S: int, variant: str, *, d_key: int = 64, d_emb: int | None = None, **variant_params):
+        super().__init__()
+        _check_positive_int("S", S)
+        _check_positive_int("d_key", d_key)
+        d_emb = d_key if d_emb is None else d_emb
+        _check_positive_int("d_emb", d_emb)
+        self.S = S
+        self.embed = nn.Embedding(S, d_emb)
+        self.W_K = nn.Linear(d_emb + S, d_key, bias=False)
+        self.W_Q = nn.Linear(d_emb, d_key, bias=False)
+        self.core = variants.create(variant, d_key, **variant_params)
+        self.W_beta = nn.Linear(d_emb + S, 1) if self.core.needs_beta else None
+
+    def sequences(self, batch: RetrievalBatch):
+        """The core's inputs ``q, k: [B, 1, L, d_key]``, ``v: [B, 1, L, S]`` and ``beta:
+        [B, 1, L]`` (None unless the core needs it); q is zero but at the last position."""
+        v = F.one_hot(batch.values, self.S).to(self.embed.weight.dtype)  # [B, L, S]
+        written = torch.cat([self.embed(batch.keys), v], dim=-1)  # [e(k); v]
+        k = self.W_K(written)
+        q_last = self.W_Q(self.embed(batch.query))[:, None]
+        q = torch.cat([q_last.new_zeros(k.shape[0], k.shape[1] - 1, k.shape[2]), q_last], dim=1)
+        beta = torch.sigmoid(self.W_beta(written)).squeeze(-1)[:, None] if self.W_beta is not None else None
+        return q[:, None], k[:, None], v[:, None], beta
+
+    def forward(self, batch: RetrievalBatch) -> torch.Tensor:
+        """v̂ ``[batch, S]``: the read with the query key after writing the L pairs."""
+        q, k, v, beta = self.sequences(batch)
+        return self.core(q, k, v, beta=beta)[:, 0, -1]
+
+
+def retrieval_loss(v_hat: torch.Tensor, answer: torch.Tensor) -> torch.Tensor:
+    """Mean over the batch of Σ_j ½ (v*_j − v̂_j)² (Schlag et al. 2021, §6.1)."""
+    target = F.one_hot(answer, v_hat.shape[-1]).to(v_hat.dtype)
+    return 0.5 * (target - v_hat).pow(2).sum(dim=-1).mean()
+
+
+# --- training --------------------------------------------------------------------------
+
+
+def _eval_generator(seed: int, index: int) -> torch.Generator:
+    """A generator for the ``index``-th evaluation, apart from the training data stream."""
+    return torch.Generator().manual_seed((seed + 1) * 1_000_003 + index)
+
+
+def _subset(batch: RetrievalBatch, rows: slice) -> RetrievalBatch:
+    return RetrievalBatch(batch.keys[rows], batch.values[rows], batch.query[rows], batch.answer[rows])
+
+
+@torch.no_grad()
+def evaluate(model: RetrievalModel, batch: RetrievalBatch, *, chunk: int = 256) -> float:
+    """Mean loss over ``batch``, run ``chunk`` queries at a time to bound memory."""
+    was_training = model.training
+    model.eval()
+    total = 0.0
+    n = batch.query.shape[0]
+    for start in range(0, n, chunk):
+        part = _subset(batch, slice(start, start + chunk))
+        total += retrieval_loss(model(part), part.answer).item() * part.query.shape[0]
+    model.train(was_training)
+    return total / n
+
+
+def _check_train_args(model, setting, S, lr, batch, eval_every, max_steps, patience, target_loss) -> None:
+    _check_setting(setting)
+    _check_positive_int("S", S)
+    if S != model.S:
+        raise ValueError(f"S must match the model's S={model.S}, got {S}")
+    for name, value in (("batch", batch), ("eval_every", eval_every), ("max_steps", max_steps), ("patience", patience)):
+        _check_positive_int(name, value)
+    if not isinstance(lr, (int, float)) or lr <= 0:
+        raise ValueError(f"lr must be a positive number, got {lr!r}")
+    if not isinstance(target_loss, (int, float)) or target_loss < 0:
+        raise ValueError(f"target_loss must be a number >= 0, got {target_loss!r}")
+
+
+def train(
+    model: RetrievalModel,
+    setting: int,
+    S: int,
+    *,
+    lr: float = 1e-3,
+    batch: int = 32,
+    eval_every: int = 100,
+    max_steps: int,
+    patience: int = 10,
+    target_loss: float = 1e-3,
+    seed: int,
+) -> RetrievalResult:
+    """Adam on fresh batches; evaluate every ``eval_every`` steps (and at the last step) on a
+    fresh evaluation set; stop at ``target_loss``, after ``patience`` evaluations without a
+    new best, or at ``max_steps`` (Schlag et al. 2021, §6.1)."""
+    _check_train_args(model, setting, S, lr, batch, eval_every, max_steps, patience, target_loss)
+    data = torch.Generator().manual_seed(seed)
+    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
+    evaluations: list[tuple[int, float]] = []
+    best, since_best, stopped = float("inf"), 0, "max_steps"
+    start = time.perf_counter()
+    model.train()
+    for step in range(1, max_steps + 1):
+        train_batch = make_batch(setting, S, batch, data)
+        loss = retrieval_loss(model(train_batch), train_batch.answer)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        if step % eval_every and step != max_steps:
+            continue
+        eval_loss = evaluate(model, make_eval_batch(setting, S, generator=_eval_generator(seed, len(evaluations))))
+        evaluations.append((step, eval_loss))
+        best, since_best = (eval_loss, 0) if eval_loss < best else (best, since_best + 1)
+        if eval_loss <= target_loss:
+            stopped = "target"
+        elif since_best >= patience:
+            stopped = "patience"
+        if stopped != "max_steps":
+            break
+    return RetrievalResult(best, evaluations[-1][1], step, evaluations, time.perf_counter() - start, stopped, seed)
+
+
+def run_retrieval(variant: str, params: dict, *, setting: int, S: int, d_key: int = 64, max_steps: int, seed: int = 0, **train_kwargs) -> dict:
+    """One harness cell: build the model under ``torch.manual_seed(seed)``, train it, and
+    return the result as a JSON-ready dict (Schlag et al. 2021, §6.1)."""
+    torch.manual_seed(seed)
+    model = RetrievalModel(S, variant, d_key=d_key, **params)
+    result = train(model, setting, S, max_steps=max_steps, seed=seed, **train_kwargs)
+    return {
+        "loss": result.loss,
+        "final_loss": result.final_loss,
+        "steps": result.steps,
+        "wall_s": result.wall_s,
+        "stopped": result.stopped,
+        "seed": result.seed,
+        "evaluations": [list(e) for e in result.evaluations],
+    }
