@@ -25,6 +25,8 @@ DTYPES = ("float32", "float16", "bfloat16", "float64")
 MODES = ("forward", "train", "decode")
 BACKENDS = ("torch", "triton")
 AXES = ("seq_len", "batch", "heads", "d_key", "d_value", "dtype", "device")
+#: The axes of a quality task's cells (retrieval: S, the number of keys).
+TASK_AXES = ("S", "d_key", "dtype", "device")
 
 
 class ScenarioError(ValueError):
@@ -40,7 +42,8 @@ class Strict(BaseModel):
 
 
 class Axes(Strict):
-    seq_len: int | list[int]
+    seq_len: int | list[int] | None = None
+    S: int | list[int] | None = None
     batch: int | list[int] = 1
     heads: int | list[int] = 8
     d_key: int | list[int] = 64
@@ -49,7 +52,7 @@ class Axes(Strict):
     device: str | list[str] = "cpu"
     d_dot: int | list[int] | None = None
 
-    @field_validator("seq_len", "batch", "heads", "d_key", "d_value", "d_dot")
+    @field_validator("seq_len", "S", "batch", "heads", "d_key", "d_value", "d_dot")
     @classmethod
     def _positive(cls, value):
         for item in value if isinstance(value, list) else [value]:
@@ -93,6 +96,20 @@ class Rules(Strict):
     tokens_per_batch: int | None = Field(None, ge=1, description="batch = max(1, tokens_per_batch // seq_len)")
 
 
+class Task(Strict):
+    """A quality task trained and evaluated per cell (Schlag et al. 2021, §6.1 retrieval)."""
+
+    name: Literal["retrieval"] = "retrieval"
+    setting: Literal[1, 2] = 1
+    max_steps: int = Field(20000, ge=1)
+    eval_every: int = Field(100, ge=1)
+    patience: int = Field(10, ge=1)
+    target_loss: float = Field(1e-3, gt=0)
+    lr: float = Field(1e-3, gt=0)
+    batch: int = Field(32, ge=1)
+    seed: int = 0
+
+
 class ModelSpec(Strict):
     preset: str = "small"
     vocab_size: int = Field(32000, ge=2)
@@ -105,8 +122,9 @@ class Scenario(Strict):
     variants: dict[str, dict[str, Sweep] | list[dict[str, Sweep]] | None]
     backends: list[str] = ["torch"]
     axes: Axes
-    modes: list[Literal["forward", "train", "decode"]] = ["forward"]
-    target: Literal["core", "layer", "model"] = "core"
+    modes: list[Literal["forward", "train", "decode", "quality"]] = ["forward"]
+    target: Literal["core", "layer", "model", "retrieval"] = "core"
+    task: Task | None = None
     decode: Decode = Decode()
     measure: Measure = Measure()
     rules: Rules = Rules()
@@ -137,6 +155,17 @@ class Scenario(Strict):
             raise ValueError("target 'model' needs a 'model' section (preset, vocab_size)")
         return self
 
+    @model_validator(mode="after")
+    def _task_or_sequence(self):
+        if self.task is None:
+            if self.axes.seq_len is None:
+                raise ValueError("axes.seq_len is required (or a 'task' section with axes.S)")
+            if "quality" in self.modes or self.target == "retrieval":
+                raise ValueError("mode 'quality' and target 'retrieval' need a 'task' section")
+        elif self.axes.S is None or self.modes != ["quality"] or self.target != self.task.name:
+            raise ValueError(f"a 'task' scenario needs axes.S, modes: [quality] and target: {self.task.name}")
+        return self
+
 
 def _format_validation(path: str, exc: ValidationError) -> str:
     lines = [f"{path}: invalid scenario"]
@@ -165,7 +194,7 @@ def _apply_set(raw: dict, assignment: str, path: str) -> dict:
     if not sep or not key:
         raise ScenarioError(f"{path}: --set {assignment!r}: expected KEY=VALUE, e.g. seq_len=1024 or measure.repeats=3")
     parts = key.split(".")
-    if len(parts) == 1 and parts[0] in AXES + ("d_dot",):
+    if len(parts) == 1 and parts[0] in AXES + ("d_dot", "S"):
         parts = ["axes", parts[0]]
     override: dict = yaml.safe_load(text)
     for part in reversed(parts):
@@ -202,7 +231,10 @@ def load_scenario(spec: str, *, preset: str | None = None, overrides: list[str] 
         presets = raw.get("presets") or {}
         if preset not in presets:
             raise ScenarioError(f"{path}: presets.{preset}: no such preset (this file has: {', '.join(presets) or 'none'})")
-        raw = deep_merge(raw, presets[preset])
+        chosen = dict(presets[preset])
+        if "variants" in chosen:  # a preset's variants replace the scenario's, they do not add to them
+            raw["variants"] = chosen.pop("variants")
+        raw = deep_merge(raw, chosen)
     for assignment in overrides:
         raw = _apply_set(raw, assignment, str(path))
     try:
@@ -251,6 +283,8 @@ def _variant_configs(scenario: Scenario) -> list[tuple[str, dict, str]]:
 def cell_id(cell: dict) -> str:
     """A stable id of what a cell measures (not how often): used to resume."""
     identity = {key: cell[key] for key in ("scenario", "variant", "backend", "params", "axes", "mode", "target", "model")}
+    if cell["task"]:
+        identity["task"] = cell["task"]
     return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -259,7 +293,8 @@ def expand(scenario: Scenario, path: str = "<scenario>") -> list[dict]:
     once here, so an impossible parameter (a ν or m that cannot give the asked d_dot) fails
     before anything is measured."""
     axes = scenario.axes
-    axis_values = {name: _sweep(getattr(axes, name)) for name in AXES}
+    names = TASK_AXES if scenario.task else AXES
+    axis_values = {name: _sweep(getattr(axes, name)) for name in names}
     d_dots = _sweep(axes.d_dot)
     cells, seen = [], set()
     for name, params, field in _variant_configs(scenario):
@@ -269,9 +304,9 @@ def expand(scenario: Scenario, path: str = "<scenario>") -> list[dict]:
             for d_key in axis_values["d_key"]:
                 unsupported.update(_unsupported_backends(name, d_key, full_params, scenario.backends, field, path))
             for backend, mode in itertools.product(scenario.backends, scenario.modes):
-                for combo in itertools.product(*(axis_values[axis] for axis in AXES)):
-                    cell_axes = dict(zip(AXES, combo))
-                    if cell_axes["d_value"] is None:
+                for combo in itertools.product(*(axis_values[axis] for axis in names)):
+                    cell_axes = dict(zip(names, combo))
+                    if "d_value" in cell_axes and cell_axes["d_value"] is None:
                         cell_axes["d_value"] = cell_axes["d_key"]
                     if scenario.rules.tokens_per_batch is not None:
                         cell_axes["batch"] = max(1, scenario.rules.tokens_per_batch // cell_axes["seq_len"])
@@ -289,6 +324,7 @@ def expand(scenario: Scenario, path: str = "<scenario>") -> list[dict]:
                         "target": scenario.target,
                         "decode": scenario.decode.model_dump(),
                         "model": scenario.model.model_dump() if scenario.target == "model" else None,
+                        "task": scenario.task.model_dump() if scenario.task else None,
                         "measure": scenario.measure.model_dump(),
                         "skip": unsupported.get(backend),
                     }
@@ -318,8 +354,8 @@ def describe(cell: dict) -> str:
     params = ",".join(f"{key}={value}" for key, value in cell["params"].items())
     axes = cell["axes"]
     skipped = " (skipped: no such backend)" if cell["skip"] else ""
+    shape = f"S={axes['S']}" if "S" in axes else f"T={axes['seq_len']} B={axes['batch']} H={axes['heads']}"
     return (
         f"{cell['variant']}{'(' + params + ')' if params else ''}[{cell['backend']}]{skipped} {cell['mode']}/{cell['target']} "
-        f"T={axes['seq_len']} B={axes['batch']} H={axes['heads']} Dk={axes['d_key']} Dv={axes['d_value']} "
-        f"{axes['dtype']} {axes['device']}"
+        f"{shape} Dk={axes['d_key']}{' Dv=' + str(axes['d_value']) if 'd_value' in axes else ''} {axes['dtype']} {axes['device']}"
     )

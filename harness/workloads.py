@@ -162,6 +162,8 @@ def measure_cell(cell: dict) -> dict:
     device, dtype = torch.device(axes["device"]), DTYPES[axes["dtype"]]
     if device.type == "cuda" and not torch.cuda.is_available():
         return {"status": "skipped", "error": "CUDA is not available on this machine", "metrics": {}}
+    if cell["mode"] == "quality":
+        return _measure_quality(cell, device, dtype)
     torch.manual_seed(0)
     _warm_up_libraries(cell, device, dtype)
     if cell["mode"] == "decode":
@@ -182,6 +184,22 @@ def measure_cell(cell: dict) -> dict:
     }
     if cell["target"] == "model":
         metrics["words_per_s"] = metrics["tokens_per_s"]
+    return _result(finite, metrics)
+
+
+def _measure_quality(cell, device, dtype) -> dict:
+    """Train and evaluate the cell's task (retrieval: Schlag et al. 2021, §6.1) on the CPU
+    in float32; its metrics are the task's (``loss`` the best evaluation loss, ``steps``...)."""
+    from .tasks.retrieval import run_retrieval
+
+    if (device.type, dtype) != ("cpu", torch.float32):
+        raise CellError("the retrieval task runs on the CPU in float32 (axes.device: cpu, axes.dtype: float32)")
+    task, axes = dict(cell["task"]), cell["axes"]
+    task.pop("name")
+    params = dict(cell["params"], **({"backend": cell["backend"]} if cell["backend"] != "torch" else {}))
+    metrics = run_retrieval(cell["variant"], params, S=axes["S"], d_key=axes["d_key"], **task)
+    metrics["d_dot"] = variants.create(cell["variant"], axes["d_key"], **params).d_dot
+    finite = bool(np.isfinite(metrics["loss"]))
     return _result(finite, metrics)
 
 

@@ -129,3 +129,14 @@ def test_smoke_ci_preset_runs_and_loads(tmp_path):
     assert all(len(latency) == 16 for latency in decode["metrics.step_latency_s"])
     assert table["machine.machine_id"].nunique() == 1
     json.dumps(table.drop(columns=["metrics.samples_s", "metrics.step_latency_s"]).to_dict())
+
+
+def test_retrieval_task_runs_through_the_runner(tmp_path):
+    """A quality cell trains the retrieval model and records its loss, steps and d_dot."""
+    done = attnbench("run", "quality/retrieval-capacity", "--preset", "ci", "--out", str(tmp_path / "out"), "--no-progress")
+    assert done.returncode == 0, done.stderr
+    table = load([tmp_path / "out"])
+    assert len(table) == 4 and set(table["status"]) == {"ok"}, table[["variant", "status", "error"]]
+    assert set(table["axes.S"]) == {4, 8} and (table["metrics.steps"] > 0).all()
+    assert (table["metrics.loss"] >= 0).all() and (table["metrics.loss"] <= table["metrics.final_loss"] + 1e-12).all()
+    assert set(table["metrics.d_dot"]) == {16}

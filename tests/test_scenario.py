@@ -137,3 +137,45 @@ def test_unknown_preset_missing_file_bad_yaml_bad_set(tmp_path):
     assert "mapping" in message
     with pytest.raises(ScenarioError, match="KEY=VALUE"):
         load_scenario(write(tmp_path, BASE), overrides=["seq_len"])
+
+
+TASK = {
+    "name": "r",
+    "variants": {"softmax": {}, "dpfp": {"nu": [1, 2]}},
+    "task": {"name": "retrieval", "setting": 1, "max_steps": 10},
+    "target": "retrieval",
+    "modes": ["quality"],
+    "axes": {"S": [4, 8], "d_key": 8},
+}
+
+
+def test_task_scenario_expands_over_s(tmp_path):
+    cells = load_scenario(write(tmp_path, TASK)).cells()
+    assert len(cells) == 6 and {c["axes"]["S"] for c in cells} == {4, 8}
+    assert set(cells[0]["axes"]) == {"S", "d_key", "dtype", "device"}
+    assert cells[0]["task"]["max_steps"] == 10 and cells[0]["mode"] == "quality"
+
+
+@pytest.mark.parametrize(
+    "change, expected",
+    [
+        ({"axes": {"d_key": 8}}, "axes.S"),
+        ({"modes": ["forward"]}, "modes: [quality]"),
+        ({"task": {"name": "retrieval", "setting": 3}}, "task.setting"),
+        ({"task": {"name": "mqar"}}, "task.name"),
+    ],
+)
+def test_task_scenario_errors(tmp_path, change, expected):
+    message = error_of(tmp_path, {**TASK, **change})
+    assert expected in message, message
+
+
+def test_quality_mode_needs_a_task(tmp_path):
+    message = error_of(tmp_path, dict(BASE, modes=["quality"]))
+    assert "task" in message
+
+
+def test_a_preset_replaces_the_variants(tmp_path):
+    data = dict(BASE, presets={"small": {"variants": {"linear": {}}}})
+    cells = load_scenario(write(tmp_path, data), preset="small").cells()
+    assert {c["variant"] for c in cells} == {"linear"}
