@@ -33,7 +33,7 @@ from .compare import CELL_KEY, CompareResult, format_ratio, format_seconds, iden
 from .results import load, read_records
 
 #: Axes that can be the x axis of a plot, in order of preference.
-X_CANDIDATES = ("seq_len", "batch", "heads", "d_key", "d_value", "new_tokens")
+X_CANDIDATES = ("seq_len", "S", "batch", "heads", "d_key", "d_value", "new_tokens")
 #: Axes that, when they vary within one line, become part of its label.
 LABEL_AXES = X_CANDIDATES + ("dtype", "device", "model")
 TIMED_MODES = ("forward", "train", "decode")
@@ -71,11 +71,12 @@ def _varying_axes(cells: pd.DataFrame, x: str) -> list[str]:
 
 
 def x_axis(cells: pd.DataFrame) -> str:
-    """The swept axis to plot against: the first of ``X_CANDIDATES`` that varies, else seq_len."""
+    """The swept axis to plot against: the first of ``X_CANDIDATES`` that varies, else seq_len
+    (S for quality cells, which have no seq_len)."""
     for axis in X_CANDIDATES:
         if f"axes.{axis}" in cells and cells[f"axes.{axis}"].nunique() > 1:
             return axis
-    return "seq_len"
+    return "seq_len" if "axes.seq_len" in cells else "S"
 
 
 def _series(cells: pd.DataFrame, x: str) -> pd.Series:
@@ -319,6 +320,27 @@ def _latency_plot(cells: pd.DataFrame, figures: Figures, name: str) -> Plot | No
     return figures.save(figure, f"{name}-decode-latency", title, f"{title}, after a prefill of the context; one panel per context length.")
 
 
+def _capacity_plot(cells: pd.DataFrame, figures: Figures, name: str) -> Plot | None:
+    """Retrieval: the best evaluation loss against the number of keys S, one line per
+    variant, each variant's d_dot marked on the axis in its colour (Schlag et al. 2021, Fig. 2)."""
+    if "axes.S" not in cells or "metrics.loss" not in cells:
+        return None
+    ok = cells[(cells["status"] == "ok") & cells["axes.S"].notna() & cells["metrics.loss"].notna()]
+    if ok.empty:
+        return None
+    figure, (ax,) = _new_figure(1)
+    for series, group in ok.sort_values("axes.S").groupby("series"):
+        colour = figures.colours[series]
+        ax.plot(group["axes.S"], group["metrics.loss"], color=colour, marker="o")
+        if "metrics.d_dot" in group and group["metrics.d_dot"].notna().any():
+            ax.axvline(group["metrics.d_dot"].dropna().iloc[0], color=colour, linestyle=":", linewidth=1)
+    ax.set(xlabel="number of keys S", ylabel="best evaluation loss", title="retrieval")
+    figures.legend(figure, ok, False)
+    title = "Retrieval loss against the number of keys"
+    caption = f"{title}: one line per variant; the dotted line in a variant's colour marks its d_dot (its memory's capacity)."
+    return figures.save(figure, f"{name}-capacity", title, caption)
+
+
 # --- tables -------------------------------------------------------------------------------
 
 
@@ -403,9 +425,10 @@ def _quality_table(cells: pd.DataFrame) -> Table | None:
 
 
 def _timing_table(cells: pd.DataFrame) -> Table | None:
-    ok = cells[(cells["status"] == "ok") & cells["mode"].isin(TIMED_MODES)].sort_values(["mode", "series", f"axes.{cells['x_axis'].iloc[0]}"])
+    ok = cells[(cells["status"] == "ok") & cells["mode"].isin(TIMED_MODES)]
     if ok.empty:
         return None
+    ok = ok.sort_values(["mode", "series", f"axes.{cells['x_axis'].iloc[0]}"])
     columns = _cell_columns(cells) + [
         ("median", "metrics.median_s", format_seconds), ("p20", "metrics.p20_s", format_seconds), ("p80", "metrics.p80_s", format_seconds),
         ("tokens/s", "metrics.tokens_per_s", _si), ("peak memory", "metrics.peak_mem_bytes", _mib), ("throttled", "metrics.throttled", _text),
@@ -560,7 +583,8 @@ def _statuses(cells: pd.DataFrame) -> str:
 
 def _scenario_section(name: str, cells: pd.DataFrame, figures: Figures) -> ScenarioSection:
     slug = _slug(name)
-    plots = [_metric_plot(cells, metric, figures, slug) for metric in METRICS] + [_latency_plot(cells, figures, slug)]
+    plots = [_metric_plot(cells, metric, figures, slug) for metric in METRICS]
+    plots += [_latency_plot(cells, figures, slug), _capacity_plot(cells, figures, slug)]
     tables = [_model_table(cells), _quality_table(cells), _failures_table(cells), _timing_table(cells)]
     targets = ", ".join(cells["target"].dropna().unique())
     return ScenarioSection(name, targets, cells["x_axis"].iloc[0], _statuses(cells),

@@ -74,8 +74,9 @@ class AttentionCore(nn.Module):
     """Base class of every variant: argument checks around the three forms.
 
     Subclasses set ``d_dot`` (the dimension after the feature map, the size of the
-    memory's key side), ``needs_beta`` and ``supports_noncausal`` and implement
-    ``_parallel``, ``_reference``, ``init_state`` and ``_step``.
+    memory's key side; None for softmax, whose KV cache has no fixed size), ``needs_beta``
+    and ``supports_noncausal`` and implement ``_parallel``, ``_reference``, ``init_state``
+    and ``_step``.
     """
 
     variant_name = "?"

@@ -50,6 +50,7 @@ class Softmax(AttentionCore):
 
     def __init__(self, d_key, *, scale: float | None = None):
         super().__init__(d_key)
+        self.d_dot = None  # no fixed-size memory: the KV cache grows with the sequence
         if scale is not None and (not isinstance(scale, (int, float)) or scale <= 0):
             raise VariantError(f"softmax: scale must be a positive number, got {scale!r}")
         self.scale = 1 / math.sqrt(d_key) if scale is None else float(scale)
