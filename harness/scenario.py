@@ -13,7 +13,7 @@ import hashlib
 import itertools
 import json
 from pathlib import Path
-from typing import Any, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -25,8 +25,8 @@ DTYPES = ("float32", "float16", "bfloat16", "float64")
 MODES = ("forward", "train", "decode")
 BACKENDS = ("torch", "triton")
 AXES = ("seq_len", "batch", "heads", "d_key", "d_value", "dtype", "device")
-#: The axes of a quality task's cells (retrieval: S, the number of keys).
-TASK_AXES = ("S", "d_key", "dtype", "device")
+#: The axes of a quality task's cells (retrieval: S, the number of keys; MQAR: the model width).
+TASK_AXES = {"retrieval": ("S", "d_key", "dtype", "device"), "mqar": ("seq_len", "d_model", "dtype", "device")}
 
 
 class ScenarioError(ValueError):
@@ -44,6 +44,7 @@ class Strict(BaseModel):
 class Axes(Strict):
     seq_len: int | list[int] | None = None
     S: int | list[int] | None = None
+    d_model: int | list[int] | None = None
     batch: int | list[int] = 1
     heads: int | list[int] = 8
     d_key: int | list[int] = 64
@@ -52,7 +53,7 @@ class Axes(Strict):
     device: str | list[str] = "cpu"
     d_dot: int | list[int] | None = None
 
-    @field_validator("seq_len", "S", "batch", "heads", "d_key", "d_value", "d_dot")
+    @field_validator("seq_len", "S", "d_model", "batch", "heads", "d_key", "d_value", "d_dot")
     @classmethod
     def _positive(cls, value):
         for item in value if isinstance(value, list) else [value]:
@@ -96,8 +97,8 @@ class Rules(Strict):
     tokens_per_batch: int | None = Field(None, ge=1, description="batch = max(1, tokens_per_batch // seq_len)")
 
 
-class Task(Strict):
-    """A quality task trained and evaluated per cell (Schlag et al. 2021, §6.1 retrieval)."""
+class RetrievalTask(Strict):
+    """Associative retrieval (Schlag et al. 2021, §6.1), trained and evaluated per cell."""
 
     name: Literal["retrieval"] = "retrieval"
     setting: Literal[1, 2] = 1
@@ -108,6 +109,22 @@ class Task(Strict):
     lr: float = Field(1e-3, gt=0)
     batch: int = Field(32, ge=1)
     seed: int = 0
+
+
+class MQARTask(Strict):
+    """Multi-query associative recall (Arora et al. 2023, Zoology), trained and evaluated per cell."""
+
+    name: Literal["mqar"]
+    steps: int = Field(2000, ge=1)
+    batch: int = Field(64, ge=1)
+    lr: float = Field(1e-3, gt=0)
+    eval_every: int = Field(100, ge=1)
+    num_pairs: int | None = Field(None, ge=1)
+    vocab_size: int = Field(256, ge=4)
+    seed: int = 0
+
+
+Task = Annotated[Union[RetrievalTask, MQARTask], Field(discriminator="name")]
 
 
 class ModelSpec(Strict):
@@ -123,7 +140,7 @@ class Scenario(Strict):
     backends: list[str] = ["torch"]
     axes: Axes
     modes: list[Literal["forward", "train", "decode", "quality"]] = ["forward"]
-    target: Literal["core", "layer", "model", "retrieval"] = "core"
+    target: Literal["core", "layer", "model", "retrieval", "mqar"] = "core"
     task: Task | None = None
     decode: Decode = Decode()
     measure: Measure = Measure()
@@ -159,11 +176,14 @@ class Scenario(Strict):
     def _task_or_sequence(self):
         if self.task is None:
             if self.axes.seq_len is None:
-                raise ValueError("axes.seq_len is required (or a 'task' section with axes.S)")
-            if "quality" in self.modes or self.target == "retrieval":
-                raise ValueError("mode 'quality' and target 'retrieval' need a 'task' section")
-        elif self.axes.S is None or self.modes != ["quality"] or self.target != self.task.name:
-            raise ValueError(f"a 'task' scenario needs axes.S, modes: [quality] and target: {self.task.name}")
+                raise ValueError("axes.seq_len is required (or a 'task' section)")
+            if "quality" in self.modes or self.target in TASK_AXES:
+                raise ValueError(f"mode 'quality' and targets {', '.join(TASK_AXES)} need a 'task' section")
+            return self
+        needed = [axis for axis in TASK_AXES[self.task.name] if getattr(self.axes, axis) is None and axis not in ("dtype", "device")]
+        if needed or self.modes != ["quality"] or self.target != self.task.name:
+            axes = ", ".join(f"axes.{axis}" for axis in TASK_AXES[self.task.name][:2])
+            raise ValueError(f"a {self.task.name} task scenario needs {axes}, modes: [quality] and target: {self.task.name}")
         return self
 
 
@@ -293,7 +313,7 @@ def expand(scenario: Scenario, path: str = "<scenario>") -> list[dict]:
     once here, so an impossible parameter (a ν or m that cannot give the asked d_dot) fails
     before anything is measured."""
     axes = scenario.axes
-    names = TASK_AXES if scenario.task else AXES
+    names = TASK_AXES[scenario.task.name] if scenario.task else AXES
     axis_values = {name: _sweep(getattr(axes, name)) for name in names}
     d_dots = _sweep(axes.d_dot)
     cells, seen = [], set()
@@ -301,7 +321,8 @@ def expand(scenario: Scenario, path: str = "<scenario>") -> list[dict]:
         for d_dot in d_dots:
             full_params = dict(params, **({"d_dot": d_dot} if d_dot is not None else {}))
             unsupported = {}
-            for d_key in axis_values["d_key"]:
+            # MQAR cells have one head of width d_model.
+            for d_key in axis_values.get("d_key") or axis_values["d_model"]:
                 unsupported.update(_unsupported_backends(name, d_key, full_params, scenario.backends, field, path))
             for backend, mode in itertools.product(scenario.backends, scenario.modes):
                 for combo in itertools.product(*(axis_values[axis] for axis in names)):
@@ -349,13 +370,17 @@ def _unsupported_backends(name: str, d_key: int, params: dict, backends: list[st
     return unsupported
 
 
+#: How ``describe`` names each axis.
+SHORT_AXES = {"seq_len": "T", "S": "S", "batch": "B", "heads": "H", "d_key": "Dk", "d_value": "Dv", "d_model": "D"}
+
+
 def describe(cell: dict) -> str:
     """A one-line name of a cell, for progress bars and listings."""
     params = ",".join(f"{key}={value}" for key, value in cell["params"].items())
     axes = cell["axes"]
     skipped = " (skipped: no such backend)" if cell["skip"] else ""
-    shape = f"S={axes['S']}" if "S" in axes else f"T={axes['seq_len']} B={axes['batch']} H={axes['heads']}"
+    shape = " ".join(f"{short}={axes[name]}" for name, short in SHORT_AXES.items() if name in axes)
     return (
         f"{cell['variant']}{'(' + params + ')' if params else ''}[{cell['backend']}]{skipped} {cell['mode']}/{cell['target']} "
-        f"{shape} Dk={axes['d_key']}{' Dv=' + str(axes['d_value']) if 'd_value' in axes else ''} {axes['dtype']} {axes['device']}"
+        f"{shape} {axes['dtype']} {axes['device']}"
     )

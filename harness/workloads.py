@@ -188,18 +188,23 @@ def measure_cell(cell: dict) -> dict:
 
 
 def _measure_quality(cell, device, dtype) -> dict:
-    """Train and evaluate the cell's task (retrieval: Schlag et al. 2021, §6.1) on the CPU
-    in float32; its metrics are the task's (``loss`` the best evaluation loss, ``steps``...)."""
-    from .tasks.retrieval import run_retrieval
-
+    """Train and evaluate the cell's task on the CPU in float32 (retrieval: Schlag et al.
+    2021, §6.1; MQAR: Arora et al. 2023); its metrics are the task's own."""
     if (device.type, dtype) != ("cpu", torch.float32):
-        raise CellError("the retrieval task runs on the CPU in float32 (axes.device: cpu, axes.dtype: float32)")
+        raise CellError("quality tasks run on the CPU in float32 (axes.device: cpu, axes.dtype: float32)")
     task, axes = dict(cell["task"]), cell["axes"]
-    task.pop("name")
+    name = task.pop("name")
     params = dict(cell["params"], **({"backend": cell["backend"]} if cell["backend"] != "torch" else {}))
-    metrics = run_retrieval(cell["variant"], params, S=axes["S"], d_key=axes["d_key"], **task)
-    metrics["d_dot"] = variants.create(cell["variant"], axes["d_key"], **params).d_dot
-    finite = bool(np.isfinite(metrics["loss"]))
+    if name == "retrieval":
+        from .tasks.retrieval import run_retrieval
+
+        metrics = run_retrieval(cell["variant"], params, S=axes["S"], d_key=axes["d_key"], **task)
+        metrics["d_dot"] = variants.create(cell["variant"], axes["d_key"], **params).d_dot
+    else:
+        from .tasks.mqar import run_mqar
+
+        metrics = run_mqar(cell["variant"], params, seq_len=axes["seq_len"], d_model=axes["d_model"], **task)
+    finite = bool(np.isfinite(metrics.get("loss", 0.0)))
     return _result(finite, metrics)
 
 

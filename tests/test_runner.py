@@ -145,3 +145,12 @@ def test_retrieval_task_runs_through_the_runner(tmp_path):
 
     build_report([tmp_path / "out"], tmp_path / "report")
     assert (tmp_path / "report" / "plots" / "retrieval-capacity-capacity.png").stat().st_size > 0
+
+
+def test_mqar_task_runs_through_the_runner(tmp_path):
+    done = attnbench("run", "quality/mqar", "--preset", "ci", "--out", str(tmp_path / "out"), "--no-progress")
+    assert done.returncode == 0, done.stderr
+    table = load([tmp_path / "out"])
+    assert len(table) == 2 and set(table["status"]) == {"ok"}, table[["variant", "status", "error"]]
+    assert table["metrics.accuracy"].between(0, 1).all() and (table["metrics.steps"] == 20).all()
+    assert set(table["axes.seq_len"]) == {16} and set(table["axes.d_model"]) == {16}

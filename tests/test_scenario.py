@@ -161,8 +161,8 @@ def test_task_scenario_expands_over_s(tmp_path):
     [
         ({"axes": {"d_key": 8}}, "axes.S"),
         ({"modes": ["forward"]}, "modes: [quality]"),
-        ({"task": {"name": "retrieval", "setting": 3}}, "task.setting"),
-        ({"task": {"name": "mqar"}}, "task.name"),
+        ({"task": {"name": "retrieval", "setting": 3}}, "task.retrieval.setting"),
+        ({"task": {"name": "wikitext"}}, "'retrieval', 'mqar'"),
     ],
 )
 def test_task_scenario_errors(tmp_path, change, expected):
@@ -179,3 +179,11 @@ def test_a_preset_replaces_the_variants(tmp_path):
     data = dict(BASE, presets={"small": {"variants": {"linear": {}}}})
     cells = load_scenario(write(tmp_path, data), preset="small").cells()
     assert {c["variant"] for c in cells} == {"linear"}
+
+
+def test_mqar_task_scenario(tmp_path):
+    data = {**TASK, "task": {"name": "mqar", "steps": 5}, "target": "mqar", "axes": {"seq_len": [32, 64], "d_model": 16}}
+    cells = load_scenario(write(tmp_path, data)).cells()
+    assert len(cells) == 6 and set(cells[0]["axes"]) == {"seq_len", "d_model", "dtype", "device"}
+    message = error_of(tmp_path, {**data, "axes": {"seq_len": 32}})
+    assert "axes.d_model" in message

@@ -1,0 +1,318 @@
+"""Multi-query associative recall, MQAR (Arora et al. 2023, "Zoology"; used by Based and ReBased).
+
+The vocabulary of size V is split in two: token 0 is the filler, keys come from the key half
+[1, V // 2) and values from the value half [V // 2, V). A sequence of length T starts with N
+key-value pairs ``k1 v1 k2 v2 ... kN vN`` (keys distinct, values distinct). The remaining
+T − 2N positions are cut into (T − 2N) // 2 slots of two tokens; N slots, drawn uniformly,
+hold the N keys, each queried once in a random order, with the key's value in the slot's
+second token (as in Zoology's inputs); every other position is the filler 0. The target at a
+query key's position is its value (the next token); every other target is ignored (−100).
+Hence 4N ≤ T is needed (2N for the pairs, 2N for the query slots).
+
+The model is a small Zoology-style stack: token + learned position embedding, ``n_layers``
+blocks of (short causal depthwise convolution, ``variants.AttentionLayer``, GELU MLP of 2×
+width), each a pre-LayerNorm residual, then a final LayerNorm and a projection to V.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import variants
+
+IGNORE = -100
+SCHEDULES = ("cosine", "none")
+
+
+@dataclass
+class MQARResult:
+    """One training run; ``accuracy`` is the best evaluation accuracy over the queried positions."""
+
+    accuracy: float
+    final_accuracy: float
+    loss: float
+    steps: int
+    wall_s: float = 0.0
+    seed: int = 0
+    evaluations: list[tuple[int, float]] = field(default_factory=list)
+
+
+# --- data ------------------------------------------------------------------------------
+
+
+def _check_positive_int(name: str, value, minimum: int = 1) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+
+
+def _check_generator(generator) -> None:
+    if not isinstance(generator, torch.Generator):
+        raise ValueError(f"generator must be a torch.Generator, got {type(generator).__name__}")
+
+
+def key_range(vocab_size: int) -> tuple[int, int]:
+    """Keys are ``[1, V // 2)`` (token 0 is the filler)."""
+    return 1, vocab_size // 2
+
+
+def value_range(vocab_size: int) -> tuple[int, int]:
+    """Values are ``[V // 2, V)``."""
+    return vocab_size // 2, vocab_size
+
+
+def resolve_num_pairs(seq_len: int, num_pairs: int | None) -> int:
+    """``num_pairs``, or T // 8 when None (at least 1)."""
+    return max(1, seq_len // 8) if num_pairs is None else num_pairs
+
+
+def _check_task(seq_len, num_pairs, vocab_size) -> int:
+    """Validate (T, N, V); return N (T // 8 when ``num_pairs`` is None)."""
+    _check_positive_int("seq_len", seq_len, 4)
+    _check_positive_int("vocab_size", vocab_size, 4)
+    num_pairs = resolve_num_pairs(seq_len, num_pairs)
+    _check_positive_int("num_pairs", num_pairs)
+    if 4 * num_pairs > seq_len:
+        raise ValueError(
+            f"num_pairs={num_pairs} does not fit in seq_len={seq_len}: the pairs take 2N tokens and the N "
+            f"queries 2N more (key, value), so num_pairs must be <= seq_len // 4 = {seq_len // 4}"
+        )
+    lo, hi = key_range(vocab_size)
+    if num_pairs > hi - lo:
+        raise ValueError(
+            f"num_pairs={num_pairs} exceeds the {hi - lo} distinct keys of vocab_size={vocab_size} "
+            f"(keys are tokens [{lo}, {hi})); raise vocab_size or lower num_pairs"
+        )
+    return num_pairs
+
+
+def _draw_distinct(count: int, lo: int, hi: int, batch: int, generator: torch.Generator) -> torch.Tensor:
+    """``[batch, count]`` distinct tokens from ``[lo, hi)`` per row, in random order."""
+    return torch.rand(batch, hi - lo, generator=generator).argsort(dim=1)[:, :count] + lo
+
+
+def make_batch(seq_len: int, num_pairs: int | None, vocab_size: int, batch: int, generator: torch.Generator):
+    """``(inputs, targets)``, both ``[batch, seq_len]`` long; targets are −100 except at the N
+    query positions, where they hold the queried key's value (see the module docstring)."""
+    num_pairs = _check_task(seq_len, num_pairs, vocab_size)
+    _check_positive_int("batch", batch)
+    _check_generator(generator)
+    N = num_pairs
+    keys = _draw_distinct(N, *key_range(vocab_size), batch, generator)  # [B, N]
+    values = _draw_distinct(N, *value_range(vocab_size), batch, generator)  # [B, N]
+    inputs = torch.zeros(batch, seq_len, dtype=torch.long)
+    inputs[:, 0 : 2 * N : 2] = keys
+    inputs[:, 1 : 2 * N : 2] = values
+    slots = (seq_len - 2 * N) // 2
+    # slot[:, i]: the slot that queries key i; distinct slots, a uniformly random assignment
+    slot = torch.rand(batch, slots, generator=generator).argsort(dim=1)[:, :N]
+    position = 2 * N + 2 * slot  # [B, N]: where key i is queried
+    inputs.scatter_(1, position, keys)
+    inputs.scatter_(1, position + 1, values)
+    targets = torch.full((batch, seq_len), IGNORE, dtype=torch.long)
+    targets.scatter_(1, position, values)
+    return inputs, targets
+
+
+# --- model -----------------------------------------------------------------------------
+
+
+class ShortConv(nn.Module):
+    """Causal depthwise convolution: ``[B, T, d] -> [B, T, d]``; output t sees inputs t − K + 1 .. t."""
+
+    def __init__(self, d_model: int, kernel_size: int):
+        super().__init__()
+        self.kernel_size = kernel_size
+        self.conv = nn.Conv1d(d_model, d_model, kernel_size, groups=d_model)
+
+    def forward(self, x):
+        x = F.pad(x.transpose(1, 2), (self.kernel_size - 1, 0))
+        return self.conv(x).transpose(1, 2)
+
+
+class MQARBlock(nn.Module):
+    """``x + conv(ln(x))``, ``x + attn(ln(x))``, ``x + mlp(ln(x))`` (pre-LayerNorm residuals)."""
+
+    def __init__(self, d_model: int, n_heads: int, variant: str, conv_size: int, **variant_params):
+        super().__init__()
+        self.ln_conv = nn.LayerNorm(d_model)
+        self.conv = ShortConv(d_model, conv_size)
+        self.ln_attn = nn.LayerNorm(d_model)
+        self.attn = variants.AttentionLayer(d_model, n_heads, variant, **variant_params)
+        self.ln_mlp = nn.LayerNorm(d_model)
+        self.mlp = nn.Sequential(nn.Linear(d_model, 2 * d_model), nn.GELU(), nn.Linear(2 * d_model, d_model))
+
+    def forward(self, x):
+        x = x + self.conv(self.ln_conv(x))
+        x = x + self.attn(self.ln_attn(x))
+        return x + self.mlp(self.ln_mlp(x))
+
+
+class MQARModel(nn.Module):
+    """Token + learned position embedding, ``n_layers`` MQARBlocks, final LayerNorm and an
+    output projection: ``inputs [B, T] -> logits [B, T, vocab_size]`` (T ≤ ``max_len``)."""
+
+    def __init__(
+        self,
+        vocab_size: int,
+        d_model: int,
+        variant: str,
+        *,
+        n_layers: int = 2,
+        n_heads: int = 1,
+        conv_size: int = 3,
+        max_len: int = 1024,
+        **variant_params,
+    ):
+        super().__init__()
+        for name, value in (("vocab_size", vocab_size), ("d_model", d_model), ("n_layers", n_layers),
+                            ("n_heads", n_heads), ("conv_size", conv_size), ("max_len", max_len)):
+            _check_positive_int(name, value)
+        self.vocab_size = vocab_size
+        self.max_len = max_len
+        self.embed = nn.Embedding(vocab_size, d_model)
+        self.positions = nn.Embedding(max_len, d_model)
+        self.blocks = nn.ModuleList(
+            MQARBlock(d_model, n_heads, variant, conv_size, **variant_params) for _ in range(n_layers)
+        )
+        self.ln_f = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, vocab_size, bias=False)
+
+    def forward(self, inputs):
+        length = inputs.shape[1]
+        if length > self.max_len:
+            raise ValueError(f"sequence length T={length} exceeds the model's max_len={self.max_len}")
+        x = self.embed(inputs) + self.positions(torch.arange(length, device=inputs.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+def mqar_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy over the queried positions (targets of −100 are ignored)."""
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE)
+
+
+# --- training --------------------------------------------------------------------------
+
+
+def _eval_generator(seed: int) -> torch.Generator:
+    """The evaluation data's generator, apart from the training stream (same set at every evaluation)."""
+    return torch.Generator().manual_seed((seed + 1) * 1_000_003)
+
+
+@torch.no_grad()
+def evaluate(model: MQARModel, seq_len, num_pairs, vocab_size, *, batch: int, batches: int, seed: int) -> float:
+    """Accuracy of the argmax prediction over the queried positions of ``batches`` fresh batches."""
+    was_training = model.training
+    model.eval()
+    generator = _eval_generator(seed)
+    correct = total = 0
+    for _ in range(batches):
+        inputs, targets = make_batch(seq_len, num_pairs, vocab_size, batch, generator)
+        mask = targets != IGNORE
+        prediction = model(inputs).argmax(dim=-1)
+        correct += (prediction[mask] == targets[mask]).sum().item()
+        total += mask.sum().item()
+    model.train(was_training)
+    return correct / total
+
+
+def _check_train_args(model, seq_len, num_pairs, vocab_size, steps, batch, lr, eval_every, eval_batches, schedule):
+    num_pairs = _check_task(seq_len, num_pairs, vocab_size)
+    if vocab_size != model.vocab_size:
+        raise ValueError(f"vocab_size must match the model's vocab_size={model.vocab_size}, got {vocab_size}")
+    if seq_len > model.max_len:
+        raise ValueError(f"seq_len={seq_len} exceeds the model's max_len={model.max_len}")
+    for name, value in (("steps", steps), ("batch", batch), ("eval_every", eval_every), ("eval_batches", eval_batches)):
+        _check_positive_int(name, value)
+    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or lr <= 0:
+        raise ValueError(f"lr must be a positive number, got {lr!r}")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
+    return num_pairs
+
+
+def train(
+    model: MQARModel,
+    *,
+    seq_len: int,
+    num_pairs: int | None = None,
+    vocab_size: int,
+    steps: int,
+    batch: int = 64,
+    lr: float = 1e-3,
+    schedule: str = "cosine",
+    eval_every: int | None = None,
+    eval_batches: int = 4,
+    seed: int,
+) -> MQARResult:
+    """Adam on fresh batches for ``steps`` steps (cosine decay to 0 or a constant ``lr``);
+    evaluate every ``eval_every`` steps (default: steps // 4) and at the last step on a fixed
+    evaluation set of ``eval_batches`` batches. ``loss`` is the last training loss."""
+    eval_every = max(1, steps // 4) if eval_every is None and isinstance(steps, int) and steps > 0 else eval_every
+    num_pairs = _check_train_args(model, seq_len, num_pairs, vocab_size, steps, batch, lr, eval_every, eval_batches, schedule)
+    data = torch.Generator().manual_seed(seed)
+    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
+    scheduler = (
+        torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.5 * (1 + math.cos(math.pi * s / steps)))
+        if schedule == "cosine"
+        else None
+    )
+    evaluations: list[tuple[int, float]] = []
+    start = time.perf_counter()
+    model.train()
+    for step in range(1, steps + 1):
+        inputs, targets = make_batch(seq_len, num_pairs, vocab_size, batch, data)
+        loss = mqar_loss(model(inputs), targets)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
+        if step % eval_every and step != steps:
+            continue
+        accuracy = evaluate(model, seq_len, num_pairs, vocab_size, batch=batch, batches=eval_batches, seed=seed)
+        evaluations.append((step, accuracy))
+    best = max(accuracy for _, accuracy in evaluations)
+    return MQARResult(best, evaluations[-1][1], loss.item(), steps, time.perf_counter() - start, seed, evaluations)
+
+
+def run_mqar(
+    variant: str,
+    params: dict,
+    *,
+    seq_len: int,
+    d_model: int,
+    num_pairs: int | None = None,
+    vocab_size: int = 256,
+    steps: int,
+    seed: int = 0,
+    n_layers: int = 2,
+    n_heads: int = 1,
+    conv_size: int = 3,
+    **train_kwargs,
+) -> dict:
+    """One harness cell: build the model under ``torch.manual_seed(seed)``, train it, and
+    return the result as a JSON-ready dict."""
+    _check_task(seq_len, num_pairs, vocab_size)
+    torch.manual_seed(seed)
+    model = MQARModel(
+        vocab_size, d_model, variant, n_layers=n_layers, n_heads=n_heads, conv_size=conv_size,
+        max_len=seq_len, **params,
+    )
+    result = train(model, seq_len=seq_len, num_pairs=num_pairs, vocab_size=vocab_size, steps=steps, seed=seed, **train_kwargs)
+    return {
+        "accuracy": result.accuracy,
+        "final_accuracy": result.final_accuracy,
+        "loss": result.loss,
+        "steps": result.steps,
+        "wall_s": result.wall_s,
+        "seed": result.seed,
+        "evaluations": [list(e) for e in result.evaluations],
+    }

@@ -1,0 +1,127 @@
+"""Multi-query associative recall (Arora et al. 2023, "Zoology"): data, model, training."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from harness.tasks.mqar import IGNORE, MQARModel, make_batch, run_mqar, train
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+# --- data ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("T, N, V", [(32, 4, 64), (64, None, 256), (16, 4, 16)])
+def test_batch_shapes(seed, T, N, V):
+    inputs, targets = make_batch(T, N, V, 5, gen(seed))
+    assert inputs.shape == targets.shape == (5, T), f"seed={seed}"
+    assert inputs.dtype == targets.dtype == torch.long, f"seed={seed}"
+    assert inputs.min() >= 0 and inputs.max() < V, f"seed={seed}"
+    n = T // 8 if N is None else N
+    assert ((targets != IGNORE).sum(dim=1) == n).all(), f"N query targets per sequence, seed={seed}"
+
+
+def test_pairs_queries_and_targets(seed):
+    T, N, V = 48, 6, 40
+    inputs, targets = make_batch(T, N, V, 100, gen(seed))
+    for row, target in zip(inputs.tolist(), targets.tolist()):
+        keys, values = row[0 : 2 * N : 2], row[1 : 2 * N : 2]
+        assert len(set(keys)) == N and all(1 <= k < V // 2 for k in keys), f"distinct key-half keys, seed={seed}"
+        assert all(V // 2 <= v < V for v in values), f"value-half values, seed={seed}"
+        binding = dict(zip(keys, values))
+        rest = row[2 * N :]
+        queried = [t for t, tok in enumerate(rest) if tok in binding]
+        assert sorted(rest[t] for t in queried) == sorted(keys), f"every key queried exactly once, seed={seed}"
+        for t in queried:
+            p = 2 * N + t
+            assert target[p] == binding[row[p]], f"target at a query is its bound value, seed={seed}"
+            assert row[p + 1] == binding[row[p]], f"the token after a query is its value, seed={seed}"
+        allowed = {2 * N + t for t in queried}
+        assert all(tok == IGNORE for p, tok in enumerate(target) if p not in allowed), f"seed={seed}"
+        filler = {2 * N + t for t in queried} | {2 * N + t + 1 for t in queried}
+        assert all(tok == 0 for p, tok in enumerate(row) if p >= 2 * N and p not in filler), f"seed={seed}"
+
+
+def test_deterministic_per_generator_seed(seed):
+    a = make_batch(32, 4, 64, 8, gen(seed))
+    b = make_batch(32, 4, 64, 8, gen(seed))
+    c = make_batch(32, 4, 64, 8, gen(seed + 1))
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]), f"seed={seed}"
+    assert not torch.equal(a[0], c[0]), f"seed={seed}"
+
+
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [
+        (dict(seq_len=32, num_pairs=9, vocab_size=64), "num_pairs"),  # 4N > T
+        (dict(seq_len=32, num_pairs=0, vocab_size=64), "num_pairs"),
+        (dict(seq_len=64, num_pairs=8, vocab_size=16), "num_pairs"),  # more pairs than keys
+        (dict(seq_len=2, num_pairs=None, vocab_size=64), "seq_len"),
+        (dict(seq_len=32, num_pairs=4, vocab_size=2), "vocab_size"),
+        (dict(seq_len=32.0, num_pairs=4, vocab_size=64), "seq_len"),
+        (dict(seq_len=32, num_pairs=4, vocab_size=64, batch=0), "batch"),
+        (dict(seq_len=32, num_pairs=4, vocab_size=64, generator=3), "generator"),
+    ],
+)
+def test_bad_parameters_name_the_parameter(kwargs, name):
+    call = dict(batch=2, generator=gen(0)) | kwargs
+    with pytest.raises(ValueError, match=name):
+        make_batch(**call)
+
+
+def test_train_rejects_bad_parameters():
+    model = MQARModel(64, 16, "softmax", n_layers=1)
+    with pytest.raises(ValueError, match="vocab_size"):
+        train(model, seq_len=32, num_pairs=4, vocab_size=128, steps=1, seed=0)
+    with pytest.raises(ValueError, match="lr"):
+        train(model, seq_len=32, num_pairs=4, vocab_size=64, steps=1, lr=0, seed=0)
+    with pytest.raises(ValueError, match="steps"):
+        train(model, seq_len=32, num_pairs=4, vocab_size=64, steps=0, seed=0)
+
+
+# --- model -----------------------------------------------------------------------------
+
+VARIANTS = [("softmax", {}), ("linear", {}), ("delta", {})]
+
+
+@pytest.mark.parametrize("variant, params", VARIANTS)
+def test_model_output_shape(seed, variant, params):
+    torch.manual_seed(seed)
+    model = MQARModel(64, 32, variant, n_heads=2, **params)
+    inputs, _ = make_batch(32, 4, 64, 3, gen(seed))
+    logits = model(inputs)
+    assert logits.shape == (3, 32, 64) and torch.isfinite(logits).all(), f"seed={seed}"
+
+
+@pytest.mark.parametrize("variant, params", VARIANTS)
+def test_causal(seed, variant, params):
+    torch.manual_seed(seed)
+    model = MQARModel(64, 32, variant, conv_size=4, **params).double()
+    inputs, _ = make_batch(32, 4, 64, 2, gen(seed))
+    t = int(torch.randint(1, 31, (1,), generator=gen(seed)))
+    changed = inputs.clone()
+    changed[:, t + 1 :] = torch.randint(64, changed[:, t + 1 :].shape, generator=gen(seed + 1))
+    with torch.no_grad():
+        a, b = model(inputs), model(changed)
+    torch.testing.assert_close(a[:, : t + 1], b[:, : t + 1], msg=f"seed={seed}, t={t}")
+    assert not torch.allclose(a[:, t + 1 :], b[:, t + 1 :]), f"later logits depend on later inputs, seed={seed}"
+
+
+# --- training --------------------------------------------------------------------------
+
+
+def test_softmax_learns_mqar(seed):
+    result = run_mqar(
+        "softmax", {}, seq_len=32, d_model=64, num_pairs=4, vocab_size=64, steps=300, lr=4e-3, seed=seed % 1000
+    )
+    assert json.loads(json.dumps(result)) == result
+    assert result["steps"] == 300 and result["evaluations"][-1][0] == 300
+    assert result["accuracy"] >= result["final_accuracy"]
+    # chance is 1/32 (values are the upper half of 64 tokens)
+    assert result["accuracy"] > 0.5, f"seed={seed % 1000}: {result['evaluations']}"
