@@ -341,6 +341,24 @@ def _capacity_plot(cells: pd.DataFrame, figures: Figures, name: str) -> Plot | N
     return figures.save(figure, f"{name}-capacity", title, caption)
 
 
+def _mqar_plot(cells: pd.DataFrame, figures: Figures, name: str) -> Plot | None:
+    """MQAR: accuracy against sequence length, one line per variant, one panel per model width."""
+    if "metrics.accuracy" not in cells or "axes.d_model" not in cells:
+        return None
+    ok = cells[(cells["status"] == "ok") & (cells["target"] == "mqar") & cells["metrics.accuracy"].notna()]
+    if ok.empty:
+        return None
+    widths = sorted(ok["axes.d_model"].unique())
+    figure, axes = _new_figure(len(widths))
+    for ax, width in zip(axes, widths):
+        for series, group in ok[ok["axes.d_model"] == width].sort_values("axes.seq_len").groupby("series"):
+            ax.plot(group["axes.seq_len"], group["metrics.accuracy"], color=figures.colours[series], marker="o")
+        ax.set(title=f"d_model {int(width)}", xlabel="sequence length", ylabel="accuracy", ylim=(0, 1.02))
+    figures.legend(figure, ok, False)
+    title = "MQAR accuracy against sequence length"
+    return figures.save(figure, f"{name}-mqar", title, f"{title}: best evaluation accuracy on the queried values; one panel per model width.")
+
+
 # --- tables -------------------------------------------------------------------------------
 
 
@@ -584,7 +602,7 @@ def _statuses(cells: pd.DataFrame) -> str:
 def _scenario_section(name: str, cells: pd.DataFrame, figures: Figures) -> ScenarioSection:
     slug = _slug(name)
     plots = [_metric_plot(cells, metric, figures, slug) for metric in METRICS]
-    plots += [_latency_plot(cells, figures, slug), _capacity_plot(cells, figures, slug)]
+    plots += [_latency_plot(cells, figures, slug), _capacity_plot(cells, figures, slug), _mqar_plot(cells, figures, slug)]
     tables = [_model_table(cells), _quality_table(cells), _failures_table(cells), _timing_table(cells)]
     targets = ", ".join(cells["target"].dropna().unique())
     return ScenarioSection(name, targets, cells["x_axis"].iloc[0], _statuses(cells),

@@ -154,3 +154,7 @@ def test_mqar_task_runs_through_the_runner(tmp_path):
     assert len(table) == 2 and set(table["status"]) == {"ok"}, table[["variant", "status", "error"]]
     assert table["metrics.accuracy"].between(0, 1).all() and (table["metrics.steps"] == 20).all()
     assert set(table["axes.seq_len"]) == {16} and set(table["axes.d_model"]) == {16}
+    from harness.report import build_report
+
+    build_report([tmp_path / "out"], tmp_path / "report")
+    assert (tmp_path / "report" / "plots" / "mqar-mqar.png").stat().st_size > 0
