@@ -194,12 +194,12 @@ def _measure_quality(cell, device, dtype) -> dict:
         raise CellError("quality tasks run on the CPU in float32 (axes.device: cpu, axes.dtype: float32)")
     task, axes = dict(cell["task"]), cell["axes"]
     name = task.pop("name")
-    params = dict(cell["params"], **({"backend": cell["backend"]} if cell["backend"] != "torch" else {}))
+    params = dict(cell["params"], backend=cell["backend"])
     if name == "retrieval":
         from .tasks.retrieval import run_retrieval
 
         metrics = run_retrieval(cell["variant"], params, S=axes["S"], d_key=axes["d_key"], **task)
-        metrics["d_dot"] = variants.create(cell["variant"], axes["d_key"], **params).d_dot
+        metrics["d_dot"] = _core(cell).d_dot
     else:
         from .tasks.mqar import run_mqar
 
