@@ -325,7 +325,7 @@ def _capacity_plot(cells: pd.DataFrame, figures: Figures, name: str) -> Plot | N
     variant, each variant's d_dot marked on the axis in its colour (Schlag et al. 2021, Fig. 2)."""
     if "axes.S" not in cells or "metrics.loss" not in cells:
         return None
-    ok = cells[(cells["status"] == "ok") & cells["axes.S"].notna() & cells["metrics.loss"].notna()]
+    ok = cells[(cells["status"] == "ok") & cells["axes.S"].notna() & cells["metrics.loss"].notna() & (_retrieval_setting(cells) == 1)]
     if ok.empty:
         return None
     figure, (ax,) = _new_figure(1)
@@ -339,6 +339,11 @@ def _capacity_plot(cells: pd.DataFrame, figures: Figures, name: str) -> Plot | N
     title = "Retrieval loss against the number of keys"
     caption = f"{title}: one line per variant; the dotted line in a variant's colour marks its d_dot (its memory's capacity)."
     return figures.save(figure, f"{name}-capacity", title, caption)
+
+
+def _retrieval_setting(cells: pd.DataFrame) -> pd.Series:
+    """Each cell's retrieval setting (1: capacity, 2: update rules); 1 where a record has none."""
+    return cells["task.setting"].fillna(1) if "task.setting" in cells else pd.Series(1, index=cells.index)
 
 
 def _mqar_plot(cells: pd.DataFrame, figures: Figures, name: str) -> Plot | None:
@@ -440,6 +445,21 @@ def _quality_table(cells: pd.DataFrame) -> Table | None:
     quality = cells[cells[[f"metrics.{m}" for m in found]].notna().any(axis=1)].sort_values(["series", "mode"])
     columns = _cell_columns(cells) + [(metric, f"metrics.{metric}", _text) for metric in found]
     return _table("Quality", quality, columns)
+
+
+def _update_rules_table(cells: pd.DataFrame) -> Table | None:
+    """Retrieval setting 2 (Schlag et al. 2021, §6.1.2): one row per update rule, one column
+    per number of keys S, each entry the best evaluation loss and the steps it took."""
+    if "axes.S" not in cells or "metrics.loss" not in cells:
+        return None
+    rules = cells[(cells["status"] == "ok") & cells["axes.S"].notna() & (_retrieval_setting(cells) == 2)]
+    if rules.empty:
+        return None
+    entry = rules.assign(entry=[f"{loss:.4g} ({steps:.0f} steps)" for loss, steps in zip(rules["metrics.loss"], rules["metrics.steps"])])
+    table = entry.pivot_table(index="series", columns="axes.S", values="entry", aggfunc="last").reset_index()
+    columns = [("update rule", "series", _text)] + [(f"S = {int(S)}", S, _text) for S in table.columns[1:]]
+    caption = "Setting 2 (L = 2S pairs with replacement; the answer is the most recent value): best evaluation loss (steps taken)."
+    return _table("Retrieval: update rules", table, columns, caption)
 
 
 def _timing_table(cells: pd.DataFrame) -> Table | None:
@@ -603,7 +623,7 @@ def _scenario_section(name: str, cells: pd.DataFrame, figures: Figures) -> Scena
     slug = _slug(name)
     plots = [_metric_plot(cells, metric, figures, slug) for metric in METRICS]
     plots += [_latency_plot(cells, figures, slug), _capacity_plot(cells, figures, slug), _mqar_plot(cells, figures, slug)]
-    tables = [_model_table(cells), _quality_table(cells), _failures_table(cells), _timing_table(cells)]
+    tables = [_model_table(cells), _update_rules_table(cells), _quality_table(cells), _failures_table(cells), _timing_table(cells)]
     targets = ", ".join(cells["target"].dropna().unique())
     return ScenarioSection(name, targets, cells["x_axis"].iloc[0], _statuses(cells),
                            [p for p in plots if p is not None], [t for t in tables if t is not None])

@@ -253,6 +253,7 @@ def _measure(worker: Worker, cell: dict, run_id: str, fingerprint: dict) -> dict
             throttle_after=after,
             throttled=bool((before or {}).get("throttled") or (after or {}).get("throttled")),
         )
+    task = {"task": cell["task"]} if cell.get("task") else {}
     return {
         "run_id": run_id,
         "cell_id": cell["cell_id"],
@@ -261,6 +262,7 @@ def _measure(worker: Worker, cell: dict, run_id: str, fingerprint: dict) -> dict
         "backend": cell["backend"],
         "params": cell["params"],
         "axes": cell["axes"],
+        **task,
         "mode": cell["mode"],
         "target": cell["target"],
         "status": result["status"],

@@ -147,6 +147,21 @@ def test_retrieval_task_runs_through_the_runner(tmp_path):
     assert (tmp_path / "report" / "plots" / "retrieval-capacity-capacity.png").stat().st_size > 0
 
 
+def test_update_rules_get_their_own_table_and_stay_out_of_the_capacity_plot(tmp_path):
+    """Setting 2 cells record their task, show as one row per rule in the report, and are not capacity points."""
+    done = attnbench("run", "quality/retrieval-update-rules", "--preset", "ci", "--out", str(tmp_path / "out"), "--no-progress")
+    assert done.returncode == 0, done.stderr
+    table = load([tmp_path / "out"])
+    assert set(table["task.setting"]) == {2} and set(table["task.max_steps"]) == {50}
+    from harness.report import build_report
+
+    page = build_report([tmp_path / "out"], tmp_path / "report").read_text()
+    section = page[page.index("Retrieval: update rules"):]
+    section = section[: section.index("</table>")]
+    assert section.count("<tr>") == 1 + 3 and "S = 4" in section and "steps)" in section
+    assert not (tmp_path / "report" / "plots" / "retrieval-update-rules-capacity.png").exists()
+
+
 def test_mqar_task_runs_through_the_runner(tmp_path):
     done = attnbench("run", "quality/mqar", "--preset", "ci", "--out", str(tmp_path / "out"), "--no-progress")
     assert done.returncode == 0, done.stderr
