@@ -90,7 +90,7 @@ def test_parameter_gradients_agree(config, seed):
 def test_write_strength_only_for_the_delta_rule(name):
     layer = variants.AttentionLayer(8, 2, name)
     names = {n for n, _ in layer.named_parameters()}
-    if name == "delta":
+    if name in ("delta", "gated_delta"):
         assert isinstance(layer.write_strength, torch.nn.Linear)
         assert layer.write_strength.in_features == 8 and layer.write_strength.out_features == 2
         assert {"write_strength.weight", "write_strength.bias"} <= names

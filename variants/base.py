@@ -9,6 +9,11 @@ compute the same function:
   the recurrent form for autoregressive decoding, one token at a time;
 * ``core.reference(q, k, v, *, beta=None, causal=True)``: the plainest correct form,
   used by the tests in float64.
+
+A gated core (``needs_gate``, the gated delta rule) also takes ``log_gate=`` (``[B, H, T]``,
+g_t = log α_t ≤ 0) in every form, ``log_gate_t=`` (``[B, H]``) in ``step``; it is passed on
+to ``_parallel``, ``_reference`` and ``_step`` as the keyword ``log_gate`` only for such cores,
+so the other cores' signatures stay as they are.
 """
 
 from __future__ import annotations
@@ -74,13 +79,16 @@ class AttentionCore(nn.Module):
     """Base class of every variant: argument checks around the three forms.
 
     Subclasses set ``d_dot`` (the dimension after the feature map, the size of the
-    memory's key side; None for softmax, whose KV cache has no fixed size), ``needs_beta``
-    and ``supports_noncausal`` and implement ``_parallel``, ``_reference``, ``init_state``
+    memory's key side; None for softmax, whose KV cache has no fixed size), ``needs_beta``,
+    ``needs_gate``, ``token_shift`` (the layer should token-shift its inputs, RWKV) and
+    ``supports_noncausal`` and implement ``_parallel``, ``_reference``, ``init_state``
     and ``_step``.
     """
 
     variant_name = "?"
     needs_beta = False
+    needs_gate = False
+    token_shift = False
     supports_noncausal = True
 
     def __init__(self, d_key: int):
@@ -89,24 +97,24 @@ class AttentionCore(nn.Module):
         self.d_dot = d_key
 
     # --- the three faces -------------------------------------------------------
-    def forward(self, q, k, v, *, beta=None, causal: bool = True) -> torch.Tensor:
-        """Parallel form: ``q, k: [B, H, T, Dk]``, ``v: [B, H, T, Dv]``, ``beta: [B, H, T]``
+    def forward(self, q, k, v, *, beta=None, log_gate=None, causal: bool = True) -> torch.Tensor:
+        """Parallel form: ``q, k: [B, H, T, Dk]``, ``v: [B, H, T, Dv]``, ``beta, log_gate: [B, H, T]``
         -> ``[B, H, T, Dv]``."""
-        self._check_sequence(q, k, v, beta, causal)
-        return self._parallel(q, k, v, beta, causal)
+        self._check_sequence(q, k, v, beta, causal, log_gate)
+        return self._parallel(q, k, v, beta, causal, **self._gate(log_gate))
 
-    def reference(self, q, k, v, *, beta=None, causal: bool = True) -> torch.Tensor:
+    def reference(self, q, k, v, *, beta=None, log_gate=None, causal: bool = True) -> torch.Tensor:
         """The plainest correct implementation of the same function (for tests)."""
-        self._check_sequence(q, k, v, beta, causal)
-        return self._reference(q, k, v, beta, causal)
+        self._check_sequence(q, k, v, beta, causal, log_gate)
+        return self._reference(q, k, v, beta, causal, **self._gate(log_gate))
 
-    def step(self, q_t, k_t, v_t, state, *, beta_t=None):
-        """Recurrent form: ``q_t, k_t: [B, H, Dk]``, ``v_t: [B, H, Dv]``, ``beta_t: [B, H]``
+    def step(self, q_t, k_t, v_t, state, *, beta_t=None, log_gate_t=None):
+        """Recurrent form: ``q_t, k_t: [B, H, Dk]``, ``v_t: [B, H, Dv]``, ``beta_t, log_gate_t: [B, H]``
         -> ``(out_t [B, H, Dv], new_state)``. The output at time t includes token t."""
-        self._check_token(q_t, k_t, v_t, beta_t)
-        return self._step(q_t, k_t, v_t, state, beta_t)
+        self._check_token(q_t, k_t, v_t, beta_t, log_gate_t)
+        return self._step(q_t, k_t, v_t, state, beta_t, **self._gate(log_gate_t))
 
-    def prefill(self, q, k, v, *, beta=None, state=None):
+    def prefill(self, q, k, v, *, beta=None, log_gate=None, state=None):
         """Causal parallel form that also returns the decoding state after its last token,
         continuing from ``state`` when given: ``(out [B, H, T, Dv], state)``."""
         raise NotImplementedError
@@ -142,7 +150,11 @@ class AttentionCore(nn.Module):
         raise NotImplementedError
 
     # --- checks --------------------------------------------------------------------
-    def _check_sequence(self, q, k, v, beta, causal) -> None:
+    def _gate(self, log_gate) -> dict:
+        """The keyword a gated core's implementation takes (none for the other cores)."""
+        return {"log_gate": log_gate} if self.needs_gate else {}
+
+    def _check_sequence(self, q, k, v, beta, causal, log_gate=None) -> None:
         name = self.variant_name
         for label, x in (("q", q), ("k", k), ("v", v)):
             if not isinstance(x, torch.Tensor) or x.dim() != 4:
@@ -154,8 +166,9 @@ class AttentionCore(nn.Module):
         if not causal and not self.supports_noncausal:
             raise VariantError(f"{name}: this variant is causal only; causal=False is not defined for it")
         self._check_beta(beta, q.shape[:3], "beta", "[B, H, T]")
+        self._check_log_gate(log_gate, q.shape[:3], "log_gate", "[B, H, T]")
 
-    def _check_token(self, q_t, k_t, v_t, beta_t) -> None:
+    def _check_token(self, q_t, k_t, v_t, beta_t, log_gate_t=None) -> None:
         name = self.variant_name
         for label, x in (("q_t", q_t), ("k_t", k_t), ("v_t", v_t)):
             if not isinstance(x, torch.Tensor) or x.dim() != 3:
@@ -163,6 +176,7 @@ class AttentionCore(nn.Module):
                 raise VariantError(f"{name}: {label} must be a 3-d tensor [B, H, D], got {shape}")
         self._check_common(q_t, k_t, v_t, "[B, H, D]")
         self._check_beta(beta_t, q_t.shape[:2], "beta_t", "[B, H]")
+        self._check_log_gate(log_gate_t, q_t.shape[:2], "log_gate_t", "[B, H]")
 
     def _check_common(self, q, k, v, layout: str) -> None:
         name = self.variant_name
@@ -187,3 +201,14 @@ class AttentionCore(nn.Module):
             raise VariantError(f"{name}: the delta rule needs the write strength {label} {layout}, in (0, 1)")
         if tuple(beta.shape) != tuple(shape):
             raise VariantError(f"{name}: {label} must have shape {layout} = {tuple(shape)}, got {tuple(beta.shape)}")
+
+    def _check_log_gate(self, log_gate, shape, label: str, layout: str) -> None:
+        name = self.variant_name
+        if not self.needs_gate:
+            if log_gate is not None:
+                raise VariantError(f"{name}: this variant takes no {label} (only the gated delta rule does)")
+            return
+        if log_gate is None:
+            raise VariantError(f"{name}: the gated rule needs the log decay gate {label} {layout}, log α ≤ 0")
+        if tuple(log_gate.shape) != tuple(shape):
+            raise VariantError(f"{name}: {label} must have shape {layout} = {tuple(shape)}, got {tuple(log_gate.shape)}")

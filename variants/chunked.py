@@ -34,18 +34,20 @@ def _identity(x):
     return x
 
 
-def sum_rule_chunked(q, k, v, weights, normaliser, chunk_size: int, phi=_identity):
+def sum_rule_chunked(q, k, v, weights, normaliser, chunk_size: int, phi=_identity, phi_k=None):
     """Causal sum rule: y_t = φ(q_t)ᵀ S_t / (φ(q_t)·z_t + ε), S_t = S_0 + Σ_{i≤t} φ(k_i) v_iᵀ,
     z_t = z_0 + Σ_{i≤t} φ(k_i).
 
     Katharopoulos et al. 2020, eq. 9-12; Schlag et al. 2021, eq. 17-19. With
-    ``normaliser=None`` there is no denominator: y_t = φ(q_t)ᵀ S_t.
+    ``normaliser=None`` there is no denominator: y_t = φ(q_t)ᵀ S_t. ``phi`` maps the queries
+    and, unless a separate ``phi_k`` is given (ReBased's learnable maps), the keys.
     ``q, k: [B, H, T, Dk]``, ``v: [B, H, T, Dv]``, ``weights`` S_0: ``[B, H, F, Dv]``,
     ``normaliser`` z_0: ``[B, H, F]`` or None. Returns ``(y [B, H, T, Dv], S_T, z_T)``.
     """
+    phi_k = phi if phi_k is None else phi_k
     output = v.new_empty(v.shape)
     for start, end in _chunks(q.shape[2], chunk_size):
-        q_c, k_c, v_c = phi(q[:, :, start:end]), phi(k[:, :, start:end]), v[:, :, start:end]
+        q_c, k_c, v_c = phi(q[:, :, start:end]), phi_k(k[:, :, start:end]), v[:, :, start:end]
         scores = torch.tril(q_c @ k_c.transpose(-1, -2))
         read = scores @ v_c + q_c @ weights
         if normaliser is not None:
@@ -57,37 +59,56 @@ def sum_rule_chunked(q, k, v, weights, normaliser, chunk_size: int, phi=_identit
     return output, weights, normaliser
 
 
-def delta_rule_chunked(q, k, v, beta, weights, normaliser, chunk_size: int, phi=_identity):
-    """Causal delta rule through the WY / UT-transform representation.
+def delta_rule_chunked(q, k, v, beta, weights, normaliser, chunk_size: int, phi=_identity, phi_k=None, log_gate=None):
+    """Causal delta rule through the WY / UT-transform representation, optionally gated.
 
-    S_t = S_{t-1} + φ(k_t) (b_t v_t − a_t S_{t-1}ᵀ φ(k_t))ᵀ and y_t = S_tᵀ φ(q_t), with write
-    strength b = β and erase strength a = β: Schlag et al. 2021, eq. 20-25. With a
-    ``normaliser`` z it is their attention-normalised form, eq. 26-28: a_t = β_t / (z_{t-1}·φ(k_t))
-    (0 while that is 0) and y_t = S_tᵀ φ(q_t) / (z_t·φ(q_t) + ε).
-    Per chunk (Yang et al. 2024, arXiv:2406.06484v6, eq. 8-11, extended to a ≠ b), with
-    A = tril(diag(a) K Kᵀ, −1):
-        U = (I + A)⁻¹ diag(b) V,   W = (I + A)⁻¹ diag(a) K,
-        U' = U − W S,   O = Q S + tril(Q Kᵀ) U',   S ← S + Kᵀ U'.
-    ``q, k: [B, H, T, Dk]``, ``v: [B, H, T, Dv]``, ``beta: [B, H, T]``, ``weights`` S_0:
-    ``[B, H, F, Dv]``, ``normaliser`` z_0: ``[B, H, F]`` or None. Returns ``(y, S_T, z_T)``.
+    S_t = α_t S_{t-1} + φ(k_t) u_tᵀ with u_t = b_t v_t − a_t (α_t S_{t-1})ᵀ φ(k_t), y_t = S_tᵀ φ(q_t).
+    Ungated (α ≡ 1), with write strength b = β and erase strength a = β, this is Schlag et al.
+    2021, eq. 20-25. With a ``normaliser`` z it is their attention-normalised form, eq. 26-28:
+    a_t = β_t / (z_{t-1}·φ(k_t)) (0 while that is 0) and y_t = S_tᵀ φ(q_t) / (z_t·φ(q_t) + ε).
+    With ``log_gate`` g_t = log α_t ≤ 0 it is the gated delta rule (Yang, Kautz, Hatamizadeh
+    2024, arXiv:2412.06464, eq. 10: S_t = S_{t-1}(α_t(I − β_t k_t k_tᵀ)) + β_t v_t k_tᵀ, transposed).
+    Per chunk (Yang et al. 2024, arXiv:2406.06484v6, eq. 8-11, extended to a ≠ b and, as in
+    arXiv:2412.06464 §3.3, to the gate), with G_t = Σ_{s≤t in the chunk} g_s, γ_t = exp(G_t),
+    D_ti = exp(G_t − G_i) for i ≤ t (γ = D = 1 ungated) and A = tril(diag(a) (K Kᵀ ⊙ D), −1):
+        U = (I + A)⁻¹ diag(b) V,   W = (I + A)⁻¹ diag(a γ) K,
+        U' = U − W S,   O = diag(γ) Q S + (tril(Q Kᵀ) ⊙ D) U',   S ← γ_C S + (diag(γ_C / γ) K)ᵀ U'.
+    ``q, k: [B, H, T, Dk]``, ``v: [B, H, T, Dv]``, ``beta, log_gate: [B, H, T]``, ``weights`` S_0:
+    ``[B, H, F, Dv]``, ``normaliser`` z_0: ``[B, H, F]`` or None (always None with ``log_gate``);
+    ``phi``/``phi_k`` as in ``sum_rule_chunked``. Returns ``(y, S_T, z_T)``.
     """
+    if log_gate is not None and normaliser is not None:
+        raise ValueError("the gated delta rule has no attention normaliser; pass normaliser=None")
+    phi_k = phi if phi_k is None else phi_k
     d_value = v.shape[-1]
     output = v.new_empty(v.shape)
     for start, end in _chunks(q.shape[2], chunk_size):
-        q_c, k_c, v_c = phi(q[:, :, start:end]), phi(k[:, :, start:end]), v[:, :, start:end]
+        q_c, k_c, v_c = phi(q[:, :, start:end]), phi_k(k[:, :, start:end]), v[:, :, start:end]
         write = erase = beta[:, :, start:end, None]
         if normaliser is not None:
             z = normaliser.unsqueeze(2) + k_c.cumsum(2)
             erase = write * safe_reciprocal(((z - k_c) * k_c).sum(-1, keepdim=True))
             normaliser = z[:, :, -1]
-        strictly_lower = torch.tril(erase * (k_c @ k_c.transpose(-1, -2)), diagonal=-1)
+        keys_keys, queries_keys = k_c @ k_c.transpose(-1, -2), q_c @ k_c.transpose(-1, -2)
+        erased_keys, state_queries, written_keys = k_c, q_c, k_c
+        if log_gate is not None:
+            cumulative = log_gate[:, :, start:end].cumsum(-1)
+            future = torch.ones(end - start, end - start, dtype=torch.bool, device=q.device).triu(1)
+            decay = torch.exp((cumulative[..., :, None] - cumulative[..., None, :]).masked_fill(future, float("-inf")))
+            keys_keys, queries_keys = keys_keys * decay, queries_keys * decay
+            state_decay = torch.exp(cumulative).unsqueeze(-1)
+            erased_keys, state_queries = state_decay * k_c, state_decay * q_c
+            written_keys = decay[..., -1, :, None] * k_c
+        strictly_lower = torch.tril(erase * keys_keys, diagonal=-1)
         solved = torch.linalg.solve_triangular(
-            strictly_lower, torch.cat([write * v_c, erase * k_c], dim=-1), upper=False, unitriangular=True
+            strictly_lower, torch.cat([write * v_c, erase * erased_keys], dim=-1), upper=False, unitriangular=True
         )
         new_values = solved[..., :d_value] - solved[..., d_value:] @ weights
-        read = q_c @ weights + torch.tril(q_c @ k_c.transpose(-1, -2)) @ new_values
+        read = state_queries @ weights + torch.tril(queries_keys) @ new_values
         if normaliser is not None:
             read = read / ((q_c * z).sum(-1, keepdim=True) + EPS)
         output[:, :, start:end] = read
-        weights = weights + k_c.transpose(-1, -2) @ new_values
+        if log_gate is not None:
+            weights = state_decay[:, :, -1:] * weights
+        weights = weights + written_keys.transpose(-1, -2) @ new_values
     return output, weights, normaliser

@@ -8,6 +8,11 @@ adds the attention normalisation the paper ablates (eq. 26-28): z_t = z_{t-1} + 
 v̄_t = W_{t-1} φ(k_t) / (z_{t-1}·φ(k_t)) (v̄ = 0 while that is 0), y_t = W_t φ(q_t) / (z_t·φ(q_t) + ε).
 With ``phi='identity', sum_norm=False`` this is the plain delta rule
 W_t = W_{t-1} + β_t (v_t − W_{t-1} k_t) k_tᵀ, y_t = W_t q_t. Causal only.
+
+``gated_delta`` is the gated delta rule (Yang, Kautz, Hatamizadeh 2024, "Gated Delta Networks",
+arXiv:2412.06464, eq. 10), W_t = α_t W_{t-1}(I − β_t k_t k_tᵀ) + β_t v_t k_tᵀ, i.e.
+W_t = α_t W_{t-1} + β_t (v_t − α_t W_{t-1} k_t) k_tᵀ, with a data-dependent decay α_t = exp(g_t) ∈ (0, 1]
+per token and head (``log_gate`` g) and, as in the paper, L2-normalised keys and queries.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from . import kernels
-from .base import register
+from .base import VariantError, register
 from .chunked import delta_rule_chunked, safe_reciprocal
 from .fast_weights import FastWeightCore, FastWeightState
 from .feature_maps import EPS
@@ -35,19 +40,23 @@ class DeltaRule(FastWeightCore):
                 "delta: backend='triton' implements the delta rule without attention normalisation; use attn_norm=False or backend='torch'"
             )
 
-    def _run(self, q, k, v, beta, state, causal):
+    def _run(self, q, k, v, beta, state, causal, log_gate=None):
         if self.backend == "triton":
             kernel = self._kernel("delta_rule", q).delta_rule_triton
-            read, weights = kernel(self.phi(q), self.phi(k), v, beta, state.weights)
+            read, weights = kernel(self.phi.for_queries(q), self.phi.for_keys(k), v, beta, state.weights)
             return read, FastWeightState(weights.to(v.dtype), None)
-        read, weights, normaliser = delta_rule_chunked(q, k, v, beta, *state, self.chunk_size, phi=self.phi)
+        read, weights, normaliser = delta_rule_chunked(
+            q, k, v, beta, *state, self.chunk_size, phi=self.phi.for_queries, phi_k=self.phi.for_keys, log_gate=log_gate
+        )
         return read, FastWeightState(weights, normaliser)
 
-    def _write(self, features_k, v_t, beta_t, state):
-        retrieved = (features_k.unsqueeze(-2) @ state.weights).squeeze(-2)
+    def _write(self, features_k, v_t, beta_t, state, log_gate=None):
+        """W ← αW, then W ← W + β (v − W φ(k)) ⊗ φ(k) (α = 1 ungated)."""
+        weights = state.weights if log_gate is None else torch.exp(log_gate)[..., None, None] * state.weights
+        retrieved = (features_k.unsqueeze(-2) @ weights).squeeze(-2)
         if self.attn_norm:
             retrieved = retrieved * safe_reciprocal((state.normaliser * features_k).sum(-1, keepdim=True))
-        return state.weights + features_k.unsqueeze(-1) * (beta_t.unsqueeze(-1) * (v_t - retrieved)).unsqueeze(-2)
+        return weights + features_k.unsqueeze(-1) * (beta_t.unsqueeze(-1) * (v_t - retrieved)).unsqueeze(-2)
 
     def _chunk_flops(self, n, d_value):
         """K Kᵀ and Q Kᵀ (n × n), the triangular solve for [U, W], W S, the read Q S, the
@@ -58,15 +67,17 @@ class DeltaRule(FastWeightCore):
     def _step_flops_per_head(self, d_value):
         return 6 * self.d_dot * d_value
 
-    def _reference(self, q, k, v, beta, causal):
-        """Token by token, in the paper's notation: W is [Dv, d_dot], eq. 20-28."""
-        features_q, features_k = self.phi(q), self.phi(k)
+    def _reference(self, q, k, v, beta, causal, log_gate=None):
+        """Token by token, in the paper's notation: W is [Dv, d_dot], eq. 20-28 (gated: W ← α_t W first)."""
+        features_q, features_k = self.phi.for_queries(q), self.phi.for_keys(k)
         batch, heads, length, _ = q.shape
         W = q.new_zeros(batch, heads, v.shape[-1], self.d_dot)
         z = q.new_zeros(batch, heads, self.d_dot)
         outputs = []
         for t in range(length):
             phi_k, phi_q = features_k[:, :, t], features_q[:, :, t]
+            if log_gate is not None:
+                W = torch.exp(log_gate[:, :, t, None, None]) * W
             v_bar = torch.einsum("bhvd,bhd->bhv", W, phi_k)
             if self.attn_norm:
                 v_bar = v_bar * safe_reciprocal(torch.einsum("bhd,bhd->bh", z, phi_k)).unsqueeze(-1)
@@ -77,3 +88,20 @@ class DeltaRule(FastWeightCore):
                 y = y / (torch.einsum("bhd,bhd->bh", z, phi_q).unsqueeze(-1) + EPS)
             outputs.append(y)
         return torch.stack(outputs, dim=2)
+
+
+@register("gated_delta")
+class GatedDeltaRule(DeltaRule):
+    """The gated delta rule: the delta rule whose memory decays by α_t = exp(g_t) before each
+    write; g = ``log_gate`` ``[B, H, T]`` (≤ 0) comes with the input like β (``AttentionLayer``
+    computes it, see ``AttentionLayer.decay_gate``). φ defaults to the paper's L2
+    normalisation ('l2', d_dot = d_key); any φ of the delta rule works. No attention
+    normaliser, and PyTorch only (the Triton delta kernel has no gate)."""
+
+    needs_gate = True
+
+    def __init__(self, d_key, *, phi="l2", sum_norm=False, attn_norm=False, backend="torch", **options):
+        kernels.check_backend("gated_delta", backend, supported=("torch",))
+        if attn_norm:
+            raise VariantError("gated_delta: attn_norm=True is not defined for the gated rule (the decay has no normaliser counterpart)")
+        super().__init__(d_key, phi=phi, sum_norm=sum_norm, **options)

@@ -61,22 +61,22 @@ class FastWeightCore(AttentionCore):
         normaliser = torch.zeros(batch, heads, self.d_dot, device=device, dtype=dtype) if self.attn_norm else None
         return FastWeightState(weights, normaliser)
 
-    def prefill(self, q, k, v, *, beta=None, state: FastWeightState | None = None):
+    def prefill(self, q, k, v, *, beta=None, log_gate=None, state: FastWeightState | None = None):
         """Causal parallel form that also returns the decoding state after the last token,
         so that ``step`` can continue from it. ``state`` (optional) is the state before the first."""
-        self._check_sequence(q, k, v, beta, True)
+        self._check_sequence(q, k, v, beta, True, log_gate)
         if state is None:
             state = self.init_state(q.shape[0], q.shape[1], v.shape[-1], device=q.device, dtype=q.dtype)
-        return self._run(q, k, v, beta, state, causal=True)
+        return self._run(q, k, v, beta, state, True, **self._gate(log_gate))
 
-    def _parallel(self, q, k, v, beta, causal):
+    def _parallel(self, q, k, v, beta, causal, **gate):
         state = self.init_state(q.shape[0], q.shape[1], v.shape[-1], device=q.device, dtype=q.dtype)
-        return self._run(q, k, v, beta, state, causal)[0]
+        return self._run(q, k, v, beta, state, causal, **gate)[0]
 
-    def _step(self, q_t, k_t, v_t, state, beta_t):
-        features_q, features_k = self.phi(q_t), self.phi(k_t)
+    def _step(self, q_t, k_t, v_t, state, beta_t, **gate):
+        features_q, features_k = self.phi.for_queries(q_t), self.phi.for_keys(k_t)
         normaliser = state.normaliser + features_k if self.attn_norm else None
-        weights = self._write(features_k, v_t, beta_t, state)
+        weights = self._write(features_k, v_t, beta_t, state, **gate)
         read = (features_q.unsqueeze(-2) @ weights).squeeze(-2)
         if self.attn_norm:
             read = read / ((features_q * normaliser).sum(-1, keepdim=True) + EPS)
@@ -106,8 +106,8 @@ class FastWeightCore(AttentionCore):
         )
 
     # --- implemented by each rule -------------------------------------------------
-    def _run(self, q, k, v, beta, state, causal):
-        """Parallel form from ``state``: ``(out, final_state)``."""
+    def _run(self, q, k, v, beta, state, causal, **gate):
+        """Parallel form from ``state``: ``(out, final_state)``; ``gate`` holds ``log_gate`` for a gated rule."""
         raise NotImplementedError
 
     def _kernel(self, rule: str, q):
@@ -115,7 +115,7 @@ class FastWeightCore(AttentionCore):
         kernels.require_device(self.variant_name, q.device)
         return kernels.load(rule)
 
-    def _write(self, features_k, v_t, beta_t, state):
+    def _write(self, features_k, v_t, beta_t, state, **gate):
         """One write into the fast weights: the new ``weights``."""
         raise NotImplementedError
 

@@ -2,7 +2,9 @@
 
 Every linear-time variant is an update rule (sum or delta) times one of these maps.
 Each map is a small module with ``d_dot`` (its output dimension) and ``forward(x)``
-acting on the last dim of ``x``.
+acting on the last dim of ``x``. A map may treat queries and keys differently (ReBased
+learns one affine transform for each): the scans apply ``phi.for_queries`` to queries and
+``phi.for_keys`` to keys, which are the map itself for every symmetric map.
 """
 
 from __future__ import annotations
@@ -26,6 +28,16 @@ class FeatureMap(nn.Module):
         super().__init__()
         self.d_key = d_key
         self.d_dot = d_dot
+
+    @property
+    def for_queries(self) -> FeatureMap:
+        """The map applied to queries (``self`` unless queries and keys have their own)."""
+        return self
+
+    @property
+    def for_keys(self) -> FeatureMap:
+        """The map applied to keys (``self`` unless queries and keys have their own)."""
+        return self
 
     def extra_repr(self) -> str:
         return f"d_key={self.d_key}, d_dot={self.d_dot}"
@@ -118,10 +130,75 @@ class DPFP(FeatureMap):
         return f"{super().extra_repr()}, nu={self.nu}"
 
 
+class L2Normalized(FeatureMap):
+    """φ(x) = x / ‖x‖₂ (0 for x = 0): the L2-normalised keys and queries of the gated delta rule
+    (Yang, Kautz, Hatamizadeh 2024, §3.4), which keep its erase step I − β k kᵀ contractive."""
+
+    def __init__(self, d_key: int):
+        super().__init__(d_key, d_key)
+
+    def forward(self, x):
+        return F.normalize(x, dim=-1, eps=EPS)
+
+
+class Taylor(FeatureMap):
+    """Second-order Taylor expansion of exp(q·k / √d) (Arora et al. 2024, Based, §4.1, eq. 3):
+
+    φ(x) = [1, x / d^{1/4}, (x ⊗ x) / (√2 · √d)], so φ(q)·φ(k) = 1 + q·k/√d + (q·k)²/(2d),
+    with d = d_key; d_dot = 1 + d + d² (the full outer product, not its symmetric half).
+    """
+
+    def __init__(self, d_key: int):
+        super().__init__(d_key, 1 + d_key + d_key * d_key)
+
+    def forward(self, x):
+        x = x * self.d_key**-0.25
+        square = (x.unsqueeze(-1) * x.unsqueeze(-2)).flatten(-2) / math.sqrt(2)
+        return torch.cat([torch.ones_like(x[..., :1]), x, square], dim=-1)
+
+
+class NormalizedSquare(FeatureMap):
+    """One side of ReBased's kernel (Aksenov et al. 2024, §4, eq. 7): x' = γ ⊙ LayerNorm(x) + β
+    (zero mean, unit variance over d_key, ε = 1e-5; learnable γ, β of size d_key, initialised
+    to 1 and 0), and φ(x) = x' ⊗ x', so φ(q)·φ(k) = (q'·k')²; d_dot = d_key²."""
+
+    def __init__(self, d_key: int):
+        super().__init__(d_key, d_key * d_key)
+        self.gamma = nn.Parameter(torch.ones(d_key))
+        self.beta = nn.Parameter(torch.zeros(d_key))
+
+    def forward(self, x):
+        x = F.layer_norm(x, (self.d_key,), self.gamma.to(x.dtype), self.beta.to(x.dtype))
+        return (x.unsqueeze(-1) * x.unsqueeze(-2)).flatten(-2)
+
+
+class ReBased(FeatureMap):
+    """ReBased's learnable quadratic kernel with separate γ, β for queries and keys
+    (Aksenov et al. 2024, §4): ``query`` and ``key`` are two ``NormalizedSquare`` maps."""
+
+    def __init__(self, d_key: int):
+        super().__init__(d_key, d_key * d_key)
+        self.query = NormalizedSquare(d_key)
+        self.key = NormalizedSquare(d_key)
+
+    @property
+    def for_queries(self) -> FeatureMap:
+        return self.query
+
+    @property
+    def for_keys(self) -> FeatureMap:
+        return self.key
+
+    def forward(self, x):
+        raise TypeError("ReBased maps queries and keys differently: call phi.for_queries or phi.for_keys")
+
+
 class SumNormalized(FeatureMap):
     """φ'(x) = φ(x) / (Σ_j φ(x)_j + ε): Schlag et al. 2021's sum normalisation (§4.2, eq. 29)."""
 
     def __init__(self, inner: FeatureMap):
+        if inner.for_queries is not inner:
+            raise VariantError(f"sum_norm: {type(inner).__name__} maps queries and keys differently; use sum_norm=False")
         super().__init__(inner.d_key, inner.d_dot)
         self.inner = inner
 
@@ -130,7 +207,10 @@ class SumNormalized(FeatureMap):
         return features / (features.sum(-1, keepdim=True) + EPS)
 
 
-PHI_NAMES = ("identity", "elu1", "favor", "dpfp")
+PHI_NAMES = ("identity", "elu1", "favor", "dpfp", "l2", "taylor", "rebased")
+#: the maps without a size parameter, and the d_dot each has
+_FIXED = {"identity": (Identity, "d_key"), "elu1": (Elu1, "d_key"), "l2": (L2Normalized, "d_key"),
+          "taylor": (Taylor, "1 + d_key + d_key²"), "rebased": (ReBased, "d_key²")}
 
 
 def make_feature_map(
@@ -152,9 +232,11 @@ def make_feature_map(
         return DPFP(d_key, nu)
     if m is not None or nu is not None:
         raise VariantError(f"phi={phi!r} takes neither m nor nu")
-    if d_dot is not None and d_dot != d_key:
-        raise VariantError(f"phi={phi!r} has d_dot = d_key = {d_key}; cannot give d_dot={d_dot}")
-    return Identity(d_key) if phi == "identity" else Elu1(d_key)
+    build, rule = _FIXED[phi]
+    feature_map = build(d_key)
+    if d_dot is not None and d_dot != feature_map.d_dot:
+        raise VariantError(f"phi={phi!r} has d_dot = {rule} = {feature_map.d_dot}; cannot give d_dot={d_dot}")
+    return feature_map
 
 
 def _resolve(phi: str, label: str, value, d_dot, per_unit: int, rule: str) -> int:

@@ -2,22 +2,43 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .base import VariantError, create
+from .conv import ShortConv, TokenShift
+
+
+class LayerState(NamedTuple):
+    """Decoding state of a layer that keeps past inputs: the core's state, the short
+    convolution's last K − 1 inputs ``[B, K − 1, d_model]`` and the previous (convolved) input
+    ``[B, d_model]`` of the token shift (None where the layer has no such part)."""
+
+    core: object
+    conv_window: torch.Tensor | None
+    previous: torch.Tensor | None
 
 
 class AttentionLayer(nn.Module):
-    """Projections x -> q, k, v (and β = σ(W_β x) for cores that need it), the core, and the
-    output projection. ``x: [B, T, d_model] -> [B, T, d_model]``; ``step`` takes ``x_t: [B, d_model]``.
+    """Projections x -> q, k, v (and β = σ(W_β x), the gated delta rule's log decay
+    g = −softplus(W_α x) for cores that need them), the core, and the output projection.
+    ``x: [B, T, d_model] -> [B, T, d_model]``; ``step`` takes ``x_t: [B, d_model]``.
 
     ``d_key`` and ``d_value`` default to d_model / n_heads; ``params`` go to the core.
+    ``short_conv=K`` applies a causal depthwise convolution of width K to the layer input
+    before every projection (Based's short convolution), and a core with ``token_shift``
+    (RWKV) gets its r, k, v projections from token-shifted inputs; decoding then keeps those
+    past inputs in a ``LayerState``.
     """
 
-    def __init__(self, d_model: int, n_heads: int, core_name: str, *, d_key=None, d_value=None, bias=False, **params):
+    def __init__(
+        self, d_model: int, n_heads: int, core_name: str, *, d_key=None, d_value=None, bias=False, short_conv=None, **params
+    ):
         super().__init__()
-        for label, value in (("d_model", d_model), ("n_heads", n_heads), ("d_key", d_key), ("d_value", d_value)):
+        for label, value in (("d_model", d_model), ("n_heads", n_heads), ("d_key", d_key), ("d_value", d_value), ("short_conv", short_conv)):
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise VariantError(f"AttentionLayer: {label} must be a positive int, got {value!r}")
         if (d_key is None or d_value is None) and d_model % n_heads:
@@ -26,41 +47,81 @@ class AttentionLayer(nn.Module):
         self.d_key = d_model // n_heads if d_key is None else d_key
         self.d_value = d_model // n_heads if d_value is None else d_value
         self.core = create(core_name, self.d_key, **params)
+        self.short_conv = ShortConv(d_model, short_conv) if short_conv is not None else None
+        self.token_shift = TokenShift(d_model) if self.core.token_shift else None
         self.query = nn.Linear(d_model, n_heads * self.d_key, bias=bias)
         self.key = nn.Linear(d_model, n_heads * self.d_key, bias=bias)
         self.value = nn.Linear(d_model, n_heads * self.d_value, bias=bias)
         self.write_strength = nn.Linear(d_model, n_heads) if self.core.needs_beta else None
+        self.decay_gate = nn.Linear(d_model, n_heads) if self.core.needs_gate else None
         self.out = nn.Linear(n_heads * self.d_value, d_model, bias=bias)
 
-    def _project(self, x):
-        """``x: [..., d_model]`` -> q, k ``[..., H, Dk]``, v ``[..., H, Dv]``, β ``[..., H]`` or None."""
-        heads = x.shape[:-1] + (self.n_heads, -1)
-        q, k, v = self.query(x).view(heads), self.key(x).view(heads), self.value(x).view(heads)
-        beta = torch.sigmoid(self.write_strength(x)) if self.write_strength is not None else None
-        return q, k, v, beta
+    @property
+    def _buffered(self) -> bool:
+        """Whether decoding keeps past layer inputs (short convolution, token shift) beside the core's state."""
+        return self.short_conv is not None or self.token_shift is not None
 
-    def _project_sequence(self, x):
-        """``x: [B, T, d_model]`` -> q, k, v ``[B, H, T, D]`` and β ``[B, H, T]`` or None."""
-        q, k, v, beta = self._project(x)
+    def _project(self, x, x_q=None, x_k=None, x_v=None):
+        """``x: [..., d_model]`` -> q, k ``[..., H, Dk]``, v ``[..., H, Dv]`` and the per-token inputs
+        ``{'beta': β = σ(W_β x), 'log_gate': g = −softplus(W_α x)}`` ``[..., H]`` of the cores that need
+        them. ``x_q, x_k, x_v`` (token shift) replace ``x`` as the input of each projection."""
+        heads = x.shape[:-1] + (self.n_heads, -1)
+        q = self.query(x if x_q is None else x_q).view(heads)
+        k = self.key(x if x_k is None else x_k).view(heads)
+        v = self.value(x if x_v is None else x_v).view(heads)
+        per_token = {}
+        if self.write_strength is not None:
+            per_token["beta"] = torch.sigmoid(self.write_strength(x))
+        if self.decay_gate is not None:
+            per_token["log_gate"] = -F.softplus(self.decay_gate(x))
+        return q, k, v, per_token
+
+    def _project_sequence(self, x, state=None):
+        """``x: [B, T, d_model]``, continuing from a ``LayerState`` (or from nothing) -> q, k, v
+        ``[B, H, T, D]``, the per-token inputs ``[B, H, T]`` and the input buffers after x."""
+        conv_window = previous = streams = None
+        if self.short_conv is not None:
+            conv_window = state.conv_window if state is not None else self.short_conv.init_window(x.shape[0], device=x.device, dtype=x.dtype)
+            x, conv_window = self.short_conv(x, conv_window), self.short_conv.next_window(x, conv_window)
+        if self.token_shift is not None:
+            streams, previous = self.token_shift(x, None if state is None else state.previous), x[:, -1]
+        q, k, v, per_token = self._project(x, *(streams if streams is not None else ()))
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        return q, k, v, beta.transpose(1, 2) if beta is not None else None
+        return q, k, v, {name: t.transpose(1, 2) for name, t in per_token.items()}, conv_window, previous
 
     def forward(self, x, *, causal: bool = True):
-        q, k, v, beta = self._project_sequence(x)
-        y = self.core(q, k, v, beta=beta, causal=causal)
+        q, k, v, per_token, _, _ = self._project_sequence(x)
+        y = self.core(q, k, v, causal=causal, **per_token)
         return self.out(y.transpose(1, 2).flatten(2))
 
     def prefill(self, x, state=None):
         """Causal parallel form over ``x: [B, T, d_model]`` that also returns the decoding state."""
-        q, k, v, beta = self._project_sequence(x)
-        y, state = self.core.prefill(q, k, v, beta=beta, state=state)
+        buffers = state if self._buffered else None
+        q, k, v, per_token, conv_window, previous = self._project_sequence(x, buffers)
+        y, core_state = self.core.prefill(q, k, v, state=state.core if buffers is not None else state, **per_token)
+        state = LayerState(core_state, conv_window, previous) if self._buffered else core_state
         return self.out(y.transpose(1, 2).flatten(2)), state
 
     def init_state(self, batch: int, *, device=None, dtype=None):
-        return self.core.init_state(batch, self.n_heads, self.d_value, device=device, dtype=dtype)
+        """The core's empty state, with zero input buffers when the layer keeps them (``LayerState``)."""
+        core_state = self.core.init_state(batch, self.n_heads, self.d_value, device=device, dtype=dtype)
+        if not self._buffered:
+            return core_state
+        conv_window = self.short_conv.init_window(batch, device=device, dtype=dtype) if self.short_conv is not None else None
+        previous = torch.zeros(batch, self.query.in_features, device=device, dtype=dtype) if self.token_shift is not None else None
+        return LayerState(core_state, conv_window, previous)
 
     def step(self, x_t, state):
         """One decoding step: ``x_t: [B, d_model]`` -> ``(y_t [B, d_model], state)``."""
-        q, k, v, beta = self._project(x_t)
-        y, state = self.core.step(q, k, v, state, beta_t=beta)
+        core_state, streams = state, ()
+        if self._buffered:
+            core_state, conv_window, previous = state
+            if self.short_conv is not None:
+                x_t, conv_window = self.short_conv.step(x_t, conv_window)
+            if self.token_shift is not None:
+                streams, previous = self.token_shift(x_t.unsqueeze(1), previous).squeeze(2), x_t
+        q, k, v, per_token = self._project(x_t, *streams)
+        y, core_state = self.core.step(q, k, v, core_state, **{f"{name}_t": t for name, t in per_token.items()})
+        state = LayerState(core_state, conv_window, previous) if self._buffered else core_state
         return self.out(y.flatten(1)), state
+

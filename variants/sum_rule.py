@@ -32,12 +32,12 @@ class SumRule(FastWeightCore):
     def _run(self, q, k, v, beta, state, causal):
         if causal and self.backend == "triton":
             kernel = self._kernel("sum_rule", q).sum_rule_triton
-            read, weights, normaliser = kernel(self.phi(q), self.phi(k), v, *state, normalize=self.attn_norm)
+            read, weights, normaliser = kernel(self.phi.for_queries(q), self.phi.for_keys(k), v, *state, normalize=self.attn_norm)
             return read, FastWeightState(weights.to(v.dtype), None if normaliser is None else normaliser.to(v.dtype))
         if causal:
-            read, weights, normaliser = sum_rule_chunked(q, k, v, *state, self.chunk_size, phi=self.phi)
+            read, weights, normaliser = sum_rule_chunked(q, k, v, *state, self.chunk_size, phi=self.phi.for_queries, phi_k=self.phi.for_keys)
             return read, FastWeightState(weights, normaliser)
-        features_q, features_k = self.phi(q), self.phi(k)
+        features_q, features_k = self.phi.for_queries(q), self.phi.for_keys(k)
         weights = state.weights + features_k.transpose(-1, -2) @ v
         read = features_q @ weights
         if not self.attn_norm:
@@ -57,7 +57,7 @@ class SumRule(FastWeightCore):
 
     def _reference(self, q, k, v, beta, causal):
         """The O(T²) masked form: y_t = Σ_{i≤t} (φ(q_t)·φ(k_i)) v_i / Σ_{i≤t} φ(q_t)·φ(k_i)."""
-        scores = self.phi(q) @ self.phi(k).transpose(-1, -2)
+        scores = self.phi.for_queries(q) @ self.phi.for_keys(k).transpose(-1, -2)
         if causal:
             scores = torch.tril(scores)
         read = scores @ v
