@@ -1,4 +1,4 @@
-"""The ``attnbench`` command line: run, report, compare, list, env, demo."""
+"""The ``attnbench`` command line: run, report, compare, regress, list, env, demo."""
 
 from __future__ import annotations
 
@@ -98,6 +98,34 @@ def _compare(args) -> int:
     return result.exit_code
 
 
+def _regress(args) -> int:
+    from .compare import EXIT_INCOMPARABLE
+    from .regress import RegressError, regress
+    from .scenario import ScenarioError, load_scenario
+
+    spec, preset = args.scenario or "regress-cpu", args.preset
+    if args.scenario is None and preset is None and _default_scenarios() is GPU_DEFAULT:
+        preset = "gpu"
+    try:
+        loaded = load_scenario(spec, preset=preset, overrides=args.set or [])
+        result = regress(
+            args.repo, loaded, base=args.base, head=args.head, all_variants=args.all_variants, rounds=args.rounds, out_dir=args.out,
+            factor=args.factor, alpha=args.alpha, command="attnbench " + " ".join(shlex.quote(arg) for arg in sys.argv[1:]),
+            progress=not args.no_progress,
+        )
+    except (ScenarioError, RegressError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_INCOMPARABLE
+    except KeyboardInterrupt:
+        print("interrupted: the worktrees were removed; nothing was written", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    if result.comparison is not None:
+        print(result.comparison.format_table())
+        print(f"results: {result.paths['base']} and {result.paths['head']}")
+    print(f"attnbench regress: exit code {result.exit_code}" + (" (the head is incorrect)" if result.incorrect("head") else ""))
+    return result.exit_code
+
+
 def _list(args) -> int:
     import variants
 
@@ -165,6 +193,23 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--allow-different-machines", action="store_true", help="mark cells of different machines as not comparable")
     compare.add_argument("--report", type=Path, help="also write an HTML report with the comparison into this directory")
     compare.set_defaults(handler=_compare)
+
+    regress = commands.add_parser(
+        "regress", help="check and benchmark two git revisions in one interleaved run (exit 0: ok, 1: regression or incorrect, 2: not comparable)"
+    )
+    regress.add_argument("scenario", nargs="?", help="scenario file or shipped name (default: regress-cpu; its gpu preset where CUDA is present)")
+    regress.add_argument("--base", required=True, metavar="REV", help="the revision to compare against (a commit, branch or tag)")
+    regress.add_argument("--head", metavar="REV", help="the revision to check (default: the working tree, uncommitted changes included)")
+    regress.add_argument("--all-variants", action="store_true", help="measure every cell, not only those of the variants the diff touches")
+    regress.add_argument("--rounds", type=int, default=3, help="rounds of base and head, alternating, each in fresh processes (default: 3)")
+    regress.add_argument("--out", type=Path, default=Path("results"), help="directory for regress-SCENARIO-TIME/{base,head}.jsonl (default: results/)")
+    regress.add_argument("--preset", help="apply the scenario's named preset")
+    regress.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a field of the scenario, as for run")
+    regress.add_argument("--factor", type=float, default=1.1, help="a regression must be slower by more than this ratio")
+    regress.add_argument("--alpha", type=float, default=0.05, help="significance level of the bootstrap interval")
+    regress.add_argument("--repo", type=Path, default=Path("."), help="the git repository (default: the one holding the current directory)")
+    regress.add_argument("--no-progress", action="store_true", help="no progress bar")
+    regress.set_defaults(handler=_regress)
 
     listing = commands.add_parser("list", help="list the variants and the shipped scenarios")
     listing.set_defaults(handler=_list)

@@ -16,6 +16,7 @@ import importlib.util
 import multiprocessing
 import os
 import signal
+import subprocess
 import sys
 import time
 import traceback
@@ -34,6 +35,12 @@ from .scenario import LoadedScenario, describe
 #: follows live memory to about 2 MiB.
 WORKER_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0", "MALLOC_TOP_PAD_": "0"}
 WORKER_START_TIMEOUT_S = 300
+#: The program of a worker that runs another checkout's code (``Worker(code_root=...)``): that
+#: checkout's own ``harness.runner._serve``, on the socket the parent passes as its file descriptor.
+CHECKOUT_WORKER = (
+    "import sys; from multiprocessing.connection import Connection; from harness.runner import _serve; "
+    "_serve(Connection(int(sys.argv[1])), sys.argv[2:])"
+)
 
 
 def load_plugins(plugins) -> None:
@@ -78,28 +85,52 @@ def _empty_cuda_cache() -> None:
         torch.cuda.empty_cache()
 
 
-class Worker:
-    """A child process that measures cells; restarted whenever it dies or hangs."""
+class _CheckoutProcess:
+    """A worker process of another checkout (a ``subprocess.Popen``) with the methods of
+    ``multiprocessing.Process`` that ``Worker`` uses."""
 
-    def __init__(self, plugins=()):
+    def __init__(self, popen: subprocess.Popen):
+        self.popen = popen
+
+    @property
+    def exitcode(self):
+        return self.popen.poll()
+
+    def is_alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def join(self, timeout=None) -> None:
+        try:
+            self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def kill(self) -> None:
+        self.popen.kill()
+
+
+class Worker:
+    """A child process that measures cells; restarted whenever it dies or hangs.
+
+    By default it runs this attnbench's code. With ``code_root`` (a checkout of another
+    revision, see harness.regress) it is a fresh interpreter started in that directory with
+    it first on ``PYTHONPATH``, so ``harness`` and ``variants`` are that revision's own.
+    ``env`` adds environment variables for the worker (e.g. its own ``TRITON_CACHE_DIR``)."""
+
+    def __init__(self, plugins=(), *, code_root=None, env=None):
         self.plugins = list(plugins)
+        self.code_root = code_root
+        self.env = {**WORKER_ENV, **(env or {})}
         self.process = None
         self._start()
 
     def _start(self) -> None:
         context = multiprocessing.get_context("spawn")
         self.conn, child = context.Pipe()
-        saved = {key: os.environ.get(key) for key in WORKER_ENV}
-        os.environ.update(WORKER_ENV)
-        try:
-            self.process = context.Process(target=_serve, args=(child, self.plugins), daemon=True)
-            self.process.start()
-        finally:
-            for key, value in saved.items():
-                if value is None:
-                    os.environ.pop(key)
-                else:
-                    os.environ[key] = value
+        if self.code_root is not None:
+            self._start_checkout(child)
+        else:
+            self._start_spawned(context, child)
         child.close()
         # Wait for the imports, so that a cell's timeout counts its own time only.
         try:
@@ -109,6 +140,24 @@ class Worker:
         if not ready:
             self.kill()
             raise RuntimeError(f"the worker process did not start (exit code {self.process.exitcode}); see the messages above")
+
+    def _start_checkout(self, child) -> None:
+        env = {**os.environ, **self.env, "PYTHONPATH": str(self.code_root)}
+        command = [sys.executable, "-c", CHECKOUT_WORKER, str(child.fileno()), *self.plugins]
+        self.process = _CheckoutProcess(subprocess.Popen(command, cwd=self.code_root, env=env, pass_fds=[child.fileno()]))
+
+    def _start_spawned(self, context, child) -> None:
+        saved = {key: os.environ.get(key) for key in self.env}
+        os.environ.update(self.env)
+        try:
+            self.process = context.Process(target=_serve, args=(child, self.plugins), daemon=True)
+            self.process.start()
+        finally:
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key)
+                else:
+                    os.environ[key] = value
 
     def measure(self, cell: dict, timeout_s: float) -> dict:
         self.conn.send(cell)
@@ -223,7 +272,7 @@ def run(loaded: LoadedScenario, out_dir, *, resume=False, plugins=(), command: s
     try:
         for cell in bar:
             bar.set_description(describe(cell))
-            record = _measure(worker, cell, run_id, fingerprint)
+            record = measure_record(worker, cell, run_id, fingerprint)
             writer.write_cell(record)
             summary.statuses[record["status"]] = summary.statuses.get(record["status"], 0) + 1
             if cell["measure"].get("fresh_worker"):
@@ -237,7 +286,9 @@ def run(loaded: LoadedScenario, out_dir, *, resume=False, plugins=(), command: s
     return summary
 
 
-def _measure(worker: Worker, cell: dict, run_id: str, fingerprint: dict) -> dict:
+def measure_record(worker: Worker, cell: dict, run_id: str, fingerprint: dict) -> dict:
+    """Measure ``cell`` in ``worker`` (or record it as skipped): its results record, with the
+    GPU's throttle state before and after, the machine and the commit of ``fingerprint``."""
     device = cell["axes"]["device"]
     before = machine.throttle_state(device)
     started, clock = _now(), time.perf_counter()

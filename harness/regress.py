@@ -1,0 +1,402 @@
+"""``attnbench regress``: benchmark two git revisions of attnbench in one interleaved run.
+
+1. Both revisions are checked out into temporary git worktrees (the head defaults to the
+   working tree: HEAD plus a copy of every uncommitted change), removed afterwards.
+2. In each revision's own fresh process (harness/regress_check.py, run in its worktree),
+   every variant configuration of the scenario is checked against the float64 reference,
+   with both backends, and the files its forms run are recorded.
+3. The configurations whose files the diff changes are measured (all with ``all_variants``).
+4. Their cells are measured in rounds, base and head alternating (base head, head base, ...),
+   each side in a fresh worker process running its own revision's ``harness`` and
+   ``variants`` (``runner.Worker(code_root=...)``), with its own Triton cache.
+5. Each cell's rounds are pooled into one record, one results file per side is written and
+   the two are compared (``harness.compare``).
+
+docs/regress.md explains the output and the exit codes.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import uuid
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tqdm import tqdm
+
+from . import machine, runner
+from .compare import EXIT_OK, EXIT_REGRESSION, CompareResult, compare
+from .measure import Timing
+from .results import ResultsWriter
+from .scenario import LoadedScenario, describe
+
+SIDES = ("base", "head")
+WORKING_TREE = "working tree"
+CHECK_SCRIPT = Path(__file__).with_name("regress_check.py")
+#: Runs a script by path without putting its directory on sys.path (this one's is harness/).
+RUN_SCRIPT = "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
+BACKENDS_CHECKED = ("torch", "triton")
+
+
+class RegressError(RuntimeError):
+    """The revisions cannot be checked out or run; the message says why."""
+
+
+@dataclass
+class Revision:
+    """One side of the comparison, checked out at ``root``."""
+
+    side: str  #: "base" or "head"
+    label: str  #: what the user named ("HEAD~1", "main") or "working tree"
+    commit: str
+    root: Path
+    dirty_files: int = 0  #: uncommitted changes copied into the worktree (working tree only)
+
+    def describe(self) -> str:
+        if self.label != WORKING_TREE:
+            return f"{self.label} ({self.commit[:10]})"
+        state = f"dirty: {self.dirty_files} files changed" if self.dirty_files else "clean"
+        return f"working tree ({state}) on {self.commit[:10]}"
+
+    @property
+    def env(self) -> dict:
+        """The environment of this revision's processes: its own Triton cache and, without a
+        GPU, Triton's interpreter."""
+        env = {"TRITON_CACHE_DIR": str(self.root.parent / f"triton-cache-{self.side}")}
+        if not _has_cuda():
+            env["TRITON_INTERPRET"] = "1"
+        return env
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def git(repo, *args: str) -> str:
+    """The output of ``git -C repo ARGS``; RegressError with git's message when it fails."""
+    done = subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RegressError(f"git {' '.join(args)}: {done.stderr.strip() or f'exit code {done.returncode}'}")
+    return done.stdout.strip()
+
+
+def repository(path) -> Path:
+    """The top directory of the git repository holding ``path``."""
+    return Path(git(path, "rev-parse", "--show-toplevel")).resolve()
+
+
+def _copy_working_tree(repo: Path, root: Path) -> int:
+    """Make ``root`` (a worktree at HEAD) a copy of ``repo``'s working tree: every tracked and
+    untracked, not ignored file as it is now (deleted ones deleted). Returns how many files
+    differ from HEAD."""
+    for path in git(repo, "ls-files", "--cached", "--others", "--exclude-standard", "-z").split("\0"):
+        source, target = repo / path, root / path
+        if not path:
+            continue
+        if source.is_file():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, target)
+        elif target.is_file():
+            target.unlink()
+    return len(git(repo, "status", "--porcelain", "--untracked-files=all").splitlines())
+
+
+@contextmanager
+def worktrees(repo: Path, base: str, head: str | None) -> Iterator[tuple[Revision, Revision]]:
+    """Both revisions in temporary worktrees (``head=None``: the working tree), removed on exit,
+    also after an error or Ctrl-C."""
+    scratch = Path(tempfile.mkdtemp(prefix="attnbench-regress-")).resolve()
+    added = []
+    try:
+        revisions = []
+        for side, spec in zip(SIDES, (base, head)):
+            commit = git(repo, "rev-parse", "--verify", f"{spec or 'HEAD'}^{{commit}}")
+            root = scratch / side
+            git(repo, "worktree", "add", "--detach", str(root), commit)
+            added.append(root)
+            dirty = _copy_working_tree(repo, root) if spec is None else 0
+            revisions.append(Revision(side, spec or WORKING_TREE, commit, root, dirty))
+        yield revisions[0], revisions[1]
+    finally:
+        for root in added:
+            subprocess.run(["git", "-C", str(repo), "worktree", "remove", "--force", str(root)], capture_output=True)
+        subprocess.run(["git", "-C", str(repo), "worktree", "prune"], capture_output=True)
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def changed_files(base: Revision, head: Revision) -> list[str]:
+    """The files that differ between the two checkouts (the head with its uncommitted changes)."""
+    git(head.root, "add", "--all")  # the head worktree's own index; the user's is untouched
+    return git(head.root, "diff", "--cached", "--name-only", "--no-renames", base.commit).splitlines()
+
+
+# --- correctness and what each configuration runs -----------------------------------------
+
+
+def _config_key(variant: str, backend: str, params: dict) -> str:
+    return json.dumps([variant, backend, params], sort_keys=True)
+
+
+def _config_name(config: dict) -> str:
+    params = ",".join(f"{key}={value}" for key, value in sorted(config["params"].items()))
+    return f"{config['variant']}{'(' + params + ')' if params else ''}[{config['backend']}]"
+
+
+def configurations(loaded: LoadedScenario) -> dict[str, dict]:
+    """What to check: each variant configuration of the scenario, with both backends, at the
+    smallest d_key of its cells; ``decode`` when the scenario measures decoding."""
+    configs = {}
+    for cell in loaded.cells():
+        for backend in BACKENDS_CHECKED:
+            key = _config_key(cell["variant"], backend, cell["params"])
+            d_key = min(cell["axes"]["d_key"], configs[key]["d_key"]) if key in configs else cell["axes"]["d_key"]
+            configs[key] = {"variant": cell["variant"], "backend": backend, "params": cell["params"], "d_key": d_key}
+            configs[key]["decode"] = "decode" in loaded.scenario.modes
+    return configs
+
+
+def check_revision(revision: Revision, configs: dict[str, dict]) -> dict[str, dict]:
+    """Run harness/regress_check.py in ``revision``'s checkout: per configuration ``ok``,
+    ``problems``, ``files`` (what ran) and ``unsupported`` (the backend does not exist there).
+    A revision whose check cannot run at all (its variants do not import) fails every one."""
+    env = {**os.environ, **revision.env, "PYTHONPATH": str(revision.root)}
+    command = [sys.executable, "-c", RUN_SCRIPT, str(CHECK_SCRIPT)]
+    done = subprocess.run(command, input=json.dumps(list(configs.values())), capture_output=True, text=True, cwd=revision.root, env=env)
+    if done.returncode != 0:
+        reason = (done.stderr.strip().splitlines() or [f"exit code {done.returncode}"])[-1]
+        return {key: {**config, "ok": False, "problems": [f"the check could not run: {reason}"], "files": []} for key, config in configs.items()}
+    return {key: result for key, result in zip(configs, json.loads(done.stdout))}
+
+
+def touched(changed: list[str], checks: dict[str, dict[str, dict]]) -> dict[str, list[str]]:
+    """Per configuration, the changed files its forms run on either revision (only those that run any)."""
+    found = {}
+    for key in checks["base"]:
+        ran = set(checks["base"][key].get("files", [])) | set(checks["head"][key].get("files", []))
+        hit = sorted(ran.intersection(changed))
+        if hit:
+            found[key] = hit
+    return found
+
+
+# --- measuring in rounds ------------------------------------------------------------------
+
+
+def pool(records: list[dict]) -> dict:
+    """One record from a cell's measurements in several rounds: every round's raw samples
+    together, the order statistics and rates of them all, the largest peak memory; the
+    other metrics are the first round's. A round that failed makes the cell fail."""
+    failed = [record for record in records if record["status"] != "ok"]
+    if failed:
+        return failed[0]
+    first = records[0]
+    timing = Timing(tuple(sample for record in records for sample in record["metrics"]["samples_s"]))
+    metrics = {**first["metrics"], **timing.summary(), "round_medians_s": [record["metrics"]["median_s"] for record in records]}
+    for rate, amount in (("tokens_per_s", "tokens"), ("flops_per_s", "flops"), ("words_per_s", "tokens")):
+        if rate in metrics:
+            metrics[rate] = metrics[amount] / timing.median_s
+    memory = [record["metrics"].get("peak_mem_bytes") for record in records]
+    if all(value is not None for value in memory):
+        metrics["peak_mem_bytes"] = max(memory)
+    return {**first, "metrics": metrics, "duration_s": sum(record["duration_s"] for record in records)}
+
+
+def measure_rounds(revisions, cells: dict[str, list[dict]], rounds: int, fingerprints: dict, run_ids: dict, progress: bool) -> dict:
+    """``{side: {cell_id: [record per round]}}``: each side's ``cells[side]`` measured ``rounds``
+    times, the sides alternating (base head, head base, ...) so that drift hits both alike;
+    each side's round in a fresh worker of its own checkout."""
+    measured = {side: {cell["cell_id"]: [] for cell in side_cells} for side, side_cells in cells.items()}
+    bar = tqdm(total=rounds * sum(map(len, cells.values())), unit="cell", disable=not progress, dynamic_ncols=True)
+    try:
+        for number in range(rounds):
+            for revision in revisions if number % 2 == 0 else revisions[::-1]:
+                if not cells[revision.side]:
+                    continue
+                worker = runner.Worker(code_root=revision.root, env=revision.env)
+                try:
+                    for cell in cells[revision.side]:
+                        bar.set_description(f"round {number + 1}/{rounds} {revision.side}: {describe(cell)}")
+                        record = runner.measure_record(worker, cell, run_ids[revision.side], fingerprints[revision.side])
+                        measured[revision.side][cell["cell_id"]].append(record)
+                        bar.update()
+                        if cell["measure"].get("fresh_worker"):
+                            worker.restart()
+                finally:
+                    worker.close()
+    finally:
+        bar.close()
+    return measured
+
+
+def _incorrect_record(cell: dict, check: dict, run_id: str, fingerprint: dict) -> dict:
+    """The record of a cell that is not timed because its revision computes the wrong thing."""
+    record = {key: cell[key] for key in ("cell_id", "scenario", "variant", "backend", "params", "axes", "mode", "target")}
+    return {
+        **record,
+        "run_id": run_id,
+        "status": "error",
+        "error": "incorrect, not timed: " + "; ".join(check["problems"]),
+        "metrics": {},
+        "machine_id": fingerprint["machine_id"],
+        "commit": fingerprint["git"]["commit"],
+        "started_at": _now(),
+        "duration_s": 0.0,
+    }
+
+
+def _now() -> str:
+    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+
+
+# --- the whole run ------------------------------------------------------------------------
+
+
+@dataclass
+class RegressResult:
+    """What ``regress`` found: the correctness checks, the touched configurations, the
+    comparison (None when nothing was measured) and the results files."""
+
+    revisions: tuple[Revision, Revision]
+    changed: list[str]
+    checks: dict
+    touched: dict
+    comparison: CompareResult | None = None
+    paths: dict = field(default_factory=dict)
+
+    def incorrect(self, side: str) -> list[dict]:
+        return [check for check in self.checks[side].values() if not check["ok"]]
+
+    @property
+    def exit_code(self) -> int:
+        """1 when the head computes a wrong result anywhere; otherwise compare's exit code
+        (0 when nothing needed measuring)."""
+        if self.incorrect("head"):
+            return EXIT_REGRESSION
+        return EXIT_OK if self.comparison is None else self.comparison.exit_code
+
+
+def regress(
+    repo,
+    loaded: LoadedScenario,
+    *,
+    base: str,
+    head: str | None = None,
+    all_variants: bool = False,
+    rounds: int = 3,
+    out_dir=Path("results"),
+    factor: float = 1.1,
+    alpha: float = 0.05,
+    command: str = "",
+    progress: bool = True,
+    say=print,
+) -> RegressResult:
+    """Check, then measure ``loaded``'s cells on revisions ``base`` and ``head`` (None: the
+    working tree) of the repository at ``repo``; ``say`` prints each step's outcome."""
+    if rounds < 1:
+        raise RegressError(f"--rounds must be at least 1, got {rounds}")
+    if loaded.scenario.task is not None:
+        raise RegressError(f"{loaded.path}: regress measures speed scenarios (modes forward, train, decode), not quality tasks")
+    repo = repository(repo)
+    with worktrees(repo, base, head) as revisions:
+        for revision in revisions:
+            say(f"{revision.side} = {revision.describe()}")
+        changed = changed_files(*revisions)
+        say("changed files: " + (", ".join(changed) or "none"))
+        if not all_variants and not any(path.endswith(".py") for path in changed):
+            say("nothing to check or measure: the diff changes no Python file")
+            return RegressResult(revisions, changed, {side: {} for side in SIDES}, {})
+        configs = configurations(loaded)
+        say(f"checking {len(configs)} configurations against the float64 reference in each revision ...")
+        with ThreadPoolExecutor(len(revisions)) as pool_:
+            checks = dict(zip(SIDES, pool_.map(lambda revision: check_revision(revision, configs), revisions)))
+        result = RegressResult(revisions, changed, checks, touched(changed, checks) if not all_variants else {})
+        _say_checks(result, say)
+        chosen = set(configs) if all_variants else set(result.touched) | {key for side in SIDES for key, c in checks[side].items() if not c["ok"]}
+        cells = [cell for cell in loaded.cells() if _config_key(cell["variant"], cell["backend"], cell["params"]) in chosen]
+        if not all_variants:
+            say(f"measuring only the {len(cells)} of {len(loaded.cells())} cells whose variant configuration the diff touches (--all-variants: every cell)")
+        if not cells:
+            say("nothing to measure: the diff touches no variant configuration of the scenario")
+            return result
+        result.comparison, result.paths = _measure_and_compare(
+            revisions, cells, checks, loaded, rounds, Path(out_dir), factor, alpha, command, progress, say
+        )
+    return result
+
+
+def _check_of(checks: dict, cell: dict) -> dict:
+    return checks[_config_key(cell["variant"], cell["backend"], cell["params"])]
+
+
+def _say_checks(result: RegressResult, say) -> None:
+    for side in SIDES:
+        checks = result.checks[side].values()
+        correct = [check for check in checks if check["ok"] and not check.get("unsupported")]
+        unsupported = sum(bool(check.get("unsupported")) for check in checks)
+        say(f"{side}: {len(correct)} configurations correct, {len(result.incorrect(side))} incorrect, {unsupported} without such a backend")
+        for check in result.incorrect(side):
+            say(f"  INCORRECT on {side}: {_config_name(check)} at d_key={check['d_key']}: " + "; ".join(check["problems"]))
+    if result.touched:
+        say("touched (measured): " + "; ".join(f"{_config_name(result.checks['head'][key])} <- {', '.join(files)}" for key, files in result.touched.items()))
+
+
+def _measure_and_compare(revisions, cells, checks, loaded, rounds, out_dir, factor, alpha, command, progress, say):
+    """Measure the correct sides of ``cells`` in rounds, write base.jsonl and head.jsonl, compare."""
+    device = "cuda" if any(cell["axes"]["device"].startswith("cuda") for cell in cells) else "cpu"
+    common = machine.fingerprint(device)
+    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    folder = out_dir / f"regress-{loaded.name}-{stamp}"
+    fingerprints, run_ids, paths, timed = {}, {}, {}, {}
+    for revision in revisions:
+        fingerprints[revision.side] = {
+            **common,
+            "git": {"commit": revision.commit, "dirty": bool(revision.dirty_files), "describe": revision.commit[:10]},
+        }
+        run_ids[revision.side] = uuid.uuid4().hex
+        timed[revision.side] = [cell for cell in cells if _check_of(checks[revision.side], cell)["ok"]]
+    say(
+        f"measuring {len(cells)} cells ({', '.join(f'{len(timed[side])} timed on {side}' for side in SIDES)}), "
+        f"{rounds} rounds, base and head alternating, fresh processes -> {folder}/"
+    )
+    measured = measure_rounds(revisions, timed, rounds, fingerprints, run_ids, progress)
+    for revision in revisions:
+        side = revision.side
+        paths[side] = folder / f"{side}.jsonl"
+        writer = ResultsWriter(paths[side])
+        writer.write_run(
+            {
+                "run_id": run_ids[side],
+                "started_at": _now(),
+                "scenario": loaded.name,
+                "scenario_file": str(loaded.path),
+                "scenario_sha256": loaded.sha256,
+                "preset": loaded.preset,
+                "overrides": loaded.overrides,
+                "command": command,
+                "machine": fingerprints[side],
+                "commit": revision.commit,
+                "dirty": bool(revision.dirty_files),
+                "resumed_from": None,
+                "revision": {"side": side, "label": revision.label, "commit": revision.commit, "dirty_files": revision.dirty_files},
+                "rounds": rounds,
+            }
+        )
+        for cell in cells:
+            check = _check_of(checks[side], cell)
+            if check["ok"]:
+                record = pool(measured[side][cell["cell_id"]])
+            else:
+                record = _incorrect_record(cell, check, run_ids[side], fingerprints[side])
+            writer.write_cell({**record, "revision": side})
+    return compare([paths["base"]], [paths["head"]], factor=factor, alpha=alpha), paths

@@ -1,0 +1,177 @@
+"""``attnbench regress`` end to end on a temporary git repository made from this project.
+
+The repository's history (built once per module from ``git archive HEAD``):
+
+    plain    this project as committed
+    slow     + 20 ms of ``time.sleep`` in every call of the sum rule's parallel form (linear)
+    readme   + a README change only
+    wrong    + a sign flipped in the chunked sum rule (linear's torch form is wrong)
+
+The slowed variant's time is then dominated by a sleep of known length, so the verdicts do
+not depend on how busy the shared machine is (its µs-scale compute can differ several-fold
+between two processes). That ``slow`` is flagged while ``plain`` is its base also shows each
+side ran its own revision's code: had both imported one checkout, both would be equally fast
+or equally slow.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from harness.cli import main
+from harness.compare import EXIT_OK, EXIT_REGRESSION
+from harness.regress import changed_files, pool, regress, worktrees
+from harness.results import read_records
+from harness.scenario import load_scenario
+
+ROOT = Path(__file__).resolve().parents[1]
+SLEEP = "        import time\n        time.sleep(0.02)  # injected by tests/test_regress.py\n"
+
+
+def _git(repo: Path, *args: str) -> str:
+    return subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True, text=True).stdout.strip()
+
+
+def _commit(repo: Path, message: str) -> str:
+    _git(repo, "add", "--all")
+    _git(repo, "-c", "user.name=test", "-c", "user.email=test@example.com", "commit", "-q", "-m", message)
+    return _git(repo, "rev-parse", "HEAD")
+
+
+def _edit(repo: Path, path: str, old: str, new: str) -> None:
+    file = repo / path
+    text = file.read_text()
+    assert text.count(old) == 1, f"{path} no longer contains {old!r} once: update the test's edit"
+    file.write_text(text.replace(old, new))
+
+
+@pytest.fixture(scope="module")
+def history(tmp_path_factory):
+    """The repository and the commit of each step of its history."""
+    if shutil.which("git") is None or subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True).returncode:
+        pytest.skip("needs git and a git checkout of attnbench")
+    repo = tmp_path_factory.mktemp("regress") / "repo"
+    repo.mkdir()
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", "HEAD"], check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(repo)], input=archive, check=True)
+    _git(repo, "init", "-q")
+    commits = {"plain": _commit(repo, "plain")}
+    _edit(repo, "variants/sum_rule.py", "    def _run(self, q, k, v, beta, state, causal):\n", "    def _run(self, q, k, v, beta, state, causal):\n" + SLEEP)
+    commits["slow"] = _commit(repo, "slow linear")
+    (repo / "README.md").write_text((repo / "README.md").read_text() + "\nA line of prose.\n")
+    commits["readme"] = _commit(repo, "README only")
+    _edit(repo, "variants/chunked.py", "read = scores @ v_c + q_c @ weights", "read = q_c @ weights - scores @ v_c")
+    commits["wrong"] = _commit(repo, "wrong sign")
+    return repo, commits
+
+
+@pytest.fixture(autouse=True)
+def one_thread(monkeypatch):
+    """One torch thread per worker: on a busy 2-core machine, two threads that wait for each
+    other turn a 0.2 ms call into 16 ms of noise (the workers inherit the environment)."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+
+
+def _scenario(tmp_path: Path, variants: str):
+    path = tmp_path / "tiny.yaml"
+    path.write_text(
+        f"name: tiny\nvariants: {variants}\naxes: {{seq_len: 16, batch: 1, heads: 1, d_key: 8}}\n"
+        "modes: [forward]\nmeasure: {warmup: 1, repeats: 5, timeout_s: 60}\n"
+    )
+    return load_scenario(str(path))
+
+
+def _cells(path: Path) -> list[dict]:
+    return [record for record in read_records(path) if record["kind"] == "cell"]
+
+
+def test_a_slowed_variant_is_flagged_worse_and_only_touched_variants_are_measured(history, tmp_path):
+    repo, commits = history
+    said = []
+    result = regress(
+        repo, _scenario(tmp_path, "{linear: {}, softmax: {}}"), base=commits["plain"], head=commits["slow"],
+        rounds=2, out_dir=tmp_path / "out", progress=False, say=said.append,
+    )
+    assert result.changed == ["variants/sum_rule.py"]
+    assert result.exit_code == EXIT_REGRESSION
+    table = result.comparison.table
+    assert set(table["variant"]) == {"linear"}, "softmax does not run sum_rule.py and must not be measured"
+    (row,) = table.to_dict("records")
+    assert row["mark"] == "worse", result.comparison.format_table()
+    for side in ("base", "head"):
+        (cell,) = _cells(result.paths[side])
+        assert cell["commit"] == commits["plain" if side == "base" else "slow"] and cell["revision"] == side
+        assert len(cell["metrics"]["samples_s"]) == 2 * 5 and len(cell["metrics"]["round_medians_s"]) == 2
+    assert len(_git(repo, "worktree", "list").splitlines()) == 1, "a temporary git worktree was not removed"
+
+
+def test_an_unchanged_head_is_not_flagged(history, tmp_path, capsys):
+    repo, commits = history
+    scenario = tmp_path / "tiny.yaml"
+    _scenario(tmp_path, "{linear: {}}")
+    code = main(["regress", str(scenario), "--repo", str(repo), "--base", commits["slow"], "--head", commits["readme"], "--no-progress"])
+    printed = capsys.readouterr().out
+    assert code == EXIT_OK
+    assert "changed files: README.md" in printed and "nothing to check or measure" in printed
+    # Measured anyway: the same code on both sides (20 ms sleeps dominate) is "unchanged".
+    result = regress(
+        repo, load_scenario(str(scenario)), base=commits["slow"], head=commits["readme"], all_variants=True,
+        rounds=1, out_dir=tmp_path / "out", progress=False, say=lambda line: None,
+    )
+    assert result.exit_code == EXIT_OK
+    assert list(result.comparison.table["mark"]) == ["unchanged"], result.comparison.format_table()
+
+
+def test_a_wrong_variant_is_reported_incorrect_and_not_timed(history, tmp_path):
+    repo, commits = history
+    said = []
+    result = regress(
+        repo, _scenario(tmp_path, "{linear: {}}"), base=commits["readme"], head=commits["wrong"],
+        rounds=1, out_dir=tmp_path / "out", progress=False, say=said.append,
+    )
+    assert result.exit_code == EXIT_REGRESSION
+    (wrong,) = result.incorrect("head")
+    assert (wrong["variant"], wrong["backend"]) == ("linear", "torch") and "forward: max |error|" in wrong["problems"][0]
+    assert not result.incorrect("base")
+    assert any(line.startswith("  INCORRECT on head: linear[torch]") for line in said), said
+    (head_cell,) = _cells(result.paths["head"])
+    assert head_cell["status"] == "error" and head_cell["error"].startswith("incorrect, not timed") and head_cell["metrics"] == {}
+    (base_cell,) = _cells(result.paths["base"])
+    assert base_cell["status"] == "ok"
+    assert list(result.comparison.table["mark"]) == ["newly failing"]
+
+
+def test_the_working_tree_is_copied_with_its_uncommitted_changes(history):
+    repo, commits = history
+    (repo / "README.md").write_text("changed\n")
+    (repo / "notes.txt").write_text("untracked\n")
+    (repo / "scenarios/decode.yaml").unlink()
+    try:
+        with worktrees(repo, commits["plain"], None) as (base, head):
+            assert head.commit == commits["wrong"] and head.dirty_files == 3
+            assert head.describe() == f"working tree (dirty: 3 files changed) on {commits['wrong'][:10]}"
+            assert (head.root / "README.md").read_text() == "changed\n" and (head.root / "notes.txt").exists()
+            assert not (head.root / "scenarios/decode.yaml").exists() and (base.root / "scenarios/decode.yaml").exists()
+            assert set(changed_files(base, head)) == {"README.md", "notes.txt", "scenarios/decode.yaml", "variants/sum_rule.py", "variants/chunked.py"}
+            roots = (base.root, head.root)
+    finally:
+        _git(repo, "checkout", "--", ".")
+        (repo / "notes.txt").unlink()
+    assert not any(root.exists() for root in roots)
+    assert len(_git(repo, "worktree", "list").splitlines()) == 1
+
+
+def test_rounds_are_pooled_into_one_record():
+    def record(samples, status="ok"):
+        metrics = {"samples_s": samples, "median_s": sorted(samples)[len(samples) // 2], "tokens": 10, "tokens_per_s": 0.0, "peak_mem_bytes": len(samples)}
+        return {"status": status, "error": None, "metrics": metrics, "duration_s": 1.0}
+
+    pooled = pool([record([1.0, 2.0, 3.0]), record([4.0, 5.0])])
+    assert pooled["metrics"]["samples_s"] == [1.0, 2.0, 3.0, 4.0, 5.0] and pooled["metrics"]["median_s"] == 3.0
+    assert pooled["metrics"]["tokens_per_s"] == 10 / 3.0 and pooled["metrics"]["round_medians_s"] == [2.0, 5.0]
+    assert pooled["metrics"]["peak_mem_bytes"] == 3 and pooled["duration_s"] == 2.0
+    assert pool([record([1.0, 2.0]), record([3.0], status="error")])["status"] == "error"
