@@ -5,6 +5,8 @@
   the GPU set where CUDA is present); posargs go to ``attnbench run``.
 - ``bench-cpu`` / ``bench-gpu``: every shipped speed scenario on the CPU / on a CUDA GPU.
 - ``report``: an HTML report from results files (default: results/ -> reports/latest/).
+- ``regress``: ``attnbench regress`` (posargs: ``--base REV [--head REV] [SCENARIO] ...``),
+  two git revisions checked and benchmarked in one interleaved run.
 - ``microbench``, ``perf_cpu``, ``demo``, ``lint``.
 
 Every session installs attnbench into its own virtual environment. PyTorch comes from the
@@ -70,6 +72,15 @@ def report(session):
     """attnbench report: posargs are results files and -o DIR (default: results/ -> reports/latest/)."""
     install(session)
     session.run("attnbench", "report", *(session.posargs or ["results", "-o", "reports/latest"]))
+
+
+@nox.session
+def regress(session):
+    """attnbench regress: posargs are --base REV [--head REV] [SCENARIO] [--all-variants] ... (docs/regress.md)."""
+    if not session.posargs:
+        session.error("regress needs the base revision: nox -s regress -- --base REV [--head REV] [SCENARIO]")
+    install(session)
+    session.run("attnbench", "regress", *session.posargs)
 
 
 @nox.session

@@ -318,14 +318,11 @@ def regress(
             return RegressResult(revisions, changed, {side: {} for side in SIDES}, {})
         configs = configurations(loaded)
         say(f"checking {len(configs)} configurations against the float64 reference in each revision ...")
-        with ThreadPoolExecutor(len(revisions)) as pool_:
-            checks = dict(zip(SIDES, pool_.map(lambda revision: check_revision(revision, configs), revisions)))
-        result = RegressResult(revisions, changed, checks, touched(changed, checks) if not all_variants else {})
+        with ThreadPoolExecutor(len(revisions)) as threads:
+            checks = dict(zip(SIDES, threads.map(lambda revision: check_revision(revision, configs), revisions)))
+        result = RegressResult(revisions, changed, checks, touched(changed, checks))
         _say_checks(result, say)
-        chosen = set(configs) if all_variants else set(result.touched) | {key for side in SIDES for key, c in checks[side].items() if not c["ok"]}
-        cells = [cell for cell in loaded.cells() if _config_key(cell["variant"], cell["backend"], cell["params"]) in chosen]
-        if not all_variants:
-            say(f"measuring only the {len(cells)} of {len(loaded.cells())} cells whose variant configuration the diff touches (--all-variants: every cell)")
+        cells = _cells_to_measure(loaded, result, all_variants)
         if not cells:
             say("nothing to measure: the diff touches no variant configuration of the scenario")
             return result
@@ -333,6 +330,16 @@ def regress(
             revisions, cells, checks, loaded, rounds, Path(out_dir), factor, alpha, command, progress, say
         )
     return result
+
+
+def _cells_to_measure(loaded: LoadedScenario, result: RegressResult, all_variants: bool) -> list[dict]:
+    """Every cell with ``all_variants``; otherwise those of the touched configurations and of
+    any configuration that is incorrect on either side (so that compare marks it)."""
+    cells = loaded.cells()
+    if all_variants:
+        return cells
+    chosen = set(result.touched) | {key for side in SIDES for key, check in result.checks[side].items() if not check["ok"]}
+    return [cell for cell in cells if _config_key(cell["variant"], cell["backend"], cell["params"]) in chosen]
 
 
 def _check_of(checks: dict, cell: dict) -> dict:
@@ -348,7 +355,7 @@ def _say_checks(result: RegressResult, say) -> None:
         for check in result.incorrect(side):
             say(f"  INCORRECT on {side}: {_config_name(check)} at d_key={check['d_key']}: " + "; ".join(check["problems"]))
     if result.touched:
-        say("touched (measured): " + "; ".join(f"{_config_name(result.checks['head'][key])} <- {', '.join(files)}" for key, files in result.touched.items()))
+        say("touched: " + "; ".join(f"{_config_name(result.checks['head'][key])} <- {', '.join(files)}" for key, files in result.touched.items()))
 
 
 def _measure_and_compare(revisions, cells, checks, loaded, rounds, out_dir, factor, alpha, command, progress, say):
