@@ -27,6 +27,7 @@ BACKENDS = ("torch", "triton")
 AXES = ("seq_len", "batch", "heads", "d_key", "d_value", "dtype", "device")
 #: The axes of a quality task's cells (retrieval: S, the number of keys; MQAR: the model width).
 TASK_AXES = {"retrieval": ("S", "d_key", "dtype", "device"), "mqar": ("seq_len", "d_model", "dtype", "device")}
+TASK_AXES["mt"] = ("dtype", "device")  # translation: the model's sizes come from task.preset
 
 
 class ScenarioError(ValueError):
@@ -124,7 +125,44 @@ class MQARTask(Strict):
     seed: int = 0
 
 
-Task = Annotated[Union[RetrievalTask, MQARTask], Field(discriminator="name")]
+class MTTask(Strict):
+    """Translation (harness.tasks.mt): train an encoder-decoder on parallel text, score BLEU.
+    Every None setting takes the preset's value (``harness.tasks.mt.RUN_PRESETS``); the cell's
+    variant goes to every attention position it can (see ``position_variants``)."""
+
+    name: Literal["mt"]
+    preset: Literal["ci", "cpu", "gpu"] = "cpu"
+    dataset: Literal["multi30k", "wmt14"] = "multi30k"
+    data: str | None = Field(None, description="the data set's directory (default: the shared data or $ATTNBENCH_DATA)")
+    steps: int | None = Field(None, ge=1)
+    batch_tokens: int | None = Field(None, ge=1)
+    lr: float | None = Field(None, gt=0)
+    warmup: int | None = Field(None, ge=0)
+    beam: int | None = Field(None, ge=1)
+    length_penalty: float = Field(1.0, ge=0)
+    vocab_size: int | None = Field(None, ge=300)
+    encoder: str | None = Field(None, description="variant of encoder self-attention (default: the cell's, or fallback)")
+    cross: str | None = Field(None, description="variant of cross-attention (default: the cell's, or fallback)")
+    fallback: str = Field("linear", description="encoder and cross variant when the cell's variant is causal only")
+    threads: int | None = Field(None, ge=1, description="torch CPU threads (default: torch's)")
+    seed: int = 0
+
+    @field_validator("encoder", "cross", "fallback")
+    @classmethod
+    def _known_variant(cls, value):
+        if value is not None and value not in variants.names():
+            raise ValueError(f"unknown variant {value!r}; known: {', '.join(variants.names())}")
+        return value
+
+    @property
+    def head_width(self) -> int:
+        """d_key of the preset's model (d_model / n_heads), to check the variants against."""
+        from .tasks.mt_model import MT_PRESETS
+
+        return MT_PRESETS[self.preset]["d_model"] // MT_PRESETS[self.preset]["n_heads"]
+
+
+Task = Annotated[Union[RetrievalTask, MQARTask, MTTask], Field(discriminator="name")]
 
 
 class ModelSpec(Strict):
@@ -140,7 +178,7 @@ class Scenario(Strict):
     backends: list[str] = ["torch"]
     axes: Axes
     modes: list[Literal["forward", "train", "decode", "quality"]] = ["forward"]
-    target: Literal["core", "layer", "model", "retrieval", "mqar"] = "core"
+    target: Literal["core", "layer", "model", "retrieval", "mqar", "mt"] = "core"
     task: Task | None = None
     decode: Decode = Decode()
     measure: Measure = Measure()
@@ -321,8 +359,8 @@ def expand(scenario: Scenario, path: str = "<scenario>") -> list[dict]:
         for d_dot in d_dots:
             full_params = dict(params, **({"d_dot": d_dot} if d_dot is not None else {}))
             unsupported = {}
-            # MQAR cells have one head of width d_model.
-            for d_key in axis_values.get("d_key") or axis_values["d_model"]:
+            # MQAR cells have one head of width d_model; MT cells the preset's heads.
+            for d_key in axis_values.get("d_key") or axis_values.get("d_model") or [scenario.task.head_width]:
                 unsupported.update(_unsupported_backends(name, d_key, full_params, scenario.backends, field, path))
             for backend, mode in itertools.product(scenario.backends, scenario.modes):
                 for combo in itertools.product(*(axis_values[axis] for axis in names)):

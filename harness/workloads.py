@@ -190,8 +190,9 @@ def measure_cell(cell: dict) -> dict:
 def _measure_quality(cell, device, dtype) -> dict:
     """Train and evaluate the cell's task on the CPU in float32 (retrieval: Schlag et al.
     2021, §6.1; MQAR: Arora et al. 2023); its metrics are the task's own."""
-    if (device.type, dtype) != ("cpu", torch.float32):
-        raise CellError("quality tasks run on the CPU in float32 (axes.device: cpu, axes.dtype: float32)")
+    any_device = cell["task"]["name"] == "mt"  # translation trains on the cell's device
+    if dtype != torch.float32 or (device.type != "cpu" and not any_device):
+        raise CellError("quality tasks run on the CPU in float32 (axes.device: cpu, axes.dtype: float32); translation on any device")
     task, axes = dict(cell["task"]), cell["axes"]
     name = task.pop("name")
     params = dict(cell["params"], backend=cell["backend"])
@@ -200,6 +201,10 @@ def _measure_quality(cell, device, dtype) -> dict:
 
         metrics = run_retrieval(cell["variant"], params, S=axes["S"], d_key=axes["d_key"], **task)
         metrics["d_dot"] = _core(cell).d_dot
+    elif name == "mt":
+        from .tasks.mt import run_mt
+
+        metrics = run_mt(cell["variant"], params, device=str(device), **task)
     else:
         from .tasks.mqar import run_mqar
 

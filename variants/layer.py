@@ -125,3 +125,27 @@ class AttentionLayer(nn.Module):
         state = LayerState(core_state, conv_window, previous) if self._buffered else core_state
         return self.out(y.flatten(1)), state
 
+    def cross(self, x, memory):
+        """Cross-attention (Vaswani et al. 2017, §3.2.3) through the core's non-causal form:
+        queries from ``x: [B, T, d_model]``, keys and values from ``memory``, either the encoder
+        output ``[B, S, d_model]`` (every position real: cores take no padding mask) or the
+        projected pair ``(k [B, H, S, Dk], v [B, H, S, Dv])`` an earlier call returned, so that
+        decoding projects the fixed memory once. Returns ``(y [B, T, d_model], (k, v))``.
+
+        Cores take queries and keys of one length. A non-causal output at query i depends only
+        on q_i and the whole key/value set, so the T queries are cut into blocks of S (the last
+        zero-padded), each block a batch row that attends to the same S keys and values."""
+        if self._buffered:
+            raise VariantError("AttentionLayer.cross: a layer with short_conv or token shift mixes neighbouring inputs; memory keys have no order")
+        if isinstance(memory, torch.Tensor):
+            heads = memory.shape[:-1] + (self.n_heads, -1)
+            memory = self.key(memory).view(heads).transpose(1, 2), self.value(memory).view(heads).transpose(1, 2)
+        k, v = memory
+        (batch, length, _), memory_length = x.shape, k.shape[2]
+        blocks = -(-length // memory_length)
+        q = self.query(x).view(batch, length, self.n_heads, self.d_key).transpose(1, 2)
+        q = F.pad(q, (0, 0, 0, blocks * memory_length - length))
+        q = q.view(batch, self.n_heads, blocks, memory_length, self.d_key).transpose(1, 2).flatten(0, 1)
+        y = self.core(q, k.repeat_interleave(blocks, 0), v.repeat_interleave(blocks, 0), causal=False)
+        y = y.reshape(batch, blocks, self.n_heads, memory_length, self.d_value).transpose(1, 2).flatten(2, 3)
+        return self.out(y[:, :, :length].transpose(1, 2).flatten(2)), memory

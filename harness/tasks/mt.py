@@ -1,0 +1,493 @@
+"""Machine translation quality runs: train a Seq2Seq model on parallel text, decode, score BLEU.
+
+* Data: ``parallel_text`` (``{split}.{lang}`` files, a joint sentencepiece vocabulary). A
+  source is its subwords then EOS; the decoder reads BOS + target and predicts target + EOS.
+* Batches (``LengthBatches``): every batch holds sentences of ONE source length (so no
+  padding ever reaches a non-causal attention, see ``mt_model``) and at most ``batch_tokens``
+  padded tokens (sentences × the longer of the source and the longest target).
+* Training: label-smoothed cross-entropy (Szegedy et al. 2016; ε = 0.1 as in Vaswani et al.
+  2017, §5.4) with the shared engine ``training.train`` (AdamW, warm-up and cosine decay,
+  clipping, checkpoints, torchrun). Throughput is counted in target-side words (whitespace
+  words of the raw target text) per second of training.
+* Decoding: greedy or beam search (length penalty: score / length^α, as fairseq) with the
+  decoder's recurrent step; timed on its own (sentences/s).
+* Scoring: the detokenised output (sentencepiece decode) against the raw reference text with
+  ``sacrebleu.metrics.BLEU`` (default 13a tokenisation); its signature is recorded.
+
+    python -m harness.tasks.mt --variant linear --preset cpu --out results/mt-linear
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+import variants
+
+from ..measure import synchronize
+from .mt_model import Seq2Seq, mt_config
+from .parallel_text import BOS, EOS, PAD, DataError, dataset_dir, read_parallel, train_vocabulary
+from .training import Distributed, TrainConfig, train
+
+
+@dataclass(frozen=True)
+class Dataset:
+    """Where a data set's splits are: ``directory`` (a name under ``data_root()`` or a path),
+    the training, validation (optional) and test splits, and where the test split lives when
+    it is not in ``directory`` (the shared newstest2014 beside a user's WMT14 training data)."""
+
+    directory: str
+    train: str
+    valid: str | None
+    test: str
+    test_directory: str | None = None
+
+
+DATASETS = {
+    "multi30k": Dataset("multi30k", "train", "val", "test_2016_flickr"),
+    "wmt14": Dataset("wmt14", "train", "newstest2013", "newstest2014", test_directory="wmt14-newstest2014"),
+}
+
+#: Training and decoding settings of each preset (the model sizes are ``mt_model.MT_PRESETS``).
+#: "cpu": about 5-6 minutes of training on one CPU thread; see docs/translation.md.
+RUN_PRESETS: dict[str, dict] = {
+    "ci": dict(steps=40, batch_tokens=600, lr=3e-3, warmup=10, beam=2, vocab_size=1000, max_sentences=200, test_sentences=16),
+    "cpu": dict(steps=600, batch_tokens=2000, lr=2e-3, warmup=60, beam=4, vocab_size=4000, max_sentences=None, test_sentences=None),
+    "gpu": dict(steps=15000, batch_tokens=8000, lr=1e-3, warmup=1000, beam=5, vocab_size=8000, max_sentences=None, test_sentences=None),
+}
+
+
+# --- data ------------------------------------------------------------------------------
+
+
+@dataclass
+class Batch:
+    """``src [B, S]`` (one source length, no padding), ``tgt_in``/``tgt_out [B, T]`` (PAD after
+    the end), ``words``: target-side words in the batch."""
+
+    src: torch.Tensor
+    tgt_in: torch.Tensor
+    tgt_out: torch.Tensor
+    words: int
+
+    def to(self, device) -> Batch:
+        return Batch(self.src.to(device), self.tgt_in.to(device), self.tgt_out.to(device), self.words)
+
+
+@dataclass
+class Example:
+    source: list[int]
+    target: list[int]
+    words: int
+
+
+def encode_examples(sources: list[str], targets: list[str], vocab, *, max_length: int | None = None) -> list[Example]:
+    """Source subwords + EOS and target subwords per pair; pairs with a side longer than
+    ``max_length`` tokens are dropped (training only)."""
+    examples = [
+        Example(source + [EOS], target, len(text.split()))
+        for source, target, text in zip(vocab.encode(sources), vocab.encode(targets), targets)
+    ]
+    if max_length is not None:
+        examples = [e for e in examples if len(e.source) <= max_length and len(e.target) + 1 <= max_length]
+    return examples
+
+
+def collate(examples: list[Example], device=None) -> Batch:
+    """Pad one group of examples with a common source length into a Batch."""
+    length = max(len(e.target) for e in examples) + 1
+    src = torch.tensor([e.source for e in examples], dtype=torch.long)
+    tgt_in = torch.full((len(examples), length), PAD, dtype=torch.long)
+    tgt_out = torch.full((len(examples), length), PAD, dtype=torch.long)
+    for row, e in enumerate(examples):
+        tgt_in[row, : len(e.target) + 1] = torch.tensor([BOS] + e.target)
+        tgt_out[row, : len(e.target) + 1] = torch.tensor(e.target + [EOS])
+    return Batch(src, tgt_in, tgt_out, sum(e.words for e in examples)).to(device)
+
+
+class LengthBatches:
+    """A ``training.BatchStream`` of batches of one source length and at most ``batch_tokens``
+    padded tokens. Each epoch (seeded by ``seed`` and the epoch number) shuffles the sentences
+    of each source length, sorts them by target length, cuts them into batches and shuffles
+    the batches; rank r of a data-parallel run takes batches r, r + world_size, ..."""
+
+    def __init__(self, examples: list[Example], batch_tokens: int, *, seed: int = 0, rank: int = 0, world_size: int = 1, device=None):
+        if not examples:
+            raise ValueError("LengthBatches: no training examples")
+        longest = max(max(len(e.source), len(e.target) + 1) for e in examples)
+        if batch_tokens < longest:
+            raise ValueError(f"batch_tokens={batch_tokens} is below the longest sentence ({longest} tokens); raise it or drop long pairs")
+        self.examples, self.batch_tokens, self.seed = examples, batch_tokens, seed
+        self.rank, self.world_size, self.device = rank, world_size, device
+        self.epoch, self.cursor = 0, 0
+        self._plan = self._epoch_plan(0)
+
+    def _epoch_plan(self, epoch: int) -> list[list[int]]:
+        """This rank's batches (lists of example indices) of ``epoch``."""
+        rng = random.Random(self.seed * 1_000_003 + epoch)
+        by_length = defaultdict(list)
+        for index, example in enumerate(self.examples):
+            by_length[len(example.source)].append(index)
+        batches = []
+        for source_length in sorted(by_length):
+            indices = by_length[source_length]
+            rng.shuffle(indices)
+            indices.sort(key=lambda i: len(self.examples[i].target))
+            current, width = [], source_length
+            for index in indices:
+                width_with = max(width, len(self.examples[index].target) + 1)
+                if current and width_with * (len(current) + 1) > self.batch_tokens:
+                    batches.append(current)
+                    current, width_with = [], max(source_length, len(self.examples[index].target) + 1)
+                current.append(index)
+                width = width_with
+            batches.append(current)
+        rng.shuffle(batches)
+        mine = batches[self.rank :: self.world_size]
+        if not mine:
+            raise ValueError(f"LengthBatches: {len(batches)} batches cannot feed {self.world_size} ranks")
+        return mine
+
+    def __len__(self) -> int:
+        """Batches per epoch on this rank."""
+        return len(self._plan)
+
+    def next(self) -> Batch:
+        if self.cursor == len(self._plan):
+            self.epoch, self.cursor = self.epoch + 1, 0
+            self._plan = self._epoch_plan(self.epoch)
+        batch = collate([self.examples[i] for i in self._plan[self.cursor]], self.device)
+        self.cursor += 1
+        return batch
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "cursor": self.cursor}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.cursor = state["epoch"], state["cursor"]
+        self._plan = self._epoch_plan(self.epoch)
+
+
+def groups_by_source_length(examples: list[Example], max_sentences: int) -> list[list[int]]:
+    """Indices of ``examples`` in groups of one source length and at most ``max_sentences`` (for decoding)."""
+    by_length = defaultdict(list)
+    for index, example in enumerate(examples):
+        by_length[len(example.source)].append(index)
+    return [indices[i : i + max_sentences] for _, indices in sorted(by_length.items()) for i in range(0, len(indices), max_sentences)]
+
+
+# --- loss --------------------------------------------------------------------------------
+
+
+def label_smoothed_loss(model, batch: Batch, smoothing: float = 0.1):
+    """Mean label-smoothed cross-entropy over the real target tokens, and the batch's target words."""
+    logits = model(batch.src, batch.tgt_in)
+    loss = F.cross_entropy(logits.flatten(0, 1).float(), batch.tgt_out.flatten(), ignore_index=PAD, label_smoothing=smoothing)
+    return loss, batch.words
+
+
+@torch.no_grad()
+def validation_loss(model, examples: list[Example], *, device, max_sentences: int = 256) -> float:
+    """Cross-entropy per target token (no smoothing) over ``examples``, teacher-forced."""
+    total, tokens = 0.0, 0
+    for group in groups_by_source_length(examples, max_sentences):
+        batch = collate([examples[i] for i in group], device)
+        logits = model(batch.src, batch.tgt_in)
+        total += F.cross_entropy(logits.flatten(0, 1).float(), batch.tgt_out.flatten(), ignore_index=PAD, reduction="sum").item()
+        tokens += int((batch.tgt_out != PAD).sum())
+    return total / tokens
+
+
+# --- decoding -----------------------------------------------------------------------------
+
+
+def max_target_length(source_length: int) -> int:
+    """The longest output decoded for a source of ``source_length`` tokens (EOS included)."""
+    return 2 * source_length + 10
+
+
+@torch.no_grad()
+def greedy(model: Seq2Seq, src: torch.Tensor, max_length: int | None = None) -> list[list[int]]:
+    """Greedy decoding with the recurrent step: ``src [B, S]`` (no padding) -> B token lists
+    (EOS not included). Finished rows leave the batch."""
+    max_length = max_target_length(src.shape[1]) if max_length is None else max_length
+    state = model.start(model.encode(src))
+    tokens = torch.full((src.shape[0],), BOS, dtype=torch.long, device=src.device)
+    outputs: list[list[int]] = [[] for _ in range(src.shape[0])]
+    alive = list(range(src.shape[0]))
+    for _ in range(max_length):
+        logits, state = model.step(tokens, state)
+        tokens = logits.argmax(-1)
+        keep = []
+        for row, (sentence, token) in enumerate(zip(alive, tokens.tolist())):
+            if token != EOS:
+                outputs[sentence].append(token)
+                keep.append(row)
+        if len(keep) < len(alive):
+            if not keep:
+                break
+            rows = torch.tensor(keep, device=src.device)
+            state, tokens, alive = state.select(rows), tokens[rows], [alive[row] for row in keep]
+    return outputs
+
+
+@torch.no_grad()
+def beam_search(model: Seq2Seq, src: torch.Tensor, beam: int, *, length_penalty: float = 1.0, max_length: int | None = None) -> list[list[int]]:
+    """Beam search with the recurrent step: ``src [B, S]`` (no padding) -> B token lists (EOS
+    not included), the finished hypothesis of the highest ``log p / length^length_penalty``
+    (length counts EOS). Each step expands every live hypothesis, keeps the 2·beam best
+    candidates, finishes those among the first ``beam`` that end in EOS and continues the
+    best ``beam`` others; a sentence is done when it has ``beam`` finished hypotheses, and
+    live ones are finished at ``max_length``. With beam 1 this is greedy decoding."""
+    if isinstance(beam, bool) or not isinstance(beam, int) or beam < 1:
+        raise ValueError(f"beam must be a positive int, got {beam!r}")
+    max_length = max_target_length(src.shape[1]) if max_length is None else max_length
+    batch, device = src.shape[0], src.device
+    state = model.start(model.encode(src).repeat_interleave(beam, 0))
+    scores = torch.full((batch, beam), float("-inf"), device=device)
+    scores[:, 0] = 0.0  # the first step expands one hypothesis per sentence
+    tokens = torch.full((batch * beam,), BOS, dtype=torch.long, device=device)
+    history = torch.empty(batch * beam, 0, dtype=torch.long, device=device)
+    finished: list[list[tuple[float, list[int]]]] = [[] for _ in range(batch)]
+    alive = list(range(batch))
+    for length in range(1, max_length + 1):
+        logits, state = model.step(tokens, state)
+        log_probs = torch.log_softmax(logits.float(), -1).view(len(alive), beam, -1)
+        vocab = log_probs.shape[-1]
+        top_scores, top_ids = (scores[:, :, None] + log_probs).view(len(alive), -1).topk(2 * beam, dim=1)
+        origins, words = top_ids // vocab, top_ids % vocab
+        ends = words == EOS
+        first_ends, first_scores, first_origins = (t[:, :beam].tolist() for t in (ends, top_scores, origins))
+        for row, sentence in enumerate(alive):
+            for rank in range(beam):
+                if first_ends[row][rank] and first_scores[row][rank] > float("-inf"):
+                    hypothesis = history[row * beam + first_origins[row][rank]].tolist()
+                    finished[sentence].append((first_scores[row][rank] / length**length_penalty, hypothesis))
+        continuing = top_scores.masked_fill(ends, float("-inf")).topk(beam, dim=1).indices  # [alive, beam]
+        scores = top_scores.gather(1, continuing)
+        words, origins = words.gather(1, continuing), origins.gather(1, continuing)
+        rows = (torch.arange(len(alive), device=device)[:, None] * beam + origins).flatten()
+        history = torch.cat([history[rows], words.flatten()[:, None]], 1)
+        state, tokens = state.select(rows), words.flatten()
+        if length == max_length:
+            for row, sentence in enumerate(alive):
+                if len(finished[sentence]) < beam:
+                    for j in range(beam):
+                        finished[sentence].append((scores[row, j].item() / length**length_penalty, history[row * beam + j].tolist()))
+            break
+        keep = [row for row, sentence in enumerate(alive) if len(finished[sentence]) < beam]
+        if len(keep) < len(alive):
+            if not keep:
+                break
+            kept = torch.tensor(keep, device=device)
+            rows = (kept[:, None] * beam + torch.arange(beam, device=device)).flatten()
+            state, tokens, history, scores = state.select(rows), tokens[rows], history[rows], scores[kept]
+            alive = [alive[row] for row in keep]
+    return [max(hypotheses, key=lambda scored: scored[0])[1] for hypotheses in finished]
+
+
+def translate(model: Seq2Seq, vocab, sources: list[str], *, beam: int = 1, length_penalty: float = 1.0, device=None, max_sentences: int = 128):
+    """Translate ``sources`` (raw text) to raw text, in order, in batches of one source length.
+    Returns ``(hypotheses, seconds)``: the search alone is timed (encoding text and decoding
+    subwords are not)."""
+    examples = encode_examples(sources, [""] * len(sources), vocab)
+    hypotheses: list[list[int] | None] = [None] * len(examples)
+    was_training = model.training
+    model.eval()
+    seconds = 0.0
+    for group in groups_by_source_length(examples, max_sentences):
+        src = torch.tensor([examples[i].source for i in group], dtype=torch.long, device=device)
+        synchronize(src.device)
+        started = time.perf_counter()
+        outputs = greedy(model, src) if beam == 1 else beam_search(model, src, beam, length_penalty=length_penalty)
+        synchronize(src.device)
+        seconds += time.perf_counter() - started
+        for index, output in zip(group, outputs):
+            hypotheses[index] = output
+    model.train(was_training)
+    return vocab.decode(hypotheses), seconds
+
+
+def bleu(hypotheses: list[str], references: list[str]) -> tuple[float, str]:
+    """Corpus BLEU (Papineni et al. 2002) of detokenised ``hypotheses`` against raw
+    ``references`` with sacrebleu's defaults, and sacrebleu's signature string."""
+    from sacrebleu.metrics import BLEU
+
+    if len(hypotheses) != len(references):
+        raise ValueError(f"bleu: {len(hypotheses)} hypotheses but {len(references)} references")
+    metric = BLEU()
+    return metric.corpus_score(hypotheses, [references]).score, str(metric.get_signature())
+
+
+# --- one run --------------------------------------------------------------------------------
+
+
+def position_variants(variant: str, params: dict, d_key: int, *, encoder: str | None = None, cross: str | None = None, fallback: str = "linear") -> dict:
+    """The MTConfig fields of the attention at each position for a run of ``variant`` (head
+    width ``d_key``): the decoder self-attention always gets ``variant`` with ``params``;
+    encoder and cross-attention get it too unless named explicitly (``encoder``/``cross``,
+    default parameters) or unless ``variant`` is causal only (the delta rule): then they get
+    ``fallback`` (default 'linear', so that a delta-rule run differs from the all-linear run in
+    the decoder's update rule alone)."""
+    causal_only = not variants.create(variant, d_key, **params).supports_noncausal
+    fields = {"decoder": variant, "decoder_params": dict(params)}
+    for position, chosen in (("encoder", encoder), ("cross", cross)):
+        if chosen is not None:
+            fields[position], fields[f"{position}_params"] = chosen, {}
+        elif causal_only:
+            fields[position], fields[f"{position}_params"] = fallback, {}
+        else:
+            fields[position], fields[f"{position}_params"] = variant, dict(params)
+    return fields
+
+
+def run_mt(
+    variant: str,
+    params: dict | None = None,
+    *,
+    preset: str = "cpu",
+    dataset: str = "multi30k",
+    data: str | None = None,
+    steps: int | None = None,
+    batch_tokens: int | None = None,
+    lr: float | None = None,
+    warmup: int | None = None,
+    beam: int | None = None,
+    length_penalty: float = 1.0,
+    vocab_size: int | None = None,
+    max_sentences: int | None = None,
+    test_sentences: int | None = None,
+    encoder: str | None = None,
+    cross: str | None = None,
+    fallback: str = "linear",
+    eval_every: int | None = None,
+    checkpoint_every: int | None = None,
+    checkpoint_dir: str | None = None,
+    threads: int | None = None,
+    seed: int = 0,
+    device=None,
+    out_dir: str | None = None,
+    progress: bool = False,
+) -> dict:
+    """Train a Seq2Seq model of ``preset`` (model size and the defaults of every None setting,
+    see ``RUN_PRESETS``) with ``variant`` (see ``position_variants``), translate the test split
+    and score it. ``data``: the data set's directory (default: ``dataset``'s name under
+    ``data_root()``); ``max_sentences``/``test_sentences`` keep the first training/test pairs.
+    Under torchrun every rank trains and the main rank evaluates. Returns JSON-ready metrics
+    (on the main rank; other ranks get {})."""
+    if preset not in RUN_PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; known presets: {', '.join(RUN_PRESETS)}")
+    if dataset not in DATASETS:
+        raise ValueError(f"unknown dataset {dataset!r}; known: {', '.join(DATASETS)}")
+    settings = dict(RUN_PRESETS[preset])
+    chosen = dict(steps=steps, batch_tokens=batch_tokens, lr=lr, warmup=warmup, beam=beam, vocab_size=vocab_size,
+                  max_sentences=max_sentences, test_sentences=test_sentences)
+    settings.update({key: value for key, value in chosen.items() if value is not None})
+    if threads is not None:
+        torch.set_num_threads(threads)
+    spec = DATASETS[dataset]
+    directory = dataset_dir(data or spec.directory)
+    test_directory = directory if (directory / f"{spec.test}.en").is_file() or spec.test_directory is None else dataset_dir(spec.test_directory)
+    dist = Distributed.from_env(device)
+    torch.manual_seed(seed)
+
+    vocab = train_vocabulary(directory, vocab_size=settings["vocab_size"], split=spec.train)
+    training = read_parallel(directory, spec.train, limit=settings["max_sentences"])
+    examples = encode_examples(training.sources, training.targets, vocab, max_length=256)
+    batches = LengthBatches(examples, settings["batch_tokens"], seed=seed, rank=dist.rank, world_size=dist.world_size, device=dist.device)
+    valid = None
+    if spec.valid is not None and (directory / f"{spec.valid}.en").is_file():
+        text = read_parallel(directory, spec.valid)
+        valid = encode_examples(text.sources, text.targets, vocab)
+    test = read_parallel(test_directory, spec.test, limit=settings["test_sentences"])
+
+    sizes = mt_config(preset, 1)
+    fields = position_variants(variant, dict(params or {}), sizes.d_model // sizes.n_heads, encoder=encoder, cross=cross, fallback=fallback)
+    config = mt_config(preset, len(vocab), **fields)
+    model = Seq2Seq(config).to(dist.device)
+    train_config = TrainConfig(
+        steps=settings["steps"], lr=settings["lr"], warmup=settings["warmup"], clip=1.0, eval_every=eval_every,
+        checkpoint_every=checkpoint_every, checkpoint_dir=checkpoint_dir, log_every=max(1, settings["steps"] // 20), seed=seed,
+    )
+    evaluate = (lambda m: {"valid_loss": validation_loss(m, valid, device=dist.device)}) if valid is not None else None
+    result = train(model, label_smoothed_loss, batches, train_config, evaluate=evaluate, dist=dist, progress=progress)
+    if not dist.is_main:
+        dist.close()
+        return {}
+
+    hypotheses, decode_s = translate(model, vocab, test.sources, beam=settings["beam"], length_penalty=length_penalty, device=dist.device)
+    score, signature = bleu(hypotheses, test.targets)
+    metrics = {
+        "bleu": score,
+        "bleu_signature": signature,
+        "test_set": f"{test.directory.name}/{spec.test}",
+        "test_sentences": len(test),
+        "sentences_per_s": len(test) / decode_s,
+        "decode_s": decode_s,
+        "words_per_s": result.units_per_s,
+        "peak_mem_bytes": result.peak_mem_bytes,
+        "memory_kind": result.memory_kind,
+        "steps": result.steps,
+        "wall_s": result.wall_s,
+        "train_s": result.train_s,
+        "loss": result.losses[-1][1],
+        "losses": [list(item) for item in result.losses],
+        "evaluations": [[step, values] for step, values in result.evaluations],
+        "valid_loss": result.evaluations[-1][1]["valid_loss"] if result.evaluations else None,
+        "vocab_size": len(vocab),
+        "parameters": model.num_parameters(),
+        "positions": {position: [fields[position], fields[f"{position}_params"]] for position in ("encoder", "decoder", "cross")},
+        "settings": dict(settings, preset=preset, dataset=dataset, data=str(directory), length_penalty=length_penalty, seed=seed),
+        "world_size": dist.world_size,
+        "torch_threads": torch.get_num_threads(),
+    }
+    if out_dir is not None:
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"{spec.test}.hyp.{test.tgt_lang}").write_text("".join(h + "\n" for h in hypotheses), encoding="utf-8")
+        (out / "metrics.json").write_text(json.dumps(metrics, indent=1))
+    dist.close()
+    return metrics
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m harness.tasks.mt", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--variant", required=True, help=f"attention variant ({', '.join(variants.names())})")
+    parser.add_argument("--params", default="{}", help='JSON parameters of the variant, e.g. \'{"nu": 2}\'')
+    parser.add_argument("--preset", default="cpu", choices=sorted(RUN_PRESETS))
+    parser.add_argument("--dataset", default="multi30k", choices=sorted(DATASETS))
+    parser.add_argument("--data", help="the data set's directory (default: the shared data, or $ATTNBENCH_DATA)")
+    parser.add_argument("--out", required=True, help="directory for metrics.json and the test translations")
+    parser.add_argument("--encoder", help="variant of encoder self-attention (default: --variant, or --fallback if it is causal only)")
+    parser.add_argument("--cross", help="variant of cross-attention (default: as --encoder)")
+    parser.add_argument("--fallback", default="linear", help="encoder and cross variant when --variant is causal only")
+    for name, kind in (("steps", int), ("batch-tokens", int), ("lr", float), ("warmup", int), ("beam", int), ("vocab-size", int),
+                       ("max-sentences", int), ("test-sentences", int), ("eval-every", int), ("checkpoint-every", int), ("threads", int)):
+        parser.add_argument(f"--{name}", type=kind, help="default: the preset's" if name not in ("eval-every", "checkpoint-every", "threads") else None)
+    parser.add_argument("--length-penalty", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", help="default: cuda:LOCAL_RANK where CUDA is available, else cpu")
+    args = parser.parse_args(argv)
+    options = {key: value for key, value in vars(args).items() if key not in ("variant", "params", "out")}
+    checkpoint_dir = str(Path(args.out) / "checkpoints") if args.checkpoint_every else None
+    try:
+        metrics = run_mt(args.variant, json.loads(args.params), out_dir=args.out, checkpoint_dir=checkpoint_dir, progress=True, **options)
+    except (DataError, variants.VariantError, ValueError) as exc:
+        parser.exit(2, f"error: {exc}\n")
+    if metrics:
+        print(f"BLEU {metrics['bleu']:.2f} ({metrics['bleu_signature']}) on {metrics['test_set']}; "
+              f"{metrics['words_per_s']:.0f} words/s training, {metrics['sentences_per_s']:.1f} sentences/s decoding, "
+              f"{metrics['wall_s']:.0f} s -> {Path(args.out) / 'metrics.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
