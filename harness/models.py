@@ -156,7 +156,9 @@ class DecoderLM(nn.Module):
         h = h[:, h.shape[1] - targets.shape[1] :]
         if self.head is None:
             return -self.adaptive(h.flatten(0, 1), targets.flatten()).output.view(targets.shape)
-        return F.cross_entropy(self.head(h).flatten(0, 1).float(), targets.flatten(), reduction="none").view(targets.shape)
+        logits = self.head(h).flatten(0, 1)
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # half precision: the loss in float32
+        return F.cross_entropy(logits, targets.flatten(), reduction="none").view(targets.shape)
 
     def forward(self, tokens, positions=None, *, targets=None):
         """``tokens: [B, T]`` (int) -> logits ``[B, T, vocab_size]``, causal over all T tokens;
