@@ -39,6 +39,8 @@ LABEL_AXES = X_CANDIDATES + ("dtype", "device", "model")
 TIMED_MODES = ("forward", "train", "decode")
 FAILED = ("oom", "error", "nan")
 QUALITY_METRICS = ("loss", "ppl", "bleu")
+#: Language modelling (harness.tasks.lm): perplexities under each protocol, training throughput and time.
+QUALITY_METRICS += ("valid_ppl", "test_ppl", "valid_ppl_sliding", "valid_ppl_carry", "words_per_s", "wall_s")
 DASHES = ("-", "--", ":", "-.")
 #: What one measurement is, per machine: a cell measured again supersedes the earlier one.
 MEASUREMENT = CELL_KEY + ["machine_key", "axes.device"]

@@ -28,6 +28,7 @@ AXES = ("seq_len", "batch", "heads", "d_key", "d_value", "dtype", "device")
 #: The axes of a quality task's cells (retrieval: S, the number of keys; MQAR: the model width).
 TASK_AXES = {"retrieval": ("S", "d_key", "dtype", "device"), "mqar": ("seq_len", "d_model", "dtype", "device")}
 TASK_AXES["mt"] = ("dtype", "device")  # translation: the model's sizes come from task.preset
+TASK_AXES["lm"] = ("seq_len", "dtype", "device")  # language modelling: seq_len is the model's context
 
 
 class ScenarioError(ValueError):
@@ -162,7 +163,49 @@ class MTTask(Strict):
         return MT_PRESETS[self.preset]["d_model"] // MT_PRESETS[self.preset]["n_heads"]
 
 
-Task = Annotated[Union[RetrievalTask, MQARTask, MTTask], Field(discriminator="name")]
+class LMTask(Strict):
+    """WikiText language modelling (harness.tasks.lm): train a DecoderLM of ``preset`` with the
+    cell's variant at context ``axes.seq_len``, report perplexities, words/s and memory."""
+
+    name: Literal["lm"]
+    preset: str = Field("cpu", description="a model preset of harness.models.LM_PRESETS")
+    steps: int = Field(400, ge=1)
+    batch: int = Field(16, ge=1, description="windows per step (the global batch)")
+    lr: float = Field(2e-3, gt=0)
+    warmup: int = Field(40, ge=0)
+    dropout: float = Field(0.1, ge=0, lt=1)
+    weight_decay: float = Field(0.0, ge=0)
+    clip: float | None = Field(1.0, gt=0)
+    adaptive_cutoffs: list[int] | None = Field(None, description="adaptive softmax cutoffs (None: tied full softmax)")
+    eval_tokens: int | None = Field(None, ge=2, description="evaluate on the first N tokens of valid/test (None: all)")
+    sliding_tokens: int | None = Field(2048, ge=2, description="sliding-window evaluation on the first N valid tokens")
+    carry: bool = Field(True, description="also evaluate linear-time variants carrying their state across windows")
+    eval_every: int | None = Field(None, ge=1)
+    log_every: int = Field(25, ge=1)
+    data: str | None = Field(None, description="a WikiText directory (default: $ATTNBENCH_DATA/wikitext-2 or the shared data)")
+    threads: int | None = Field(None, ge=1, description="torch CPU threads (default: torch's)")
+    model_overrides: dict[str, Any] = {}
+    seed: int = 0
+
+    @field_validator("preset")
+    @classmethod
+    def _known_preset(cls, value):
+        from .models import LM_PRESETS
+
+        if value not in LM_PRESETS:
+            raise ValueError(f"expected a model preset among {', '.join(LM_PRESETS)}, got {value!r}")
+        return value
+
+    @property
+    def head_width(self) -> int:
+        """d_key of the model (d_model / n_heads), to check the variants against."""
+        from .models import LM_PRESETS
+
+        sizes = {**LM_PRESETS[self.preset], **self.model_overrides}
+        return sizes["d_model"] // sizes["n_heads"]
+
+
+Task = Annotated[Union[RetrievalTask, MQARTask, MTTask, LMTask], Field(discriminator="name")]
 
 
 class ModelSpec(Strict):
@@ -178,7 +221,7 @@ class Scenario(Strict):
     backends: list[str] = ["torch"]
     axes: Axes
     modes: list[Literal["forward", "train", "decode", "quality"]] = ["forward"]
-    target: Literal["core", "layer", "model", "retrieval", "mqar", "mt"] = "core"
+    target: Literal["core", "layer", "model", "retrieval", "mqar", "mt", "lm"] = "core"
     task: Task | None = None
     decode: Decode = Decode()
     measure: Measure = Measure()

@@ -190,7 +190,7 @@ def measure_cell(cell: dict) -> dict:
 def _measure_quality(cell, device, dtype) -> dict:
     """Train and evaluate the cell's task on the CPU in float32 (retrieval: Schlag et al.
     2021, §6.1; MQAR: Arora et al. 2023); its metrics are the task's own."""
-    any_device = cell["task"]["name"] == "mt"  # translation trains on the cell's device
+    any_device = cell["task"]["name"] in ("mt", "lm")  # translation and language modelling train on the cell's device
     if dtype != torch.float32 or (device.type != "cpu" and not any_device):
         raise CellError("quality tasks run on the CPU in float32 (axes.device: cpu, axes.dtype: float32); translation on any device")
     task, axes = dict(cell["task"]), cell["axes"]
@@ -205,6 +205,10 @@ def _measure_quality(cell, device, dtype) -> dict:
         from .tasks.mt import run_mt
 
         metrics = run_mt(cell["variant"], params, device=str(device), **task)
+    elif name == "lm":
+        from .tasks.lm import run_lm
+
+        metrics = run_lm(cell["variant"], params, context=axes["seq_len"], device=str(device), **task)
     else:
         from .tasks.mqar import run_mqar
 
