@@ -25,6 +25,7 @@ import json
 import math
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -252,8 +253,11 @@ def run_lm(
         "unigram_ppl": math.exp(corpus.unigram_entropy()),
     }
     if dist.is_main:
+        started = time.perf_counter()
         metrics.update(_final_evaluation(model, corpus, context, autocast, eval_tokens, sliding_tokens, carry))
         metrics["valid_ppl"] = result.evaluations[-1][1]["valid_ppl"]
+        metrics["final_eval_s"] = time.perf_counter() - started
+        metrics["wall_s"] += metrics["final_eval_s"]
     return metrics
 
 
@@ -286,14 +290,14 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--preset", default="cpu", help="model preset of harness.models.LM_PRESETS (default: cpu)")
     parser.add_argument("--data", help="a WikiText directory (default: $ATTNBENCH_DATA/wikitext-2, else the shared data)")
     parser.add_argument("--out", required=True, help="directory for metrics.json and checkpoints/ (a rerun resumes)")
-    parser.add_argument("--steps", type=int, default=1500)
+    parser.add_argument("--steps", type=int, default=700)
     parser.add_argument("--batch", type=int, default=16, help="global batch in windows (over all processes)")
     parser.add_argument("--context", type=int, help="training context (default: the preset's)")
     parser.add_argument("--lr", type=float, default=2e-3)
-    parser.add_argument("--warmup", type=int, default=100)
+    parser.add_argument("--warmup", type=int, default=50)
     parser.add_argument("--dropout", type=float, default=0.1)
-    parser.add_argument("--adaptive-cutoffs", type=lambda text: [int(c) for c in text.split(",")],
-                        help="adaptive softmax cutoffs, e.g. 2000,10000 (default: a full softmax tied to the embedding)")
+    parser.add_argument("--adaptive-cutoffs", type=_cutoffs, default=[2000, 10000],
+                        help="adaptive softmax cutoffs (default: 2000,10000); 'none': a full softmax tied to the embedding")
     parser.add_argument("--eval-tokens", type=int, help="evaluate on the first N tokens of valid/test (default: all)")
     parser.add_argument("--sliding-tokens", type=int, default=2048, help="sliding-window evaluation on the first N valid tokens")
     parser.add_argument("--no-carry", action="store_true", help="skip the carry-state evaluation")
@@ -304,6 +308,15 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     parser.add_argument("--threads", type=int, help="torch.set_num_threads (CPU)")
     return parser
+
+
+def _cutoffs(text: str) -> list[int] | None:
+    if text.lower() == "none":
+        return None
+    try:
+        return [int(cutoff) for cutoff in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers such as 2000,10000, or none; got {text!r}") from None
 
 
 def main(argv=None) -> int:

@@ -121,10 +121,13 @@ class Distributed:
         return cls(rank, world_size, device)
 
     def wrap(self, model: nn.Module) -> nn.Module:
-        """``model`` in DistributedDataParallel (gradients averaged over ranks), or as is."""
+        """``model`` in DistributedDataParallel (gradients averaged over ranks), or as is.
+        Parameters that a batch does not reach (an adaptive softmax's tail clusters when no
+        target falls in them) are allowed: their gradient is zero on that rank."""
         if self.world_size == 1:
             return model
-        return DistributedDataParallel(model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+        device_ids = [self.device.index] if self.device.type == "cuda" else None
+        return DistributedDataParallel(model, device_ids=device_ids, find_unused_parameters=True)
 
     def _all_reduce(self, value: float, op) -> float:
         if self.world_size == 1:
