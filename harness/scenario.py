@@ -169,14 +169,14 @@ class LMTask(Strict):
 
     name: Literal["lm"]
     preset: str = Field("cpu", description="a model preset of harness.models.LM_PRESETS")
-    steps: int = Field(400, ge=1)
+    steps: int = Field(700, ge=1)
     batch: int = Field(16, ge=1, description="windows per step (the global batch)")
     lr: float = Field(2e-3, gt=0)
-    warmup: int = Field(40, ge=0)
+    warmup: int = Field(50, ge=0)
     dropout: float = Field(0.1, ge=0, lt=1)
     weight_decay: float = Field(0.0, ge=0)
     clip: float | None = Field(1.0, gt=0)
-    adaptive_cutoffs: list[int] | None = Field(None, description="adaptive softmax cutoffs (None: tied full softmax)")
+    adaptive_cutoffs: list[int] | None = Field([2000, 10000], description="adaptive softmax cutoffs (None: tied full softmax)")
     eval_tokens: int | None = Field(None, ge=2, description="evaluate on the first N tokens of valid/test (None: all)")
     sliding_tokens: int | None = Field(2048, ge=2, description="sliding-window evaluation on the first N valid tokens")
     carry: bool = Field(True, description="also evaluate linear-time variants carrying their state across windows")
