@@ -1,4 +1,4 @@
-"""The ``attnbench`` command line: run, report, compare, regress, list, env, demo."""
+"""The ``attnbench`` command line: run, report, compare, regress, list, env, demo, data."""
 
 from __future__ import annotations
 
@@ -158,6 +158,18 @@ def _demo(args) -> int:
     return 0
 
 
+def _data_download(args) -> int:
+    from .tasks.download import DataError, download
+
+    try:
+        directory = download(args.name, args.to)
+    except (DataError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"{args.name}: {directory} (checksums verified)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="attnbench", description="Benchmark attention variants across hardware.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -225,6 +237,12 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--d-key", type=int, default=64)
     demo.add_argument("--repeats", type=int, default=5)
     demo.set_defaults(handler=_demo)
+
+    data = commands.add_parser("data", help="data sets of the quality tasks").add_subparsers(dest="data_command", required=True)
+    fetch = data.add_parser("download", help="fetch a data set and verify its checksums (needs internet)")
+    fetch.add_argument("name", help="wikitext-2, wikitext-103, multi30k (wmt14-newstest2014: prints the sacrebleu command)")
+    fetch.add_argument("--to", required=True, help="the data root; files land in TO/NAME/ (point $ATTNBENCH_DATA at TO)")
+    fetch.set_defaults(handler=_data_download)
     return parser
 
 
