@@ -30,7 +30,10 @@ from pathlib import Path
 
 import torch
 
+from variants import VariantError
+
 from ..models import DecoderLM, lm_config
+from .download import DataError
 from .training import Distributed, TrainConfig, train
 from .wikitext import load_wikitext
 
@@ -298,8 +301,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--dropout", type=float, default=0.1)
     parser.add_argument("--adaptive-cutoffs", type=_cutoffs, default=[2000, 10000],
                         help="adaptive softmax cutoffs (default: 2000,10000); 'none': a full softmax tied to the embedding")
-    parser.add_argument("--eval-tokens", type=int, help="evaluate on the first N tokens of valid/test (default: all)")
-    parser.add_argument("--sliding-tokens", type=int, default=2048, help="sliding-window evaluation on the first N valid tokens")
+    parser.add_argument("--eval-tokens", type=_count_or_all, help="evaluate on the first N tokens of valid/test (default: all)")
+    parser.add_argument("--sliding-tokens", type=_count_or_all, default=2048,
+                        help="sliding-window evaluation on the first N valid tokens (default: 2048; 'all': the whole split)")
     parser.add_argument("--no-carry", action="store_true", help="skip the carry-state evaluation")
     parser.add_argument("--eval-every", type=int)
     parser.add_argument("--checkpoint-every", type=int, default=250)
@@ -308,6 +312,14 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     parser.add_argument("--threads", type=int, help="torch.set_num_threads (CPU)")
     return parser
+
+
+def _count_or_all(text: str) -> int | None:
+    if text.lower() == "all":
+        return None
+    if not text.isdigit() or int(text) < 2:
+        raise argparse.ArgumentTypeError(f"expected a number of tokens >= 2 or 'all', got {text!r}")
+    return int(text)
 
 
 def _cutoffs(text: str) -> list[int] | None:
@@ -344,6 +356,9 @@ def main(argv=None) -> int:
             summary = {k: metrics.get(k) for k in ("valid_ppl", "test_ppl", "valid_ppl_sliding", "valid_ppl_carry",
                                                     "words_per_s", "wall_s")}
             print(json.dumps(summary))
+    except (DataError, VariantError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     finally:
         dist.close()
     return 0
