@@ -132,7 +132,7 @@ class MTTask(Strict):
     variant goes to every attention position it can (see ``position_variants``)."""
 
     name: Literal["mt"]
-    preset: Literal["ci", "cpu", "gpu"] = "cpu"
+    preset: Literal["ci", "cpu", "gpu", "base"] = "cpu"
     dataset: Literal["multi30k", "wmt14"] = "multi30k"
     data: str | None = Field(None, description="the data set's directory (default: the shared data or $ATTNBENCH_DATA)")
     steps: int | None = Field(None, ge=1)

@@ -60,8 +60,10 @@ DATASETS = {
 #: "cpu": about 5-6 minutes of training on one CPU thread; see docs/translation.md.
 RUN_PRESETS: dict[str, dict] = {
     "ci": dict(steps=40, batch_tokens=600, lr=3e-3, warmup=10, beam=2, vocab_size=1000, max_sentences=200, test_sentences=16),
-    "cpu": dict(steps=600, batch_tokens=2000, lr=2e-3, warmup=60, beam=4, vocab_size=4000, max_sentences=None, test_sentences=None),
+    "cpu": dict(steps=700, batch_tokens=2000, lr=2e-3, warmup=70, beam=4, vocab_size=4000, max_sentences=None, test_sentences=None),
     "gpu": dict(steps=15000, batch_tokens=8000, lr=1e-3, warmup=1000, beam=5, vocab_size=8000, max_sentences=None, test_sentences=None),
+    # Transformer base for WMT14 (Vaswani et al. 2017: 100k steps of 25k tokens, beam 4); batch_tokens is per rank.
+    "base": dict(steps=100000, batch_tokens=25000, lr=7e-4, warmup=4000, beam=4, vocab_size=32000, max_sentences=None, test_sentences=None),
 }
 
 
