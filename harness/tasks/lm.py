@@ -215,7 +215,6 @@ def run_lm(
     config = lm_config(preset, corpus.vocab_size, **overrides)
     torch.manual_seed(seed)
     model = DecoderLM(config).to(dist.device)
-    torch.manual_seed(seed * 1_000 + dist.rank + 1)  # dropout masks differ between ranks
     autocast = torch.autocast(dist.device.type, dtype=DTYPES[dtype], enabled=dtype != "float32")
     context = config.context
 

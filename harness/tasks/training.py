@@ -42,7 +42,9 @@ class TrainConfig:
     """``steps`` optimiser steps at peak learning rate ``lr`` (after ``warmup`` steps of linear
     warm-up, then cosine decay to 0); gradients clipped to norm ``clip`` (None: no clipping);
     evaluation every ``eval_every`` steps and at the end; checkpoints every ``checkpoint_every``
-    steps into ``checkpoint_dir``; the loss recorded every ``log_every`` steps and at the end."""
+    steps into ``checkpoint_dir``; the loss recorded every ``log_every`` steps and at the end.
+    A fresh run seeds rank r's torch and ``random`` generators (dropout, ...) with
+    ``seed · 1000 + r``, after the model was built; a resumed run restores them instead."""
 
     steps: int
     lr: float
@@ -263,6 +265,9 @@ def train(
         start_step = resumed_from = saved["step"]
         losses, evaluations = saved["losses"], saved["evaluations"]
         units, train_s, previous_wall_s = saved["units"], saved["train_s"], saved["wall_s"]
+    else:
+        torch.manual_seed(config.seed * 1000 + dist.rank)
+        random.seed(config.seed * 1000 + dist.rank)
     wrapped = dist.wrap(model)
 
     def run_evaluation(step: int) -> None:
