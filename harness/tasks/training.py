@@ -20,7 +20,7 @@ import os
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -193,7 +193,6 @@ class TrainResult:
     memory_kind: str = "unavailable"
     train_s: float = 0.0
     resumed_from: int | None = None
-    extra: dict = field(default_factory=dict)
 
 
 def _rng_state() -> dict:
