@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -24,6 +25,14 @@ needs_shared = pytest.mark.skipif(
     reason=f"the shared WikiText-2 is not at {SHARED_DATA / 'wikitext-2'}",
 )
 VOCAB = 40
+
+
+@pytest.fixture(autouse=True)
+def keep_thread_count():
+    """Runs with ``threads=1`` must not leave the rest of the session on one thread."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
 
 
 def toy_model(variant: str, seed: int, context: int = 4, **overrides) -> DecoderLM:
@@ -179,3 +188,21 @@ def test_ci_preset_runs_through_the_runner(tmp_path):
 
     page = build_report([tmp_path / "out"], tmp_path / "report").read_text()
     assert "valid_ppl_sliding" in page
+
+
+@needs_shared
+def test_command_line_writes_metrics_and_a_rerun_resumes(tmp_path, capsys):
+    from harness.tasks.lm import main
+
+    args = ["--variant", "linear", "--context", "16", "--steps", "4", "--batch", "4", "--warmup", "1", "--eval-tokens", "300",
+            "--sliding-tokens", "40", "--checkpoint-every", "2", "--threads", "1", "--out", str(tmp_path)]
+    assert main(args) == 0
+    first = json.loads((tmp_path / "metrics.json").read_text())
+    assert first["resumed_from"] is None and first["words"] == 4 * 4 * 16 and first["config"]["variant"] == "linear"
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step-000000004.pt"]
+    assert main(args) == 0
+    again = json.loads((tmp_path / "metrics.json").read_text())
+    assert again["resumed_from"] == 4 and again["loss_curve"] == first["loss_curve"]
+    assert again["valid_ppl"] == first["valid_ppl"] and again["test_ppl"] == first["test_ppl"]
+    assert main(["--variant", "nope", "--out", str(tmp_path / "x")]) == 2
+    assert "unknown variant 'nope'" in capsys.readouterr().err
