@@ -33,6 +33,8 @@ CONFIGS = [
     ("delta", {"attn_norm": True, "chunk_size": 16}),
     ("delta", {"phi": "dpfp", "nu": 2, "chunk_size": 16}),
     ("delta", {"phi": "favor", "m": 8, "attn_norm": True}),
+    ("based", {"chunk_size": 16}),
+    ("rebased", {"normalize": False}),
 ]
 
 

@@ -1,4 +1,4 @@
-"""The sum rule (linear attention) and its named presets: linear, performer, dpfp.
+"""The sum rule (linear attention) and its named presets: linear, performer, dpfp, based, rebased.
 
     S_t = S_{t-1} + φ(k_t) v_tᵀ,   z_t = z_{t-1} + φ(k_t),   y_t = S_tᵀ φ(q_t) / (z_t·φ(q_t) + ε)
 
@@ -79,3 +79,17 @@ def dpfp(d_key, *, nu=None, d_dot=None, **options):
     if nu is None and d_dot is None:
         nu = 1
     return SumRule(d_key, phi="dpfp", nu=nu, d_dot=d_dot, **options)
+
+
+@register("based")
+def based(d_key, **options):
+    """Based (Arora et al. 2024, §4.1): the normalised sum rule with the 2nd-order Taylor map of
+    exp(q·k/√d_key), d_dot = 1 + d_key + d_key², on a low d_key (the paper projects to 16)."""
+    return SumRule(d_key, phi="taylor", **options)
+
+
+@register("rebased")
+def rebased(d_key, **options):
+    """ReBased (Aksenov et al. 2024, §4): the normalised sum rule with the learnable kernel
+    (γ ⊙ LayerNorm(x) + β)², separate γ, β for queries and keys; d_dot = d_key²."""
+    return SumRule(d_key, phi="rebased", **options)

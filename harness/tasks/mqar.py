@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import variants
+from variants.conv import ShortConv
 
 IGNORE = -100
 SCHEDULES = ("cosine", "none")
@@ -120,19 +121,6 @@ def make_batch(seq_len: int, num_pairs: int | None, vocab_size: int, batch: int,
 
 
 # --- model -----------------------------------------------------------------------------
-
-
-class ShortConv(nn.Module):
-    """Causal depthwise convolution: ``[B, T, d] -> [B, T, d]``; output t sees inputs t − K + 1 .. t."""
-
-    def __init__(self, d_model: int, kernel_size: int):
-        super().__init__()
-        self.kernel_size = kernel_size
-        self.conv = nn.Conv1d(d_model, d_model, kernel_size, groups=d_model)
-
-    def forward(self, x):
-        x = F.pad(x.transpose(1, 2), (self.kernel_size - 1, 0))
-        return self.conv(x).transpose(1, 2)
 
 
 class MQARBlock(nn.Module):
