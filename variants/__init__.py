@@ -6,7 +6,7 @@ wraps a core with its projections. See docs/variants.md for every definition.
 """
 
 # Importing the families registers them.
-from . import delta_rule, softmax, sum_rule  # noqa: E402,F401
+from . import delta_rule, rwkv, softmax, sum_rule  # noqa: E402,F401
 from .base import AttentionCore, UnsupportedBackend, VariantError, create, names, register
 from .fast_weights import FastWeightState
 from .layer import AttentionLayer

@@ -112,3 +112,41 @@ def delta_rule_chunked(q, k, v, beta, weights, normaliser, chunk_size: int, phi=
             weights = state_decay[:, :, -1:] * weights
         weights = weights + written_keys.transpose(-1, -2) @ new_values
     return output, weights, normaliser
+
+
+def wkv_chunked(k, v, decay, bonus, numerator, denominator, max_exponent, chunk_size: int):
+    """Causal RWKV-4 WKV operator (Peng et al. 2023, eq. 14), stabilised per chunk:
+
+        wkv_t = (Σ_{i<t} e^{−(t−1−i)w + k_i} v_i + e^{u + k_t} v_t) / (Σ_{i<t} e^{−(t−1−i)w + k_i} + e^{u + k_t})
+
+    per channel, continuing from a state that holds the earlier tokens as e^p·a = Σ e^{−(s−1−i)w + k_i} v_i
+    and e^p·b = Σ e^{−(s−1−i)w + k_i} (``numerator`` a, ``denominator`` b, ``max_exponent`` p, each
+    ``[B, H, D]``; p = −∞ for the empty state). Within a chunk every exponent
+    E_ti = k_i − (t−1−i)w (i < t), u + k_t (i = t), and the state's p − t·w (t = chunk-local index)
+    is taken relative to its row maximum before ``exp``, so nothing overflows whatever the size of k,
+    w or T; the maxima cancel exactly and are detached. Memory per chunk: [B, H, C, C, D].
+    ``k, v: [B, H, T, D]``, ``decay`` w > 0 and ``bonus`` u: ``[D]``. Returns ``(wkv, a, b, p)``.
+    """
+    output = v.new_empty(v.shape)
+    for start, end in _chunks(k.shape[2], chunk_size):
+        n = end - start
+        k_c, v_c = k[:, :, start:end], v[:, :, start:end]
+        steps = torch.arange(n, device=k.device)
+        lag = (steps[:, None] - 1 - steps[None, :]).to(k.dtype)  # t − 1 − i
+        exponents = k_c.unsqueeze(2) - lag[..., None] * decay  # [B, H, t, i, D]
+        exponents = torch.where(lag[..., None] == -1, (bonus + k_c).unsqueeze(3), exponents)
+        exponents = exponents.masked_fill(lag[..., None] < -1, float("-inf"))
+        state_exponent = max_exponent.unsqueeze(2) - steps[:, None].to(k.dtype) * decay  # [B, H, t, D]
+        row_max = torch.maximum(exponents.amax(3), state_exponent).detach()
+        weights, state_weight = torch.exp(exponents - row_max.unsqueeze(3)), torch.exp(state_exponent - row_max)
+        read = torch.einsum("bhtic,bhic->bhtc", weights, v_c) + state_weight * numerator.unsqueeze(2)
+        output[:, :, start:end] = read / (weights.sum(3) + state_weight * denominator.unsqueeze(2))
+        # the state after the chunk: earlier tokens decay by n·w, token i by (n − 1 − i)·w
+        end_exponents = k_c - (n - 1 - steps)[:, None].to(k.dtype) * decay
+        carried = max_exponent - n * decay
+        new_max = torch.maximum(carried, end_exponents.amax(2)).detach()
+        end_weights, carried_weight = torch.exp(end_exponents - new_max.unsqueeze(2)), torch.exp(carried - new_max)
+        numerator = carried_weight * numerator + torch.einsum("bhic,bhic->bhc", end_weights, v_c)
+        denominator = carried_weight * denominator + end_weights.sum(2)
+        max_exponent = new_max
+    return output, numerator, denominator, max_exponent

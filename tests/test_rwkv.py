@@ -1,0 +1,167 @@
+"""RWKV-4's WKV operator and token shift: chunked == running-maximum step loop == the plain
+float64 formula, forward and backward (r, k, v, w, u), numerically stable where the plain
+formula overflows float32, prefill chaining, the layer with its token shift, FLOPs, errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import run_steps
+from test_layer import randomise
+
+import variants
+from variants.conv import TokenShift
+
+SHAPES = [(1, 1, 1, 4), (2, 3, 17, 5), (1, 2, 70, 6)]  # (batch, heads, T, d): T = 1, odd T, several chunks
+
+
+def randn(seed, *shape):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+def rwkv(d, seed, dtype=torch.float64, **params):
+    """The core with random decays w = e^{w_raw}, w_raw ~ N(−1, 1), and bonus u ~ N(0, 1)."""
+    core = variants.create("rwkv", d, **params).double()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        core.log_decay.copy_(torch.randn(d, generator=gen, dtype=torch.float64) - 1)
+        core.bonus.copy_(torch.randn(d, generator=gen, dtype=torch.float64))
+    return core.to(dtype)
+
+
+def plain_wkv(r, k, v, decay, bonus):
+    """Peng et al. 2023, eq. 14 and o_t = σ(r_t) ⊙ wkv_t, one position and channel at a time."""
+    out = torch.empty_like(v)
+    batch, heads, length, d = v.shape
+    for t in range(length):
+        numerator = torch.exp(bonus + k[:, :, t]) * v[:, :, t]
+        denominator = torch.exp(bonus + k[:, :, t])
+        for i in range(t):
+            weight = torch.exp(-(t - 1 - i) * decay + k[:, :, i])
+            numerator, denominator = numerator + weight * v[:, :, i], denominator + weight
+        out[:, :, t] = torch.sigmoid(r[:, :, t]) * numerator / denominator
+    return out
+
+
+def test_reference_is_the_papers_formula(seed):
+    core = rwkv(5, seed)
+    r, k, v = (randn(seed + i, 2, 3, 12, 5) for i in range(3))
+    expected = plain_wkv(r, k, v, torch.exp(core.log_decay), core.bonus)
+    torch.testing.assert_close(core.reference(r, k, v), expected, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("chunk_size", [32, 5])
+def test_forms_agree_forward_and_backward(chunk_size, shape, dtype, seed):
+    batch, heads, length, d = shape
+    reference = rwkv(d, seed, chunk_size=chunk_size)
+    inputs = [randn(seed + i, batch, heads, length, d).requires_grad_() for i in range(3)]
+    cotangent = randn(seed + 3, batch, heads, length, d)
+    leaves = inputs + [reference.log_decay, reference.bonus]
+    expected = reference.reference(*inputs)
+    want = torch.autograd.grad((expected * cotangent).sum(), leaves, materialize_grads=True)
+    core = rwkv(d, seed, dtype, chunk_size=chunk_size)
+    low = [t.detach().to(dtype).requires_grad_() for t in inputs]
+    rtol, atol = (1e-9, 1e-10) if dtype == torch.float64 else (2e-4, 1e-4)
+    for form, out in [("chunked", core(*low)), ("step loop", run_steps(core, *low, None)[0])]:
+        torch.testing.assert_close(out, expected.to(dtype), rtol=rtol, atol=atol, msg=lambda m: f"{form} (seed {seed}): {m}")
+        # at T = 1 the step form never touches w (it only decays the state after the read)
+        grads = torch.autograd.grad((out * cotangent.to(dtype)).sum(), low + [core.log_decay, core.bonus], materialize_grads=True)
+        for label, grad, target in zip(["r", "k", "v", "w_raw", "u"], grads, want):
+            scale = max(1.0, target.abs().max().item())
+            torch.testing.assert_close(grad, target.to(dtype), rtol=rtol, atol=atol * scale, msg=lambda m: f"{form} d/d{label} (seed {seed}): {m}")
+            if length > 1 or label in ("r", "v"):  # at T = 1, wkv_0 = v_0 whatever k, w, u
+                assert target.abs().max() > 0, f"d/d{label} is zero (seed {seed})"
+
+
+@pytest.mark.parametrize("key_scale", [40.0, 120.0])
+def test_stable_where_the_plain_formula_overflows_float32(key_scale, seed):
+    """e^{k} overflows float32 beyond k ≈ 88; both fast forms subtract running maxima and stay exact."""
+    core = rwkv(4, seed, chunk_size=8)
+    r, k, v = randn(seed, 1, 2, 30, 4), key_scale * randn(seed + 1, 1, 2, 30, 4), randn(seed + 2, 1, 2, 30, 4)
+    expected = core.reference(r, k, v)  # float64 holds e^{±120·3}
+    assert torch.isfinite(expected).all()
+    low = rwkv(4, seed, torch.float32, chunk_size=8)
+    assert not torch.isfinite(low.reference(r.float(), k.float(), v.float())).all(), "the plain formula should overflow here"
+    for out in (low(r.float(), k.float(), v.float()), run_steps(low, r.float(), k.float(), v.float(), None)[0]):
+        torch.testing.assert_close(out.double(), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_prefill_then_step_continues_the_sequence(seed):
+    core = rwkv(6, seed, chunk_size=8)
+    r, k, v = (randn(seed + i, 2, 2, 45, 6) for i in range(3))
+    whole = core(r, k, v)
+    first, state = core.prefill(r[:, :, :20], k[:, :, :20], v[:, :, :20])
+    second, state = core.prefill(r[:, :, 20:33], k[:, :, 20:33], v[:, :, 20:33], state=state)
+    third, _ = run_steps(core, r[:, :, 33:], k[:, :, 33:], v[:, :, 33:], None, state=state)
+    torch.testing.assert_close(torch.cat([first, second, third], 2), whole, rtol=1e-10, atol=1e-10)
+
+
+def test_token_shift_is_the_mix_with_the_previous_input(seed):
+    shift = TokenShift(6).double()
+    randomise(shift, torch.Generator().manual_seed(seed))
+    x, previous = randn(seed, 2, 5, 6), randn(seed + 1, 2, 6)
+    mixed = shift(x, previous)
+    assert mixed.shape == (3, 2, 5, 6)
+    for role in range(3):
+        mu = shift.mix[role, 0, 0]
+        for t in range(5):
+            before = previous if t == 0 else x[:, t - 1]
+            torch.testing.assert_close(mixed[role, :, t], mu * x[:, t] + (1 - mu) * before)
+    torch.testing.assert_close(shift(x)[:, :, 0], shift.mix[:, 0] * x[:, 0])  # x_{-1} = 0
+
+
+@pytest.mark.parametrize("short_conv", [None, 2])
+def test_layer_parallel_prefill_and_steps_agree(short_conv, seed):
+    layer = variants.AttentionLayer(8, 2, "rwkv", chunk_size=4, short_conv=short_conv).double()
+    assert isinstance(layer.token_shift, TokenShift) and layer.write_strength is None and layer.decay_gate is None
+    gen = torch.Generator().manual_seed(seed)
+    randomise(layer, gen)
+    x = torch.randn(2, 13, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    parallel = layer(x)
+    state, outputs = layer.init_state(2, dtype=torch.float64), []
+    for t in range(13):
+        y_t, state = layer.step(x[:, t], state)
+        outputs.append(y_t)
+    stepped = torch.stack(outputs, 1)
+    torch.testing.assert_close(stepped, parallel, rtol=1e-10, atol=1e-10)
+    head, state = layer.prefill(x[:, :6])
+    middle, state = layer.prefill(x[:, 6:10], state)
+    last, _ = layer.step(x[:, 10], state)
+    torch.testing.assert_close(torch.cat([head, middle, last[:, None]], 1), parallel[:, :11], rtol=1e-10, atol=1e-10)
+    cotangent = torch.randn(parallel.shape, generator=gen, dtype=torch.float64)
+    names = ["x", *dict(layer.named_parameters())]
+    leaves = [x, *layer.parameters()]
+    for label, a, b in zip(names, torch.autograd.grad((parallel * cotangent).sum(), leaves), torch.autograd.grad((stepped * cotangent).sum(), leaves)):
+        torch.testing.assert_close(b, a, rtol=1e-10, atol=1e-10, msg=lambda m: f"d/d{label} (seed {seed}): {m}")
+        assert a.abs().max() > 0, f"d/d{label} is zero"
+    assert "token_shift.mix" in names and "core.log_decay" in names and "core.bonus" in names
+
+
+def test_metadata_and_flops():
+    from torch.utils.flop_counter import FlopCounterMode
+
+    core = variants.create("rwkv", 16)
+    r, k, v = (torch.randn(2, 3, 100, 16) for _ in range(3))
+    with FlopCounterMode(display=False) as counter:
+        core(r, k, v)
+    assert counter.get_total_flops() == core.flops(2, 3, 100, 16)
+    assert core.state_numel(2, 3, 16, 100) == 3 * 2 * 3 * 16
+    assert core.step_flops(2, 3, 16, 50) == 12 * 2 * 3 * 16
+    assert core.d_dot == 1
+
+
+def test_errors():
+    core = variants.create("rwkv", 4).double()
+    x = torch.randn(2, 3, 5, 4, dtype=torch.float64)
+    with pytest.raises(variants.VariantError, match=r"^rwkv: the WKV operator is per channel; v's last dim must be d_key=4, got 3"):
+        core(x, x, x[..., :3])
+    with pytest.raises(variants.VariantError, match=r"^rwkv: this variant is causal only"):
+        core(x, x, x, causal=False)
+    with pytest.raises(variants.VariantError, match=r"^rwkv: this variant takes no beta"):
+        core(x, x, x, beta=torch.rand(2, 3, 5, dtype=torch.float64))
+    with pytest.raises(variants.UnsupportedBackend, match=r"rwkv: backend must be one of torch, got 'triton'"):
+        variants.create("rwkv", 4, backend="triton")
+    with pytest.raises(variants.VariantError, match=r"chunk_size must be a positive int, got 0"):
+        variants.create("rwkv", 4, chunk_size=0)

@@ -1,0 +1,115 @@
+"""RWKV-4 time mixing: the WKV operator (Peng et al. 2023, "RWKV: Reinventing RNNs for the
+Transformer Era", arXiv:2305.13048, §3.1.2-3.1.3, eq. 14-19).
+
+    wkv_t = (Σ_{i<t} e^{−(t−1−i)w + k_i} ⊙ v_i + e^{u + k_t} ⊙ v_t) / (Σ_{i<t} e^{−(t−1−i)w + k_i} + e^{u + k_t}),
+    o_t = σ(r_t) ⊙ wkv_t
+
+per channel, with a learned decay w = exp(w_raw) > 0 and bonus u for the current token, both of
+size d_key; the receptance r is the core's q. The token shift of r, k, v is done by
+``AttentionLayer`` (``token_shift = True``). Causal only; d_value must equal d_key.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from .base import AttentionCore, VariantError, register
+from .chunked import _chunks, wkv_chunked
+from .kernels import check_backend
+
+DEFAULT_CHUNK = 32
+
+
+class WKVState(NamedTuple):
+    """RWKV's decoding state, each ``[B, H, D]``: the decayed sums e^p·a = Σ e^{−(t−1−i)w + k_i} v_i,
+    e^p·b = Σ e^{−(t−1−i)w + k_i}, kept as (a, b) relative to the running maximum exponent p."""
+
+    numerator: torch.Tensor
+    denominator: torch.Tensor
+    max_exponent: torch.Tensor
+
+
+@register("rwkv")
+class RWKV(AttentionCore):
+    """The WKV operator with learnable ``log_decay`` (w_raw, w = e^{w_raw}) and ``bonus`` (u).
+
+    Initialisation: w_raw evenly spaced in [−6, 1] over the channels (decays from about e^{−0.0025}
+    to e^{−2.7} per token, RWKV's spread of fast and slow channels), u = log 0.3.
+    ``chunk_size`` is the parallel form's chunk (memory C²·D per batch row and head)."""
+
+    token_shift = True
+    supports_noncausal = False
+
+    def __init__(self, d_key, *, chunk_size=DEFAULT_CHUNK, backend="torch"):
+        super().__init__(d_key)
+        check_backend("rwkv", backend, supported=("torch",))
+        if not isinstance(chunk_size, int) or chunk_size < 1:
+            raise VariantError(f"chunk_size must be a positive int, got {chunk_size!r}")
+        self.chunk_size = chunk_size
+        self.d_dot = 1  # one decayed average per channel
+        self.log_decay = nn.Parameter(torch.linspace(-6.0, 1.0, d_key))
+        self.bonus = nn.Parameter(torch.full((d_key,), math.log(0.3)))
+
+    def _parameters_as(self, x):
+        return torch.exp(self.log_decay.to(x.dtype)), self.bonus.to(x.dtype)
+
+    def init_state(self, batch, heads, d_value, *, device=None, dtype=None) -> WKVState:
+        zeros = torch.zeros(batch, heads, self.d_key, device=device, dtype=dtype)
+        return WKVState(zeros, zeros.clone(), torch.full_like(zeros, float("-inf")))
+
+    def prefill(self, q, k, v, *, beta=None, log_gate=None, state: WKVState | None = None):
+        self._check_sequence(q, k, v, beta, True, log_gate)
+        if state is None:
+            state = self.init_state(q.shape[0], q.shape[1], v.shape[-1], device=q.device, dtype=q.dtype)
+        wkv, *state = wkv_chunked(k, v, *self._parameters_as(k), *state, self.chunk_size)
+        return torch.sigmoid(q) * wkv, WKVState(*state)
+
+    def _parallel(self, q, k, v, beta, causal):
+        return self.prefill(q, k, v)[0]
+
+    def _step(self, q_t, k_t, v_t, state, beta_t):
+        """The running-maximum recurrence (RWKV-4's CUDA kernel form): read with the bonus, then
+        decay the state by e^{−w} and add token t, all relative to the largest exponent."""
+        decay, bonus = self._parameters_as(k_t)
+        numerator, denominator, max_exponent = state
+        top = torch.maximum(max_exponent, bonus + k_t).detach()
+        old, new = torch.exp(max_exponent - top), torch.exp(bonus + k_t - top)
+        wkv = (old * numerator + new * v_t) / (old * denominator + new)
+        top = torch.maximum(max_exponent - decay, k_t).detach()
+        old, new = torch.exp(max_exponent - decay - top), torch.exp(k_t - top)
+        return torch.sigmoid(q_t) * wkv, WKVState(old * numerator + new * v_t, old * denominator + new, top)
+
+    def _reference(self, q, k, v, beta, causal):
+        """The formula above as written: all T × T weights e^{k_i − (t−1−i)w}, no stabiliser."""
+        decay, bonus = self._parameters_as(k)
+        steps = torch.arange(q.shape[2], device=q.device)
+        lag = (steps[:, None] - 1 - steps[None, :]).to(k.dtype)[..., None]
+        weights = torch.exp(k.unsqueeze(2) - lag * decay) * (lag >= 0)
+        weights = weights + torch.diag_embed(torch.exp(bonus + k).transpose(-1, -2)).permute(0, 1, 3, 4, 2)
+        wkv = (weights * v.unsqueeze(2)).sum(3) / weights.sum(3)
+        return torch.sigmoid(q) * wkv
+
+    def _check_common(self, q, k, v, layout):
+        super()._check_common(q, k, v, layout)
+        if v.shape[-1] != self.d_key:
+            raise VariantError(f"rwkv: the WKV operator is per channel; v's last dim must be d_key={self.d_key}, got {v.shape[-1]}")
+
+    def flops(self, batch, heads, length, d_value, *, causal=True):
+        """The weighted sums of values, 2·n²·D per chunk of n tokens plus 2·n·D for the carried
+        state (matmul-shaped einsums); the exps, maxima and the denominator's sums are not counted."""
+        per_head = sum(2 * (end - start) * ((end - start) + 1) * d_value for start, end in _chunks(length, self.chunk_size))
+        return batch * heads * per_head
+
+    def step_flops(self, batch, heads, d_value, position):
+        """Reading and updating a and b: 6 multiply-adds (12 FLOPs) per channel; exps not counted."""
+        return batch * heads * 12 * d_value
+
+    def state_numel(self, batch, heads, d_value, length):
+        return 3 * batch * heads * d_value
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, chunk_size={self.chunk_size}"
