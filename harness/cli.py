@@ -109,7 +109,8 @@ def _regress(args) -> int:
     try:
         loaded = load_scenario(spec, preset=preset, overrides=args.set or [])
         result = regress(
-            args.repo, loaded, base=args.base, head=args.head, all_variants=args.all_variants, rounds=args.rounds, out_dir=args.out,
+            args.repo, loaded, base=args.base, head=args.head, all_variants=args.all_variants, rounds=args.rounds,
+            threads=args.threads or None, out_dir=args.out,
             factor=args.factor, alpha=args.alpha, command="attnbench " + " ".join(shlex.quote(arg) for arg in sys.argv[1:]),
             progress=not args.no_progress,
         )
@@ -214,6 +215,9 @@ def build_parser() -> argparse.ArgumentParser:
     regress.add_argument("--head", metavar="REV", help="the revision to check (default: the working tree, uncommitted changes included)")
     regress.add_argument("--all-variants", action="store_true", help="measure every cell, not only those of the variants the diff touches")
     regress.add_argument("--rounds", type=int, default=3, help="rounds of base and head, alternating, each in fresh processes (default: 3)")
+    regress.add_argument(
+        "--threads", type=int, default=1, help="CPU threads of each measuring process (OMP_NUM_THREADS; default 1, 0: PyTorch's default)"
+    )
     regress.add_argument("--out", type=Path, default=Path("results"), help="directory for regress-SCENARIO-TIME/{base,head}.jsonl (default: results/)")
     regress.add_argument("--preset", help="apply the scenario's named preset")
     regress.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a field of the scenario, as for run")

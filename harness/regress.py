@@ -60,6 +60,7 @@ class Revision:
     commit: str
     root: Path
     dirty_files: int = 0  #: uncommitted changes copied into the worktree (working tree only)
+    threads: int | None = None  #: OMP_NUM_THREADS of its processes (None: PyTorch's default)
 
     def describe(self) -> str:
         if self.label != WORKING_TREE:
@@ -69,11 +70,13 @@ class Revision:
 
     @property
     def env(self) -> dict:
-        """The environment of this revision's processes: its own Triton cache and, without a
-        GPU, Triton's interpreter."""
+        """The environment of this revision's processes: its own Triton cache, without a GPU
+        Triton's interpreter, and the number of CPU threads."""
         env = {"TRITON_CACHE_DIR": str(self.root.parent / f"triton-cache-{self.side}")}
         if not _has_cuda():
             env["TRITON_INTERPRET"] = "1"
+        if self.threads is not None:
+            env["OMP_NUM_THREADS"] = str(self.threads)
         return env
 
 
@@ -159,10 +162,12 @@ def configurations(loaded: LoadedScenario) -> dict[str, dict]:
     configs = {}
     for cell in loaded.cells():
         for backend in BACKENDS_CHECKED:
-            key = _config_key(cell["variant"], backend, cell["params"])
-            d_key = min(cell["axes"]["d_key"], configs[key]["d_key"]) if key in configs else cell["axes"]["d_key"]
-            configs[key] = {"variant": cell["variant"], "backend": backend, "params": cell["params"], "d_key": d_key}
-            configs[key]["decode"] = "decode" in loaded.scenario.modes
+            config = configs.setdefault(
+                _config_key(cell["variant"], backend, cell["params"]),
+                {"variant": cell["variant"], "backend": backend, "params": cell["params"], "d_key": cell["axes"]["d_key"]},
+            )
+            config["d_key"] = min(config["d_key"], cell["axes"]["d_key"])
+            config["decode"] = "decode" in loaded.scenario.modes
     return configs
 
 
@@ -176,7 +181,7 @@ def check_revision(revision: Revision, configs: dict[str, dict]) -> dict[str, di
     if done.returncode != 0:
         reason = (done.stderr.strip().splitlines() or [f"exit code {done.returncode}"])[-1]
         return {key: {**config, "ok": False, "problems": [f"the check could not run: {reason}"], "files": []} for key, config in configs.items()}
-    return {key: result for key, result in zip(configs, json.loads(done.stdout))}
+    return dict(zip(configs, json.loads(done.stdout.splitlines()[-1])))  # the last line: a variant may print
 
 
 def touched(changed: list[str], checks: dict[str, dict[str, dict]]) -> dict[str, list[str]]:
@@ -294,6 +299,7 @@ def regress(
     head: str | None = None,
     all_variants: bool = False,
     rounds: int = 3,
+    threads: int | None = 1,
     out_dir=Path("results"),
     factor: float = 1.1,
     alpha: float = 0.05,
@@ -302,14 +308,18 @@ def regress(
     say=print,
 ) -> RegressResult:
     """Check, then measure ``loaded``'s cells on revisions ``base`` and ``head`` (None: the
-    working tree) of the repository at ``repo``; ``say`` prints each step's outcome."""
+    working tree) of the repository at ``repo``, with ``threads`` CPU threads per process
+    (None: PyTorch's default); ``say`` prints each step's outcome."""
     if rounds < 1:
         raise RegressError(f"--rounds must be at least 1, got {rounds}")
+    if threads is not None and threads < 1:
+        raise RegressError(f"--threads must be at least 1 (or 0 for PyTorch's default), got {threads}")
     if loaded.scenario.task is not None:
         raise RegressError(f"{loaded.path}: regress measures speed scenarios (modes forward, train, decode), not quality tasks")
     repo = repository(repo)
     with worktrees(repo, base, head) as revisions:
         for revision in revisions:
+            revision.threads = threads
             say(f"{revision.side} = {revision.describe()}")
         changed = changed_files(*revisions)
         say("changed files: " + (", ".join(changed) or "none"))
@@ -374,7 +384,9 @@ def _measure_and_compare(revisions, cells, checks, loaded, rounds, out_dir, fact
         timed[revision.side] = [cell for cell in cells if _check_of(checks[revision.side], cell)["ok"]]
     say(
         f"measuring {len(cells)} cells ({', '.join(f'{len(timed[side])} timed on {side}' for side in SIDES)}), "
-        f"{rounds} rounds, base and head alternating, fresh processes -> {folder}/"
+        f"{rounds} rounds, base and head alternating, fresh processes"
+        + ("" if revisions[0].threads is None else f" of {revisions[0].threads} CPU thread(s)")
+        + f" -> {folder}/"
     )
     measured = measure_rounds(revisions, timed, rounds, fingerprints, run_ids, progress)
     for revision in revisions:
