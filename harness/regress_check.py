@@ -9,11 +9,12 @@ float64 ``reference`` of the torch backend, forward and every gradient, with the
 of tests/test_backends.py. While it runs it records which files of the checkout executed,
 which is how regress knows the variants a diff touches.
 
-    python -c "import runpy, sys; runpy.run_path(sys.argv[1], run_name='__main__')" PATH/regress_check.py < CONFIGS.json
+    cd WORKTREE && PYTHONPATH=WORKTREE python -c "$RUN_SCRIPT" PATH/regress_check.py < CONFIGS.json
 
-reads a JSON list of configurations on stdin and prints it back, each configuration with
-``ok``, ``problems`` (what disagrees, by how much) and ``files`` (what ran) added, and
-``unsupported`` (the reason) for a backend the variant does not have.
+(``harness.regress.RUN_SCRIPT`` runs a file by path without putting its directory on
+sys.path) reads a JSON list of configurations on stdin and prints it back on one line, each
+configuration with ``ok``, ``problems`` (what disagrees, by how much) and ``files`` (what
+ran) added, and ``unsupported`` (the reason) for a backend the variant does not have.
 """
 
 from __future__ import annotations
