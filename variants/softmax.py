@@ -58,9 +58,9 @@ class Softmax(AttentionCore):
     def _parallel(self, q, k, v, beta, causal):
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=self.scale)
 
-    def prefill(self, q, k, v, *, beta=None, state: KVCache | None = None):
+    def prefill(self, q, k, v, *, beta=None, log_gate=None, state: KVCache | None = None):
         """Causal parallel form that also returns the KV cache after the last token."""
-        self._check_sequence(q, k, v, beta, True)
+        self._check_sequence(q, k, v, beta, True, log_gate)
         if state is None or state.length == 0:
             return self._parallel(q, k, v, beta, True), KVCache(k, v, k.shape[2])
         past_keys, past_values = state.filled()
