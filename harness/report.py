@@ -38,9 +38,13 @@ X_CANDIDATES = ("seq_len", "S", "batch", "heads", "d_key", "d_value", "new_token
 LABEL_AXES = X_CANDIDATES + ("dtype", "device", "model")
 TIMED_MODES = ("forward", "train", "decode")
 FAILED = ("oom", "error", "nan")
-QUALITY_METRICS = ("loss", "ppl", "bleu")
-#: Language modelling (harness.tasks.lm): perplexities under each protocol, training throughput and time.
-QUALITY_METRICS += ("valid_ppl", "test_ppl", "valid_ppl_sliding", "valid_ppl_carry", "words_per_s", "wall_s")
+#: The quality table's columns, where a cell has them: retrieval and MQAR (loss, accuracy),
+#: language modelling (perplexity under each protocol), translation (BLEU, decoding speed),
+#: then training throughput, memory and time.
+QUALITY_METRICS = (
+    "loss", "accuracy", "valid_ppl", "test_ppl", "valid_ppl_sliding", "valid_ppl_carry", "bleu", "valid_loss",
+    "words_per_s", "sentences_per_s", "peak_mem_bytes", "wall_s",
+)
 DASHES = ("-", "--", ":", "-.")
 #: What one measurement is, per machine: a cell measured again supersedes the earlier one.
 MEASUREMENT = CELL_KEY + ["machine_key", "axes.device"]
@@ -73,12 +77,12 @@ def _varying_axes(cells: pd.DataFrame, x: str) -> list[str]:
 
 
 def x_axis(cells: pd.DataFrame) -> str:
-    """The swept axis to plot against: the first of ``X_CANDIDATES`` that varies, else seq_len
-    (S for quality cells, which have no seq_len)."""
+    """The swept axis to plot against: the first of ``X_CANDIDATES`` that varies, else the
+    first of seq_len, S, d_model, device that the cells have (translation cells have only device)."""
     for axis in X_CANDIDATES:
         if f"axes.{axis}" in cells and cells[f"axes.{axis}"].nunique() > 1:
             return axis
-    return "seq_len" if "axes.seq_len" in cells else "S"
+    return next(axis for axis in ("seq_len", "S", "d_model", "device") if f"axes.{axis}" in cells)
 
 
 def _series(cells: pd.DataFrame, x: str) -> pd.Series:
@@ -445,7 +449,9 @@ def _quality_table(cells: pd.DataFrame) -> Table | None:
     if not found:
         return None
     quality = cells[cells[[f"metrics.{m}" for m in found]].notna().any(axis=1)].sort_values(["series", "mode"])
-    columns = _cell_columns(cells) + [(metric, f"metrics.{metric}", _text) for metric in found]
+    formats = {"words_per_s": _si, "sentences_per_s": _si, "peak_mem_bytes": _mib}
+    headers = {"words_per_s": "words/s", "sentences_per_s": "sentences/s", "peak_mem_bytes": "peak memory", "wall_s": "wall (s)"}
+    columns = _cell_columns(cells) + [(headers.get(m, m), f"metrics.{m}", formats.get(m, _text)) for m in found]
     return _table("Quality", quality, columns)
 
 

@@ -327,3 +327,9 @@ def test_ci_preset_end_to_end_through_the_runner(tmp_path, monkeypatch):
     assert metrics["sentences_per_s"] > 0 and metrics["words_per_s"] > 0 and metrics["torch_threads"] == 1
     assert metrics["losses"][-1][1] < metrics["losses"][0][1], "the loss falls"
     assert metrics["positions"] == {"encoder": ["linear", {}], "decoder": ["delta", {"backend": "torch"}], "cross": ["linear", {}]}
+    from harness.report import build_report
+
+    page = build_report([tmp_path / "results"], tmp_path / "report").read_text()
+    quality = page[page.index("<caption>Quality"):]
+    quality = quality[: quality.index("</table>")]
+    assert all(header in quality for header in ("<th>bleu</th>", "<th>sentences/s</th>", "<th>words/s</th>", "<th>peak memory</th>"))
