@@ -115,12 +115,15 @@ class Worker:
     By default it runs this attnbench's code. With ``code_root`` (a checkout of another
     revision, see harness.regress) it is a fresh interpreter started in that directory with
     it first on ``PYTHONPATH``, so ``harness`` and ``variants`` are that revision's own.
-    ``env`` adds environment variables for the worker (e.g. its own ``TRITON_CACHE_DIR``)."""
+    ``env`` adds environment variables for the worker (e.g. its own ``TRITON_CACHE_DIR``).
+    ``tune_malloc`` sets ``WORKER_ENV`` for exact per-cell peak RSS on the CPU; it costs
+    page faults on every large allocation (measured: +50% CPU time in an MQAR training run),
+    so the runner turns it off for scenarios of quality cells (whole training runs)."""
 
-    def __init__(self, plugins=(), *, code_root=None, env=None):
+    def __init__(self, plugins=(), *, code_root=None, env=None, tune_malloc: bool = True):
         self.plugins = list(plugins)
         self.code_root = code_root
-        self.env = {**WORKER_ENV, **(env or {})}
+        self.env = {**(WORKER_ENV if tune_malloc else {}), **(env or {})}
         self.process = None
         self._start()
 
@@ -267,7 +270,7 @@ def run(loaded: LoadedScenario, out_dir, *, resume=False, plugins=(), command: s
     todo = [cell for cell in cells if cell["cell_id"] not in done]
     summary = RunSummary(path=path, total=len(cells), skipped_as_done=len(cells) - len(todo))
     start = time.perf_counter()
-    worker = Worker(plugins)
+    worker = Worker(plugins, tune_malloc=any(cell["mode"] != "quality" for cell in todo))
     bar = tqdm(todo, total=len(cells), initial=summary.skipped_as_done, unit="cell", disable=not progress, dynamic_ncols=True)
     try:
         for cell in bar:

@@ -49,7 +49,8 @@ def _attention_inputs(core, axes, device, dtype, requires_grad):
     make = lambda dim: torch.randn(*shape, dim, generator=gen, device=device).to(dtype)  # noqa: E731
     q, k, v = make(axes["d_key"]), make(axes["d_key"]), make(axes["d_value"])
     beta = torch.rand(*shape, generator=gen, device=device).to(dtype) if core.needs_beta else None
-    inputs = [t.requires_grad_(requires_grad) if t is not None else None for t in (q, k, v, beta)]
+    log_gate = -torch.rand(*shape, generator=gen, device=device).to(dtype) if core.needs_gate else None
+    inputs = [t.requires_grad_(requires_grad) if t is not None else None for t in (q, k, v, beta, log_gate)]
     return inputs
 
 
@@ -57,15 +58,15 @@ def _core_workload(cell, device, dtype) -> Workload:
     axes = cell["axes"]
     core = _core(cell).to(device=device, dtype=dtype)
     train = cell["mode"] == "train"
-    q, k, v, beta = _attention_inputs(core, axes, device, dtype, train)
+    q, k, v, beta, log_gate = _attention_inputs(core, axes, device, dtype, train)
     flops = core.flops(axes["batch"], axes["heads"], axes["seq_len"], axes["d_value"])
     if not train:
-        return Workload(torch.no_grad()(lambda: core(q, k, v, beta=beta)), axes["batch"] * axes["seq_len"], flops)
-    leaves = [t for t in (q, k, v, beta) if t is not None]
+        return Workload(torch.no_grad()(lambda: core(q, k, v, beta=beta, log_gate=log_gate)), axes["batch"] * axes["seq_len"], flops)
+    leaves = [t for t in (q, k, v, beta, log_gate) if t is not None]
     cotangent = torch.randn_like(v)
 
     def forward_backward():
-        out = core(q, k, v, beta=beta)
+        out = core(q, k, v, beta=beta, log_gate=log_gate)
         torch.autograd.grad(out, leaves, cotangent)
         return out.detach()
 
@@ -275,10 +276,13 @@ def _decoder(cell, device, dtype, context, new_tokens):
     total = dict(axes, seq_len=context + new_tokens)
     if cell["target"] == "core":
         core = _core(cell).to(device=device, dtype=dtype)
-        q, k, v, beta = _attention_inputs(core, total, device, dtype, False)
-        prefill = lambda: core.prefill(q[:, :, :context], k[:, :, :context], v[:, :, :context], beta=_head(beta, context))  # noqa: E731
+        q, k, v, beta, log_gate = _attention_inputs(core, total, device, dtype, False)
+        prefill = lambda: core.prefill(  # noqa: E731
+            q[:, :, :context], k[:, :, :context], v[:, :, :context], beta=_head(beta, context), log_gate=_head(log_gate, context)
+        )
         step = lambda i, state: core.step(  # noqa: E731
-            q[:, :, context + i], k[:, :, context + i], v[:, :, context + i], state, beta_t=_at(beta, context + i)
+            q[:, :, context + i], k[:, :, context + i], v[:, :, context + i], state,
+            beta_t=_at(beta, context + i), log_gate_t=_at(log_gate, context + i),
         )
         return core, prefill, step
     layer = _layer(cell, device, dtype)

@@ -118,6 +118,18 @@ def test_bad_scenario_exits_2_with_the_file_and_field(tmp_path):
     assert str(scenario) in done.stderr and "axes.seq_len" in done.stderr and "-4" in done.stderr
 
 
+def test_malloc_tuning_is_for_speed_workers_only():
+    """Speed cells get the exact-RSS malloc settings; quality cells (training runs) glibc's defaults."""
+    from harness.runner import WORKER_ENV, Worker
+
+    speed, quality = Worker(), Worker(tune_malloc=False)
+    try:
+        assert WORKER_ENV.items() <= speed.env.items() and not set(WORKER_ENV) & set(quality.env)
+    finally:
+        speed.close()
+        quality.close()
+
+
 def test_smoke_ci_preset_runs_and_loads(tmp_path):
     """The shipped smoke scenario end to end (ci preset): every cell ok, loadable, with metrics."""
     done = attnbench("run", "smoke-cpu", "--preset", "ci", "--set", "measure.repeats=2", "--out", str(tmp_path / "out"), "--no-progress")
