@@ -12,6 +12,11 @@ on each residual branch. The attention is ``variants.AttentionLayer``,
 so every registered variant (softmax, linear, performer, dpfp, delta, ...) drops in by name.
 The same model serves the speed scenarios (random tokens, words/s and memory) and the
 WikiText quality runs; its presets are Schlag et al. 2021, §6.3.
+
+With a ``SegmentConfig`` the model is a segment-level recurrent one (``DecoderLM.segment``,
+``DecoderLM.segments``): Transformer-XL's cached hidden states (Dai et al. 2019), the Recurrent
+Memory Transformer's memory tokens (Bulatov et al. 2022), or a linear-time variant's fast-weight
+state carried from one segment to the next.
 """
 
 from __future__ import annotations
@@ -23,6 +28,52 @@ import torch.nn.functional as F
 from torch import nn
 
 import variants
+from variants import KVCache
+
+SEGMENT_KINDS = ("none", "xl", "rmt", "carry_state")
+
+
+@dataclass(frozen=True)
+class SegmentConfig:
+    """Segment-level recurrence (docs/language-modelling.md, "Segment models").
+
+    ``kind``: ``none``; ``xl`` (Transformer-XL: every layer also attends to the previous
+    segment's cached, detached layer inputs; softmax only); ``rmt`` (Recurrent Memory
+    Transformer: ``memory`` tokens read at the start of a segment and written at its end);
+    ``carry_state`` (linear-time variants: each layer's fast-weight state carried over).
+    ``length``: tokens per segment (None: the run's context); ``segments``: consecutive segments
+    per training sample; ``bptt``: segments that gradients flow through (None: all of a sample;
+    the carried memory/state is detached at the start of every group of ``bptt`` segments;
+    ``xl`` always detaches, so it takes only None or 1)."""
+
+    kind: str = "none"
+    length: int | None = None
+    segments: int = 2
+    memory: int = 0
+    bptt: int | None = None
+
+    def __post_init__(self):
+        if self.kind not in SEGMENT_KINDS:
+            raise ValueError(f"segment.kind must be one of {', '.join(SEGMENT_KINDS)}, got {self.kind!r}")
+        for name, minimum in (("length", 1), ("segments", 1), ("memory", 0), ("bptt", 1)):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < minimum):
+                raise ValueError(f"segment.{name} must be an int >= {minimum}, got {value!r}")
+        if self.segments is None:
+            raise ValueError("segment.segments must be an int >= 1, got None")
+        if (self.kind == "rmt") != (self.memory > 0):
+            raise ValueError(f"segment.memory: rmt needs memory >= 1 tokens and the other kinds take 0; "
+                             f"got memory={self.memory} for kind={self.kind!r}")
+        if self.kind == "xl" and self.bptt not in (None, 1):
+            raise ValueError(f"segment.bptt: Transformer-XL's cache is always detached (bptt 1 or None), got {self.bptt}")
+
+    @property
+    def active(self) -> bool:
+        return self.kind != "none"
+
+    def positions(self) -> int:
+        """Positions a segment occupies: its tokens, and for ``rmt`` the read and write memory."""
+        return self.length + 2 * self.memory
 
 
 @dataclass
@@ -42,6 +93,7 @@ class LMConfig:
     tie_embeddings: bool = True
     adaptive_cutoffs: tuple[int, ...] | None = None
     adaptive_div_value: float = 4.0
+    segment: SegmentConfig | None = None
 
 
 #: Model sizes without the vocabulary. "small" and "medium" are the WikiText-103 language
@@ -118,9 +170,38 @@ class DecoderLM(nn.Module):
             )
         else:
             self.head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        segment = config.segment
+        self.memory = nn.Parameter(torch.empty(segment.memory, config.d_model)) if segment and segment.kind == "rmt" else None
         self.apply(self._init_weights)
+        if self.memory is not None:
+            nn.init.normal_(self.memory, std=0.02)
         if config.tie_embeddings and self.head is not None:
             self.head.weight = self.embed.weight
+        if segment is not None and segment.active:
+            self._check_segment(segment)
+
+    def _check_segment(self, segment: SegmentConfig) -> None:
+        """The segment model fits this model: a set length within the positions, and attention
+        that supports the kind (``xl``: plain softmax layers; ``carry_state``: linear-time)."""
+        if segment.length is None:
+            raise ValueError("segment.length must be set to build a model (run_lm sets it to the context by default)")
+        if segment.positions() > self.config.context:
+            raise ValueError(f"segment: a segment occupies length + 2·memory = {segment.positions()} positions, more "
+                             f"than the model's context={self.config.context}")
+        layers = [block.attn for block in self.blocks]
+        if segment.kind == "xl" and not all(
+            isinstance(layer.core, variants.softmax.Softmax) and layer.short_conv is None for layer in layers
+        ):
+            raise ValueError(f"segment.kind 'xl' caches keys and values of past hidden states: it needs softmax attention "
+                             f"without short_conv, got variant {self.config.variant!r}")
+        if segment.kind == "carry_state" and not self.linear_time:
+            raise ValueError(f"segment.kind 'carry_state' needs a linear-time variant (a fixed-size fast-weight state); "
+                             f"variant {self.config.variant!r} keeps a KV cache that would grow with the whole stream")
+
+    @property
+    def linear_time(self) -> bool:
+        """Whether every attention keeps a fixed-size state (fast weights), not a growing KV cache."""
+        return all(block.attn.core.d_dot is not None for block in self.blocks)
 
     @staticmethod
     def _init_weights(module):
@@ -164,7 +245,12 @@ class DecoderLM(nn.Module):
         """``tokens: [B, T]`` (int) -> logits ``[B, T, vocab_size]``, causal over all T tokens;
         with ``targets`` (``[B, T']``, T' ≤ T), the negative log-likelihood ``[B, T']`` of each
         target at the last T' positions instead. ``positions`` (``[T]`` ints in [0, context))
-        default to 0 .. T−1, and then T ≤ context."""
+        default to 0 .. T−1, and then T ≤ context. A segment model (active ``config.segment``)
+        runs its recurrence over consecutive segments of the T tokens instead (``segments``)."""
+        if self.config.segment is not None and self.config.segment.active:
+            if positions is not None:
+                raise ValueError("a segment model restarts positions in every segment; it takes no positions")
+            return self.segments(tokens, targets)[0]
         x = self._embed(tokens, positions)
         for block in self.blocks:
             x = block(x)
@@ -182,6 +268,81 @@ class DecoderLM(nn.Module):
             x, state = block.prefill(x, state)
             new_states.append(state)
         return self._score(self.ln_f(x), targets), new_states
+
+    def segment(self, tokens, carried=None, *, targets=None):
+        """One segment ``tokens: [B, T]`` (T ≤ segment.length, positions 0 .. T − 1) continuing
+        from what the previous segment left (``carried``; None: the first segment) -> (logits
+        or, with targets, NLLs as in ``forward``; what this segment leaves for the next):
+
+        - ``xl``: the layer inputs of this segment, detached, one ``[B, T, d_model]`` per block;
+          block n attends to [SG(h_prev^{n−1}); h^{n−1}] (``_xl_segment``).
+        - ``rmt``: the write-memory outputs of the last block ``[B, memory, d_model]``.
+        - ``carry_state``: each block's fast-weight state after the segment (``prefill``)."""
+        segment = self.config.segment
+        if segment is None or not segment.active:
+            raise ValueError("DecoderLM.segment needs a model built with an active LMConfig.segment")
+        if tokens.shape[1] > segment.length:
+            raise ValueError(f"a segment has at most segment.length={segment.length} tokens, got {tokens.shape[1]}")
+        if segment.kind == "carry_state":
+            return self.prefill(tokens, carried, targets=targets)
+        if segment.kind == "xl":
+            return self._xl_segment(tokens, carried, targets)
+        return self._rmt_segment(tokens, carried, targets)
+
+    def _xl_segment(self, tokens, cached, targets):
+        """Transformer-XL (Dai et al. 2019, §3.2): h̃^{n−1} = [SG(m^{n−1}); h^{n−1}], q from
+        h^{n−1}, k and v from h̃^{n−1}, causal within the segment, every cached position
+        visible. Here through the softmax core's prefill with a KV cache of the projected,
+        LayerNormed memory. Positions are the model's learned absolute ones, 0 .. T − 1 in
+        every segment (XL proper uses relative positions; see the docs)."""
+        x = self._embed(tokens, None)
+        layer_inputs = []
+        for index, block in enumerate(self.blocks):
+            layer_inputs.append(x.detach())
+            memory = None if cached is None else self._xl_cache(block, cached[index])
+            x, _ = block.prefill(x, memory)
+        return self._score(self.ln_f(x), targets), layer_inputs
+
+    @staticmethod
+    def _xl_cache(block: Block, hidden):
+        """The KV cache of a block's attention over cached layer inputs ``hidden: [B, M, d_model]``."""
+        layer, normed = block.attn, block.ln1(hidden)
+        heads = hidden.shape[:-1] + (layer.n_heads, -1)
+        keys, values = (projection(normed).view(heads).transpose(1, 2) for projection in (layer.key, layer.value))
+        return KVCache(keys, values, hidden.shape[1])
+
+    def _rmt_segment(self, tokens, read, targets):
+        """Recurrent Memory Transformer, decoder-only form (Bulatov et al. 2022, §3): the input
+        is [read memory; segment tokens; write memory] with positions 0 .. T + 2M − 1, run
+        causally; the last block's outputs at the write positions are the next read memory.
+        The first segment reads, and every segment writes into, the learned memory tokens."""
+        batch, length = tokens.shape
+        initial = self.memory.expand(batch, -1, -1)
+        x = torch.cat([initial if read is None else read, self.embed(tokens), initial], 1)
+        x = self.drop(x + self.positions.weight[: x.shape[1]])
+        for block in self.blocks:
+            x = block(x)
+        size = self.memory.shape[0]
+        return self._score(self.ln_f(x[:, size : size + length]), targets), x[:, size + length :]
+
+    def segments(self, tokens, targets=None, carried=None):
+        """Logits ``[B, T, vocab_size]`` (with ``targets [B, T]``: NLLs ``[B, T]``) over
+        consecutive segments of ``segment.length`` of ``tokens: [B, T]`` (the last may be
+        shorter), each continuing from what the previous left; returns ``(scores, carried
+        after the last)``. Truncated backpropagation: what is
+        carried is detached at the start of every group of ``segment.bptt`` segments (None:
+        only at the start of the call), so gradients flow through at most ``bptt`` segments."""
+        segment = self.config.segment
+        starts = range(0, tokens.shape[1], segment.length)
+        group = segment.bptt or len(starts)
+        outputs = []
+        for index, start in enumerate(starts):
+            if index % group == 0:
+                carried = _detach(carried)
+            window = slice(start, start + segment.length)
+            scores, carried = self.segment(tokens[:, window], carried, targets=None if targets is None else targets[:, window])
+            outputs.append(scores)
+        return torch.cat(outputs, 1), carried
 
     def loss(self, tokens, targets):
         """Mean cross-entropy of the next-token predictions: ``tokens, targets: [B, T]`` -> scalar."""
@@ -208,3 +369,15 @@ class DecoderLM(nn.Module):
     def num_parameters(self) -> int:
         """The number of parameters, a tied embedding counted once."""
         return sum(p.numel() for p in self.parameters())
+
+
+def _detach(carried):
+    """``carried`` (a tensor, None, or lists, tuples and NamedTuples of them) cut from the graph."""
+    if isinstance(carried, torch.Tensor):
+        return carried.detach()
+    if isinstance(carried, list):
+        return [_detach(item) for item in carried]
+    if isinstance(carried, tuple):
+        items = [_detach(item) for item in carried]
+        return type(carried)(*items) if hasattr(carried, "_fields") else tuple(items)
+    return carried

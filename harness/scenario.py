@@ -185,6 +185,9 @@ class LMTask(Strict):
     data: str | None = Field(None, description="a WikiText directory (default: $ATTNBENCH_DATA/wikitext-2 or the shared data)")
     threads: int | None = Field(None, ge=1, description="torch CPU threads (default: torch's)")
     model_overrides: dict[str, Any] = {}
+    segment: dict[str, Any] | None = Field(
+        None, description="segment-level recurrence: {kind: xl | rmt | carry_state, length, segments, memory, bptt} "
+        "(harness.models.SegmentConfig; length defaults to axes.seq_len)")
     seed: int = 0
 
     @field_validator("preset")
@@ -194,6 +197,18 @@ class LMTask(Strict):
 
         if value not in LM_PRESETS:
             raise ValueError(f"expected a model preset among {', '.join(LM_PRESETS)}, got {value!r}")
+        return value
+
+    @field_validator("segment")
+    @classmethod
+    def _valid_segment(cls, value):
+        from .models import SegmentConfig
+
+        if value is not None:
+            try:
+                SegmentConfig(**value)
+            except TypeError as exc:
+                raise ValueError(f"unknown segment field ({exc}); expected kind, length, segments, memory, bptt") from None
         return value
 
     @property

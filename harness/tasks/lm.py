@@ -14,6 +14,11 @@ perplexity, exp of the mean negative log-likelihood per token, under three proto
   restart at 0 in every window, so this is the model run over the whole stream without
   truncating its context ("carrying the state across segments").
 
+A segment model (``segment``: Transformer-XL, the Recurrent Memory Transformer, or the
+fast-weight state carried, ``harness.models.SegmentConfig``) trains on samples of ``segments``
+consecutive segments and is evaluated by ``evaluate_segments``: the whole split as one run of
+segments, each continuing from the cache, memory or state the previous one left.
+
 ``python -m harness.tasks.lm`` (or ``torchrun --nproc_per_node N -m harness.tasks.lm``) runs one
 training; the harness runs the same through ``run_lm`` as the cells of an ``lm`` scenario.
 """
@@ -26,13 +31,14 @@ import math
 import os
 import sys
 import time
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
 
 from variants import VariantError
 
-from ..models import DecoderLM, lm_config
+from ..models import SEGMENT_KINDS, DecoderLM, SegmentConfig, lm_config
 from .download import DataError
 from .training import Distributed, TrainConfig, train
 from .wikitext import load_wikitext
@@ -138,7 +144,7 @@ def evaluate_sliding(model: DecoderLM, tokens: torch.Tensor, context: int, *, ba
 
 def is_linear_time(model: DecoderLM) -> bool:
     """Whether every attention keeps a fixed-size state (fast weights), not a growing KV cache."""
-    return all(block.attn.core.d_dot is not None for block in model.blocks)
+    return model.linear_time
 
 
 @torch.no_grad()
@@ -156,6 +162,18 @@ def evaluate_carry(model: DecoderLM, tokens: torch.Tensor, context: int, *, limi
         nll, states = model.prefill(inputs[None, start : start + context], states, targets=targets[None, start : start + context])
         total += nll.double().sum().item()
     return total / len(inputs)
+
+
+@torch.no_grad()
+def evaluate_segments(model: DecoderLM, tokens: torch.Tensor, *, limit: int | None = None) -> float:
+    """Mean NLL (nats) per predicted token of a segment model run over the whole stream (batch
+    1): consecutive segments of ``segment.length`` inputs, each continuing from the cache,
+    memory or state the previous one left (``DecoderLM.segments``)."""
+    if model.config.segment is None or not model.config.segment.active:
+        raise ValueError("evaluate_segments needs a segment model (an active LMConfig.segment)")
+    tokens = _prefix(tokens, limit)
+    device = model.embed.weight.device
+    return _nll_sum(model, tokens[None, :-1].to(device), tokens[None, 1:].to(device)) / (len(tokens) - 1)
 
 
 def perplexity(nll: float) -> float:
@@ -192,6 +210,7 @@ def run_lm(
     checkpoint_dir: str | None = None,
     checkpoint_every: int | None = None,
     threads: int | None = None,
+    segment: dict | SegmentConfig | None = None,
     dist: Distributed | None = None,
     progress: bool = False,
 ) -> dict:
@@ -200,7 +219,10 @@ def run_lm(
     (complete on the main rank). ``eval_tokens`` / ``sliding_tokens`` limit the evaluations to
     the first so many tokens of each split (None: all); ``carry`` adds the carry-state
     evaluation for linear-time variants. ``batch`` is the global batch (over all ranks);
-    ``adaptive_cutoffs`` (e.g. [2000, 10000]) replace the tied output layer by an adaptive softmax."""
+    ``adaptive_cutoffs`` (e.g. [2000, 10000]) replace the tied output layer by an adaptive softmax.
+    ``segment`` (a ``SegmentConfig`` or its fields) makes it a segment model: ``length`` defaults
+    to the context, a training sample is ``segments`` segments, and the final evaluation reports
+    ``valid_ppl_segment`` / ``test_ppl_segment`` (docs/language-modelling.md)."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)} (bfloat16 runs under autocast), got {dtype!r}")
     if threads:
@@ -212,11 +234,19 @@ def run_lm(
         overrides["adaptive_cutoffs"] = tuple(adaptive_cutoffs)
     if context is not None:
         overrides["context"] = context
+    segment = SegmentConfig(**segment) if isinstance(segment, dict) else segment
+    if segment is not None and segment.active:
+        length = segment.length or overrides.get("context") or lm_config(preset, corpus.vocab_size).context
+        segment = replace(segment, length=length)
+        overrides.update(segment=segment, context=segment.positions())
+    else:
+        segment = None
     config = lm_config(preset, corpus.vocab_size, **overrides)
     torch.manual_seed(seed)
     model = DecoderLM(config).to(dist.device)
     autocast = torch.autocast(dist.device.type, dtype=DTYPES[dtype], enabled=dtype != "float32")
-    context = config.context
+    # the window of the plain evaluations (a segment model: one segment from the initial memory)
+    context = segment.length if segment else config.context
 
     def evaluate(m):
         with autocast:
@@ -226,7 +256,8 @@ def run_lm(
         with autocast:
             return lm_loss(m, batch_)
 
-    batches = WindowBatches(corpus["train"], context, batch, seed=seed, rank=dist.rank, world_size=dist.world_size,
+    sample = context * segment.segments if segment else context
+    batches = WindowBatches(corpus["train"], sample, batch, seed=seed, rank=dist.rank, world_size=dist.world_size,
                             device=dist.device)
     train_config = TrainConfig(
         steps=steps, lr=lr, warmup=warmup, clip=clip, weight_decay=weight_decay, eval_every=eval_every,
@@ -250,13 +281,17 @@ def run_lm(
         "num_parameters": model.num_parameters(),
         "vocab_size": corpus.vocab_size,
         "context": context,
+        "segment": asdict(segment) if segment else None,
         "batch": batch,
         "data": str(corpus.directory),
         "unigram_ppl": math.exp(corpus.unigram_entropy()),
     }
     if dist.is_main:
         started = time.perf_counter()
-        metrics.update(_final_evaluation(model, corpus, context, autocast, eval_tokens, sliding_tokens, carry))
+        if segment:
+            metrics.update(_segment_evaluation(model, corpus, context, autocast, eval_tokens))
+        else:
+            metrics.update(_final_evaluation(model, corpus, context, autocast, eval_tokens, sliding_tokens, carry))
         metrics["valid_ppl"] = result.evaluations[-1][1]["valid_ppl"]
         metrics["final_eval_s"] = time.perf_counter() - started
         metrics["wall_s"] += metrics["final_eval_s"]
@@ -276,6 +311,21 @@ def _final_evaluation(model, corpus, context, autocast, eval_tokens, sliding_tok
         if carry and is_linear_time(model):
             for split in ("valid", "test"):
                 metrics[f"{split}_ppl_carry"] = perplexity(evaluate_carry(model, corpus[split], context, limit=eval_tokens))
+    return metrics
+
+
+def _segment_evaluation(model, corpus, length, autocast, eval_tokens) -> dict:
+    """A segment model's test perplexity over segments taken alone (``test_ppl``: non-overlapping
+    windows of ``length``, each from the initial cache, memory or state) and its perplexities
+    with the recurrence carried over the whole of each split (``*_ppl_segment``)."""
+    model.eval()
+    with autocast:
+        metrics = {
+            "test_ppl": perplexity(evaluate_windows(model, corpus["test"], length, limit=eval_tokens)),
+            "eval_tokens": {split: len(_prefix(corpus[split], eval_tokens)) for split in ("valid", "test")},
+        }
+        for split in ("valid", "test"):
+            metrics[f"{split}_ppl_segment"] = perplexity(evaluate_segments(model, corpus[split], limit=eval_tokens))
     return metrics
 
 
@@ -304,6 +354,13 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--sliding-tokens", type=_count_or_all, default=2048,
                         help="sliding-window evaluation on the first N valid tokens (default: 2048; 'all': the whole split)")
     parser.add_argument("--no-carry", action="store_true", help="skip the carry-state evaluation")
+    parser.add_argument("--segment", choices=SEGMENT_KINDS, default="none",
+                        help="segment-level recurrence: xl (Transformer-XL), rmt (Recurrent Memory Transformer), "
+                             "carry_state (linear-time variants); default none")
+    parser.add_argument("--segment-length", type=int, help="tokens per segment (default: the context)")
+    parser.add_argument("--segments", type=int, default=2, help="consecutive segments per training sample (default: 2)")
+    parser.add_argument("--memory", type=int, default=0, help="rmt: memory tokens")
+    parser.add_argument("--bptt", type=int, help="segments that gradients flow through (default: all of a sample)")
     parser.add_argument("--eval-every", type=int)
     parser.add_argument("--checkpoint-every", type=int, default=250)
     parser.add_argument("--seed", type=int, default=0)
@@ -336,6 +393,10 @@ def main(argv=None) -> int:
         params = json.loads(args.params)
     except json.JSONDecodeError as exc:
         raise SystemExit(f"--params: not valid JSON ({exc}): {args.params}") from None
+    try:
+        segment = SegmentConfig(args.segment, args.segment_length, args.segments, args.memory, args.bptt)
+    except ValueError as exc:
+        raise SystemExit(f"--segment options: {exc}") from None
     dist = Distributed.from_env(args.device)
     out = Path(args.out)
     try:
@@ -344,7 +405,7 @@ def main(argv=None) -> int:
             dropout=args.dropout, adaptive_cutoffs=args.adaptive_cutoffs, context=args.context,
             eval_tokens=args.eval_tokens, sliding_tokens=args.sliding_tokens,
             carry=not args.no_carry, eval_every=args.eval_every, data=args.data, seed=args.seed, dtype=args.dtype, threads=args.threads,
-            checkpoint_dir=str(out / "checkpoints"), checkpoint_every=args.checkpoint_every, dist=dist, progress=True,
+            checkpoint_dir=str(out / "checkpoints"), checkpoint_every=args.checkpoint_every, segment=segment, dist=dist, progress=True,
         )
         if dist.is_main:
             metrics["config"] = {key: value for key, value in vars(args).items()}
@@ -353,7 +414,7 @@ def main(argv=None) -> int:
             temporary.write_text(json.dumps(metrics, indent=1))
             os.replace(temporary, out / "metrics.json")
             summary = {k: metrics.get(k) for k in ("valid_ppl", "test_ppl", "valid_ppl_sliding", "valid_ppl_carry",
-                                                    "words_per_s", "wall_s")}
+                                                    "valid_ppl_segment", "words_per_s", "wall_s")}
             print(json.dumps(summary))
     except (DataError, VariantError) as exc:
         print(f"error: {exc}", file=sys.stderr)
