@@ -17,7 +17,7 @@ import torch
 
 import variants
 
-from .measure import Clock, PeakMemory, Timing, synchronize, time_callable
+from .measure import Clock, PeakMemory, Timing, synchronize, time_callable, usual_allocator
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
@@ -172,7 +172,8 @@ def measure_cell(cell: dict) -> dict:
     with PeakMemory(device) as peak:
         workload = BUILDERS[cell["target"]](cell, device, dtype)
         finite = _finite(workload.run())
-    timing = time_callable(workload.run, warmup=measure["warmup"], repeats=measure["repeats"], device=device, flush_l2=measure["flush_l2"])
+    with usual_allocator():
+        timing = time_callable(workload.run, warmup=measure["warmup"], repeats=measure["repeats"], device=device, flush_l2=measure["flush_l2"])
     metrics = {
         **timing.summary(),
         "tokens": workload.tokens,
@@ -234,21 +235,27 @@ def _warm_up_libraries(cell, device, dtype) -> None:
 
 def _measure_decode(cell, device, dtype) -> dict:
     """Prefill ``seq_len`` tokens, then time ``new_tokens`` single steps, ``repeats`` times
-    (after ``warmup`` untimed rounds); each round starts from a fresh prefill."""
+    (after ``warmup`` untimed rounds); each round starts from a fresh prefill. Peak memory is
+    that of building the decoder and one round, before any timing."""
     axes, measure, new_tokens = cell["axes"], cell["measure"], cell["decode"]["new_tokens"]
     if cell["target"] not in ("core", "layer"):
         raise CellError(f"decode mode measures target 'core' or 'layer', not {cell['target']!r}")
     context, clock = axes["seq_len"], Clock(device, flush_l2=False)
-    with PeakMemory(device) as peak, torch.no_grad():
-        core, prefill, step = _decoder(cell, device, dtype, context, new_tokens)
-        rounds = []
-        for _ in range(measure["warmup"] + measure["repeats"]):
-            (_, state), prefill_s = clock(prefill)
-            step_s = []
-            for i in range(new_tokens):
-                (out, state), seconds = clock(lambda: step(i, state))
-                step_s.append(seconds)
-            rounds.append((prefill_s, step_s, _finite(out)))
+
+    def decode_round():
+        (_, state), prefill_s = clock(prefill)
+        step_s = []
+        for i in range(new_tokens):
+            (out, state), seconds = clock(lambda: step(i, state))
+            step_s.append(seconds)
+        return prefill_s, step_s, _finite(out)
+
+    with torch.no_grad():
+        with PeakMemory(device) as peak:
+            core, prefill, step = _decoder(cell, device, dtype, context, new_tokens)
+            decode_round()
+        with usual_allocator():
+            rounds = [decode_round() for _ in range(measure["warmup"] + measure["repeats"])]
     rounds = rounds[measure["warmup"] :]
     finite = all(ok for _, _, ok in rounds)
     timing = Timing(tuple(sum(step_s) for _, step_s, _ in rounds))

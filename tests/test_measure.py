@@ -63,3 +63,43 @@ def test_cuda_peak_memory_and_event_timing():
     assert peak.kind == "cuda_max_allocated" and peak.bytes >= 16 * 1024 * 1024
     timing = time_callable(lambda: torch.cuda._sleep(1_000_000), warmup=1, repeats=3, device="cuda")
     assert timing.median_s > 0
+
+
+class _FakeLibc:
+    def __init__(self):
+        self.calls = []
+
+    def mallopt(self, parameter, value):
+        self.calls.append(("mallopt", parameter, value))
+
+    def malloc_trim(self, pad):
+        self.calls.append(("malloc_trim", pad))
+
+
+def test_timing_gets_the_usual_allocator_and_the_exact_rss_settings_come_back(monkeypatch):
+    """In a worker started with runner.WORKER_ENV, timing runs with glibc's usual thresholds."""
+    from harness import measure
+    from harness.runner import WORKER_ENV
+
+    libc = _FakeLibc()
+    monkeypatch.setattr(measure, "_glibc", lambda: libc)
+    for name, value in WORKER_ENV.items():
+        monkeypatch.setenv(name, value)
+    with measure.usual_allocator():
+        inside = list(libc.calls)
+    usual = {("mallopt", measure._MALLOPT[name], value) for name, value in measure.USUAL_MALLOC.items()}
+    assert set(inside) == usual
+    restored = {("mallopt", measure._MALLOPT[name], int(value)) for name, value in WORKER_ENV.items()}
+    assert set(libc.calls[len(inside) : -1]) == restored and libc.calls[-1] == ("malloc_trim", 0)
+
+
+def test_the_usual_allocator_leaves_an_ordinary_process_alone(monkeypatch):
+    from harness import measure
+
+    libc = _FakeLibc()
+    monkeypatch.setattr(measure, "_glibc", lambda: libc)
+    for name in measure._MALLOPT:
+        monkeypatch.delenv(name, raising=False)
+    with measure.usual_allocator():
+        pass
+    assert libc.calls == []
