@@ -333,6 +333,9 @@ class DecoderLM(nn.Module):
         carried is detached at the start of every group of ``segment.bptt`` segments (None:
         only at the start of the call), so gradients flow through at most ``bptt`` segments."""
         segment = self.config.segment
+        if targets is not None and targets.shape != tokens.shape:
+            raise ValueError(f"a segment model scores every position: targets must have the tokens' shape "
+                             f"{tuple(tokens.shape)}, got {tuple(targets.shape)}")
         starts = range(0, tokens.shape[1], segment.length)
         group = segment.bptt or len(starts)
         outputs = []
