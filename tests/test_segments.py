@@ -220,3 +220,27 @@ def test_segment_scores_match_a_plain_loss(seed):
     logits, _ = model.segments(tokens)
     expected = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none").view(2, 9)
     torch.testing.assert_close(model.segments(tokens, targets)[0], expected, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("preset", ["xl", "rmt", "carry", "ci-segment"])
+def test_segment_presets_build_their_models(preset):
+    """Every cell of the shipped segment presets is a model the segment kind accepts."""
+    from harness.models import lm_config
+    from harness.scenario import load_scenario
+
+    cells = load_scenario("quality/lm-wikitext", preset=preset).cells()
+    assert cells and all(cell["task"]["segment"]["kind"] != "none" for cell in cells)
+    for cell in cells:
+        segment = SegmentConfig(**dict(cell["task"]["segment"], length=cell["axes"]["seq_len"]))
+        sizes = dict(cell["task"]["model_overrides"], context=segment.positions())
+        model = DecoderLM(lm_config(cell["task"]["preset"], VOCAB, variant=cell["variant"], variant_params=cell["params"],
+                                    segment=segment, **sizes))
+        assert (model.memory is not None) == (segment.kind == "rmt"), cell["variant"]
+
+
+def test_segment_targets_cover_every_position(seed):
+    model = segment_model("linear", seed, SegmentConfig("carry_state", length=LENGTH))
+    with pytest.raises(ValueError, match="targets must have the tokens' shape"):
+        model(random_tokens(seed, 1, 6), targets=random_tokens(seed, 1, 1))
+    with pytest.raises(ValueError, match="no positions"):
+        model(random_tokens(seed, 1, 3), positions=torch.arange(3))
