@@ -125,15 +125,37 @@ def latest(frame: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
 # --- statistics ---------------------------------------------------------------------------
 
 
+def _bootstrap_medians(samples: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """``RESAMPLES`` medians of resamples of ``samples``: a flat array is resampled with
+    replacement; a ``[rounds, n]`` array (measured in several rounds, as regress does) is
+    resampled in two stages, rounds with replacement and then samples within each chosen
+    round, so that drift between rounds widens the interval as it should."""
+    if samples.ndim == 1:
+        return np.median(rng.choice(samples, size=(RESAMPLES, samples.size)), axis=1)
+    rounds, n = samples.shape
+    chosen = rng.integers(rounds, size=(RESAMPLES, rounds, 1))
+    within = rng.integers(n, size=(RESAMPLES, rounds, n))
+    return np.median(samples[chosen, within].reshape(RESAMPLES, rounds * n), axis=1)
+
+
 def ratio_ci(base, head, *, alpha: float, seed) -> tuple[float, float, float]:
-    """The ratio of medians head/base and its percentile bootstrap interval at 1-alpha:
-    each side's raw samples are resampled with replacement ``RESAMPLES`` times."""
+    """The ratio of medians head/base and its percentile bootstrap interval at 1-alpha from
+    ``RESAMPLES`` resamples of each side (``_bootstrap_medians``). A side is a list of raw
+    samples, or a list of rounds of equally many samples each."""
     base, head = np.asarray(base, dtype=float), np.asarray(head, dtype=float)
     rng = np.random.default_rng(seed)
-    base_medians = np.median(rng.choice(base, size=(RESAMPLES, base.size)), axis=1)
-    head_medians = np.median(rng.choice(head, size=(RESAMPLES, head.size)), axis=1)
-    low, high = np.quantile(head_medians / base_medians, [alpha / 2, 1 - alpha / 2])
+    ratios = _bootstrap_medians(head, rng) / _bootstrap_medians(base, rng)
+    low, high = np.quantile(ratios, [alpha / 2, 1 - alpha / 2])
     return float(np.median(head) / np.median(base)), float(low), float(high)
+
+
+def _rounds(value) -> list | None:
+    """A cell's per-round samples (``metrics.round_samples_s``) when it has two or more
+    rounds of equal length; None otherwise."""
+    rounds = _samples(value)
+    if len(rounds) < 2 or len({len(_samples(r)) for r in rounds}) != 1:
+        return None
+    return [_samples(r) for r in rounds]
 
 
 def timing_mark(ratio: float, low: float, high: float, factor: float) -> str:
@@ -201,6 +223,9 @@ def _judge(pair: dict, *, factor: float, alpha: float, seed: int) -> dict:
     base, head = _samples(pair["metrics.samples_s_base"]), _samples(pair["metrics.samples_s_head"])
     if min(len(base), len(head)) < MIN_SAMPLES:
         return {"mark": "not comparable", "note": f"fewer than {MIN_SAMPLES} raw samples (base {len(base)}, head {len(head)})"}
+    base_rounds, head_rounds = _rounds(pair.get("metrics.round_samples_s_base")), _rounds(pair.get("metrics.round_samples_s_head"))
+    if base_rounds is not None and head_rounds is not None:
+        base, head = base_rounds, head_rounds
     ratio, low, high = ratio_ci(base, head, alpha=alpha, seed=_pair_seed(seed, pair))
     return {"mark": timing_mark(ratio, low, high, factor), "note": "", "ratio": ratio, "ci_low": low, "ci_high": high}
 
@@ -261,7 +286,8 @@ def compare(base_paths, head_paths, *, factor: float = 1.1, alpha: float = 0.05,
     unless ``allow_different_machines`` (then those cells are marked "not comparable")."""
     if factor < 1 or not 0 < alpha < 1:
         raise CompareError(f"factor must be >= 1 and alpha in (0, 1); got factor={factor}, alpha={alpha}")
-    columns = CELL_KEY + ["status", "error", "machine_key", "machine", "gpu", "params_text", "axes_text", "metrics.median_s", "metrics.samples_s"]
+    columns = CELL_KEY + ["status", "error", "machine_key", "machine", "gpu", "params_text", "axes_text", "metrics.median_s", "metrics.samples_s",
+               "metrics.round_samples_s"]
     base, head = _side(base_paths), _side(head_paths)
     pairs = base.reindex(columns=columns).merge(head.reindex(columns=columns), on=CELL_KEY, how="outer", suffixes=("_base", "_head"), indicator=True)
     pairs = pairs.sort_values(CELL_KEY, kind="stable").reset_index(drop=True)

@@ -207,7 +207,8 @@ def pool(records: list[dict]) -> dict:
         return failed[0]
     first = records[0]
     timing = Timing(tuple(sample for record in records for sample in record["metrics"]["samples_s"]))
-    metrics = {**first["metrics"], **timing.summary(), "round_medians_s": [record["metrics"]["median_s"] for record in records]}
+    metrics = {**first["metrics"], **timing.summary(), "round_medians_s": [record["metrics"]["median_s"] for record in records],
+               "round_samples_s": [record["metrics"]["samples_s"] for record in records]}
     for rate, amount in (("tokens_per_s", "tokens"), ("flops_per_s", "flops"), ("words_per_s", "tokens")):
         if rate in metrics:
             metrics[rate] = metrics[amount] / timing.median_s

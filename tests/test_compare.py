@@ -20,6 +20,7 @@ import textwrap
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 
@@ -154,3 +155,27 @@ def test_the_comparison_is_reproducible(runs):
 def test_bad_thresholds_are_refused(runs):
     with pytest.raises(CompareError, match="factor"):
         compare(runs["base"], runs["base"], factor=0.9)
+
+
+def test_drift_between_rounds_widens_the_interval_instead_of_raising_a_false_alarm():
+    """Identical code measured in rounds on a drifting machine: pooled samples look like a 1.3x
+    slowdown with a tight interval, the two-stage (rounds, then samples) bootstrap does not."""
+    from harness.compare import ratio_ci, timing_mark
+
+    rng = np.random.default_rng(0)
+    fast, slow = 1.0, 1.3
+    base = [list(level + 1e-3 * rng.standard_normal(7)) for level in (fast, fast, slow)]
+    head = [list(level + 1e-3 * rng.standard_normal(7)) for level in (slow, slow, fast)]
+    pooled = ratio_ci(sum(base, []), sum(head, []), alpha=0.05, seed=1)
+    assert timing_mark(*pooled, factor=1.1) == "worse", pooled
+    by_round = ratio_ci(base, head, alpha=0.05, seed=1)
+    assert by_round[1] <= 1 <= by_round[2] and timing_mark(*by_round, factor=1.1) != "worse", by_round
+
+
+def test_a_real_slowdown_measured_in_rounds_is_still_worse():
+    from harness.compare import ratio_ci, timing_mark
+
+    rng = np.random.default_rng(1)
+    base = [list(1.0 + 0.02 * rng.standard_normal(7)) for _ in range(3)]
+    head = [list(2.0 + 0.04 * rng.standard_normal(7)) for _ in range(3)]
+    assert timing_mark(*ratio_ci(base, head, alpha=0.05, seed=2), factor=1.1) == "worse"
