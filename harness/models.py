@@ -55,12 +55,12 @@ class SegmentConfig:
     def __post_init__(self):
         if self.kind not in SEGMENT_KINDS:
             raise ValueError(f"segment.kind must be one of {', '.join(SEGMENT_KINDS)}, got {self.kind!r}")
-        for name, minimum in (("length", 1), ("segments", 1), ("memory", 0), ("bptt", 1)):
+        for name, minimum, optional in (("length", 1, True), ("segments", 1, False), ("memory", 0, False), ("bptt", 1, True)):
             value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < minimum):
-                raise ValueError(f"segment.{name} must be an int >= {minimum}, got {value!r}")
-        if self.segments is None:
-            raise ValueError("segment.segments must be an int >= 1, got None")
+            if value is None and optional:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                raise ValueError(f"segment.{name} must be an int >= {minimum}{' or None' if optional else ''}, got {value!r}")
         if (self.kind == "rmt") != (self.memory > 0):
             raise ValueError(f"segment.memory: rmt needs memory >= 1 tokens and the other kinds take 0; "
                              f"got memory={self.memory} for kind={self.kind!r}")
