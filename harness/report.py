@@ -42,7 +42,8 @@ FAILED = ("oom", "error", "nan")
 #: language modelling (perplexity under each protocol), translation (BLEU, decoding speed),
 #: then training throughput, memory and time.
 QUALITY_METRICS = (
-    "loss", "accuracy", "valid_ppl", "test_ppl", "valid_ppl_sliding", "valid_ppl_carry", "bleu", "valid_loss",
+    "loss", "accuracy", "valid_ppl", "test_ppl", "valid_ppl_sliding", "valid_ppl_carry", "valid_ppl_segment",
+    "test_ppl_segment", "bleu", "valid_loss",
     "words_per_s", "sentences_per_s", "peak_mem_bytes", "wall_s",
 )
 DASHES = ("-", "--", ":", "-.")
