@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import random
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -14,6 +16,27 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import variants
+from harness.tasks.download import SHARED_DATA
+
+#: Skips a test that reads the shared WikiText-2 (``../shared/data`` beside the checkout).
+needs_shared = pytest.mark.skipif(
+    not (SHARED_DATA / "wikitext-2" / "wiki.train.tokens").is_file(),
+    reason=f"the shared WikiText-2 is not at {SHARED_DATA / 'wikitext-2'}",
+)
+
+
+def attnbench(*args, env=None, **kwargs) -> subprocess.CompletedProcess:
+    """``python -m harness.cli ARGS`` in a subprocess, output captured."""
+    command = [sys.executable, "-m", "harness.cli", *args]
+    return subprocess.run(command, capture_output=True, text=True, env={**os.environ, **(env or {})}, timeout=300, **kwargs)
+
+
+@pytest.fixture(autouse=True)
+def keep_thread_count():
+    """Tests that run with ``threads=1`` must not leave the rest of the session on one thread."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
 
 #: (variant name, parameters): every registered variant, several settings each.
 CONFIGS = [

@@ -8,9 +8,9 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import attnbench, needs_shared
 
 from harness.models import DecoderLM, LMConfig
-from harness.tasks.download import SHARED_DATA
 from harness.tasks.lm import (
     WindowBatches,
     evaluate_carry,
@@ -20,19 +20,7 @@ from harness.tasks.lm import (
     run_lm,
 )
 
-needs_shared = pytest.mark.skipif(
-    not (SHARED_DATA / "wikitext-2" / "wiki.train.tokens").is_file(),
-    reason=f"the shared WikiText-2 is not at {SHARED_DATA / 'wikitext-2'}",
-)
 VOCAB = 40
-
-
-@pytest.fixture(autouse=True)
-def keep_thread_count():
-    """Runs with ``threads=1`` must not leave the rest of the session on one thread."""
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
 
 
 def toy_model(variant: str, seed: int, context: int = 4, **overrides) -> DecoderLM:
@@ -174,7 +162,6 @@ def test_loss_falls_below_the_unigram_baseline():
 @needs_shared
 def test_ci_preset_runs_through_the_runner(tmp_path):
     from harness.results import load
-    from tests.test_runner import attnbench
 
     done = attnbench("run", "quality/lm-wikitext", "--preset", "ci", "--out", str(tmp_path / "out"), "--no-progress")
     assert done.returncode == 0, done.stderr

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import attnbench
 
 from harness.results import load, read_records
 
@@ -27,11 +28,6 @@ def write_scenario(tmp_path, variants_yaml: str, *, seq_len="[32]", modes="[forw
     lines += ["measure: {warmup: 1, repeats: 2, timeout_s: 60}", extra]
     path.write_text("\n".join(lines) + "\n")
     return path
-
-
-def attnbench(*args, env=None, **kwargs) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "harness.cli", *args]
-    return subprocess.run(command, capture_output=True, text=True, env={**os.environ, **(env or {})}, timeout=300, **kwargs)
 
 
 def cells_of(out_dir: Path) -> list[dict]:

@@ -9,10 +9,12 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import attnbench, needs_shared
 
 from harness.models import DecoderLM, LMConfig, SegmentConfig
 from harness.tasks.lm import evaluate_segments, evaluate_windows, main, run_lm
-from tests.test_lm import VOCAB, keep_thread_count, needs_shared  # noqa: F401 (an autouse fixture)
+
+VOCAB = 40
 
 LENGTH = 4
 
@@ -204,7 +206,6 @@ def test_command_line_trains_transformer_xl(tmp_path):
 @needs_shared
 def test_ci_segment_preset_runs_through_the_runner(tmp_path):
     from harness.results import load
-    from tests.test_runner import attnbench
 
     done = attnbench("run", "quality/lm-wikitext", "--preset", "ci-segment", "--out", str(tmp_path), "--no-progress")
     assert done.returncode == 0, done.stderr
