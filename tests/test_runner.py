@@ -64,7 +64,11 @@ def _run_until(tmp_path, scenario, finished: int, sig) -> tuple[subprocess.Popen
     """Start a run, wait until ``finished`` cells are recorded, then send ``sig`` to it."""
     out = tmp_path / "out"
     command = [sys.executable, "-m", "harness.cli", "run", str(scenario), "--plugin", PLUGIN, "--out", str(out), "--no-progress"]
-    process = subprocess.Popen(command, env={**os.environ, "FAULT_SLOW_S": "0.3"}, start_new_session=True, stderr=subprocess.PIPE, text=True)
+    # A suite started in the background inherits SIGINT ignored; the run must see Ctrl-C as a terminal would.
+    process = subprocess.Popen(
+        command, env={**os.environ, "FAULT_SLOW_S": "0.3"}, start_new_session=True, stderr=subprocess.PIPE, text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         files = list(out.glob("*.jsonl"))
