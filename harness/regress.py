@@ -256,13 +256,9 @@ def _incorrect_record(cell: dict, check: dict, run_id: str, fingerprint: dict) -
         "metrics": {},
         "machine_id": fingerprint["machine_id"],
         "commit": fingerprint["git"]["commit"],
-        "started_at": _now(),
+        "started_at": runner.utc_now(),
         "duration_s": 0.0,
     }
-
-
-def _now() -> str:
-    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
 
 
 # --- the whole run ------------------------------------------------------------------------
@@ -395,22 +391,11 @@ def _measure_and_compare(revisions, cells, checks, loaded, rounds, out_dir, fact
         paths[side] = folder / f"{side}.jsonl"
         writer = ResultsWriter(paths[side])
         writer.write_run(
-            {
-                "run_id": run_ids[side],
-                "started_at": _now(),
-                "scenario": loaded.name,
-                "scenario_file": str(loaded.path),
-                "scenario_sha256": loaded.sha256,
-                "preset": loaded.preset,
-                "overrides": loaded.overrides,
-                "command": command,
-                "machine": fingerprints[side],
-                "commit": revision.commit,
-                "dirty": bool(revision.dirty_files),
-                "resumed_from": None,
-                "revision": {"side": side, "label": revision.label, "commit": revision.commit, "dirty_files": revision.dirty_files},
-                "rounds": rounds,
-            }
+            runner.run_header(
+                loaded, run_ids[side], command, fingerprints[side], commit=revision.commit, dirty=bool(revision.dirty_files),
+                revision={"side": side, "label": revision.label, "commit": revision.commit, "dirty_files": revision.dirty_files},
+                rounds=rounds,
+            )
         )
         for cell in cells:
             check = _check_of(checks[side], cell)

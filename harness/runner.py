@@ -209,7 +209,7 @@ class RunSummary:
     interrupted: bool = False
 
 
-def _now() -> str:
+def utc_now() -> str:
     return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
 
 
@@ -251,22 +251,7 @@ def run(loaded: LoadedScenario, out_dir, *, resume=False, plugins=(), command: s
         resumed_from, done = previous[-1]["run_id"], completed_cell_ids(path)
     writer = ResultsWriter(path)
     run_id = uuid.uuid4().hex
-    writer.write_run(
-        {
-            "run_id": run_id,
-            "started_at": _now(),
-            "scenario": loaded.name,
-            "scenario_file": str(loaded.path),
-            "scenario_sha256": loaded.sha256,
-            "preset": loaded.preset,
-            "overrides": loaded.overrides,
-            "command": command,
-            "machine": fingerprint,
-            "commit": fingerprint["git"]["commit"],
-            "dirty": fingerprint["git"]["dirty"],
-            "resumed_from": resumed_from,
-        }
-    )
+    writer.write_run(run_header(loaded, run_id, command, fingerprint, resumed_from=resumed_from))
     todo = [cell for cell in cells if cell["cell_id"] not in done]
     summary = RunSummary(path=path, total=len(cells), skipped_as_done=len(cells) - len(todo))
     start = time.perf_counter()
@@ -289,12 +274,33 @@ def run(loaded: LoadedScenario, out_dir, *, resume=False, plugins=(), command: s
     return summary
 
 
+def run_header(loaded: LoadedScenario, run_id: str, command: str, fingerprint: dict, *, commit=None, dirty=None,
+               resumed_from=None, **extra) -> dict:
+    """The ``run`` line of a results file: the scenario as loaded, the command, the machine and
+    the commit measured (the fingerprint's, unless ``commit``/``dirty`` say otherwise)."""
+    return {
+        "run_id": run_id,
+        "started_at": utc_now(),
+        "scenario": loaded.name,
+        "scenario_file": str(loaded.path),
+        "scenario_sha256": loaded.sha256,
+        "preset": loaded.preset,
+        "overrides": loaded.overrides,
+        "command": command,
+        "machine": fingerprint,
+        "commit": fingerprint["git"]["commit"] if commit is None else commit,
+        "dirty": fingerprint["git"]["dirty"] if dirty is None else dirty,
+        "resumed_from": resumed_from,
+        **extra,
+    }
+
+
 def measure_record(worker: Worker, cell: dict, run_id: str, fingerprint: dict) -> dict:
     """Measure ``cell`` in ``worker`` (or record it as skipped): its results record, with the
     GPU's throttle state before and after, the machine and the commit of ``fingerprint``."""
     device = cell["axes"]["device"]
     before = machine.throttle_state(device)
-    started, clock = _now(), time.perf_counter()
+    started, clock = utc_now(), time.perf_counter()
     if cell["skip"]:
         result = {"status": "skipped", "error": cell["skip"], "metrics": {}}
     else:
