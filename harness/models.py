@@ -108,13 +108,19 @@ LM_PRESETS: dict[str, dict] = {
 def lm_config(preset: str, vocab_size: int, **overrides) -> LMConfig:
     """The LMConfig of a preset (see ``LM_PRESETS``) for ``vocab_size``, with ``overrides``
     (any LMConfig field, e.g. ``variant="delta"``, ``dropout=0.1``)."""
-    if preset not in LM_PRESETS:
-        raise ValueError(f"unknown LM preset {preset!r}; known presets: {', '.join(LM_PRESETS)}")
-    known = {f.name for f in fields(LMConfig)} - {"vocab_size"}
+    return config_from_preset(LMConfig, LM_PRESETS, "LM", preset, vocab_size, overrides)
+
+
+def config_from_preset(config_class, presets: dict, label: str, preset: str, vocab_size: int, overrides: dict):
+    """``config_class(vocab_size, **presets[preset])`` with ``overrides`` (any other field);
+    an unknown preset or field is an error that lists the known ones (LM and MT configs)."""
+    if preset not in presets:
+        raise ValueError(f"unknown {label} preset {preset!r}; known presets: {', '.join(presets)}")
+    known = {f.name for f in fields(config_class)} - {"vocab_size"}
     unknown = sorted(set(overrides) - known)
     if unknown:
-        raise ValueError(f"unknown LMConfig override(s) {', '.join(unknown)}; known fields: {', '.join(sorted(known))}")
-    return replace(LMConfig(vocab_size=vocab_size, **LM_PRESETS[preset]), **overrides)
+        raise ValueError(f"unknown {config_class.__name__} override(s) {', '.join(unknown)}; known fields: {', '.join(sorted(known))}")
+    return replace(config_class(vocab_size=vocab_size, **presets[preset]), **overrides)
 
 
 class Block(nn.Module):

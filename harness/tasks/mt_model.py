@@ -22,13 +22,14 @@ attention keeps it out of every real position.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 import variants
 
+from ..models import config_from_preset
 from .parallel_text import PAD
 
 POSITIONS = ("encoder", "decoder", "cross")
@@ -68,13 +69,7 @@ MT_PRESETS: dict[str, dict] = {
 
 def mt_config(preset: str, vocab_size: int, **overrides) -> MTConfig:
     """The MTConfig of a preset (see ``MT_PRESETS``) for ``vocab_size`` with ``overrides`` (any field)."""
-    if preset not in MT_PRESETS:
-        raise ValueError(f"unknown MT preset {preset!r}; known presets: {', '.join(MT_PRESETS)}")
-    known = {f.name for f in fields(MTConfig)} - {"vocab_size"}
-    unknown = sorted(set(overrides) - known)
-    if unknown:
-        raise ValueError(f"unknown MTConfig field(s) {', '.join(unknown)}; known fields: {', '.join(sorted(known))}")
-    return replace(MTConfig(vocab_size=vocab_size, **MT_PRESETS[preset]), **overrides)
+    return config_from_preset(MTConfig, MT_PRESETS, "MT", preset, vocab_size, overrides)
 
 
 def sinusoids(positions: torch.Tensor, d_model: int) -> torch.Tensor:
