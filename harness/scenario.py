@@ -414,17 +414,25 @@ def expand(scenario: Scenario, path: str = "<scenario>") -> list[dict]:
     d_dots = _sweep(axes.d_dot)
     cells, seen = [], set()
     for name, params, field in _variant_configs(scenario):
+        # A variant's own d_key (Based's and ReBased's 16-dimensional keys) replaces the d_key
+        # axis where there is one (values keep the axis width); a task's model gives it to the layer.
+        own_d_key = params.get("d_key")
+        core_params = {key: value for key, value in params.items() if key != "d_key"}
         for d_dot in d_dots:
-            full_params = dict(params, **({"d_dot": d_dot} if d_dot is not None else {}))
+            core_params_at = dict(core_params, **({"d_dot": d_dot} if d_dot is not None else {}))
+            full_params = core_params_at if "d_key" in names else dict(params, **core_params_at)
             unsupported = {}
             # MQAR cells have one head of width d_model; MT cells the preset's heads.
-            for d_key in axis_values.get("d_key") or axis_values.get("d_model") or [scenario.task.head_width]:
-                unsupported.update(_unsupported_backends(name, d_key, full_params, scenario.backends, field, path))
+            d_keys = axis_values.get("d_key") or axis_values.get("d_model") or [scenario.task.head_width]
+            for d_key in [own_d_key] if own_d_key is not None else d_keys:
+                unsupported.update(_unsupported_backends(name, d_key, core_params_at, scenario.backends, field, path))
             for backend, mode in itertools.product(scenario.backends, scenario.modes):
                 for combo in itertools.product(*(axis_values[axis] for axis in names)):
                     cell_axes = dict(zip(names, combo))
                     if "d_value" in cell_axes and cell_axes["d_value"] is None:
                         cell_axes["d_value"] = cell_axes["d_key"]
+                    if own_d_key is not None and "d_key" in cell_axes:
+                        cell_axes["d_key"] = own_d_key
                     if scenario.rules.tokens_per_batch is not None:
                         cell_axes["batch"] = max(1, scenario.rules.tokens_per_batch // cell_axes["seq_len"])
                     if mode == "decode":

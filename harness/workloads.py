@@ -76,7 +76,7 @@ def _core_workload(cell, device, dtype) -> Workload:
 def _layer(cell, device, dtype):
     axes = cell["axes"]
     layer = variants.AttentionLayer(
-        axes["heads"] * axes["d_key"],
+        axes["heads"] * axes["d_value"],
         axes["heads"],
         cell["variant"],
         d_key=axes["d_key"],
@@ -97,7 +97,7 @@ def _layer_flops(layer, axes) -> int:
 def _layer_workload(cell, device, dtype) -> Workload:
     axes = cell["axes"]
     layer = _layer(cell, device, dtype)
-    x = torch.randn(axes["batch"], axes["seq_len"], axes["heads"] * axes["d_key"], generator=_generator(device), device=device)
+    x = torch.randn(axes["batch"], axes["seq_len"], axes["heads"] * axes["d_value"], generator=_generator(device), device=device)
     x = x.to(dtype)
     tokens, flops = axes["batch"] * axes["seq_len"], _layer_flops(layer, axes)
     if cell["mode"] != "train":
@@ -293,7 +293,7 @@ def _decoder(cell, device, dtype, context, new_tokens):
         )
         return core, prefill, step
     layer = _layer(cell, device, dtype)
-    x = torch.randn(axes["batch"], context + new_tokens, axes["heads"] * axes["d_key"], generator=_generator(device), device=device)
+    x = torch.randn(axes["batch"], context + new_tokens, axes["heads"] * axes["d_value"], generator=_generator(device), device=device)
     x = x.to(dtype)
     return layer.core, (lambda: layer.prefill(x[:, :context])), (lambda i, state: layer.step(x[:, context + i], state))
 

@@ -187,3 +187,31 @@ def test_mqar_task_scenario(tmp_path):
     assert len(cells) == 6 and set(cells[0]["axes"]) == {"seq_len", "d_model", "dtype", "device"}
     message = error_of(tmp_path, {**data, "axes": {"seq_len": 32}})
     assert "axes.d_model" in message
+
+
+def test_a_variant_of_its_own_d_key(tmp_path):
+    """Based's 16-dimensional keys beside 64-dimensional heads: the core's d_key axis is the
+    variant's, values keep the axis width; a task's layer receives d_key as a parameter."""
+    data = dict(BASE, variants={"linear": {}, "based": {"d_key": 16}}, axes={"seq_len": 32, "d_key": 64})
+    cells = [c for c in load_scenario(write(tmp_path, data)).cells() if c["mode"] == "forward"]
+    shapes = {c["variant"]: (c["axes"]["d_key"], c["axes"]["d_value"], c["params"]) for c in cells}
+    assert shapes == {"linear": (64, 64, {}), "based": (16, 64, {})}
+    mqar = {**TASK, "task": {"name": "mqar", "steps": 5}, "target": "mqar", "axes": {"seq_len": 32, "d_model": 64},
+            "variants": {"rebased": {"d_key": 16}}}
+    (cell,) = load_scenario(write(tmp_path, mqar, "m.yaml")).cells()
+    assert cell["params"] == {"d_key": 16} and cell["axes"]["d_model"] == 64
+    message = error_of(tmp_path, dict(data, variants={"based": {"d_key": 0}}))
+    assert "variants.based" in message and "d_key must be a positive int" in message
+
+
+@pytest.mark.parametrize("target", ["core", "layer"])
+def test_cells_of_a_variant_with_its_own_d_key_measure(tmp_path, target):
+    from harness.workloads import measure_cell
+
+    data = dict(BASE, variants={"rebased": {"d_key": 4}}, axes={"seq_len": 16, "batch": 1, "heads": 2, "d_key": 8},
+                target=target, modes=["forward", "train", "decode"], decode={"new_tokens": 2}, measure={"warmup": 0, "repeats": 1})
+    for cell in load_scenario(write(tmp_path, data)).cells():
+        result = measure_cell(cell)
+        assert result["status"] == "ok", (cell["mode"], result)
+    # the decoding state holds d_dot x d_value = 16 x 8 per head
+    assert result["metrics"]["state_numel"] == 2 * (16 * 8 + 16)
