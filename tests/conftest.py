@@ -92,16 +92,48 @@ def make_inputs(core, batch, heads, length, d_value, *, dtype, seed, requires_gr
     return tuple(tensors)
 
 
-def run_steps(core, q, k, v, beta, state=None):
+def run_steps(core, q, k, v, beta, state=None, log_gate=None):
     """The recurrent form over a whole sequence: ``[B, H, T, Dv]`` and the final state."""
     if state is None:
         state = core.init_state(q.shape[0], q.shape[1], v.shape[-1], dtype=q.dtype)
     outputs = []
     for t in range(q.shape[2]):
-        beta_t = beta[:, :, t] if beta is not None else None
-        out, state = core.step(q[:, :, t], k[:, :, t], v[:, :, t], state, beta_t=beta_t)
+        at_t = {"beta_t": beta[:, :, t] if beta is not None else None}
+        if log_gate is not None:
+            at_t["log_gate_t"] = log_gate[:, :, t]
+        out, state = core.step(q[:, :, t], k[:, :, t], v[:, :, t], state, **at_t)
         outputs.append(out)
     return torch.stack(outputs, dim=2), state
+
+
+def layer_step_loop(layer, x, state=None):
+    """An ``AttentionLayer``'s recurrent form over ``x [B, T, D]``, token by token."""
+    state = layer.init_state(x.shape[0], dtype=x.dtype) if state is None else state
+    outputs = []
+    for t in range(x.shape[1]):
+        y_t, state = layer.step(x[:, t], state)
+        outputs.append(y_t)
+    return torch.stack(outputs, dim=1)
+
+
+def check_layer_forms(layer, x, gen, seed, tol=1e-10) -> dict:
+    """A layer's parallel form == its step loop == a prefill chain (6 tokens, 4 more, one step),
+    forward and the gradients of ``x`` and every parameter (``x``: 11 tokens or more).
+    Returns the parallel form's gradients by name ("x", then the parameter names)."""
+    parallel, stepped = layer(x), layer_step_loop(layer, x)
+    torch.testing.assert_close(stepped, parallel, rtol=tol, atol=tol, msg=lambda m: f"step loop (seed {seed}): {m}")
+    head, state = layer.prefill(x[:, :6])
+    middle, state = layer.prefill(x[:, 6:10], state)
+    last, _ = layer.step(x[:, 10], state)
+    chained = torch.cat([head, middle, last[:, None]], 1)
+    torch.testing.assert_close(chained, parallel[:, :11], rtol=tol, atol=tol, msg=lambda m: f"prefill chain (seed {seed}): {m}")
+    names, leaves = ["x", *dict(layer.named_parameters())], [x, *layer.parameters()]
+    cotangent = torch.randn(parallel.shape, generator=gen, dtype=parallel.dtype)
+    grads_parallel = torch.autograd.grad((parallel * cotangent).sum(), leaves)
+    grads_step = torch.autograd.grad((stepped * cotangent).sum(), leaves)
+    for label, grad_parallel, grad_step in zip(names, grads_parallel, grads_step):
+        torch.testing.assert_close(grad_step, grad_parallel, rtol=tol, atol=tol, msg=lambda m: f"d/d{label} (seed {seed}): {m}")
+    return dict(zip(names, grads_parallel))
 
 
 def build(config, d_key, dtype=torch.float64):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_inputs
+from conftest import make_inputs, run_steps
 from torch.nn.functional import normalize
 
 import variants
@@ -23,15 +23,6 @@ def inputs(core, batch, heads, length, d_value, seed, dtype=torch.float64, requi
     gen = torch.Generator().manual_seed(seed + 7)
     log_gate = -3 * torch.rand(batch, heads, length, generator=gen, dtype=torch.float64) ** 2
     return [t.to(dtype).requires_grad_(requires_grad) for t in (q, k, v, beta, log_gate)]
-
-
-def step_loop(core, q, k, v, beta, log_gate, state=None):
-    state = core.init_state(q.shape[0], q.shape[1], v.shape[-1], dtype=q.dtype) if state is None else state
-    outputs = []
-    for t in range(q.shape[2]):
-        out, state = core.step(q[:, :, t], k[:, :, t], v[:, :, t], state, beta_t=beta[:, :, t], log_gate_t=log_gate[:, :, t])
-        outputs.append(out)
-    return torch.stack(outputs, 2), state
 
 
 def close(actual, expected, dtype, what, seed):
@@ -54,7 +45,7 @@ def test_forms_agree_forward_and_backward(params, shape, dtype, seed):
     core = core.to(dtype)
     low = [t.detach().to(dtype).requires_grad_() for t in leaves]
     q, k, v, beta, log_gate = low
-    for form, out in [("chunked", core(q, k, v, beta=beta, log_gate=log_gate)), ("step loop", step_loop(core, *low)[0])]:
+    for form, out in [("chunked", core(q, k, v, beta=beta, log_gate=log_gate)), ("step loop", run_steps(core, q, k, v, beta, log_gate=log_gate)[0])]:
         close(out, reference, dtype, f"{params} {form} forward", seed)
         grads = torch.autograd.grad((out * cotangent.to(dtype)).sum(), low)
         for label, grad, want in zip(("q", "k", "v", "β", "g"), grads, expected):
@@ -90,7 +81,7 @@ def test_no_decay_is_exactly_the_delta_rule(params, seed):
     no_decay = torch.zeros_like(log_gate)
     expected = delta(q, k, v, beta=beta)
     torch.testing.assert_close(gated(q, k, v, beta=beta, log_gate=no_decay), expected, rtol=1e-13, atol=1e-13)
-    torch.testing.assert_close(step_loop(gated, q, k, v, beta, no_decay)[0], expected, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(run_steps(gated, q, k, v, beta, log_gate=no_decay)[0], expected, rtol=1e-12, atol=1e-12)
     assert not torch.allclose(gated(q, k, v, beta=beta, log_gate=log_gate), expected), f"seed {seed}: the gate changed nothing"
 
 
@@ -102,7 +93,8 @@ def test_prefill_then_step_continues_the_sequence(seed):
     first, state = core.prefill(*part(0, 20)[:3], beta=part(0, 20)[3], log_gate=part(0, 20)[4])
     q2, k2, v2, beta2, gate2 = part(20, 33)
     second, state = core.prefill(q2, k2, v2, beta=beta2, log_gate=gate2, state=state)
-    third, _ = step_loop(core, *part(33, None), state=state)
+    q3, k3, v3, beta3, gate3 = part(33, None)
+    third, _ = run_steps(core, q3, k3, v3, beta3, state, gate3)
     close(torch.cat([first, second, third], 2), whole, torch.float64, "prefill chain", seed)
 
 

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from conftest import layer_step_loop
 
 import variants
 
@@ -48,15 +49,6 @@ def build(config, seed, d_model=D_MODEL, n_heads=N_HEADS, **extra):
     return layer, x, cotangent
 
 
-def step_loop(layer, x):
-    state = layer.init_state(x.shape[0], dtype=x.dtype)
-    outputs = []
-    for t in range(x.shape[1]):
-        y_t, state = layer.step(x[:, t], state)
-        outputs.append(y_t)
-    return torch.stack(outputs, dim=1)
-
-
 def close(actual, expected, what, seed, tol=1e-10):
     torch.testing.assert_close(actual, expected, rtol=tol, atol=tol, msg=lambda m: f"{what} (seed {seed}): {m}")
 
@@ -67,7 +59,7 @@ def test_parallel_equals_step_loop(config, seed):
     parallel = layer(x)
     assert parallel.shape == (BATCH, LENGTH, D_MODEL)
     assert parallel.dtype == torch.float64
-    stepped = step_loop(layer, x)
+    stepped = layer_step_loop(layer, x)
     assert stepped.shape == (BATCH, LENGTH, D_MODEL)
     close(parallel, stepped, f"{config_id(config)} parallel vs step loop", seed)
     assert parallel.abs().max() > 1e-3, f"seed {seed}: output is (almost) zero; the comparison says nothing"
@@ -83,7 +75,7 @@ def test_parameter_gradients_agree(config, seed):
     leaves = list(named.values()) + [x]
     labels = list(named) + ["x"]
     parallel = torch.autograd.grad((layer(x) * cotangent).sum(), leaves)
-    stepped = torch.autograd.grad((step_loop(layer, x) * cotangent).sum(), leaves)
+    stepped = torch.autograd.grad((layer_step_loop(layer, x) * cotangent).sum(), leaves)
     for label, grad_parallel, grad_step in zip(labels, parallel, stepped):
         assert grad_parallel.abs().max() > 0, f"{config_id(config)}: d/d{label} is zero (seed {seed})"
         close(grad_parallel, grad_step, f"{config_id(config)}: d/d{label} parallel vs step loop", seed)
@@ -121,4 +113,4 @@ def test_d_key_d_value_overrides(name, d_model, n_heads, d_key, d_value, seed):
     x = x[:, :9]
     parallel = layer(x)
     assert parallel.shape == (BATCH, 9, d_model)
-    close(parallel, step_loop(layer, x), f"{name} d_key={d_key} d_value={d_value} parallel vs step loop", seed)
+    close(parallel, layer_step_loop(layer, x), f"{name} d_key={d_key} d_value={d_value} parallel vs step loop", seed)
