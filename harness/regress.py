@@ -236,7 +236,7 @@ def measure_rounds(revisions, cells: dict[str, list[dict]], rounds: int, fingerp
                         record = runner.measure_record(worker, cell, run_ids[revision.side], fingerprints[revision.side])
                         measured[revision.side][cell["cell_id"]].append(record)
                         bar.update()
-                        if cell["measure"].get("fresh_worker"):
+                        if cell["measure"].get("fresh_worker"):  # only when asked: regress compares time
                             worker.restart()
                 finally:
                     worker.close()

@@ -263,7 +263,7 @@ def run(loaded: LoadedScenario, out_dir, *, resume=False, plugins=(), command: s
             record = measure_record(worker, cell, run_id, fingerprint)
             writer.write_cell(record)
             summary.statuses[record["status"]] = summary.statuses.get(record["status"], 0) + 1
-            if cell["measure"].get("fresh_worker"):
+            if needs_fresh_worker(cell):
                 worker.restart()
     except KeyboardInterrupt:
         summary.interrupted = True
@@ -272,6 +272,18 @@ def run(loaded: LoadedScenario, out_dir, *, resume=False, plugins=(), command: s
         worker.close()
         summary.seconds = time.perf_counter() - start
     return summary
+
+
+def needs_fresh_worker(cell: dict) -> bool:
+    """``measure.fresh_worker``, by default true for a CPU speed cell: in a worker shared with
+    earlier cells glibc serves the cell's allocations from heap pages they left resident, and
+    its peak RSS read 2-3x too low (a delta-rule forward, B=8 H=8 T=512: 15-25 MiB against 49 MiB
+    in a fresh worker; its inputs alone are 24 MiB). GPU memory is counted by PyTorch's
+    allocator, exact in a shared worker."""
+    choice = cell["measure"].get("fresh_worker")
+    if choice is None:
+        return cell["mode"] != "quality" and str(cell["axes"].get("device", "cpu")).startswith("cpu")
+    return choice
 
 
 def run_header(loaded: LoadedScenario, run_id: str, command: str, fingerprint: dict, *, commit=None, dirty=None,

@@ -88,7 +88,9 @@ class Measure(Strict):
     repeats: int = Field(7, ge=1)
     timeout_s: float = Field(900.0, gt=0, description="a cell running longer is stopped and recorded as an error")
     flush_l2: bool = True
-    fresh_worker: bool = Field(False, description="restart the worker process before each cell (exact CPU peak memory)")
+    fresh_worker: bool | None = Field(
+        None, description="a new worker process for each cell; default: for CPU speed cells (exact peak RSS), not on a GPU"
+    )
 
 
 class Decode(Strict):

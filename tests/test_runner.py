@@ -185,3 +185,21 @@ def test_mqar_task_runs_through_the_runner(tmp_path):
 
     build_report([tmp_path / "out"], tmp_path / "report")
     assert (tmp_path / "report" / "plots" / "mqar-mqar.png").stat().st_size > 0
+
+
+def test_cpu_peak_memory_does_not_depend_on_the_cells_before(tmp_path):
+    """Each CPU speed cell gets a new worker (measure.fresh_worker's default). In a worker shared
+    with earlier cells glibc serves a cell from heap pages they left: the same delta-rule forward
+    read 15-25 MiB after other cells (its q, k, v and output alone hold 32 MiB), or, with the
+    freed pages trimmed first, 53-61 MiB against 46-49 MiB as a worker's first cell."""
+    variants_yaml = "delta: [{}, {chunk_size: 64}]\nlinear: {}\ndpfp: {nu: 1}"  # the first two are the same computation
+    text = write_scenario(tmp_path, variants_yaml, seq_len="[512]").read_text()
+    scenario = tmp_path / "memory.yaml"
+    scenario.write_text(text.replace("batch: 1, heads: 2, d_key: 8", "batch: 8, heads: 8, d_key: 64"))
+    attnbench("run", str(scenario), "--out", str(tmp_path / "out"), "--no-progress")
+    cells = cells_of(tmp_path / "out")
+    peaks = {(c["variant"], c["params"].get("chunk_size")): c["metrics"]["peak_mem_bytes"] for c in cells}
+    assert {c["metrics"]["memory_kind"] for c in cells} == {"rss_peak_delta"}
+    assert min(peaks.values()) >= 4 * 8 * 2**20, peaks
+    first, again = peaks["delta", None], peaks["delta", 64]
+    assert abs(again - first) <= 0.05 * first, peaks
