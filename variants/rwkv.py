@@ -22,8 +22,8 @@ from .chunked import _chunks, wkv_chunked
 from .kernels import check_backend
 
 #: The chunked form's work per token grows with C (its [B, H, C, C, D] exponents): on a CPU,
-#: C = 8 was 3x faster forward and 6x faster in training than C = 32 (docs/performance.md,
-#: `attnbench run chunk-size`).
+#: C = 8 was 3.1x faster forward and 1.3x in training than C = 32, with 0.4x the training
+#: memory (docs/performance.md, `attnbench run chunk-size`).
 DEFAULT_CHUNK = 8
 
 
