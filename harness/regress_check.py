@@ -53,21 +53,29 @@ class FileTrace:
 
 
 def _inputs(core, d_key: int, d_value: int, seed: int):
-    """q, k, v (and β when the core needs it) in float64, as leaves that require grad."""
+    """q, k, v, β and the log gate g ≤ 0 (None where the core takes none) in float64, as leaves
+    that require grad. Older revisions' cores have no ``needs_gate``: they take no gate."""
     gen = torch.Generator().manual_seed(seed)
     make = lambda *shape: torch.randn(*shape, generator=gen, dtype=torch.float64)
     q, k, v = make(BATCH, HEADS, LENGTH, d_key), make(BATCH, HEADS, LENGTH, d_key), make(BATCH, HEADS, LENGTH, d_value)
     if getattr(core, "phi_name", None) == "identity":  # keeps the plain rules stable, as in tests/conftest.py
         q, k = q / q.norm(dim=-1, keepdim=True), k / k.norm(dim=-1, keepdim=True)
     beta = torch.rand(BATCH, HEADS, LENGTH, generator=gen, dtype=torch.float64) if core.needs_beta else None
-    return [t.requires_grad_() if t is not None else None for t in (q, k, v, beta)]
+    gate = -torch.rand(BATCH, HEADS, LENGTH, generator=gen, dtype=torch.float64) if getattr(core, "needs_gate", False) else None
+    return [t.requires_grad_() if t is not None else None for t in (q, k, v, beta, gate)]
 
 
-def _step_loop(core, q, k, v, beta):
+def _gate(log_gate, suffix: str = "") -> dict:
+    """The gate keyword, only for a gated core (older revisions' forms do not take it)."""
+    return {} if log_gate is None else {"log_gate" + suffix: log_gate}
+
+
+def _step_loop(core, q, k, v, beta, log_gate):
     state = core.init_state(q.shape[0], q.shape[1], v.shape[-1], device=q.device, dtype=q.dtype)
     outputs = []
     for t in range(q.shape[2]):
-        out, state = core.step(q[:, :, t], k[:, :, t], v[:, :, t], state, beta_t=None if beta is None else beta[:, :, t])
+        at_t = lambda x: None if x is None else x[:, :, t]  # noqa: E731
+        out, state = core.step(q[:, :, t], k[:, :, t], v[:, :, t], state, beta_t=at_t(beta), **_gate(at_t(log_gate), "_t"))
         outputs.append(out)
     return torch.stack(outputs, dim=2)
 
@@ -93,18 +101,18 @@ def check(config: dict, device: torch.device, trace: FileTrace) -> list[str]:
     reference = variants.create(name, d_key, **params).double()
     inputs = _inputs(reference, d_key, d_key, seed=0)
     leaves = [t for t in inputs if t is not None]
-    expected = reference.reference(*inputs[:3], beta=inputs[3])
+    expected = reference.reference(*inputs[:3], beta=inputs[3], **_gate(inputs[4]))
     cotangent = torch.randn(expected.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     expected_grads = torch.autograd.grad((expected * cotangent).sum(), leaves)
     low = [t.detach().float().to(device).requires_grad_() if t is not None else None for t in inputs]
     with trace:
         core = variants.create(name, d_key, backend=config["backend"], **params).to(device)
-        out = core(*low[:3], beta=low[3])
+        out = core(*low[:3], beta=low[3], **_gate(low[4]))
         grads = torch.autograd.grad((out * cotangent.float().to(device)).sum(), [t for t in low if t is not None])
         if config.get("decode"):
             with torch.no_grad():
                 steps = _step_loop(core, *[t.detach() if t is not None else None for t in low])
-    labels = ["forward", "dq", "dk", "dv", "dβ"]
+    labels = ["forward", "dq", "dk", "dv"] + ["dβ"] * (inputs[3] is not None) + ["dg"] * (inputs[4] is not None)
     problems = [_mismatch(label, got, want) for label, got, want in zip(labels, [out, *grads], [expected, *expected_grads])]
     if config.get("decode"):
         problems.append(_mismatch("step loop", steps, expected))

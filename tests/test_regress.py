@@ -21,7 +21,9 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 
+import variants
 from harness.cli import main
 from harness.compare import EXIT_OK, EXIT_REGRESSION
 from harness.regress import changed_files, pool, regress, worktrees
@@ -168,3 +170,13 @@ def test_rounds_are_pooled_into_one_record():
     assert pooled["metrics"]["tokens_per_s"] == 10 / 3.0 and pooled["metrics"]["round_medians_s"] == [2.0, 5.0]
     assert pooled["metrics"]["peak_mem_bytes"] == 3 and pooled["duration_s"] == 2.0
     assert pool([record([1.0, 2.0]), record([3.0], status="error")])["status"] == "error"
+
+
+@pytest.mark.parametrize("name", variants.names())
+def test_the_correctness_check_passes_every_registered_variant(name):
+    """regress_check feeds each variant what it needs (β, the gated rule's log gate): a correct
+    revision must not be reported INCORRECT (gated_delta was, before the check passed its gate)."""
+    from harness.regress_check import FileTrace, check
+
+    config = {"variant": name, "params": {}, "backend": "torch", "d_key": 8, "decode": True}
+    assert check(config, torch.device("cpu"), FileTrace(Path.cwd())) == []
