@@ -63,9 +63,22 @@ FAILURE_MARK = {"marker": "x", "markersize": 9, "markeredgewidth": 2, "linestyle
 
 
 def _base_label(record: dict, show_backend: bool) -> str:
-    """``performer(m=32)``, with ``[backend]`` when the report holds several backends."""
+    """``performer(m=32)``, with ``[backend]`` when the report holds several backends, and a
+    variant's own query/key width where it differs from the values' (``based(d_key=16)``)."""
     params = record["params_text"]
+    d_key, d_value = record.get("axes.d_key"), record.get("axes.d_value")
+    if pd.notna(d_key) and pd.notna(d_value) and d_key != d_value:
+        params = ", ".join(filter(None, [params, f"d_key={d_key:g}"]))
     return record["variant"] + (f"({params})" if params else "") + (f"[{record['backend']}]" if show_backend else "")
+
+
+def _natural(label):
+    """A sort key that orders the numbers inside labels by value: chunk_size=8 before chunk_size=16."""
+    return re.sub(r"\d+", lambda number: number.group().zfill(12), label) if isinstance(label, str) else label
+
+
+def _natural_columns(column: pd.Series) -> pd.Series:
+    return column.map(_natural)
 
 
 def _varying_axes(cells: pd.DataFrame, x: str) -> list[str]:
@@ -125,7 +138,7 @@ def prepare(frame: pd.DataFrame) -> pd.DataFrame:
 
 def palette(cells: pd.DataFrame) -> dict[str, tuple]:
     """One colour per line label for the whole report, so a variant looks the same in every plot."""
-    labels = sorted(cells["series"].unique())
+    labels = sorted(cells["series"].unique(), key=_natural)
     if len(labels) > 20:
         return dict(zip(labels, sns.color_palette("husl", len(labels))))
     tab20 = sns.color_palette("tab20")
@@ -199,7 +212,7 @@ class Figures:
 
     def legend(self, figure: Figure, cells: pd.DataFrame, failures: bool) -> None:
         """Colours of the lines shown, line styles of the machines, the failure marker."""
-        handles = [Line2D([], [], color=self.colours[s], marker="o", label=s) for s in sorted(cells["series"].unique())]
+        handles = [Line2D([], [], color=self.colours[s], marker="o", label=s) for s in sorted(cells["series"].unique(), key=_natural)]
         machines = cells["machine"].unique()
         if len(machines) > 1:
             handles += [Line2D([], [], color="black", linestyle=self.styles[m], label=m) for m in machines]
@@ -243,7 +256,7 @@ def _draw_failures(ax, failed: pd.DataFrame, x: str, figures: Figures) -> None:
 def _draw_bars(ax, ok: pd.DataFrame, failed: pd.DataFrame, metric: Metric, figures: Figures) -> None:
     """A sweep of a single point: one horizontal bar per label (and machine) with the band as an
     error bar; a failed cell gets an 'x' at the start of its row."""
-    entries = pd.concat([ok, failed]).sort_values(["series", "machine"], ascending=False).reset_index(drop=True)
+    entries = pd.concat([ok, failed]).sort_values(["series", "machine"], ascending=False, key=_natural_columns).reset_index(drop=True)
     values = metric.value(entries).where(entries["status"] == "ok")
     error = None
     if metric.band is not None:
@@ -316,7 +329,7 @@ def _latency_plot(cells: pd.DataFrame, figures: Figures, name: str) -> Plot | No
     contexts = sorted(decode["axes.seq_len"].unique())
     figure, axes = _new_figure(len(contexts))
     for ax, context in zip(axes, contexts):
-        for record in decode[decode["axes.seq_len"] == context].sort_values("series").to_dict("records"):
+        for record in decode[decode["axes.seq_len"] == context].sort_values("series", key=_natural_columns).to_dict("records"):
             latency = np.asarray(record["metrics.step_latency_s"], dtype=float)
             positions = context + np.arange(1, len(latency) + 1)
             ax.plot(positions, latency * 1e3, color=figures.colours[record["series"]], linestyle=figures.styles[record["machine"]], marker=".")
@@ -424,7 +437,7 @@ def _cell_columns(cells: pd.DataFrame) -> list[tuple[str, str, Callable]]:
 
 
 def _failures_table(cells: pd.DataFrame) -> Table | None:
-    failures = cells[cells["status"] != "ok"].sort_values(["status", "series", "mode"])
+    failures = cells[cells["status"] != "ok"].sort_values(["status", "series", "mode"], key=_natural_columns)
     if failures.empty:
         return None
     columns = _cell_columns(cells) + [("status", "status", _text), ("message", "error", _text)]
@@ -434,7 +447,7 @@ def _failures_table(cells: pd.DataFrame) -> Table | None:
 
 def _model_table(cells: pd.DataFrame) -> Table | None:
     """Model-level cells in the paper's shape: variant, d_dot, words/s, memory."""
-    model = cells[cells["target"] == "model"].sort_values(["series", "mode"])
+    model = cells[cells["target"] == "model"].sort_values(["series", "mode"], key=_natural_columns)
     if model.empty:
         return None
     columns = [
@@ -449,7 +462,7 @@ def _quality_table(cells: pd.DataFrame) -> Table | None:
     found = [metric for metric in QUALITY_METRICS if f"metrics.{metric}" in cells and cells[f"metrics.{metric}"].notna().any()]
     if not found:
         return None
-    quality = cells[cells[[f"metrics.{m}" for m in found]].notna().any(axis=1)].sort_values(["series", "mode"])
+    quality = cells[cells[[f"metrics.{m}" for m in found]].notna().any(axis=1)].sort_values(["series", "mode"], key=_natural_columns)
     formats = {"words_per_s": _si, "sentences_per_s": _si, "peak_mem_bytes": _mib}
     headers = {"words_per_s": "words/s", "sentences_per_s": "sentences/s", "peak_mem_bytes": "peak memory", "wall_s": "wall (s)"}
     columns = _cell_columns(cells) + [(headers.get(m, m), f"metrics.{m}", formats.get(m, _text)) for m in found]
@@ -511,7 +524,7 @@ def _ratio_tables(ratios: pd.DataFrame) -> list[Table]:
         columns = [("variant", "series", _text), ("mode", "mode", _text), ("axes", "axes_text", _text),
                    (reference, "median_s_ref", format_seconds), (machine, "median_s", format_seconds), ("ratio", "ratio", format_ratio)]
         caption = f"median time on {machine} / on {reference}, per matching cell; geometric mean {geomean:.3f} over {len(group)} cells."
-        tables.append(_table(f"{scenario}: {machine} / {reference}", group.sort_values(["mode", "series"]), columns, caption))
+        tables.append(_table(f"{scenario}: {machine} / {reference}", group.sort_values(["mode", "series"], key=_natural_columns), columns, caption))
     return tables
 
 

@@ -270,3 +270,14 @@ def test_the_page_renders_in_headless_chromium(report, page, tmp_path):
     assert len(colours) > 50, "the screenshot is (nearly) one colour"
     white = {colour: count for count, colour in colours}.get((255, 255, 255), 0)
     assert white < 0.97 * image.size[0] * image.size[1], "the screenshot is almost all white"
+
+
+def test_labels_order_numbers_by_value_and_name_a_variants_own_d_key():
+    from harness.report import _base_label, _natural
+
+    labels = ["rwkv(chunk_size=32)", "rwkv(chunk_size=4)", "rwkv(chunk_size=16)", "linear"]
+    assert sorted(labels, key=_natural) == ["linear", "rwkv(chunk_size=4)", "rwkv(chunk_size=16)", "rwkv(chunk_size=32)"]
+    record = {"variant": "based", "params_text": "", "backend": "torch", "axes.d_key": 16.0, "axes.d_value": 64.0}
+    assert _base_label(record, show_backend=False) == "based(d_key=16)"
+    assert _base_label({**record, "axes.d_key": 64.0}, show_backend=True) == "based[torch]"
+    assert _base_label({**record, "params_text": "d_key=16", "axes.d_key": None}, show_backend=False) == "based(d_key=16)"
