@@ -170,12 +170,9 @@ class PeakMemory:
             synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
             self._start = torch.cuda.memory_allocated(self.device)
-        elif _reset_peak_rss():
-            _release_freed_heap()
-            _reset_peak_rss()
-            self._start = _status_bytes("VmRSS")
         else:
-            self._start = None
+            _release_freed_heap()
+            self._start = _status_bytes("VmRSS") if _reset_peak_rss() else None
         return self
 
     def __exit__(self, *exc):
