@@ -16,7 +16,6 @@ from harness.tasks.lm import (
     evaluate_carry,
     evaluate_sliding,
     evaluate_windows,
-    is_linear_time,
     run_lm,
 )
 
@@ -121,7 +120,7 @@ def test_carried_state_equals_one_parallel_pass(seed, variant, params):
 
 def test_carry_refuses_softmax(seed):
     model = toy_model("softmax", seed)
-    assert not is_linear_time(model) and is_linear_time(toy_model("delta", seed))
+    assert not model.linear_time and toy_model("delta", seed).linear_time
     with pytest.raises(ValueError, match="linear-time"):
         evaluate_carry(model, torch.arange(10), 4)
 

@@ -142,16 +142,11 @@ def evaluate_sliding(model: DecoderLM, tokens: torch.Tensor, context: int, *, ba
     return total / len(inputs)
 
 
-def is_linear_time(model: DecoderLM) -> bool:
-    """Whether every attention keeps a fixed-size state (fast weights), not a growing KV cache."""
-    return model.linear_time
-
-
 @torch.no_grad()
 def evaluate_carry(model: DecoderLM, tokens: torch.Tensor, context: int, *, limit: int | None = None) -> float:
     """Mean NLL (nats) per predicted token over consecutive windows of ``context`` inputs, each
     continuing from the state the previous window left (positions restart at 0 in each)."""
-    if not is_linear_time(model):
+    if not model.linear_time:
         raise ValueError("carry-state evaluation needs a linear-time variant (a fixed-size fast-weight state); "
                          "softmax attention's KV cache would grow with the whole stream")
     tokens = _prefix(tokens, limit)
@@ -308,7 +303,7 @@ def _final_evaluation(model, corpus, context, autocast, eval_tokens, sliding_tok
             "eval_tokens": {split: len(_prefix(corpus[split], eval_tokens)) for split in ("valid", "test")},
             "sliding_tokens": len(_prefix(corpus["valid"], sliding_tokens)),
         }
-        if carry and is_linear_time(model):
+        if carry and model.linear_time:
             for split in ("valid", "test"):
                 metrics[f"{split}_ppl_carry"] = perplexity(evaluate_carry(model, corpus[split], context, limit=eval_tokens))
     return metrics
