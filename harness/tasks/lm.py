@@ -40,7 +40,7 @@ from variants import VariantError
 
 from ..models import SEGMENT_KINDS, DecoderLM, SegmentConfig, lm_config
 from .download import DataError
-from .training import Distributed, TrainConfig, train
+from .training import CheckpointError, Distributed, TrainConfig, train
 from .wikitext import load_wikitext
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -411,7 +411,7 @@ def main(argv=None) -> int:
             summary = {k: metrics.get(k) for k in ("valid_ppl", "test_ppl", "valid_ppl_sliding", "valid_ppl_carry",
                                                     "valid_ppl_segment", "words_per_s", "wall_s")}
             print(json.dumps(summary))
-    except (DataError, VariantError) as exc:
+    except (DataError, VariantError, CheckpointError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     finally:

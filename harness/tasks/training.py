@@ -216,6 +216,41 @@ def latest_checkpoint(directory) -> Path | None:
     return found[-1] if found else None
 
 
+class CheckpointError(ValueError):
+    """A checkpoint file that is not one this engine wrote (foreign, corrupt or truncated)."""
+
+
+#: The fields ``train`` writes into every checkpoint and reads back on resume, with their types.
+CHECKPOINT_FIELDS = {
+    "step": int, "world_size": int, "model": dict, "optimizer": dict, "scheduler": dict, "batches": list,
+    "rng": list, "losses": list, "evaluations": list, "units": int, "train_s": (int, float), "wall_s": (int, float), "config": dict,
+}
+
+
+def load_checkpoint(path, device) -> dict:
+    """The payload of the checkpoint ``path``, read as data only: ``torch.load(weights_only=True)``
+    admits tensors and plain containers and never runs code from the file (a pickle that asks
+    for any other object is refused). A file that does not unpickle that way, or lacks a field
+    of ``CHECKPOINT_FIELDS``, raises ``CheckpointError`` naming the path and what is wrong."""
+    try:
+        saved = torch.load(path, map_location=device, weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - every way a foreign file fails to load is the same answer
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CheckpointError(
+            f"{path}: not a checkpoint of attnbench's training engine, or corrupt ({reason}); "
+            "remove it or use another checkpoint directory"
+        ) from None
+    if not isinstance(saved, dict):
+        raise CheckpointError(f"{path}: expected a checkpoint (a dict of {', '.join(CHECKPOINT_FIELDS)}), got {type(saved).__name__}")
+    for name, kind in CHECKPOINT_FIELDS.items():
+        value = saved.get(name)
+        if not isinstance(value, kind) or isinstance(value, bool):
+            expected = " or ".join(k.__name__ for k in kind) if isinstance(kind, tuple) else kind.__name__
+            got = "nothing" if name not in saved else f"{type(value).__name__} {value!r:.60}"
+            raise CheckpointError(f"{path}: field {name!r}: expected {expected}, got {got}")
+    return saved
+
+
 def _save_checkpoint(directory: Path, step: int, payload: dict) -> None:
     """Write ``step-XXXXXXXX.pt`` atomically (a temporary file, then ``os.replace``) and remove
     older checkpoints."""
@@ -250,7 +285,7 @@ def train(
 
     checkpoint = latest_checkpoint(config.checkpoint_dir) if config.checkpoint_dir else None
     if checkpoint is not None:
-        saved = torch.load(checkpoint, map_location=dist.device, weights_only=False)
+        saved = load_checkpoint(checkpoint, dist.device)
         if saved["world_size"] != dist.world_size:
             raise ValueError(
                 f"{checkpoint}: saved by a run of world size {saved['world_size']}; resume it with the same "
