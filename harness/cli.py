@@ -27,10 +27,11 @@ def _default_scenarios() -> list[tuple[str, str | None]]:
 
 def _run(args) -> int:
     from . import runner
+    from .plugins import load_plugins
     from .scenario import ScenarioError, describe, load_scenario
 
     plugins = _plugins(args)
-    runner.load_plugins(plugins)
+    load_plugins(plugins)
     if args.scenarios:
         chosen = [(spec, args.preset) for spec in args.scenarios]
     else:
@@ -66,9 +67,11 @@ def _run(args) -> int:
 
 def _report(args) -> int:
     from .compare import CompareError, compare
+    from .plugins import load_plugins
     from .report import build_report
     from .results import ResultsFileError
 
+    load_plugins(_plugins(args))
     try:
         baseline = compare(args.compare_base, args.results, factor=args.factor, alpha=args.alpha) if args.compare_base else None
         index = build_report(args.results, args.out, title=args.title, compare_base=baseline)
@@ -182,7 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a field: seq_len=1024, measure.repeats=3")
     run.add_argument("--dry-run", action="store_true", help="list the expanded cells and measure nothing")
     run.add_argument("--resume", nargs="?", const=True, metavar="FILE", help="continue the latest (or the given) results file")
-    run.add_argument("--plugin", action="append", help="module or .py file registering extra variants (also ATTNBENCH_PLUGINS)")
+    run.add_argument("--plugin", action="append", help="module or .py file registering extra variants or tasks (also ATTNBENCH_PLUGINS)")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
     run.set_defaults(handler=_run)
 
@@ -193,6 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--compare-base", nargs="+", metavar="BASE", help="also compare RESULTS against these results")
     report.add_argument("--factor", type=float, default=1.1)
     report.add_argument("--alpha", type=float, default=0.05)
+    report.add_argument("--plugin", action="append", help="module or .py file registering the tasks of plugin cells (also ATTNBENCH_PLUGINS)")
     report.set_defaults(handler=_report)
 
     compare = commands.add_parser(

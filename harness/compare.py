@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import textwrap
 from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
 
+from .formatting import format_ratio, format_seconds, present
 from .results import load
 
 EXIT_OK = 0  #: no regression
@@ -50,11 +50,6 @@ class CompareError(ValueError):
 
 
 # --- cell identity (shared with harness.report) -------------------------------------------
-
-
-def present(value) -> bool:
-    """False for None and NaN (the holes pandas leaves when flattening dicts), else True."""
-    return value is not None and not (isinstance(value, float) and math.isnan(value))
 
 
 def _plain(value):
@@ -298,20 +293,6 @@ def compare(base_paths, head_paths, *, factor: float = 1.1, alpha: float = 0.05,
 
 
 # --- the result ---------------------------------------------------------------------------
-
-
-def format_seconds(value) -> str:
-    """A time with its unit: ``812 µs``, ``20.3 ms``, ``1.25 s``; ``-`` for a missing value."""
-    if not present(value):
-        return "-"
-    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6)):
-        if abs(value) >= scale:
-            return f"{value / scale:.3g} {unit}"
-    return f"{value / 1e-9:.3g} ns"
-
-
-def format_ratio(value) -> str:
-    return "-" if not present(value) else f"{value:.3f}"
 
 
 def _text_table(rows: list[list[str]], headers: list[str]) -> str:

@@ -10,42 +10,34 @@ read it is in docs/reports.md.
 
 from __future__ import annotations
 
-import base64
 import datetime as dt
 import importlib.resources
-import io
 import json
 import re
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import jinja2
 import numpy as np
 import pandas as pd
 import seaborn as sns
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
-from matplotlib.lines import Line2D
 from matplotlib.ticker import MaxNLocator, NullLocator
 
-from .compare import CELL_KEY, CompareResult, format_ratio, format_seconds, identify, latest, present
+from . import tasks
+from .compare import CELL_KEY, CompareResult, identify, latest
+from .figures import FAILURE_MARK, Figures, Plot, Table, natural, natural_columns, new_figure, table
+from .formatting import MIB, format_ratio, format_seconds, gib, mib, present, si, text
 from .results import load, read_records
 
-#: Axes that can be the x axis of a plot, in order of preference.
-X_CANDIDATES = ("seq_len", "S", "batch", "heads", "d_key", "d_value", "new_tokens")
+#: Axes that can be the x axis of a plot, in order of preference (after a task's own axes).
+X_CANDIDATES = ("seq_len", "batch", "heads", "d_key", "d_value", "new_tokens")
 #: Axes that, when they vary within one line, become part of its label.
 LABEL_AXES = X_CANDIDATES + ("dtype", "device", "model")
 TIMED_MODES = ("forward", "train", "decode")
 FAILED = ("oom", "error", "nan")
-#: The quality table's columns, where a cell has them: retrieval and MQAR (loss, accuracy),
-#: language modelling (perplexity under each protocol), translation (BLEU, decoding speed),
-#: then training throughput, memory and time.
-QUALITY_METRICS = (
-    "loss", "accuracy", "valid_ppl", "test_ppl", "valid_ppl_sliding", "valid_ppl_carry", "valid_ppl_segment",
-    "test_ppl_segment", "bleu", "valid_loss",
-    "words_per_s", "sentences_per_s", "peak_mem_bytes", "wall_s",
-)
+#: The quality table's columns after those of the tasks (``harness.tasks.Task.metrics``).
+COMMON_QUALITY_METRICS = ("words_per_s", "peak_mem_bytes", "wall_s")
 DASHES = ("-", "--", ":", "-.")
 #: What one measurement is, per machine: a cell measured again supersedes the earlier one.
 MEASUREMENT = CELL_KEY + ["machine_key", "axes.device"]
@@ -54,9 +46,6 @@ PLOTTED = [
     f"metrics.{name}"
     for name in ("median_s", "p20_s", "p80_s", "tokens", "tokens_per_s", "peak_mem_bytes", "memory_kind", "words_per_s", "throttled")
 ]
-MIB = 2**20
-#: How a failed cell is drawn: an x, in its line's colour.
-FAILURE_MARK = {"marker": "x", "markersize": 9, "markeredgewidth": 2, "linestyle": "none"}
 
 
 # --- the cells ----------------------------------------------------------------------------
@@ -72,15 +61,6 @@ def _base_label(record: dict, show_backend: bool) -> str:
     return record["variant"] + (f"({params})" if params else "") + (f"[{record['backend']}]" if show_backend else "")
 
 
-def _natural(label):
-    """A sort key that orders the numbers inside labels by value: chunk_size=8 before chunk_size=16."""
-    return re.sub(r"\d+", lambda number: number.group().zfill(12), label) if isinstance(label, str) else label
-
-
-def _natural_columns(column: pd.Series) -> pd.Series:
-    return column.map(_natural)
-
-
 def _varying_axes(cells: pd.DataFrame, x: str) -> list[str]:
     """The axes (other than ``x``) that take several values along one line of one machine."""
     group = ["_label", "machine_key", "mode", f"axes.{x}"]
@@ -90,13 +70,20 @@ def _varying_axes(cells: pd.DataFrame, x: str) -> list[str]:
     ]
 
 
+def _tasks_of(cells: pd.DataFrame) -> list[tasks.Task]:
+    """The registered tasks whose cells these are (a plugin's task not loaded here has none)."""
+    targets = set(cells["target"].dropna())
+    return [task for task in tasks.tasks() if task.name in targets]
+
+
 def x_axis(cells: pd.DataFrame) -> str:
-    """The swept axis to plot against: the first of ``X_CANDIDATES`` that varies, else the
-    first of seq_len, S, d_model, device that the cells have (translation cells have only device)."""
-    for axis in X_CANDIDATES:
+    """The swept axis to plot against: the first of the cells' task axes and ``X_CANDIDATES``
+    that varies, else the first of them the cells have, else device (a task without axes)."""
+    candidates = [*(axis for task in _tasks_of(cells) for axis in task.axes), *X_CANDIDATES]
+    for axis in candidates:
         if f"axes.{axis}" in cells and cells[f"axes.{axis}"].nunique() > 1:
             return axis
-    return next(axis for axis in ("seq_len", "S", "d_model", "device") if f"axes.{axis}" in cells)
+    return next((axis for axis in candidates if f"axes.{axis}" in cells), "device")
 
 
 def _series(cells: pd.DataFrame, x: str) -> pd.Series:
@@ -138,7 +125,7 @@ def prepare(frame: pd.DataFrame) -> pd.DataFrame:
 
 def palette(cells: pd.DataFrame) -> dict[str, tuple]:
     """One colour per line label for the whole report, so a variant looks the same in every plot."""
-    labels = sorted(cells["series"].unique(), key=_natural)
+    labels = sorted(cells["series"].unique(), key=natural)
     if len(labels) > 20:
         return dict(zip(labels, sns.color_palette("husl", len(labels))))
     tab20 = sns.color_palette("tab20")
@@ -151,14 +138,6 @@ def _machine_styles(cells: pd.DataFrame) -> dict[str, str]:
 
 
 # --- plots --------------------------------------------------------------------------------
-
-
-@dataclass
-class Plot:
-    title: str
-    caption: str
-    file: str
-    data_uri: str
 
 
 @dataclass(frozen=True)
@@ -192,46 +171,6 @@ def _geometric(values) -> bool:
     return bool(ratios[0] >= 2 and np.allclose(ratios, ratios[0], rtol=1e-6))
 
 
-@dataclass
-class Figures:
-    """Everything plots share in one report: the output folder, colours and line styles."""
-
-    out_dir: Path
-    colours: dict[str, tuple]
-    styles: dict[str, str]
-
-    def save(self, figure: Figure, name: str, title: str, caption: str) -> Plot:
-        """Write ``figure`` to plots/NAME.png and return it with its data URI."""
-        buffer = io.BytesIO()
-        FigureCanvasAgg(figure).print_png(buffer)
-        data = buffer.getvalue()
-        path = self.out_dir / "plots" / f"{name}.png"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(data)
-        return Plot(title, caption, f"plots/{path.name}", "data:image/png;base64," + base64.b64encode(data).decode("ascii"))
-
-    def legend(self, figure: Figure, cells: pd.DataFrame, failures: bool) -> None:
-        """Colours of the lines shown, line styles of the machines, the failure marker."""
-        handles = [Line2D([], [], color=self.colours[s], marker="o", label=s) for s in sorted(cells["series"].unique(), key=_natural)]
-        machines = cells["machine"].unique()
-        if len(machines) > 1:
-            handles += [Line2D([], [], color="black", linestyle=self.styles[m], label=m) for m in machines]
-        if failures:
-            handles.append(Line2D([], [], color="black", label="failed (oom / error / nan)", **FAILURE_MARK))
-        figure.legend(handles=handles, loc="outside right upper", fontsize="small")
-
-
-def _new_figure(panels: int) -> tuple[Figure, list]:
-    columns = min(panels, 3)
-    rows = -(-panels // columns)
-    figure = Figure(figsize=(4.6 * columns + 3.2, 3.6 * rows), layout="constrained")
-    with sns.axes_style("whitegrid"):
-        axes = figure.subplots(rows, columns, squeeze=False).ravel()
-    for extra in axes[panels:]:
-        extra.set_visible(False)
-    return figure, list(axes[:panels])
-
-
 def _draw_lines(ax, ok: pd.DataFrame, x: str, metric: Metric, figures: Figures) -> None:
     """One line per label and machine, with its band."""
     for (series, machine), line in ok.groupby(["series", "machine"], sort=True):
@@ -256,7 +195,7 @@ def _draw_failures(ax, failed: pd.DataFrame, x: str, figures: Figures) -> None:
 def _draw_bars(ax, ok: pd.DataFrame, failed: pd.DataFrame, metric: Metric, figures: Figures) -> None:
     """A sweep of a single point: one horizontal bar per label (and machine) with the band as an
     error bar; a failed cell gets an 'x' at the start of its row."""
-    entries = pd.concat([ok, failed]).sort_values(["series", "machine"], ascending=False, key=_natural_columns).reset_index(drop=True)
+    entries = pd.concat([ok, failed]).sort_values(["series", "machine"], ascending=False, key=natural_columns).reset_index(drop=True)
     values = metric.value(entries).where(entries["status"] == "ok")
     error = None
     if metric.band is not None:
@@ -302,7 +241,7 @@ def _metric_plot(cells: pd.DataFrame, metric: Metric, figures: Figures, name: st
     if ok.empty:
         return None
     modes = [mode for mode in TIMED_MODES if mode in set(timed["mode"])]
-    figure, axes = _new_figure(len(modes))
+    figure, axes = new_figure(len(modes))
     for ax, mode in zip(axes, modes):
         _draw_panel(ax, ok[ok["mode"] == mode], failed[failed["mode"] == mode], x, metric, figures)
         ax.set_title(mode)
@@ -327,9 +266,9 @@ def _latency_plot(cells: pd.DataFrame, figures: Figures, name: str) -> Plot | No
     if decode.empty:
         return None
     contexts = sorted(decode["axes.seq_len"].unique())
-    figure, axes = _new_figure(len(contexts))
+    figure, axes = new_figure(len(contexts))
     for ax, context in zip(axes, contexts):
-        for record in decode[decode["axes.seq_len"] == context].sort_values("series", key=_natural_columns).to_dict("records"):
+        for record in decode[decode["axes.seq_len"] == context].sort_values("series", key=natural_columns).to_dict("records"):
             latency = np.asarray(record["metrics.step_latency_s"], dtype=float)
             positions = context + np.arange(1, len(latency) + 1)
             ax.plot(positions, latency * 1e3, color=figures.colours[record["series"]], linestyle=figures.styles[record["machine"]], marker=".")
@@ -340,148 +279,57 @@ def _latency_plot(cells: pd.DataFrame, figures: Figures, name: str) -> Plot | No
     return figures.save(figure, f"{name}-decode-latency", title, f"{title}, after a prefill of the context; one panel per context length.")
 
 
-def _capacity_plot(cells: pd.DataFrame, figures: Figures, name: str) -> Plot | None:
-    """Retrieval: the best evaluation loss against the number of keys S, one line per
-    variant, each variant's d_dot marked on the axis in its colour (Schlag et al. 2021, Fig. 2)."""
-    if "axes.S" not in cells or "metrics.loss" not in cells:
-        return None
-    ok = cells[(cells["status"] == "ok") & cells["axes.S"].notna() & cells["metrics.loss"].notna() & (_retrieval_setting(cells) == 1)]
-    if ok.empty:
-        return None
-    figure, (ax,) = _new_figure(1)
-    for series, group in ok.sort_values("axes.S").groupby("series"):
-        colour = figures.colours[series]
-        ax.plot(group["axes.S"], group["metrics.loss"], color=colour, marker="o")
-        if "metrics.d_dot" in group and group["metrics.d_dot"].notna().any():
-            ax.axvline(group["metrics.d_dot"].dropna().iloc[0], color=colour, linestyle=":", linewidth=1)
-    ax.set(xlabel="number of keys S", ylabel="best evaluation loss", title="retrieval")
-    figures.legend(figure, ok, False)
-    title = "Retrieval loss against the number of keys"
-    caption = f"{title}: one line per variant; the dotted line in a variant's colour marks its d_dot (its memory's capacity)."
-    return figures.save(figure, f"{name}-capacity", title, caption)
-
-
-def _retrieval_setting(cells: pd.DataFrame) -> pd.Series:
-    """Each cell's retrieval setting (1: capacity, 2: update rules); 1 where a record has none."""
-    return cells["task.setting"].fillna(1) if "task.setting" in cells else pd.Series(1, index=cells.index)
-
-
-def _mqar_plot(cells: pd.DataFrame, figures: Figures, name: str) -> Plot | None:
-    """MQAR: accuracy against sequence length, one line per variant, one panel per model width."""
-    if "metrics.accuracy" not in cells or "axes.d_model" not in cells:
-        return None
-    ok = cells[(cells["status"] == "ok") & (cells["target"] == "mqar") & cells["metrics.accuracy"].notna()]
-    if ok.empty:
-        return None
-    widths = sorted(ok["axes.d_model"].unique())
-    figure, axes = _new_figure(len(widths))
-    for ax, width in zip(axes, widths):
-        for series, group in ok[ok["axes.d_model"] == width].sort_values("axes.seq_len").groupby("series"):
-            ax.plot(group["axes.seq_len"], group["metrics.accuracy"], color=figures.colours[series], marker="o")
-        ax.set(title=f"d_model {int(width)}", xlabel="sequence length", ylabel="accuracy", ylim=(0, 1.02))
-    figures.legend(figure, ok, False)
-    title = "MQAR accuracy against sequence length"
-    return figures.save(figure, f"{name}-mqar", title, f"{title}: best evaluation accuracy on the queried values; one panel per model width.")
-
-
 # --- tables -------------------------------------------------------------------------------
-
-
-@dataclass
-class Table:
-    title: str
-    headers: list[str]
-    rows: list[list[str]]
-    row_classes: list[str] = field(default_factory=list)
-    caption: str = ""
-
-
-def _text(value) -> str:
-    if not present(value):
-        return "-"
-    if isinstance(value, float):
-        return f"{value:.4g}"
-    return str(value)
-
-
-def _si(value) -> str:
-    """``214k``, ``1.23M``: three significant digits with a k/M/G suffix."""
-    if not present(value):
-        return "-"
-    for suffix, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
-        if abs(value) >= scale:
-            return f"{value / scale:.3g}{suffix}"
-    return f"{value:.3g}"
-
-
-def _mib(value) -> str:
-    return "-" if not present(value) else f"{value / MIB:.1f} MiB"
-
-
-def _gib(value) -> str:
-    return "-" if not present(value) else f"{value / 2**30:.1f} GiB"
-
-
-def _table(title: str, frame: pd.DataFrame, columns: list[tuple[str, str, Callable]], caption: str = "", classes: str | None = None) -> Table:
-    """A Table of ``frame``: ``columns`` are (header, column, formatter); missing columns show '-'."""
-    records = frame.to_dict("records")
-    rows = [[formatter(record.get(column)) for _, column, formatter in columns] for record in records]
-    row_classes = [re.sub(r"[^a-z0-9]+", "-", str(record.get(classes)).lower()).strip("-") for record in records] if classes else []
-    return Table(title, [header for header, _, _ in columns], rows, row_classes, caption)
 
 
 def _cell_columns(cells: pd.DataFrame) -> list[tuple[str, str, Callable]]:
     """The columns that name a cell: line label, machine (when several), mode, axes."""
-    machine = [("machine", "machine", _text)] if cells["machine"].nunique() > 1 else []
-    return [("variant", "series", _text), *machine, ("mode", "mode", _text), ("axes", "axes_text", _text)]
+    machine = [("machine", "machine", text)] if cells["machine"].nunique() > 1 else []
+    return [("variant", "series", text), *machine, ("mode", "mode", text), ("axes", "axes_text", text)]
 
 
 def _failures_table(cells: pd.DataFrame) -> Table | None:
-    failures = cells[cells["status"] != "ok"].sort_values(["status", "series", "mode"], key=_natural_columns)
+    failures = cells[cells["status"] != "ok"].sort_values(["status", "series", "mode"], key=natural_columns)
     if failures.empty:
         return None
-    columns = _cell_columns(cells) + [("status", "status", _text), ("message", "error", _text)]
+    columns = _cell_columns(cells) + [("status", "status", text), ("message", "error", text)]
     caption = "Every cell without valid numbers (oom, error, nan, skipped) and its message; failed cells are the 'x' marks on the plots."
-    return _table("Cells that failed or were skipped", failures, columns, caption, classes="status")
+    return table("Cells that failed or were skipped", failures, columns, caption, classes="status")
 
 
 def _model_table(cells: pd.DataFrame) -> Table | None:
     """Model-level cells in the paper's shape: variant, d_dot, words/s, memory."""
-    model = cells[cells["target"] == "model"].sort_values(["series", "mode"], key=_natural_columns)
+    model = cells[cells["target"] == "model"].sort_values(["series", "mode"], key=natural_columns)
     if model.empty:
         return None
     columns = [
-        ("variant", "variant", _text), ("d_dot", "params.d_dot", _text), ("params", "params_text", _text),
-        *_cell_columns(cells)[1:], ("words/s", "metrics.words_per_s", _si), ("memory", "metrics.peak_mem_bytes", _mib),
-        ("status", "status", _text),
+        ("variant", "variant", text), ("d_dot", "params.d_dot", text), ("params", "params_text", text),
+        *_cell_columns(cells)[1:], ("words/s", "metrics.words_per_s", si), ("memory", "metrics.peak_mem_bytes", mib),
+        ("status", "status", text),
     ]
-    return _table("Model: words per second and memory", model, columns, "words/s: tokens per second of one training step (one word per token).")
+    return table("Model: words per second and memory", model, columns, "words/s: tokens per second of one training step (one word per token).")
 
 
 def _quality_table(cells: pd.DataFrame) -> Table | None:
-    found = [metric for metric in QUALITY_METRICS if f"metrics.{metric}" in cells and cells[f"metrics.{metric}"].notna().any()]
+    """Every quality metric the cells have: their tasks' own columns, then throughput, memory, time."""
+    metrics = dict.fromkeys([*(metric for task in _tasks_of(cells) for metric in task.metrics), *COMMON_QUALITY_METRICS])
+    found = [metric for metric in metrics if f"metrics.{metric}" in cells and cells[f"metrics.{metric}"].notna().any()]
     if not found:
         return None
-    quality = cells[cells[[f"metrics.{m}" for m in found]].notna().any(axis=1)].sort_values(["series", "mode"], key=_natural_columns)
-    formats = {"words_per_s": _si, "sentences_per_s": _si, "peak_mem_bytes": _mib}
-    headers = {"words_per_s": "words/s", "sentences_per_s": "sentences/s", "peak_mem_bytes": "peak memory", "wall_s": "wall (s)"}
-    columns = _cell_columns(cells) + [(headers.get(m, m), f"metrics.{m}", formats.get(m, _text)) for m in found]
-    return _table("Quality", quality, columns)
+    quality = cells[cells[[f"metrics.{m}" for m in found]].notna().any(axis=1)].sort_values(["series", "mode"], key=natural_columns)
+    columns = _cell_columns(cells) + [(_quality_header(m), f"metrics.{m}", _quality_format(m)) for m in found]
+    return table("Quality", quality, columns)
 
 
-def _update_rules_table(cells: pd.DataFrame) -> Table | None:
-    """Retrieval setting 2 (Schlag et al. 2021, §6.1.2): one row per update rule, one column
-    per number of keys S, each entry the best evaluation loss and the steps it took."""
-    if "axes.S" not in cells or "metrics.loss" not in cells:
-        return None
-    rules = cells[(cells["status"] == "ok") & cells["axes.S"].notna() & (_retrieval_setting(cells) == 2)]
-    if rules.empty:
-        return None
-    entry = rules.assign(entry=[f"{loss:.4g} ({steps:.0f} steps)" for loss, steps in zip(rules["metrics.loss"], rules["metrics.steps"])])
-    table = entry.pivot_table(index="series", columns="axes.S", values="entry", aggfunc="last").reset_index()
-    columns = [("update rule", "series", _text)] + [(f"S = {int(S)}", S, _text) for S in table.columns[1:]]
-    caption = "Setting 2 (L = 2S pairs with replacement; the answer is the most recent value): best evaluation loss (steps taken)."
-    return _table("Retrieval: update rules", table, columns, caption)
+def _quality_header(metric: str) -> str:
+    """``words_per_s`` -> ``words/s``, ``peak_mem_bytes`` -> ``peak memory``, ``wall_s`` -> ``wall (s)``."""
+    if metric.endswith("_per_s"):
+        return metric.removesuffix("_per_s") + "/s"
+    return {"peak_mem_bytes": "peak memory", "wall_s": "wall (s)"}.get(metric, metric)
+
+
+def _quality_format(metric: str) -> Callable:
+    return si if metric.endswith("_per_s") else mib if metric.endswith("_bytes") else text
 
 
 def _timing_table(cells: pd.DataFrame) -> Table | None:
@@ -491,9 +339,9 @@ def _timing_table(cells: pd.DataFrame) -> Table | None:
     ok = ok.sort_values(["mode", "series", f"axes.{cells['x_axis'].iloc[0]}"])
     columns = _cell_columns(cells) + [
         ("median", "metrics.median_s", format_seconds), ("p20", "metrics.p20_s", format_seconds), ("p80", "metrics.p80_s", format_seconds),
-        ("tokens/s", "metrics.tokens_per_s", _si), ("peak memory", "metrics.peak_mem_bytes", _mib), ("throttled", "metrics.throttled", _text),
+        ("tokens/s", "metrics.tokens_per_s", si), ("peak memory", "metrics.peak_mem_bytes", mib), ("throttled", "metrics.throttled", text),
     ]
-    return _table("Every timed cell", ok, columns)
+    return table("Every timed cell", ok, columns)
 
 
 # --- machines side by side ----------------------------------------------------------------
@@ -521,10 +369,10 @@ def _ratio_tables(ratios: pd.DataFrame) -> list[Table]:
     tables = []
     for (scenario, reference, machine), group in ratios.groupby(["scenario", "reference", "machine"], sort=False):
         geomean = float(np.exp(np.log(group["ratio"]).mean()))
-        columns = [("variant", "series", _text), ("mode", "mode", _text), ("axes", "axes_text", _text),
+        columns = [("variant", "series", text), ("mode", "mode", text), ("axes", "axes_text", text),
                    (reference, "median_s_ref", format_seconds), (machine, "median_s", format_seconds), ("ratio", "ratio", format_ratio)]
         caption = f"median time on {machine} / on {reference}, per matching cell; geometric mean {geomean:.3f} over {len(group)} cells."
-        tables.append(_table(f"{scenario}: {machine} / {reference}", group.sort_values(["mode", "series"], key=_natural_columns), columns, caption))
+        tables.append(table(f"{scenario}: {machine} / {reference}", group.sort_values(["mode", "series"], key=natural_columns), columns, caption))
     return tables
 
 
@@ -540,10 +388,10 @@ def _gpu_facts(gpu: dict | None, versions: dict) -> list[tuple[str, str]]:
     if not gpu:
         return [("GPU", "none")]
     return [
-        ("GPU", f"{gpu.get('name')}, {_gib(gpu.get('memory_bytes'))}, compute capability {_text(gpu.get('compute_capability'))}"),
-        ("driver / CUDA", f"driver {_text(gpu.get('driver_version'))}, CUDA driver {_text(gpu.get('cuda_driver_version'))}, "
-                          f"CUDA runtime {_text(versions.get('cuda'))}"),
-        ("power limit / ECC", f"{_text(gpu.get('power_limit_w'))} W, ECC {_text(gpu.get('ecc_enabled'))}"),
+        ("GPU", f"{gpu.get('name')}, {gib(gpu.get('memory_bytes'))}, compute capability {text(gpu.get('compute_capability'))}"),
+        ("driver / CUDA", f"driver {text(gpu.get('driver_version'))}, CUDA driver {text(gpu.get('cuda_driver_version'))}, "
+                          f"CUDA runtime {text(versions.get('cuda'))}"),
+        ("power limit / ECC", f"{text(gpu.get('power_limit_w'))} W, ECC {text(gpu.get('ecc_enabled'))}"),
     ]
 
 
@@ -551,14 +399,14 @@ def _machine_facts(machine: dict) -> list[tuple[str, str]]:
     """The fingerprint as (label, text) rows."""
     cpu, versions = machine.get("cpu") or {}, machine.get("versions") or {}
     return [
-        ("hostname", _text(machine.get("hostname"))),
-        ("platform", f"{_text(machine.get('platform'))}, Python {_text(machine.get('python'))}"),
-        ("CPU", f"{_text(cpu.get('model'))}, {_text(cpu.get('usable_cores'))} usable of {_text(cpu.get('logical_cores'))} cores, "
-                f"{_text(cpu.get('torch_threads'))} torch threads"),
-        ("memory", _gib(machine.get("memory_bytes"))),
+        ("hostname", text(machine.get("hostname"))),
+        ("platform", f"{text(machine.get('platform'))}, Python {text(machine.get('python'))}"),
+        ("CPU", f"{text(cpu.get('model'))}, {text(cpu.get('usable_cores'))} usable of {text(cpu.get('logical_cores'))} cores, "
+                f"{text(cpu.get('torch_threads'))} torch threads"),
+        ("memory", gib(machine.get("memory_bytes"))),
         *_gpu_facts(machine.get("gpu"), versions),
-        ("versions", f"torch {_text(versions.get('torch'))}, triton {_text(versions.get('triton'))}, cudnn {_text(versions.get('cudnn'))}, "
-                     f"numpy {_text(versions.get('numpy'))}"),
+        ("versions", f"torch {text(versions.get('torch'))}, triton {text(versions.get('triton'))}, cudnn {text(versions.get('cudnn'))}, "
+                     f"numpy {text(versions.get('numpy'))}"),
         ("machine id", machine["machine_id"]),
     ]
 
@@ -605,9 +453,9 @@ def _machine_section(name: str, runs: list[dict], cells: pd.DataFrame) -> Machin
         ("commits", ", ".join(dict.fromkeys(_commit_text(run) for run in runs))),
         ("run dates", dates[0] if dates[0] == dates[-1] else f"{dates[0]} to {dates[-1]}"),
     ]
-    reasons = [(f"reasons {when}", f"metrics.throttle_{when}.reasons", _text) for when in ("before", "after")]
-    table = _table("Throttled cells", throttled, [("scenario", "scenario", _text), *_cell_columns(cells), *reasons]) if len(throttled) else None
-    return MachineSection(name, facts, [_run_view(run) for run in runs], table, len(throttled))
+    reasons = [(f"reasons {when}", f"metrics.throttle_{when}.reasons", text) for when in ("before", "after")]
+    throttled_table = table("Throttled cells", throttled, [("scenario", "scenario", text), *_cell_columns(cells), *reasons]) if len(throttled) else None
+    return MachineSection(name, facts, [_run_view(run) for run in runs], throttled_table, len(throttled))
 
 
 def _machine_sections(cells: pd.DataFrame, runs: list[dict]) -> list[MachineSection]:
@@ -643,9 +491,11 @@ def _statuses(cells: pd.DataFrame) -> str:
 
 def _scenario_section(name: str, cells: pd.DataFrame, figures: Figures) -> ScenarioSection:
     slug = _slug(name)
-    plots = [_metric_plot(cells, metric, figures, slug) for metric in METRICS]
-    plots += [_latency_plot(cells, figures, slug), _capacity_plot(cells, figures, slug), _mqar_plot(cells, figures, slug)]
-    tables = [_model_table(cells), _update_rules_table(cells), _quality_table(cells), _failures_table(cells), _timing_table(cells)]
+    plots = [_metric_plot(cells, metric, figures, slug) for metric in METRICS] + [_latency_plot(cells, figures, slug)]
+    task_sections = [part for task in _tasks_of(cells) if task.report for part in task.report(cells[cells["target"] == task.name], figures, slug)]
+    plots += [part for part in task_sections if isinstance(part, Plot)]
+    tables = [_model_table(cells), *(part for part in task_sections if isinstance(part, Table)), _quality_table(cells), _failures_table(cells),
+              _timing_table(cells)]
     targets = ", ".join(cells["target"].dropna().unique())
     return ScenarioSection(name, targets, cells["x_axis"].iloc[0], _statuses(cells),
                            [p for p in plots if p is not None], [t for t in tables if t is not None])
@@ -653,12 +503,12 @@ def _scenario_section(name: str, cells: pd.DataFrame, figures: Figures) -> Scena
 
 def _compare_table(result: CompareResult) -> Table:
     columns = [
-        ("scenario", "scenario", _text), ("variant", "variant", _text), ("params", "params", _text), ("axes", "axes", _text),
-        ("mode", "mode", _text), ("base", "base_median_s", format_seconds), ("head", "head_median_s", format_seconds),
+        ("scenario", "scenario", text), ("variant", "variant", text), ("params", "params", text), ("axes", "axes", text),
+        ("mode", "mode", text), ("base", "base_median_s", format_seconds), ("head", "head_median_s", format_seconds),
         ("ratio", "ratio", format_ratio), ("CI low", "ci_low", format_ratio), ("CI high", "ci_high", format_ratio),
-        ("mark", "mark", _text), ("note", "note", _text),
+        ("mark", "mark", text), ("note", "note", text),
     ]
-    return _table("Comparison of two commits", result.table, columns, result.summary(), classes="mark")
+    return table("Comparison of two commits", result.table, columns, result.summary(), classes="mark")
 
 
 def _csv_value(value):

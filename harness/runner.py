@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import datetime as dt
 import gc
-import importlib
-import importlib.util
 import multiprocessing
 import os
 import signal
@@ -27,6 +25,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from . import machine
+from .plugins import load_plugins
 from .results import ResultsWriter, completed_cell_ids, read_records, repair_tail
 from .scenario import LoadedScenario, describe
 
@@ -41,20 +40,6 @@ CHECKOUT_WORKER = (
     "import sys; from multiprocessing.connection import Connection; from harness.runner import _serve; "
     "_serve(Connection(int(sys.argv[1])), sys.argv[2:])"
 )
-
-
-def load_plugins(plugins) -> None:
-    """Import modules (names or .py paths) that register extra variants with ``variants.register``."""
-    for plugin in plugins:
-        if plugin.endswith(".py"):
-            spec = importlib.util.spec_from_file_location(Path(plugin).stem, plugin)
-            if spec is None or spec.loader is None:
-                raise ImportError(f"cannot load plugin file {plugin}")
-            module = importlib.util.module_from_spec(spec)
-            sys.modules[spec.name] = module
-            spec.loader.exec_module(module)
-        else:
-            importlib.import_module(plugin)
 
 
 def _serve(conn, plugins) -> None:

@@ -16,19 +16,19 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 
 import variants
+
+from . import tasks
 
 SCENARIO_DIR = Path(__file__).resolve().parent.parent / "scenarios"
 DTYPES = ("float32", "float16", "bfloat16", "float64")
 MODES = ("forward", "train", "decode")
 BACKENDS = ("torch", "triton")
 AXES = ("seq_len", "batch", "heads", "d_key", "d_value", "dtype", "device")
-#: The axes of a quality task's cells (retrieval: S, the number of keys; MQAR: the model width).
-TASK_AXES = {"retrieval": ("S", "d_key", "dtype", "device"), "mqar": ("seq_len", "d_model", "dtype", "device")}
-TASK_AXES["mt"] = ("dtype", "device")  # translation: the model's sizes come from task.preset
-TASK_AXES["lm"] = ("seq_len", "dtype", "device")  # language modelling: seq_len is the model's context
+#: The targets every scenario can measure; each registered task (harness.tasks) adds its name.
+SPEED_TARGETS = ("core", "layer", "model")
 
 
 class ScenarioError(ValueError):
@@ -43,10 +43,23 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class Axes(Strict):
+def _positive_ints(value):
+    """A positive integer or a non-empty list of them (None passes: an axis left out)."""
+    for item in value if isinstance(value, list) else [value]:
+        if item is not None and item < 1:
+            raise ValueError(f"expected positive integers, got {item}")
+    if isinstance(value, list) and not value:
+        raise ValueError("expected at least one value")
+    return value
+
+
+class Axes(BaseModel):
+    """The speed axes; a task's own axes (``harness.tasks.Task.axes``) come as extra fields of
+    positive integers, checked against the scenario's task (``Scenario._task_axes``)."""
+
+    model_config = ConfigDict(extra="allow")
+
     seq_len: int | list[int] | None = None
-    S: int | list[int] | None = None
-    d_model: int | list[int] | None = None
     batch: int | list[int] = 1
     heads: int | list[int] = 8
     d_key: int | list[int] = 64
@@ -55,15 +68,10 @@ class Axes(Strict):
     device: str | list[str] = "cpu"
     d_dot: int | list[int] | None = None
 
-    @field_validator("seq_len", "S", "d_model", "batch", "heads", "d_key", "d_value", "d_dot")
+    @field_validator("seq_len", "batch", "heads", "d_key", "d_value", "d_dot")
     @classmethod
     def _positive(cls, value):
-        for item in value if isinstance(value, list) else [value]:
-            if item is not None and item < 1:
-                raise ValueError(f"expected positive integers, got {item}")
-        if isinstance(value, list) and not value:
-            raise ValueError("expected at least one value")
-        return value
+        return _positive_ints(value)
 
     @field_validator("dtype")
     @classmethod
@@ -101,130 +109,6 @@ class Rules(Strict):
     tokens_per_batch: int | None = Field(None, ge=1, description="batch = max(1, tokens_per_batch // seq_len)")
 
 
-class RetrievalTask(Strict):
-    """Associative retrieval (Schlag et al. 2021, §6.1), trained and evaluated per cell."""
-
-    name: Literal["retrieval"] = "retrieval"
-    setting: Literal[1, 2] = 1
-    max_steps: int = Field(20000, ge=1)
-    eval_every: int = Field(100, ge=1)
-    patience: int = Field(10, ge=1)
-    target_loss: float = Field(1e-3, gt=0)
-    lr: float = Field(1e-3, gt=0)
-    batch: int = Field(32, ge=1)
-    seed: int = 0
-
-
-class MQARTask(Strict):
-    """Multi-query associative recall (Arora et al. 2023, Zoology), trained and evaluated per cell."""
-
-    name: Literal["mqar"]
-    steps: int = Field(2000, ge=1)
-    batch: int = Field(64, ge=1)
-    lr: float = Field(1e-3, gt=0)
-    eval_every: int = Field(100, ge=1)
-    num_pairs: int | None = Field(None, ge=1)
-    vocab_size: int = Field(256, ge=4)
-    seed: int = 0
-
-
-class MTTask(Strict):
-    """Translation (harness.tasks.mt): train an encoder-decoder on parallel text, score BLEU.
-    Every None setting takes the preset's value (``harness.tasks.mt.RUN_PRESETS``); the cell's
-    variant goes to every attention position it can (see ``position_variants``)."""
-
-    name: Literal["mt"]
-    preset: Literal["ci", "cpu", "gpu", "base"] = "cpu"
-    dataset: Literal["multi30k", "wmt14"] = "multi30k"
-    data: str | None = Field(None, description="the data set's directory (default: the shared data or $ATTNBENCH_DATA)")
-    steps: int | None = Field(None, ge=1)
-    batch_tokens: int | None = Field(None, ge=1)
-    lr: float | None = Field(None, gt=0)
-    warmup: int | None = Field(None, ge=0)
-    beam: int | None = Field(None, ge=1)
-    length_penalty: float = Field(1.0, ge=0)
-    vocab_size: int | None = Field(None, ge=300)
-    encoder: str | None = Field(None, description="variant of encoder self-attention (default: the cell's, or fallback)")
-    cross: str | None = Field(None, description="variant of cross-attention (default: the cell's, or fallback)")
-    fallback: str = Field("linear", description="encoder and cross variant when the cell's variant is causal only")
-    threads: int | None = Field(None, ge=1, description="torch CPU threads (default: torch's)")
-    seed: int = 0
-
-    @field_validator("encoder", "cross", "fallback")
-    @classmethod
-    def _known_variant(cls, value):
-        if value is not None and value not in variants.names():
-            raise ValueError(f"unknown variant {value!r}; known: {', '.join(variants.names())}")
-        return value
-
-    @property
-    def head_width(self) -> int:
-        """d_key of the preset's model (d_model / n_heads), to check the variants against."""
-        from .tasks.mt_model import MT_PRESETS
-
-        return MT_PRESETS[self.preset]["d_model"] // MT_PRESETS[self.preset]["n_heads"]
-
-
-class LMTask(Strict):
-    """WikiText language modelling (harness.tasks.lm): train a DecoderLM of ``preset`` with the
-    cell's variant at context ``axes.seq_len``, report perplexities, words/s and memory."""
-
-    name: Literal["lm"]
-    preset: str = Field("cpu", description="a model preset of harness.models.LM_PRESETS")
-    steps: int = Field(700, ge=1)
-    batch: int = Field(16, ge=1, description="windows per step (the global batch)")
-    lr: float = Field(2e-3, gt=0)
-    warmup: int = Field(50, ge=0)
-    dropout: float = Field(0.1, ge=0, lt=1)
-    weight_decay: float = Field(0.0, ge=0)
-    clip: float | None = Field(1.0, gt=0)
-    adaptive_cutoffs: list[int] | None = Field([2000, 10000], description="adaptive softmax cutoffs (None: tied full softmax)")
-    eval_tokens: int | None = Field(None, ge=2, description="evaluate on the first N tokens of valid/test (None: all)")
-    sliding_tokens: int | None = Field(2048, ge=2, description="sliding-window evaluation on the first N valid tokens")
-    carry: bool = Field(True, description="also evaluate linear-time variants carrying their state across windows")
-    eval_every: int | None = Field(None, ge=1)
-    log_every: int = Field(25, ge=1)
-    data: str | None = Field(None, description="a WikiText directory (default: $ATTNBENCH_DATA/wikitext-2 or the shared data)")
-    threads: int | None = Field(None, ge=1, description="torch CPU threads (default: torch's)")
-    model_overrides: dict[str, Any] = {}
-    segment: dict[str, Any] | None = Field(
-        None, description="segment-level recurrence: {kind: xl | rmt | carry_state, length, segments, memory, bptt} "
-        "(harness.models.SegmentConfig; length defaults to axes.seq_len)")
-    seed: int = 0
-
-    @field_validator("preset")
-    @classmethod
-    def _known_preset(cls, value):
-        from .models import LM_PRESETS
-
-        if value not in LM_PRESETS:
-            raise ValueError(f"expected a model preset among {', '.join(LM_PRESETS)}, got {value!r}")
-        return value
-
-    @field_validator("segment")
-    @classmethod
-    def _valid_segment(cls, value):
-        from .models import SegmentConfig
-
-        if value is not None:
-            try:
-                SegmentConfig(**value)
-            except TypeError as exc:
-                raise ValueError(f"unknown segment field ({exc}); expected kind, length, segments, memory, bptt") from None
-        return value
-
-    @property
-    def head_width(self) -> int:
-        """d_key of the model (d_model / n_heads), to check the variants against."""
-        from .models import LM_PRESETS
-
-        sizes = {**LM_PRESETS[self.preset], **self.model_overrides}
-        return sizes["d_model"] // sizes["n_heads"]
-
-
-Task = Annotated[Union[RetrievalTask, MQARTask, MTTask, LMTask], Field(discriminator="name")]
-
-
 class ModelSpec(Strict):
     preset: str = "small"
     vocab_size: int = Field(32000, ge=2)
@@ -232,14 +116,17 @@ class ModelSpec(Strict):
 
 
 class Scenario(Strict):
+    """A scenario file. ``task`` is validated against the registered tasks' configs
+    (``scenario_model`` builds the model that knows them)."""
+
     name: str
     description: str = ""
     variants: dict[str, dict[str, Sweep] | list[dict[str, Sweep]] | None]
     backends: list[str] = ["torch"]
     axes: Axes
     modes: list[Literal["forward", "train", "decode", "quality"]] = ["forward"]
-    target: Literal["core", "layer", "model", "retrieval", "mqar", "mt", "lm"] = "core"
-    task: Task | None = None
+    target: str = "core"
+    task: Any = None
     decode: Decode = Decode()
     measure: Measure = Measure()
     rules: Rules = Rules()
@@ -264,6 +151,14 @@ class Scenario(Strict):
                 raise ValueError(f"expected backends among {', '.join(BACKENDS)}, got {backend!r}")
         return value
 
+    @field_validator("target")
+    @classmethod
+    def _known_target(cls, value):
+        known = SPEED_TARGETS + tuple(tasks.names())
+        if value not in known:
+            raise ValueError(f"expected one of {', '.join(known)}, got {value!r}")
+        return value
+
     @model_validator(mode="after")
     def _model_target(self):
         if self.target == "model" and self.model is None:
@@ -275,14 +170,41 @@ class Scenario(Strict):
         if self.task is None:
             if self.axes.seq_len is None:
                 raise ValueError("axes.seq_len is required (or a 'task' section)")
-            if "quality" in self.modes or self.target in TASK_AXES:
-                raise ValueError(f"mode 'quality' and targets {', '.join(TASK_AXES)} need a 'task' section")
+            if "quality" in self.modes or self.target not in SPEED_TARGETS:
+                raise ValueError(f"mode 'quality' and the task targets ({', '.join(tasks.names())}) need a 'task' section")
             return self
-        needed = [axis for axis in TASK_AXES[self.task.name] if getattr(self.axes, axis) is None and axis not in ("dtype", "device")]
-        if needed or self.modes != ["quality"] or self.target != self.task.name:
-            axes = ", ".join(f"axes.{axis}" for axis in TASK_AXES[self.task.name][:2])
-            raise ValueError(f"a {self.task.name} task scenario needs {axes}, modes: [quality] and target: {self.task.name}")
+        task = tasks.get(self.task.name)
+        needed = [axis for axis in task.axes if getattr(self.axes, axis, None) is None]
+        if needed or self.modes != ["quality"] or self.target != task.name:
+            axes = "".join(f"axes.{axis}, " for axis in task.axes)
+            raise ValueError(f"a {task.name} task scenario needs {axes}modes: [quality] and target: {task.name}")
         return self
+
+    @model_validator(mode="after")
+    def _task_axes(self):
+        """Extra axes are a task's own: only those its task declares, each positive integers."""
+        declared = tasks.get(self.task.name).axes if self.task is not None else ()
+        for axis, value in (self.axes.model_extra or {}).items():
+            if axis not in declared:
+                own = ", ".join(f"{task.name}: {', '.join(a for a in task.axes if a not in Axes.model_fields) or '-'}" for task in tasks.tasks())
+                raise ValueError(f"axes.{axis}: not an axis of this scenario (got {value!r}; speed axes: {', '.join(Axes.model_fields)}; task axes: {own})")
+            items = value if isinstance(value, list) else [value]
+            if not items or not all(isinstance(item, int) and not isinstance(item, bool) and item >= 1 for item in items):
+                raise ValueError(f"axes.{axis}: expected positive integers, got {value!r}")
+        return self
+
+
+_MODELS: dict[tuple, type[Scenario]] = {}
+
+
+def scenario_model() -> type[Scenario]:
+    """``Scenario`` whose ``task`` is one of the registered tasks' configs, told apart by
+    ``task.name`` (errors read ``task.<name>.<field>``)."""
+    configs = tuple(task.config for task in tasks.tasks())
+    if configs not in _MODELS:
+        union = Annotated[Union[configs], Field(discriminator="name")] if len(configs) > 1 else configs[0]
+        _MODELS[configs] = create_model("Scenario", __base__=Scenario, task=(union | None, None))
+    return _MODELS[configs]
 
 
 def _format_validation(path: str, exc: ValidationError) -> str:
@@ -312,7 +234,7 @@ def _apply_set(raw: dict, assignment: str, path: str) -> dict:
     if not sep or not key:
         raise ScenarioError(f"{path}: --set {assignment!r}: expected KEY=VALUE, e.g. seq_len=1024 or measure.repeats=3")
     parts = key.split(".")
-    if len(parts) == 1 and parts[0] in AXES + ("d_dot", "S"):
+    if len(parts) == 1 and parts[0] in AXES + ("d_dot",) + tuple(axis for task in tasks.tasks() for axis in task.axes):
         parts = ["axes", parts[0]]
     override: dict = yaml.safe_load(text)
     for part in reversed(parts):
@@ -356,7 +278,7 @@ def load_scenario(spec: str, *, preset: str | None = None, overrides: list[str] 
     for assignment in overrides:
         raw = _apply_set(raw, assignment, str(path))
     try:
-        scenario = Scenario.model_validate(raw)
+        scenario = scenario_model().model_validate(raw)
     except ValidationError as exc:
         raise ScenarioError(_format_validation(str(path), exc)) from None
     sha256 = hashlib.sha256(path.read_bytes()).hexdigest()
@@ -411,7 +333,8 @@ def expand(scenario: Scenario, path: str = "<scenario>") -> list[dict]:
     once here, so an impossible parameter (a ν or m that cannot give the asked d_dot) fails
     before anything is measured."""
     axes = scenario.axes
-    names = TASK_AXES[scenario.task.name] if scenario.task else AXES
+    task = tasks.get(scenario.task.name) if scenario.task else None
+    names = (*task.axes, "dtype", "device") if task else AXES
     axis_values = {name: _sweep(getattr(axes, name)) for name in names}
     d_dots = _sweep(axes.d_dot)
     cells, seen = [], set()
@@ -424,8 +347,7 @@ def expand(scenario: Scenario, path: str = "<scenario>") -> list[dict]:
             core_params_at = dict(core_params, **({"d_dot": d_dot} if d_dot is not None else {}))
             full_params = core_params_at if "d_key" in names else dict(params, **core_params_at)
             unsupported = {}
-            # MQAR cells have one head of width d_model; MT cells the preset's heads.
-            d_keys = axis_values.get("d_key") or axis_values.get("d_model") or [scenario.task.head_width]
+            d_keys = task.d_keys(scenario.task, axis_values) if task else axis_values["d_key"]
             for d_key in [own_d_key] if own_d_key is not None else d_keys:
                 unsupported.update(_unsupported_backends(name, d_key, core_params_at, scenario.backends, field, path))
             for backend, mode in itertools.product(scenario.backends, scenario.modes):
@@ -477,7 +399,9 @@ def _unsupported_backends(name: str, d_key: int, params: dict, backends: list[st
 
 
 #: How ``describe`` names each axis.
-SHORT_AXES = {"seq_len": "T", "S": "S", "batch": "B", "heads": "H", "d_key": "Dk", "d_value": "Dv", "d_model": "D"}
+SHORT_AXES = {"seq_len": "T", "batch": "B", "heads": "H", "d_key": "Dk", "d_value": "Dv"}
+#: Axes ``describe`` leaves out of the shape (shown elsewhere in the line, or settings of the mode).
+UNSHAPED_AXES = ("dtype", "device", "new_tokens", "model")
 
 
 def describe(cell: dict) -> str:
@@ -485,7 +409,7 @@ def describe(cell: dict) -> str:
     params = ",".join(f"{key}={value}" for key, value in cell["params"].items())
     axes = cell["axes"]
     skipped = " (skipped: no such backend)" if cell["skip"] else ""
-    shape = " ".join(f"{short}={axes[name]}" for name, short in SHORT_AXES.items() if name in axes)
+    shape = " ".join(f"{SHORT_AXES.get(name, name)}={value}" for name, value in axes.items() if name not in UNSHAPED_AXES)
     return (
         f"{cell['variant']}{'(' + params + ')' if params else ''}[{cell['backend']}]{skipped} {cell['mode']}/{cell['target']} "
         f"{shape} {axes['dtype']} {axes['device']}"

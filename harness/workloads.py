@@ -17,6 +17,7 @@ import torch
 
 import variants
 
+from . import tasks
 from .measure import Clock, PeakMemory, Timing, synchronize, time_callable, usual_allocator
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
@@ -190,33 +191,13 @@ def measure_cell(cell: dict) -> dict:
 
 
 def _measure_quality(cell, device, dtype) -> dict:
-    """Train and evaluate the cell's task on the CPU in float32 (retrieval: Schlag et al.
-    2021, §6.1; MQAR: Arora et al. 2023); its metrics are the task's own."""
-    any_device = cell["task"]["name"] in ("mt", "lm")  # translation and language modelling train on the cell's device
-    if dtype != torch.float32 or (device.type != "cpu" and not any_device):
-        raise CellError("quality tasks run on the CPU in float32 (axes.device: cpu, axes.dtype: float32); translation on any device")
-    task, axes = dict(cell["task"]), cell["axes"]
-    name = task.pop("name")
-    params = dict(cell["params"], backend=cell["backend"])
-    if name == "retrieval":
-        from .tasks.retrieval import run_retrieval
-
-        metrics = run_retrieval(cell["variant"], params, S=axes["S"], d_key=axes["d_key"], **task)
-        metrics["d_dot"] = _core(cell).d_dot
-    elif name == "mt":
-        from .tasks.mt import run_mt
-
-        metrics = run_mt(cell["variant"], params, device=str(device), **task)
-    elif name == "lm":
-        from .tasks.lm import run_lm
-
-        metrics = run_lm(cell["variant"], params, context=axes["seq_len"], device=str(device), **task)
-    else:
-        from .tasks.mqar import run_mqar
-
-        metrics = run_mqar(cell["variant"], params, seq_len=axes["seq_len"], d_model=axes["d_model"], **task)
-    finite = bool(np.isfinite(metrics.get("loss", 0.0)))
-    return _result(finite, metrics)
+    """Train and evaluate the cell's registered task (``harness.tasks``); its metrics are the task's own."""
+    task = tasks.get(cell["task"]["name"])
+    if dtype != torch.float32 or (device.type != "cpu" and not task.any_device):
+        where = "" if task.any_device else " on the CPU (axes.device: cpu)"
+        raise CellError(f"task {task.name!r} trains in float32 (axes.dtype: float32){where}")
+    metrics = task.run(cell)
+    return _result(bool(np.isfinite(metrics.get("loss", 0.0))), metrics)
 
 
 def _warm_up_libraries(cell, device, dtype) -> None:

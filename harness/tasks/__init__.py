@@ -1,1 +1,92 @@
-"""Quality tasks: small models built on attnbench variants, trained and evaluated as one cell."""
+"""Quality tasks: small models built on attnbench variants, trained and evaluated as one cell.
+
+Every task registers itself once, in its own module, with ``register(Task(...))``: the model
+of a scenario's ``task:`` section, the axes of its cells, how one cell runs, and its own
+plots and tables in the report. ``harness.scenario``, ``harness.workloads`` and
+``harness.report`` read this registry and name no task; a plugin (``--plugin``) registers a
+task exactly as the shipped ones do. docs/extending.md has the recipe.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+#: The shipped task modules, imported (and so registered) the first time the registry is read.
+BUILTIN = ("harness.tasks.retrieval", "harness.tasks.mqar", "harness.tasks.lm", "harness.tasks.mt")
+_TASKS: dict[str, Task] = {}
+_builtin_loaded = False
+
+
+def _d_key_axis(config, axes: dict) -> list[int]:
+    return axes["d_key"]
+
+
+@dataclass(frozen=True)
+class Task:
+    """One kind of quality cell.
+
+    - ``name``: the scenario's ``task.name``, and its cells' ``target``.
+    - ``config``: a pydantic model of the ``task:`` section whose first field is
+      ``name: Literal[name]``; a cell carries its ``model_dump()`` as ``cell["task"]``.
+    - ``axes``: the axes of its cells (``dtype`` and ``device`` come with every task); the
+      first is what its results are plotted against. An axis that is not one of the speed
+      axes (``harness.scenario.AXES``) takes positive integers.
+    - ``run(cell) -> metrics``: train and evaluate one cell (``cell["variant"]``, ``["params"]``,
+      ``["backend"]``, ``["axes"]``, ``["task"]``); a ``loss`` metric that is not finite marks
+      the cell ``nan``.
+    - ``d_keys(config, axes) -> [d_key, ...]``: the head widths its variants are built with,
+      from the config and the swept axis values (lists); every variant configuration is built at
+      each when the scenario is loaded, so an impossible one fails before anything runs.
+    - ``any_device``: runs on a GPU too (else on the CPU in float32 only).
+    - ``metrics``: the columns it fills in the report's quality table, in order.
+    - ``report(cells, figures, name) -> [Plot | Table]``: its own plots and tables, given the
+      report's cells of this task (``harness.figures``); ``name`` prefixes plot file names.
+    """
+
+    name: str
+    config: type
+    axes: tuple[str, ...]
+    run: Callable[[dict], dict]
+    d_keys: Callable[[Any, dict], list[int]] = _d_key_axis
+    any_device: bool = False
+    metrics: tuple[str, ...] = ()
+    report: Callable[..., list] | None = None
+
+
+def register(task: Task) -> Task:
+    """Make ``task`` known to scenarios, the runner and the report."""
+    if task.name in _TASKS:
+        raise ValueError(f"task {task.name!r} is registered twice")
+    _TASKS[task.name] = task
+    return task
+
+
+def _load_builtin() -> None:
+    global _builtin_loaded
+    if not _builtin_loaded:
+        _builtin_loaded = True
+        for module in BUILTIN:
+            importlib.import_module(module)
+
+
+def names() -> list[str]:
+    """The registered task names, the shipped ones first."""
+    _load_builtin()
+    return list(_TASKS)
+
+
+def get(name: str) -> Task:
+    """The task registered as ``name``; KeyError naming the known ones otherwise."""
+    _load_builtin()
+    if name not in _TASKS:
+        raise KeyError(f"unknown task {name!r}; known tasks: {', '.join(_TASKS)} (a plugin registers more with harness.tasks.register)")
+    return _TASKS[name]
+
+
+def tasks() -> list[Task]:
+    """Every registered task, the shipped ones first."""
+    _load_builtin()
+    return list(_TASKS.values())

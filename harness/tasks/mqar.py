@@ -19,13 +19,17 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
 import variants
 from variants.conv import ShortConv
+
+from . import Task, register
 
 IGNORE = -100
 SCHEDULES = ("cosine", "none")
@@ -304,3 +308,57 @@ def run_mqar(
         "seed": result.seed,
         "evaluations": [list(e) for e in result.evaluations],
     }
+
+
+# --- the task, as scenarios, the runner and the report see it ---------------------------------
+
+
+class MQARConfig(BaseModel):
+    """A scenario's ``task:`` section for multi-query associative recall (Arora et al. 2023, Zoology)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: Literal["mqar"]
+    steps: int = Field(2000, ge=1)
+    batch: int = Field(64, ge=1)
+    lr: float = Field(1e-3, gt=0)
+    eval_every: int = Field(100, ge=1)
+    num_pairs: int | None = Field(None, ge=1)
+    vocab_size: int = Field(256, ge=4)
+    seed: int = 0
+
+
+def run_cell(cell: dict) -> dict:
+    """Train and evaluate one cell (axes seq_len and d_model)."""
+    config = MQARConfig.model_validate(cell["task"]).model_dump(exclude={"name"})
+    params = dict(cell["params"], backend=cell["backend"])
+    return run_mqar(cell["variant"], params, seq_len=cell["axes"]["seq_len"], d_model=cell["axes"]["d_model"], **config)
+
+
+def _accuracy_plot(cells, figures, name: str):
+    """Accuracy against sequence length, one line per variant, one panel per model width."""
+    ok = cells[(cells["status"] == "ok") & cells["metrics.accuracy"].notna()]
+    if ok.empty:
+        return None
+    from ..figures import new_figure
+
+    widths = sorted(ok["axes.d_model"].unique())
+    figure, axes = new_figure(len(widths))
+    for ax, width in zip(axes, widths):
+        for series, group in ok[ok["axes.d_model"] == width].sort_values("axes.seq_len").groupby("series"):
+            ax.plot(group["axes.seq_len"], group["metrics.accuracy"], color=figures.colours[series], marker="o")
+        ax.set(title=f"d_model {int(width)}", xlabel="sequence length", ylabel="accuracy", ylim=(0, 1.02))
+    figures.legend(figure, ok, False)
+    title = "MQAR accuracy against sequence length"
+    return figures.save(figure, f"{name}-mqar", title, f"{title}: best evaluation accuracy on the queried values; one panel per model width.")
+
+
+def report_sections(cells, figures, name: str) -> list:
+    """The accuracy plot."""
+    return [_accuracy_plot(cells, figures, name)] if "metrics.accuracy" in cells else []
+
+
+register(Task(
+    name="mqar", config=MQARConfig, axes=("seq_len", "d_model"), run=run_cell, d_keys=lambda config, axes: axes["d_model"],
+    metrics=("accuracy",), report=report_sections,
+))

@@ -15,12 +15,16 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
 import variants
+
+from . import Task, register
 
 SETTINGS = (1, 2)
 
@@ -266,3 +270,88 @@ def run_retrieval(variant: str, params: dict, *, setting: int, S: int, d_key: in
         "seed": result.seed,
         "evaluations": [list(e) for e in result.evaluations],
     }
+
+
+# --- the task, as scenarios, the runner and the report see it ---------------------------------
+
+
+class RetrievalConfig(BaseModel):
+    """A scenario's ``task:`` section for associative retrieval (Schlag et al. 2021, §6.1)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: Literal["retrieval"] = "retrieval"
+    setting: Literal[1, 2] = 1
+    max_steps: int = Field(20000, ge=1)
+    eval_every: int = Field(100, ge=1)
+    patience: int = Field(10, ge=1)
+    target_loss: float = Field(1e-3, gt=0)
+    lr: float = Field(1e-3, gt=0)
+    batch: int = Field(32, ge=1)
+    seed: int = 0
+
+
+def run_cell(cell: dict) -> dict:
+    """Train and evaluate one cell (axes S and d_key); its metrics also carry the variant's d_dot,
+    the capacity its loss is read against."""
+    config = RetrievalConfig.model_validate(cell["task"]).model_dump(exclude={"name"})
+    axes = cell["axes"]
+    metrics = run_retrieval(cell["variant"], dict(cell["params"], backend=cell["backend"]), S=axes["S"], d_key=axes["d_key"], **config)
+    metrics["d_dot"] = variants.create(cell["variant"], axes["d_key"], backend=cell["backend"], **cell["params"]).d_dot
+    return metrics
+
+
+def _setting(cells):
+    """Each cell's retrieval setting (1: capacity, 2: update rules); 1 where a record has none."""
+    import pandas as pd
+
+    return cells["task.setting"].fillna(1) if "task.setting" in cells else pd.Series(1, index=cells.index)
+
+
+def _capacity_plot(cells, figures, name: str):
+    """Setting 1: the best evaluation loss against the number of keys S, one line per variant,
+    each variant's d_dot marked on the axis in its colour (Schlag et al. 2021, Fig. 2)."""
+    from ..figures import new_figure
+
+    ok = cells[(cells["status"] == "ok") & cells["metrics.loss"].notna() & (_setting(cells) == 1)]
+    if ok.empty:
+        return None
+    figure, (ax,) = new_figure(1)
+    for series, group in ok.sort_values("axes.S").groupby("series"):
+        colour = figures.colours[series]
+        ax.plot(group["axes.S"], group["metrics.loss"], color=colour, marker="o")
+        if "metrics.d_dot" in group and group["metrics.d_dot"].notna().any():
+            ax.axvline(group["metrics.d_dot"].dropna().iloc[0], color=colour, linestyle=":", linewidth=1)
+    ax.set(xlabel="number of keys S", ylabel="best evaluation loss", title="retrieval")
+    figures.legend(figure, ok, False)
+    title = "Retrieval loss against the number of keys"
+    caption = f"{title}: one line per variant; the dotted line in a variant's colour marks its d_dot (its memory's capacity)."
+    return figures.save(figure, f"{name}-capacity", title, caption)
+
+
+def _update_rules_table(cells):
+    """Setting 2 (Schlag et al. 2021, §6.1.2): one row per update rule, one column per number of
+    keys S, each entry the best evaluation loss and the steps it took."""
+    from ..figures import table
+    from ..formatting import text
+
+    rules = cells[(cells["status"] == "ok") & cells["metrics.loss"].notna() & (_setting(cells) == 2)]
+    if rules.empty:
+        return None
+    entry = rules.assign(entry=[f"{loss:.4g} ({steps:.0f} steps)" for loss, steps in zip(rules["metrics.loss"], rules["metrics.steps"])])
+    pivot = entry.pivot_table(index="series", columns="axes.S", values="entry", aggfunc="last").reset_index()
+    columns = [("update rule", "series", text)] + [(f"S = {int(S)}", S, text) for S in pivot.columns[1:]]
+    caption = "Setting 2 (L = 2S pairs with replacement; the answer is the most recent value): best evaluation loss (steps taken)."
+    return table("Retrieval: update rules", pivot, columns, caption)
+
+
+def report_sections(cells, figures, name: str) -> list:
+    """The capacity plot (setting 1) and the update-rules table (setting 2)."""
+    if "metrics.loss" not in cells:
+        return []
+    return [_capacity_plot(cells, figures, name), _update_rules_table(cells)]
+
+
+register(Task(
+    name="retrieval", config=RetrievalConfig, axes=("S", "d_key"), run=run_cell, metrics=("loss",), report=report_sections,
+))

@@ -1,0 +1,53 @@
+"""How numbers are written in tables and reports: times with units, ratios, SI suffixes, sizes."""
+
+from __future__ import annotations
+
+import math
+
+MIB = 2**20
+
+
+def present(value) -> bool:
+    """False for None and NaN (the holes pandas leaves when flattening dicts), else True."""
+    return value is not None and not (isinstance(value, float) and math.isnan(value))
+
+
+def format_seconds(value) -> str:
+    """A time with its unit: ``812 µs``, ``20.3 ms``, ``1.25 s``; ``-`` for a missing value."""
+    if not present(value):
+        return "-"
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6)):
+        if abs(value) >= scale:
+            return f"{value / scale:.3g} {unit}"
+    return f"{value / 1e-9:.3g} ns"
+
+
+def format_ratio(value) -> str:
+    return "-" if not present(value) else f"{value:.3f}"
+
+
+def text(value) -> str:
+    """A table entry: ``-`` for a missing value, floats to four significant digits."""
+    if not present(value):
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+def si(value) -> str:
+    """``214k``, ``1.23M``: three significant digits with a k/M/G suffix."""
+    if not present(value):
+        return "-"
+    for suffix, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(value) >= scale:
+            return f"{value / scale:.3g}{suffix}"
+    return f"{value:.3g}"
+
+
+def mib(value) -> str:
+    return "-" if not present(value) else f"{value / MIB:.1f} MiB"
+
+
+def gib(value) -> str:
+    return "-" if not present(value) else f"{value / 2**30:.1f} GiB"
