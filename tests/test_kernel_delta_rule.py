@@ -3,7 +3,7 @@ reference ``variants.chunked.delta_rule_chunked``: forward, final state and ever
 
 Without a CUDA GPU the kernels run through Triton's interpreter on the CPU (TRITON_INTERPRET=1
 must be set before triton is imported, hence the top of this file); with one, natively on
-"cuda". Every test runs with the kernel module's POISON flag set, so an output element a
+"cuda". Every test runs with the kernels' POISON flag set, so an output element a
 kernel forgets to write is NaN and fails the finiteness checks.
 """
 
@@ -19,7 +19,9 @@ if not torch.cuda.is_available():
 
 triton = pytest.importorskip("triton")
 
+import variants  # noqa: E402
 from variants.chunked import delta_rule_chunked  # noqa: E402
+from variants.kernels import _common  # noqa: E402
 from variants.kernels import delta_rule as kernel  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -34,7 +36,7 @@ TOL_FP32 = 1e-4
 @pytest.fixture(autouse=True)
 def poison(monkeypatch):
     """Every buffer the kernels write starts as NaN."""
-    monkeypatch.setattr(kernel, "POISON", True)
+    monkeypatch.setattr(_common, "POISON", True)
 
 
 def make_inputs(batch, heads, length, d_dot, d_value, *, initial_state, features, seed):
@@ -209,22 +211,22 @@ def test_half_precision_inputs(dtype, seed):
 @pytest.mark.parametrize(
     "d_dot, d_value, message",
     [
-        (384, 64, "delta_rule_triton supports d_dot and d_value up to 256, got d_dot=384: use backend='torch'"),
-        (64, 320, "got d_value=320"),
+        (384, 64, "delta_rule_triton supports d_dot and d_value up to 256, got d_dot=384, d_value=64: use backend='torch'"),
+        (64, 320, "got d_dot=64, d_value=320"),
     ],
 )
 def test_head_dims_above_256_are_refused(d_dot, d_value, message):
     q = torch.zeros(1, 1, 4, d_dot, device=DEVICE)
     v = torch.zeros(1, 1, 4, d_value, device=DEVICE)
     beta = torch.zeros(1, 1, 4, device=DEVICE)
-    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(variants.UnsupportedBackend, match=message.replace("(", r"\(").replace(")", r"\)")):
         kernel.delta_rule_triton(q, q, v, beta)
 
 
 @pytest.mark.parametrize("chunk_size", [0, 129, 16.0])
 def test_bad_chunk_size_is_refused(chunk_size):
     q = torch.zeros(1, 1, 4, 16, device=DEVICE)
-    with pytest.raises(ValueError, match="chunk_size"):
+    with pytest.raises(variants.VariantError, match="chunk_size"):
         kernel.delta_rule_triton(q, q, q, torch.zeros(1, 1, 4, device=DEVICE), chunk_size=chunk_size)
 
 

@@ -19,6 +19,7 @@ pytest.importorskip("triton")
 
 import variants  # noqa: E402
 from variants.chunked import sum_rule_chunked  # noqa: E402
+from variants.kernels import _common  # noqa: E402
 from variants.kernels import sum_rule as kernel_module  # noqa: E402
 from variants.kernels.sum_rule import sum_rule_triton  # noqa: E402
 
@@ -28,7 +29,7 @@ F64 = torch.float64
 
 @pytest.fixture(autouse=True)
 def poison(monkeypatch):
-    monkeypatch.setattr(kernel_module, "POISON", True)
+    monkeypatch.setattr(_common, "POISON", True)
 
 
 def _inputs(batch, heads, length, d_dot, d_value, *, normalize, initial, seed):
@@ -211,15 +212,15 @@ def test_half_precision_accumulates_in_float32(dtype, seed):
 def test_poison_marks_unwritten_elements():
     """The helper the kernels allocate through fills with NaN while POISON is set."""
     like = torch.zeros(1, device=DEVICE)
-    assert torch.isnan(kernel_module._new_output((3, 4), like)).all()
-    assert kernel_module._new_output((3, 4), like, torch.float16).dtype == torch.float16
+    assert torch.isnan(_common.new_output((3, 4), like)).all()
+    assert _common.new_output((3, 4), like, torch.float16).dtype == torch.float16
 
 
 @pytest.mark.parametrize(("d_dot", "d_value"), [(384, 64), (64, 320)])
 def test_dims_above_256_are_an_error(d_dot, d_value):
     q = torch.rand(1, 1, 4, d_dot, device=DEVICE)
     v = torch.rand(1, 1, 4, d_value, device=DEVICE)
-    with pytest.raises(ValueError, match=f"up to 256, got d_dot={d_dot}, d_value={d_value}: use backend='torch'"):
+    with pytest.raises(variants.UnsupportedBackend, match=f"up to 256, got d_dot={d_dot}, d_value={d_value}: use backend='torch'"):
         sum_rule_triton(q, q, v, normalize=True)
 
 
@@ -232,5 +233,5 @@ def test_input_errors():
         sum_rule_triton(q, q, v, torch.zeros(1, 1, 8, 7, device=DEVICE), normalize=False)
     with pytest.raises(variants.VariantError, match="chunk_size"):
         sum_rule_triton(q, q, v, normalize=False, chunk_size=0)
-    with pytest.raises(ValueError, match="float64"):
+    with pytest.raises(variants.UnsupportedBackend, match="float64"):
         sum_rule_triton(q.double(), q.double(), v.double(), normalize=False)

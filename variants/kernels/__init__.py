@@ -1,5 +1,8 @@
 """Triton kernels for the two linear-time rules, one file per rule, each with its autograd
-wrapper: ``sum_rule.sum_rule_triton`` and ``delta_rule.delta_rule_triton``.
+wrapper: ``sum_rule.sum_rule_triton`` and ``delta_rule.delta_rule_triton``; what they share
+(buffers, tile sizes, checks, the launch, @triton.jit tile helpers) is in ``_common``. Each rule
+module also lists what ``attnbench kernels`` compiles: ``compile_configs()``, ``config_label(config)``
+and ``record_launches(config, capability)``.
 
 They are imported lazily (``load``), after the caller chose the backend, because Triton
 decides at import time whether its kernels run natively or through its interpreter
@@ -15,6 +18,8 @@ import os
 from ..base import UnsupportedBackend, VariantError
 
 BACKENDS = ("torch", "triton")
+#: The kernel modules, one per rule.
+RULES = ("sum_rule", "delta_rule")
 #: The largest d_dot and d_value the Triton kernels take.
 MAX_HEAD_DIM = 256
 

@@ -1,0 +1,247 @@
+"""What the two Triton kernel files share: output buffers, the dot precision, tile sizes, input
+checks, the launch, @triton.jit tile helpers, and the recording of launches that
+``attnbench kernels`` compiles for GPU targets without a GPU.
+
+Constexpr names, the same in every kernel: ``BLOCK_C`` the chunk padded to a power of two ≥ 16,
+``BLOCK_F`` / ``BLOCK_V`` the rows (d_dot side) / columns (d_value side) of the state one program
+holds, ``PAD_V`` d_value padded (the row stride of padded internal buffers), ``PRECISION`` the
+``tl.dot`` input precision. Runtime sizes: ``seq_len, d_dot, d_value, chunk_size, num_chunks``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from ..base import UnsupportedBackend, VariantError
+from . import MAX_HEAD_DIM
+
+#: Tests set this: new outputs and gradients start as NaN, so an element no kernel writes shows.
+POISON = False
+#: tl.dot precision for float32 inputs ("ieee": true fp32; "tf32" is faster and ~1e-3 relative).
+FP32_DOT_PRECISION = "ieee"
+#: The first compute capability (×10) with TF32 tensor cores (A100, sm_80).
+TF32_CAPABILITY = 80
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+#: Shapes ``attnbench kernels`` compiles: B·H and T of the reference shape; head dims (d_dot = d_value)
+#: with the default chunk, the chunk sizes of the chunk-size scenario at d = 64, and the d-dot-sweep's
+#: wide keys (d_dot 128 and 256 with d_value 64).
+REFERENCE_BATCH, REFERENCE_HEADS, REFERENCE_SEQ_LEN = 1, 8, 16384
+HEAD_DIMS = (16, 32, 64, 128, 256)
+CHUNK_SIZES = (16, 32, 64, 128)
+WIDE_KEYS = (128, 256)
+DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+_recording: list | None = None
+_recording_capability: int | None = None
+
+
+def pad(n: int) -> int:
+    """``n`` rounded up to a power of two, at least 16 (tl.dot's smallest tile)."""
+    return max(16, triton.next_power_of_2(n))
+
+
+def new_output(shape, like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A buffer a kernel writes, on ``like``'s device: NaN-filled when ``POISON`` is set, else uninitialised."""
+    dtype = like.dtype if dtype is None else dtype
+    if POISON:
+        return torch.full(shape, float("nan"), dtype=dtype, device=like.device)
+    return torch.empty(shape, dtype=dtype, device=like.device)
+
+
+def capability(device: torch.device) -> int | None:
+    """Compute capability ×10 of a CUDA device (80 for sm_80), the recorded target on "meta", None on the CPU."""
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        return 10 * major + minor
+    return _recording_capability if device.type == "meta" else None
+
+
+def dot_precision(dtype: torch.dtype, capability: int | None) -> str:
+    """``tl.dot`` precision: ``FP32_DOT_PRECISION`` for float32; TF32 for 16-bit inputs (exact on them)
+    where TF32 tensor cores exist (sm_80 on, and the interpreter), else IEEE fp32 FMAs (sm_70)."""
+    if dtype == torch.float32:
+        return FP32_DOT_PRECISION
+    return "ieee" if capability is not None and capability < TF32_CAPABILITY else "tf32"
+
+
+class Tiles:
+    """Sizes of one call and what every kernel of a rule launches with (no autotuning). Each rule's
+    subclass sets ``block_f``, ``block_v`` (the state block of one program), ``num_warps`` and ``num_stages``."""
+
+    def __init__(self, batch, heads, seq_len, d_dot, d_value, chunk_size, dtype, device):
+        self.batch, self.heads, self.seq_len, self.d_dot, self.d_value = batch, heads, seq_len, d_dot, d_value
+        self.bh = batch * heads
+        self.chunk_size = chunk_size
+        self.num_chunks = triton.cdiv(seq_len, chunk_size)
+        self.block_c, self.pad_f, self.pad_v = pad(chunk_size), pad(d_dot), pad(d_value)
+        self.precision = dot_precision(dtype, capability(device))
+
+    def sizes(self) -> tuple[int, ...]:
+        """The runtime size arguments every kernel takes: ``seq_len, d_dot, d_value, chunk_size, num_chunks``."""
+        return (self.seq_len, self.d_dot, self.d_value, self.chunk_size, self.num_chunks)
+
+    def options(self) -> dict:
+        return dict(num_warps=self.num_warps, num_stages=self.num_stages)
+
+
+def check_inputs(name: str, kernel, q, k, v, *others) -> None:
+    """Shapes ``q, k: [B, H, T, F]``, ``v: [B, H, T, Dv]``, F and Dv ≤ MAX_HEAD_DIM, one dtype among
+    ``SUPPORTED_DTYPES`` for q, k, v, one device for all (``others`` may hold None), and a device
+    ``kernel`` runs on: CUDA, the CPU through the interpreter, or "meta" while recording."""
+    if any(not isinstance(t, torch.Tensor) or t.dim() != 4 for t in (q, k, v)) or k.shape != q.shape or v.shape[:3] != q.shape[:3]:
+        shapes = ", ".join(f"{n} {tuple(getattr(t, 'shape', ()))}" for n, t in (("q", q), ("k", k), ("v", v)))
+        raise VariantError(f"{name} expects q, k: [B, H, T, F] and v: [B, H, T, Dv], got {shapes}")
+    d_dot, d_value = q.shape[-1], v.shape[-1]
+    if d_dot > MAX_HEAD_DIM or d_value > MAX_HEAD_DIM:
+        raise UnsupportedBackend(
+            f"{name} supports d_dot and d_value up to {MAX_HEAD_DIM}, got d_dot={d_dot}, d_value={d_value}: use backend='torch'"
+        )
+    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in SUPPORTED_DTYPES:
+        raise UnsupportedBackend(
+            f"{name} takes q, k, v of one dtype among float32, float16, bfloat16, got {q.dtype}, {k.dtype}, {v.dtype}: use backend='torch'"
+        )
+    devices = {t.device for t in (q, k, v, *others) if t is not None}
+    if len(devices) != 1:
+        raise VariantError(f"{name}: all tensors must be on one device, got {sorted(map(str, devices))}")
+    device = q.device
+    if device.type == "cpu" and isinstance(kernel, triton.runtime.JITFunction):
+        raise UnsupportedBackend(f"{name} on CPU tensors needs Triton's interpreter: set TRITON_INTERPRET=1 before triton is imported")
+    if device.type not in ("cpu", "cuda") and not (device.type == "meta" and _recording is not None):
+        raise VariantError(f"{name} runs on CUDA devices (or the CPU interpreter), got {device.type}")
+
+
+def check_chunk_size(name: str, chunk_size, maximum: int | None = None) -> None:
+    """A positive int (not a bool), at most ``maximum`` when given."""
+    if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1 or (maximum is not None and chunk_size > maximum):
+        bound = f"an int in [1, {maximum}]" if maximum is not None else "a positive int"
+        raise VariantError(f"{name}: chunk_size must be {bound}, got {chunk_size!r}")
+
+
+def launch(kernel, grid, *args, options: dict, name: str | None = None, **constexprs) -> None:
+    """``kernel[grid](*args, **constexprs, **options)`` on the device of the first tensor argument;
+    while ``recording``, the launch is kept as a :class:`Launch` instead (``name`` labels it)."""
+    if _recording is not None:
+        _recording.append(Launch(name or kernel.__name__.strip("_").removesuffix("_kernel"), kernel, tuple(grid), args, constexprs, options))
+        return
+    device = next(a.device for a in args if isinstance(a, torch.Tensor))
+    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+        kernel[grid](*args, **constexprs, **options)
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """One recorded kernel launch: the @triton.jit function, its grid, its arguments (tensors on
+    "meta" and ints, in order), its constexprs and its options (num_warps, num_stages)."""
+
+    name: str
+    kernel: object
+    grid: tuple[int, ...]
+    args: tuple
+    constexprs: dict
+    options: dict
+
+    @property
+    def programs(self) -> int:
+        return math.prod(self.grid)
+
+
+@contextlib.contextmanager
+def recording(target_capability: int):
+    """Collect the launches of host code run on "meta" tensors (nothing runs), planning for a GPU of
+    compute capability ``target_capability`` (×10)."""
+    global _recording, _recording_capability
+    if _recording is not None:
+        raise RuntimeError("recording is not reentrant")
+    _recording, _recording_capability = [], target_capability
+    try:
+        yield _recording
+    finally:
+        _recording, _recording_capability = None, None
+
+
+def shipped_shapes():
+    """``(dtype, d_dot, d_value, chunk_size or None for the default)`` of every shipped configuration."""
+    for dtype in DTYPE_NAMES:
+        for d in HEAD_DIMS:
+            yield dtype, d, d, None
+        for chunk in CHUNK_SIZES:
+            yield dtype, 64, 64, chunk
+        for d_dot in WIDE_KEYS:
+            yield dtype, d_dot, 64, None
+
+
+def meta_tensor(*shape, dtype=torch.float32) -> torch.Tensor:
+    """A "meta" leaf that requires grad (no memory: recording only needs shapes and dtypes)."""
+    return torch.empty(shape, dtype=dtype, device="meta", requires_grad=True)
+
+
+def record_training_step(entry, capability: int, inputs: list, **kwargs) -> list[Launch]:
+    """The launches of ``entry(*inputs, **kwargs)`` and of the backward of its first output into
+    every input (a training step), planned for ``capability``."""
+    with recording(capability) as launches:
+        out = entry(*inputs, **kwargs)[0]
+        torch.autograd.grad(out, [t for t in inputs if t is not None and t.requires_grad], torch.empty_like(out))
+    return launches
+
+
+# --------------------------------------------------------------------------------------
+# @triton.jit helpers. Token tensors are contiguous [B·H, seq_len, width]; states [B·H, d_dot, d_value].
+# --------------------------------------------------------------------------------------
+
+
+@triton.jit
+def chunk_rows(chunk, seq_len, chunk_size, BLOCK_C: tl.constexpr):
+    """Token indices of chunk ``chunk`` and which of them are real (inside the chunk and the sequence)."""
+    rows = tl.arange(0, BLOCK_C)
+    tokens = chunk * chunk_size + rows
+    return tokens, (rows < chunk_size) & (tokens < seq_len)
+
+
+@triton.jit
+def token_tile(bh, seq_len, tokens, token_ok, cols, width):
+    """Offsets and mask of ``tokens`` (where ``token_ok``), columns ``cols`` of a [B·H, seq_len, width] tensor."""
+    offs = bh * seq_len * width + tokens[:, None] * width + cols[None, :]
+    mask = token_ok[:, None] & (cols < width)[None, :]
+    return offs, mask
+
+
+@triton.jit
+def load_tokens(ptr, bh, chunk, seq_len, width, chunk_size, col_start, BLOCK_C: tl.constexpr, BLOCK: tl.constexpr):
+    """Chunk ``chunk``, columns col_start .. col_start + BLOCK of a [B·H, seq_len, width] tensor, as
+    float32 [BLOCK_C, BLOCK] with zeros outside (padding)."""
+    tokens, token_ok = chunk_rows(chunk, seq_len, chunk_size, BLOCK_C)
+    offs, mask = token_tile(bh, seq_len, tokens, token_ok, col_start + tl.arange(0, BLOCK), width)
+    return tl.load(ptr + offs, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def store_tokens(ptr, values, bh, chunk, seq_len, width, chunk_size, col_start, BLOCK_C: tl.constexpr, BLOCK: tl.constexpr):
+    """The inverse of ``load_tokens``: masked store, cast to the buffer's dtype."""
+    tokens, token_ok = chunk_rows(chunk, seq_len, chunk_size, BLOCK_C)
+    offs, mask = token_tile(bh, seq_len, tokens, token_ok, col_start + tl.arange(0, BLOCK), width)
+    tl.store(ptr + offs, values.to(ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def state_tile(bh, rows, cols, d_dot, d_value):
+    """Offsets and mask of rows ``rows``, columns ``cols`` of a contiguous [B·H, d_dot, d_value] state."""
+    offs = bh * d_dot * d_value + rows[:, None] * d_value + cols[None, :]
+    mask = (rows < d_dot)[:, None] & (cols < d_value)[None, :]
+    return offs, mask
+
+
+@triton.jit
+def load_or_zeros(ptr, offs, mask, PRESENT: tl.constexpr):
+    """``ptr[offs]`` as float32 (masked, 0 outside) when ``PRESENT``, else float32 zeros of ``offs``'s shape."""
+    if PRESENT:
+        values = tl.load(ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    else:
+        values = tl.zeros(offs.shape, dtype=tl.float32)
+    return values
