@@ -11,6 +11,7 @@ from pathlib import Path
 #: What ``attnbench run`` measures when no scenario is named.
 CPU_DEFAULT = [("smoke-cpu", None)]
 GPU_DEFAULT = [("seq-sweep", "gpu"), ("d-dot-sweep", "gpu"), ("decode", "gpu"), ("paper-small-lm", "gpu")]
+EXIT_ERROR = 2
 EXIT_INTERRUPTED = 130
 
 
@@ -49,19 +50,25 @@ def _run(args) -> int:
             for cell in cells:
                 print(f"  {cell['cell_id']}  {describe(cell)}")
         return 0
+    if args.retry_failed and not args.resume:
+        print("error: --retry-failed re-runs the failed cells of a results file: use it with --resume", file=sys.stderr)
+        return 2
     command = "attnbench " + " ".join(shlex.quote(arg) for arg in sys.argv[1:])
     for scenario in loaded:
-        try:
-            summary = runner.run(scenario, args.out, resume=args.resume or False, plugins=plugins, command=command, progress=not args.no_progress)
-        except (FileNotFoundError, RuntimeError) as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
+        summary = runner.run(
+            scenario, args.out, resume=args.resume or False, retry_failed=args.retry_failed, plugins=plugins, command=command,
+            progress=not args.no_progress,
+        )
         counts = ", ".join(f"{count} {status}" for status, count in sorted(summary.statuses.items())) or "nothing new"
         done = f", {summary.skipped_as_done} already done" if summary.skipped_as_done else ""
         print(f"{scenario.name}: {summary.total} cells ({counts}{done}) in {summary.seconds:.1f} s -> {summary.path}")
         if summary.interrupted:
             print(f"interrupted: every finished cell is in {summary.path}; continue with the same command and --resume", file=sys.stderr)
             return EXIT_INTERRUPTED
+        if summary.write_error:
+            print(f"error: {summary.write_error}; the run stopped. Free space, then continue with the same command and --resume",
+                  file=sys.stderr)
+            return EXIT_ERROR
     return 0
 
 
@@ -174,8 +181,15 @@ def _data_download(args) -> int:
     return 0
 
 
+def _kernels(args) -> int:
+    from .kernel_table import command
+
+    return command(args.arch, args.json, rules=args.rule, dtypes=args.dtype, head_dims=args.d, workers=args.jobs)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="attnbench", description="Benchmark attention variants across hardware.")
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
     commands = parser.add_subparsers(dest="command", required=True)
 
     run = commands.add_parser("run", help="measure scenarios (default: smoke-cpu, or the GPU set where CUDA is present)")
@@ -185,6 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a field: seq_len=1024, measure.repeats=3")
     run.add_argument("--dry-run", action="store_true", help="list the expanded cells and measure nothing")
     run.add_argument("--resume", nargs="?", const=True, metavar="FILE", help="continue the latest (or the given) results file")
+    run.add_argument("--retry-failed", action="store_true", help="with --resume: also run again the cells that failed (oom, error, crashed, nan)")
     run.add_argument("--plugin", action="append", help="module or .py file registering extra variants or tasks (also ATTNBENCH_PLUGINS)")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
     run.set_defaults(handler=_run)
@@ -251,12 +266,48 @@ def build_parser() -> argparse.ArgumentParser:
     fetch.add_argument("name", help="wikitext-2, wikitext-103, multi30k (wmt14-newstest2014: prints the sacrebleu command)")
     fetch.add_argument("--to", required=True, help="the data root; files land in TO/NAME/ (point $ATTNBENCH_DATA at TO)")
     fetch.set_defaults(handler=_data_download)
+
+    kernels = commands.add_parser("kernels", help="compile every Triton kernel for GPU targets (no GPU needed): registers, spills, occupancy, MMA")
+    kernels.add_argument("--arch", default="sm_70,sm_80,sm_90", help="comma-separated targets among sm_70, sm_80, sm_90 (default: all three)")
+    kernels.add_argument("--json", type=Path, help="also write the rows to this JSON file")
+    kernels.add_argument("--rule", help="only these kernel files, e.g. sum_rule,delta_rule (default: all)")
+    kernels.add_argument("--dtype", help="only these input dtypes, e.g. bf16,fp32 (default: fp32, fp16, bf16)")
+    kernels.add_argument("--d", help="only d_dot = d_value in this list, default chunk, e.g. 64,256 (default: every shipped shape)")
+    kernels.add_argument("--jobs", type=int, help="compiler processes (default: one per CPU)")
+    kernels.set_defaults(handler=_kernels)
+    for leaf in (*commands.choices.values(), fetch):
+        leaf.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show the traceback of an error")
     return parser
 
 
+def _user_errors() -> tuple[type[BaseException], ...]:
+    """The exceptions that mean bad input or an unusable environment, not a bug of attnbench."""
+    from .locking import LockedError
+    from .results import ResultsFileError
+    from .runner import RunError
+    from .scenario import ScenarioError
+
+    return ScenarioError, ResultsFileError, RunError, LockedError, OSError
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run one command. An error is one line on stderr and exit code 2 (``--debug``: the
+    traceback too); Ctrl-C is exit code 130, without a traceback."""
     args = build_parser().parse_args(argv)
-    return args.handler(args)
+    try:
+        return args.handler(args)
+    except KeyboardInterrupt:
+        if args.debug:
+            raise
+        print("interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except Exception as exc:
+        if args.debug:
+            raise
+        known = isinstance(exc, _user_errors())
+        message = str(exc) if known else f"{type(exc).__name__}: {exc} (an attnbench bug? --debug shows the traceback)"
+        print(f"error: {message}", file=sys.stderr)
+        return EXIT_ERROR
 
 
 if __name__ == "__main__":

@@ -19,13 +19,12 @@ import numpy as np
 import pandas as pd
 
 from .formatting import format_ratio, format_seconds, present
-from .results import load
+from .results import FAILED, load
 
 EXIT_OK = 0  #: no regression
 EXIT_REGRESSION = 1  #: at least one cell is worse or newly failing
 EXIT_INCOMPARABLE = 2  #: the inputs cannot be compared (different machines, nothing in common, usage error)
 
-FAILING = ("oom", "error", "nan")
 REGRESSION_MARKS = ("worse", "newly failing")
 #: Every mark, most alarming first (the order of rows without a ratio).
 MARKS = (
@@ -197,11 +196,11 @@ def _judge_statuses(pair: dict) -> tuple[str, str] | None:
     if "skipped" in (base, head):
         side = "base" if base == "skipped" else "head"
         return "not comparable", _message(pair, side)
-    if base == "ok" and head in FAILING:
+    if base == "ok" and head in FAILED:
         return "newly failing", _message(pair, "head")
-    if base in FAILING and head == "ok":
+    if base in FAILED and head == "ok":
         return "fixed", _message(pair, "base")
-    if base in FAILING and head in FAILING:
+    if base in FAILED and head in FAILED:
         return "still failing", _message(pair, "head")
     return None
 

@@ -81,7 +81,7 @@ class Figures:
         if len(machines) > 1:
             handles += [Line2D([], [], color="black", linestyle=self.styles[m], label=m) for m in machines]
         if failures:
-            handles.append(Line2D([], [], color="black", label="failed (oom / error / nan)", **FAILURE_MARK))
+            handles.append(Line2D([], [], color="black", label="failed (oom / error / crashed / nan)", **FAILURE_MARK))
         figure.legend(handles=handles, loc="outside right upper", fontsize="small")
 
 

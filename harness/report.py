@@ -28,14 +28,13 @@ from . import tasks
 from .compare import CELL_KEY, CompareResult, identify, latest
 from .figures import FAILURE_MARK, Figures, Plot, Table, natural, natural_columns, new_figure, table
 from .formatting import MIB, format_ratio, format_seconds, gib, mib, present, si, text
-from .results import load, read_records
+from .results import FAILED, load, read_records
 
 #: Axes that can be the x axis of a plot, in order of preference (after a task's own axes).
 X_CANDIDATES = ("seq_len", "batch", "heads", "d_key", "d_value", "new_tokens")
 #: Axes that, when they vary within one line, become part of its label.
 LABEL_AXES = X_CANDIDATES + ("dtype", "device", "model")
 TIMED_MODES = ("forward", "train", "decode")
-FAILED = ("oom", "error", "nan")
 #: The quality table's columns after those of the tasks (``harness.tasks.Task.metrics``).
 COMMON_QUALITY_METRICS = ("words_per_s", "peak_mem_bytes", "wall_s")
 DASHES = ("-", "--", ":", "-.")

@@ -16,7 +16,11 @@ from pathlib import Path
 import pandas as pd
 
 SCHEMA_VERSION = 1
-STATUSES = ("ok", "oom", "error", "nan", "skipped")
+STATUSES = ("ok", "oom", "error", "crashed", "nan", "skipped")
+#: The statuses of a cell that ran and failed; ``attnbench run --resume --retry-failed`` runs them again.
+FAILED = ("oom", "error", "crashed", "nan")
+#: The timing metrics of an ``ok`` cell: when present, finite numbers >= 0 (``samples_s`` a list of them).
+TIMINGS = ("median_s", "p20_s", "p80_s", "iqr_s", "samples_s")
 
 #: Keys a record must carry (before ``kind`` and ``schema`` are added).
 REQUIRED = {
@@ -36,6 +40,11 @@ _NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
 
 class ResultsFileError(ValueError):
     """A results file is missing or malformed; the message names the file (and line)."""
+
+
+class ResultsWriteError(OSError):
+    """A line could not be appended (full disk, file-size limit, I/O error); the file was cut
+    back to its last complete line, so it still loads and resumes."""
 
 
 def _encode(value):
@@ -96,14 +105,21 @@ class ResultsWriter:
         self._append(data)
 
     def _append(self, data: bytes) -> None:
-        """One ``os.write`` of the whole line on an O_APPEND descriptor, then fsync."""
+        """One ``os.write`` of the whole line on an O_APPEND descriptor, then fsync. A write
+        that fails or falls short (a full disk) is undone: the file is cut back to its size
+        before it, and ``ResultsWriteError`` says so."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        size = os.fstat(fd).st_size
         try:
             written = os.write(fd, data)
             if written != len(data):
-                raise OSError(f"short write to {self.path}: {written} of {len(data)} bytes")
+                raise OSError(f"wrote {written} of {len(data)} bytes")
             os.fsync(fd)
+        except OSError as exc:
+            os.ftruncate(fd, size)
+            reason = exc.strerror or str(exc)
+            raise ResultsWriteError(f"cannot append to {self.path} ({reason}); it still holds every line written before") from None
         finally:
             os.close(fd)
 
@@ -146,6 +162,13 @@ def _check_cell(record: dict, run_ids: set, where: str) -> None:
         raise ResultsFileError(f"{where} belongs to run {record['run_id']!r}, which no run line above declares")
     if record["status"] not in STATUSES:
         raise ResultsFileError(f"{where} has status {record['status']!r}, not one of {', '.join(STATUSES)}")
+    if record["status"] == "ok":
+        metrics = record.get("metrics") or {}
+        for name in TIMINGS:
+            values = metrics.get(name)
+            for value in values if isinstance(values, list) else [] if values is None else [values]:
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                    raise ResultsFileError(f"{where}: an ok cell's metrics.{name} must hold finite numbers >= 0, got {value!r}")
 
 
 def read_records(path) -> list[dict]:
@@ -170,15 +193,17 @@ def read_records(path) -> list[dict]:
         if record["kind"] == "run":
             run_ids.add(record["run_id"])
         else:
-            _check_cell(record, run_ids, where)
             record["metrics"] = _decode(record.get("metrics", {}))
+            _check_cell(record, run_ids, where)
         records.append(record)
     return records
 
 
-def completed_cell_ids(path) -> set[str]:
-    """The cell_ids already recorded in ``path``, whatever their status (for ``--resume``)."""
-    return {record["cell_id"] for record in read_records(path) if record["kind"] == "cell"}
+def completed_cell_ids(path, *, retry_failed: bool = False) -> set[str]:
+    """The cell_ids already recorded in ``path`` (for ``--resume``): whatever their status, or
+    with ``retry_failed`` only those whose latest record did not fail (``FAILED``)."""
+    latest = {record["cell_id"]: record["status"] for record in read_records(path) if record["kind"] == "cell"}
+    return {cell_id for cell_id, status in latest.items() if not (retry_failed and status in FAILED)}
 
 
 def _expand(paths) -> list[Path]:

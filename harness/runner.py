@@ -9,10 +9,12 @@ measures only what is missing.
 
 from __future__ import annotations
 
+import ctypes
 import datetime as dt
 import gc
 import multiprocessing
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -25,8 +27,9 @@ from pathlib import Path
 from tqdm import tqdm
 
 from . import machine
+from .locking import MachineRuns, ResultsDirectoryLock, describe_runs
 from .plugins import load_plugins
-from .results import ResultsWriter, completed_cell_ids, read_records, repair_tail
+from .results import ResultsWriteError, ResultsWriter, completed_cell_ids, read_records, repair_tail
 from .scenario import LoadedScenario, describe
 
 #: glibc maps blocks of 64 KiB and more on their own and trims its heap at once, so freed
@@ -34,6 +37,9 @@ from .scenario import LoadedScenario, describe
 #: follows live memory to about 2 MiB.
 WORKER_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0", "MALLOC_TOP_PAD_": "0"}
 WORKER_START_TIMEOUT_S = 300
+PR_SET_PDEATHSIG = 1
+#: The cgroup (v2, then v1) counters of out-of-memory kills, read before and after a cell.
+OOM_COUNTERS = (Path("/sys/fs/cgroup/memory.events"), Path("/sys/fs/cgroup/memory/memory.oom_control"))
 #: The program of a worker that runs another checkout's code (``Worker(code_root=...)``): that
 #: checkout's own ``harness.runner._serve``, on the socket the parent passes as its file descriptor.
 CHECKOUT_WORKER = (
@@ -42,11 +48,24 @@ CHECKOUT_WORKER = (
 )
 
 
-def _serve(conn, plugins) -> None:
-    """The worker's loop: receive a cell, measure it, send back its result; ``None`` stops."""
+def die_with_parent() -> None:
+    """Ask Linux to SIGKILL this process when its parent dies (``prctl(PR_SET_PDEATHSIG)``), so a
+    worker never outlives a runner killed with ``kill -9`` and keeps measuring; a no-op elsewhere."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+
+
+def _serve(conn, plugins, parent_pid=None) -> None:
+    """The worker's loop: receive a cell, measure it, send back its result; ``None`` stops.
+    It starts with SIGINT ignored (``Worker._start``): Ctrl-C is the runner's to handle."""
     from .workloads import is_out_of_memory, measure_cell
 
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the runner's to handle: it stops the worker
+    die_with_parent()
+    if parent_pid is not None and os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(1)
     load_plugins(plugins)
     conn.send("ready")
     while (cell := conn.recv()) is not None:
@@ -68,6 +87,24 @@ def _empty_cuda_cache() -> None:
 
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+def _worker_preexec() -> None:
+    """In a checkout worker before it execs: SIGINT ignored, killed when the runner dies."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    die_with_parent()
+
+
+def oom_kills() -> int | None:
+    """Out-of-memory kills counted by this process's cgroup so far (None where not readable)."""
+    for path in OOM_COUNTERS:
+        try:
+            counters = dict(line.split() for line in path.read_text().splitlines() if len(line.split()) == 2)
+        except OSError:
+            continue
+        if "oom_kill" in counters:
+            return int(counters["oom_kill"])
+    return None
 
 
 class _CheckoutProcess:
@@ -132,15 +169,21 @@ class Worker:
     def _start_checkout(self, child) -> None:
         env = {**os.environ, **self.env, "PYTHONPATH": str(self.code_root)}
         command = [sys.executable, "-c", CHECKOUT_WORKER, str(child.fileno()), *self.plugins]
-        self.process = _CheckoutProcess(subprocess.Popen(command, cwd=self.code_root, env=env, pass_fds=[child.fileno()]))
+        popen = subprocess.Popen(command, cwd=self.code_root, env=env, pass_fds=[child.fileno()], preexec_fn=_worker_preexec)
+        self.process = _CheckoutProcess(popen)
 
     def _start_spawned(self, context, child) -> None:
         saved = {key: os.environ.get(key) for key in self.env}
         os.environ.update(self.env)
+        # A process that starts with SIGINT ignored keeps it ignored (Python installs its
+        # KeyboardInterrupt handler only over the default), so Ctrl-C, which the terminal sends
+        # to the whole process group, never reaches the worker even while it imports.
+        interrupt = signal.signal(signal.SIGINT, signal.SIG_IGN)
         try:
-            self.process = context.Process(target=_serve, args=(child, self.plugins), daemon=True)
+            self.process = context.Process(target=_serve, args=(child, self.plugins, os.getpid()), daemon=True)
             self.process.start()
         finally:
+            signal.signal(signal.SIGINT, interrupt)
             for key, value in saved.items():
                 if value is None:
                     os.environ.pop(key)
@@ -148,6 +191,7 @@ class Worker:
                     os.environ[key] = value
 
     def measure(self, cell: dict, timeout_s: float) -> dict:
+        oom_before = oom_kills()
         self.conn.send(cell)
         if not self.conn.poll(timeout_s):
             self.restart()
@@ -155,15 +199,22 @@ class Worker:
         try:
             return self.conn.recv()
         except EOFError:
-            return self._died()
+            return self._died(oom_before)
 
-    def _died(self) -> dict:
+    def _died(self, oom_before: int | None) -> dict:
+        """The record of a worker that died in a cell: ``oom`` when the cgroup counted an
+        out-of-memory kill meanwhile, else ``crashed`` with its signal or exit code."""
         self.process.join(5)
         code = self.process.exitcode
         self.restart()
-        if code == -signal.SIGKILL:
-            return {"status": "oom", "error": "the worker was killed by SIGKILL (on Linux usually the out-of-memory killer)", "metrics": {}}
-        return {"status": "error", "error": f"the worker process died (exit code {code})", "metrics": {}}
+        oom_after = oom_kills()
+        if oom_before is not None and oom_after is not None and oom_after > oom_before:
+            return {"status": "oom", "error": f"the worker was killed by the out-of-memory killer (exit code {code})", "metrics": {}}
+        if code is not None and code < 0:
+            how = f"killed by signal {signal.Signals(-code).name}"
+        else:
+            how = f"exited with code {code}"
+        return {"status": "crashed", "error": f"the worker process died: {how}", "metrics": {}}
 
     def restart(self) -> None:
         self.kill()
@@ -184,6 +235,11 @@ class Worker:
         self.kill()
 
 
+class RunError(RuntimeError):
+    """A run that cannot start or go on (an unwritable directory, a file that is not this
+    scenario's to resume, another run in the directory); the message says what to do."""
+
+
 @dataclass
 class RunSummary:
     path: Path
@@ -192,19 +248,26 @@ class RunSummary:
     statuses: dict = field(default_factory=dict)
     seconds: float = 0.0
     interrupted: bool = False
+    write_error: str | None = None
 
 
 def utc_now() -> str:
     return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
 
 
+def _results_file_pattern(name: str) -> re.Pattern:
+    """The name of a results file of scenario ``name`` and no other: ``NAME-YYYYMMDDTHHMMSSZ.jsonl``."""
+    return re.compile(re.escape(name) + r"-\d{8}T\d{6}Z\.jsonl")
+
+
 def results_path(out_dir: Path, name: str, resume) -> Path:
     """The file to write: a new timestamped one, or with ``resume`` the given file or the
     latest one of this scenario in ``out_dir``."""
     if resume is True:
-        candidates = sorted(out_dir.glob(f"{name}-*.jsonl"))
+        pattern = _results_file_pattern(name)
+        candidates = sorted(path for path in out_dir.glob("*.jsonl") if pattern.fullmatch(path.name))
         if not candidates:
-            raise FileNotFoundError(f"--resume: no results of scenario {name!r} in {out_dir} to resume")
+            raise RunError(f"--resume: no results of scenario {name!r} in {out_dir} to resume")
         return candidates[-1]
     if resume:
         return Path(resume)
@@ -212,49 +275,90 @@ def results_path(out_dir: Path, name: str, resume) -> Path:
     return out_dir / f"{name}-{stamp}.jsonl"
 
 
+def scenario_identity(loaded: LoadedScenario) -> dict:
+    """What a resumed file must have been measured for: the scenario's name, the hash of its
+    file and the preset (the run line records all three)."""
+    return {"scenario": loaded.name, "scenario_sha256": loaded.sha256, "preset": loaded.preset}
+
+
+def _resume_state(path: Path, loaded: LoadedScenario, fingerprint: dict, retry_failed: bool) -> tuple[str, set]:
+    """(the run_id resumed, the cell_ids not to measure again) of a results file this run may
+    continue: the same scenario, file and preset, measured on this machine."""
+    if repair_tail(path):
+        print(f"warning: {path}: dropped an incomplete last line left by an interrupted write", file=sys.stderr)
+    runs = [record for record in read_records(path) if record["kind"] == "run"]
+    wanted = scenario_identity(loaded)
+    differ = [f"{key} {runs[0].get(key)!r} (this run: {value!r})" for key, value in wanted.items() if runs[0].get(key) != value]
+    if differ:
+        raise RunError(
+            f"--resume: {path} was measured for another scenario: {'; '.join(differ)}. Results of two scenarios (or two "
+            "versions of one scenario file) do not mix in one file: start a new run (a report reads several files)"
+        )
+    if runs[-1]["machine"]["machine_id"] != fingerprint["machine_id"]:
+        raise RunError(
+            f"--resume: {path} was measured on machine {runs[-1]['machine']['machine_id']} "
+            f"({runs[-1]['machine'].get('hostname')}); this is {fingerprint['machine_id']}. "
+            "Results of two machines do not mix in one run: start a new run instead."
+        )
+    return runs[-1]["run_id"], completed_cell_ids(path, retry_failed=retry_failed)
+
+
 def _device_of(cells) -> str:
     return "cuda" if any(cell["axes"]["device"].startswith("cuda") for cell in cells) else "cpu"
 
 
-def run(loaded: LoadedScenario, out_dir, *, resume=False, plugins=(), command: str = "", progress: bool = True) -> RunSummary:
-    """Measure every cell of ``loaded`` not yet in the results file; return a summary."""
-    cells = loaded.cells()
+def run(loaded: LoadedScenario, out_dir, *, resume=False, retry_failed: bool = False, plugins=(), command: str = "",
+        progress: bool = True) -> RunSummary:
+    """Measure every cell of ``loaded`` not yet in the results file; return a summary. One run
+    at a time writes into a directory (``ResultsDirectoryLock``); other runs measuring on the
+    machine meanwhile are warned about and recorded with each cell they overlap."""
     out_dir = Path(out_dir)
+    directory = Path(resume).parent if resume not in (False, True, None) else out_dir
+    holder = {"pid": os.getpid(), "scenario": loaded.name, "started_at": utc_now(), "out": str(directory)}
+    with ResultsDirectoryLock(directory, holder), MachineRuns(holder) as machine_runs:
+        return _run_locked(loaded, out_dir, resume, retry_failed, plugins, command, progress, machine_runs)
+
+
+def _run_locked(loaded, out_dir, resume, retry_failed, plugins, command, progress, machine_runs) -> RunSummary:
+    cells = loaded.cells()
     path = results_path(out_dir, loaded.name, resume)
     fingerprint = machine.fingerprint(_device_of(cells))
     resumed_from, done = None, set()
     if resume:
-        if repair_tail(path):
-            print(f"warning: {path}: dropped an incomplete last line left by an interrupted write", file=sys.stderr)
-        previous = [r for r in read_records(path) if r["kind"] == "run"]
-        if previous[-1]["machine"]["machine_id"] != fingerprint["machine_id"]:
-            raise RuntimeError(
-                f"--resume: {path} was measured on machine {previous[-1]['machine']['machine_id']} "
-                f"({previous[-1]['machine'].get('hostname')}); this is {fingerprint['machine_id']}. "
-                "Results of two machines do not mix in one run: start a new run instead."
-            )
-        resumed_from, done = previous[-1]["run_id"], completed_cell_ids(path)
+        resumed_from, done = _resume_state(path, loaded, fingerprint, retry_failed)
     writer = ResultsWriter(path)
     run_id = uuid.uuid4().hex
-    writer.write_run(run_header(loaded, run_id, command, fingerprint, resumed_from=resumed_from))
     todo = [cell for cell in cells if cell["cell_id"] not in done]
     summary = RunSummary(path=path, total=len(cells), skipped_as_done=len(cells) - len(todo))
     start = time.perf_counter()
-    worker = Worker(plugins, tune_malloc=any(cell["mode"] != "quality" for cell in todo))
-    bar = tqdm(todo, total=len(cells), initial=summary.skipped_as_done, unit="cell", disable=not progress, dynamic_ncols=True)
+    worker, bar, warned = None, None, set()
     try:
+        writer.write_run(run_header(loaded, run_id, command, fingerprint, resumed_from=resumed_from))
+        worker = Worker(plugins, tune_malloc=any(cell["mode"] != "quality" for cell in todo))
+        bar = tqdm(todo, total=len(cells), initial=summary.skipped_as_done, unit="cell", disable=not progress, dynamic_ncols=True)
         for cell in bar:
             bar.set_description(describe(cell))
+            others = machine_runs.others()
+            if others and not warned.issuperset(o.get("pid") for o in others):
+                warned.update(o.get("pid") for o in others)
+                tqdm.write(f"warning: other attnbench runs are measuring on this machine ({describe_runs(others)}); "
+                           "cells measured meanwhile record them in concurrent_runs", file=sys.stderr)
             record = measure_record(worker, cell, run_id, fingerprint)
+            if others:
+                record["concurrent_runs"] = others
             writer.write_cell(record)
             summary.statuses[record["status"]] = summary.statuses.get(record["status"], 0) + 1
             if needs_fresh_worker(cell):
                 worker.restart()
     except KeyboardInterrupt:
         summary.interrupted = True
+    except ResultsWriteError as exc:
+        summary.write_error = str(exc)
     finally:
-        bar.close()
-        worker.close()
+        if bar is not None:
+            bar.close()
+        if worker is not None:
+            worker.close()
         summary.seconds = time.perf_counter() - start
     return summary
 

@@ -12,11 +12,14 @@ import copy
 import hashlib
 import itertools
 import json
+import math
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
+from pydantic import Strict as PydanticStrict
 
 import variants
 
@@ -37,6 +40,10 @@ class ScenarioError(ValueError):
 
 Scalar = Union[int, float, str, bool, None]
 Sweep = Union[Scalar, list[Scalar]]
+#: An axis value: an integer, never a bool or a float that YAML or --set turned into one.
+AxisInt = Annotated[int, PydanticStrict()]
+#: A scenario's name becomes a file name (``results/<name>-<time>.jsonl``).
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
 
 
 class Strict(BaseModel):
@@ -59,14 +66,14 @@ class Axes(BaseModel):
 
     model_config = ConfigDict(extra="allow")
 
-    seq_len: int | list[int] | None = None
-    batch: int | list[int] = 1
-    heads: int | list[int] = 8
-    d_key: int | list[int] = 64
-    d_value: int | list[int] | None = None
+    seq_len: AxisInt | list[AxisInt] | None = None
+    batch: AxisInt | list[AxisInt] = 1
+    heads: AxisInt | list[AxisInt] = 8
+    d_key: AxisInt | list[AxisInt] = 64
+    d_value: AxisInt | list[AxisInt] | None = None
     dtype: str | list[str] = "float32"
     device: str | list[str] = "cpu"
-    d_dot: int | list[int] | None = None
+    d_dot: AxisInt | list[AxisInt] | None = None
 
     @field_validator("seq_len", "batch", "heads", "d_key", "d_value", "d_dot")
     @classmethod
@@ -122,9 +129,9 @@ class Scenario(Strict):
     name: str
     description: str = ""
     variants: dict[str, dict[str, Sweep] | list[dict[str, Sweep]] | None]
-    backends: list[str] = ["torch"]
+    backends: list[str] = Field(["torch"], min_length=1)
     axes: Axes
-    modes: list[Literal["forward", "train", "decode", "quality"]] = ["forward"]
+    modes: list[Literal["forward", "train", "decode", "quality"]] = Field(["forward"], min_length=1)
     target: str = "core"
     task: Any = None
     decode: Decode = Decode()
@@ -132,6 +139,23 @@ class Scenario(Strict):
     rules: Rules = Rules()
     model: ModelSpec | None = None
     presets: dict[str, dict[str, Any]] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _finite_numbers(cls, raw):
+        """Every number in the file is finite: a NaN or infinite parameter, axis or setting
+        would otherwise reach a measurement (or the results file) before it failed."""
+        for path, value in _numbers(raw):
+            if not math.isfinite(value):
+                raise ValueError(f"{path}: expected a finite number, got {value}")
+        return raw
+
+    @field_validator("name")
+    @classmethod
+    def _file_name(cls, value):
+        if not re.match(NAME_PATTERN, value):
+            raise ValueError("expected letters, digits, '.', '_' and '-', starting with a letter or digit (it names the results file)")
+        return value
 
     @field_validator("variants")
     @classmethod
@@ -207,13 +231,29 @@ def scenario_model() -> type[Scenario]:
     return _MODELS[configs]
 
 
+def _numbers(value, path: str = ""):
+    """(dotted path, value) of every float inside ``value`` (dicts and lists, at any depth)."""
+    if isinstance(value, float):
+        yield path, value
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from _numbers(item, f"{path}.{key}" if path else str(key))
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            yield from _numbers(item, f"{path}[{index}]")
+
+
 def _format_validation(path: str, exc: ValidationError) -> str:
     lines = [f"{path}: invalid scenario"]
     for error in exc.errors():
+        message = error["msg"].removeprefix("Value error, ")
+        if not error["loc"] and re.match(r"^[\w.\[\]]+: ", message):  # a whole-file check that names its field
+            lines.append(f"  {message}")
+            continue
         field = ".".join(str(part) for part in error["loc"]) or "(top level)"
         value = error.get("input")
         shown = json.dumps(value, default=str) if not isinstance(value, dict) else "{...}"
-        lines.append(f"  {field}: {error['msg'].removeprefix('Value error, ')} (got {shown})")
+        lines.append(f"  {field}: {message} (got {shown})")
     return "\n".join(lines)
 
 
@@ -236,10 +276,46 @@ def _apply_set(raw: dict, assignment: str, path: str) -> dict:
     parts = key.split(".")
     if len(parts) == 1 and parts[0] in AXES + ("d_dot",) + tuple(axis for task in tasks.tasks() for axis in task.axes):
         parts = ["axes", parts[0]]
-    override: dict = yaml.safe_load(text)
+    try:
+        override: dict = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ScenarioError(f"{path}: --set {assignment!r}: the value is not valid YAML ({_first_line(exc)})") from None
     for part in reversed(parts):
         override = {part: override}
     return deep_merge(raw, override)
+
+
+def _first_line(exc: Exception) -> str:
+    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+
+
+def _read_yaml(path: Path) -> dict:
+    """The scenario file as a dict; a file that is not a UTF-8 YAML mapping is a ScenarioError."""
+    if not path.is_file():
+        raise ScenarioError(f"{path}: expected a scenario file (YAML), got a {'directory' if path.is_dir() else 'special file'}")
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ScenarioError(f"{path}: not a UTF-8 text file (byte {exc.start}: {exc.reason})") from None
+    except yaml.YAMLError as exc:
+        raise ScenarioError(f"{path}: not valid YAML: {exc}") from None
+    except OSError as exc:
+        raise ScenarioError(f"{path}: cannot be read ({exc.strerror})") from None
+    if not isinstance(raw, dict):
+        raise ScenarioError(f"{path}: expected a mapping at the top level, got {type(raw).__name__}")
+    if _contains_itself(raw):
+        raise ScenarioError(f"{path}: a YAML alias refers to itself (a structure that contains itself); write the values out")
+    return raw
+
+
+def _contains_itself(value, parents=()) -> bool:
+    """Whether a dict or list inside ``value`` contains itself (a recursive YAML alias)."""
+    if not isinstance(value, (dict, list)):
+        return False
+    if any(value is parent for parent in parents):
+        return True
+    items = value.values() if isinstance(value, dict) else value
+    return any(_contains_itself(item, (*parents, value)) for item in items)
 
 
 def resolve_path(spec: str) -> Path:
@@ -260,12 +336,7 @@ def shipped() -> list[str]:
 def load_scenario(spec: str, *, preset: str | None = None, overrides: list[str] = ()) -> LoadedScenario:
     """Read, merge the preset and ``--set`` overrides, and validate a scenario."""
     path = resolve_path(spec)
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        raise ScenarioError(f"{path}: not valid YAML: {exc}") from None
-    if not isinstance(raw, dict):
-        raise ScenarioError(f"{path}: expected a mapping at the top level, got {type(raw).__name__}")
+    raw = _read_yaml(path)
     raw.setdefault("name", path.stem)
     if preset is not None:
         presets = raw.get("presets") or {}
@@ -281,6 +352,8 @@ def load_scenario(spec: str, *, preset: str | None = None, overrides: list[str] 
         scenario = scenario_model().model_validate(raw)
     except ValidationError as exc:
         raise ScenarioError(_format_validation(str(path), exc)) from None
+    except RecursionError:
+        raise ScenarioError(f"{path}: a YAML alias refers to itself (a structure that contains itself); write the values out") from None
     sha256 = hashlib.sha256(path.read_bytes()).hexdigest()
     return LoadedScenario(scenario, expand(scenario, str(path)), path, sha256, preset, list(overrides))
 

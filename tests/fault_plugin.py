@@ -1,10 +1,11 @@
 """A plugin for the runner tests: variants that fail on purpose (loaded with --plugin).
 
-fault_oom raises an out-of-memory error, fault_error an exception, fault_crash kills its
-worker process, fault_nan returns NaN, fault_slow sleeps (to be interrupted mid-sweep).
+fault_oom raises an out-of-memory error, fault_error an exception, fault_crash exits its
+worker process, fault_kill kills it with SIGKILL, fault_nan returns NaN, fault_slow sleeps (to be interrupted mid-sweep).
 """
 
 import os
+import signal
 import time
 
 import torch
@@ -20,7 +21,7 @@ class _Fault(AttentionCore):
     def flops(self, batch, heads, length, d_value, *, causal=True):
         return 0
 
-    def _parallel(self, q, k, v, beta, causal):
+    def _parallel(self, q, k, v, causal):
         return self.fail(v)
 
 
@@ -52,3 +53,10 @@ def _slow(v):
 
 for _name, _behaviour in [("fault_oom", _oom), ("fault_error", _error), ("fault_crash", _crash), ("fault_nan", _nan), ("fault_slow", _slow)]:
     _fault(_name, _behaviour)
+
+
+def _killed(v):
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+_fault("fault_kill", _killed)

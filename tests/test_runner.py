@@ -42,7 +42,7 @@ def test_failures_are_recorded_and_the_sweep_goes_on(tmp_path):
     by_variant = {cell["variant"]: cell for cell in cells_of(tmp_path / "out")}
     assert by_variant["fault_oom"]["status"] == "oom" and "out of memory" in by_variant["fault_oom"]["error"]
     assert by_variant["fault_error"]["status"] == "error" and "injected failure" in by_variant["fault_error"]["error"]
-    assert by_variant["fault_crash"]["status"] == "error" and "exit code 3" in by_variant["fault_crash"]["error"]
+    assert by_variant["fault_crash"]["status"] == "crashed" and "exited with code 3" in by_variant["fault_crash"]["error"]
     assert by_variant["fault_nan"]["status"] == "nan" and by_variant["fault_nan"]["metrics"]["median_s"] > 0
     assert by_variant["softmax"]["status"] == "ok", "the cell after a crashed worker was not measured"
     assert by_variant["softmax"]["metrics"]["tokens_per_s"] > 0
