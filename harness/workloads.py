@@ -44,30 +44,28 @@ def _core(cell):
     return variants.create(cell["variant"], cell["axes"]["d_key"], backend=cell["backend"], **cell["params"])
 
 
-def _attention_inputs(core, axes, device, dtype, requires_grad):
-    gen = _generator(device)
-    shape = (axes["batch"], axes["heads"], axes["seq_len"])
-    make = lambda dim: torch.randn(*shape, dim, generator=gen, device=device).to(dtype)  # noqa: E731
-    q, k, v = make(axes["d_key"]), make(axes["d_key"]), make(axes["d_value"])
-    beta = torch.rand(*shape, generator=gen, device=device).to(dtype) if core.needs_beta else None
-    log_gate = -torch.rand(*shape, generator=gen, device=device).to(dtype) if core.needs_gate else None
-    inputs = [t.requires_grad_(requires_grad) if t is not None else None for t in (q, k, v, beta, log_gate)]
-    return inputs
+def _attention_inputs(core, axes, device, dtype, requires_grad) -> dict:
+    """The core's own example inputs (q, k, v and whatever per-token inputs it declares) for the
+    cell's shape, drawn from a generator seeded 0 on ``device``."""
+    return core.example_inputs(
+        axes["batch"], axes["heads"], axes["seq_len"], axes["d_value"], device=device, dtype=dtype, generator=_generator(device),
+        requires_grad=requires_grad,
+    )
 
 
 def _core_workload(cell, device, dtype) -> Workload:
     axes = cell["axes"]
     core = _core(cell).to(device=device, dtype=dtype)
     train = cell["mode"] == "train"
-    q, k, v, beta, log_gate = _attention_inputs(core, axes, device, dtype, train)
+    inputs = _attention_inputs(core, axes, device, dtype, train)
     flops = core.flops(axes["batch"], axes["heads"], axes["seq_len"], axes["d_value"])
     if not train:
-        return Workload(torch.no_grad()(lambda: core(q, k, v, beta=beta, log_gate=log_gate)), axes["batch"] * axes["seq_len"], flops)
-    leaves = [t for t in (q, k, v, beta, log_gate) if t is not None]
-    cotangent = torch.randn_like(v)
+        return Workload(torch.no_grad()(lambda: core(**inputs)), axes["batch"] * axes["seq_len"], flops)
+    leaves = list(inputs.values())
+    cotangent = torch.randn_like(inputs["v"])
 
     def forward_backward():
-        out = core(q, k, v, beta=beta, log_gate=log_gate)
+        out = core(**inputs)
         torch.autograd.grad(out, leaves, cotangent)
         return out.detach()
 
@@ -264,14 +262,10 @@ def _decoder(cell, device, dtype, context, new_tokens):
     total = dict(axes, seq_len=context + new_tokens)
     if cell["target"] == "core":
         core = _core(cell).to(device=device, dtype=dtype)
-        q, k, v, beta, log_gate = _attention_inputs(core, total, device, dtype, False)
-        prefill = lambda: core.prefill(  # noqa: E731
-            q[:, :, :context], k[:, :, :context], v[:, :, :context], beta=_head(beta, context), log_gate=_head(log_gate, context)
-        )
-        step = lambda i, state: core.step(  # noqa: E731
-            q[:, :, context + i], k[:, :, context + i], v[:, :, context + i], state,
-            beta_t=_at(beta, context + i), log_gate_t=_at(log_gate, context + i),
-        )
+        inputs = _attention_inputs(core, total, device, dtype, False)
+        prompt = variants.time_slice(inputs, 0, context)
+        prefill = lambda: core.prefill(**prompt)  # noqa: E731
+        step = lambda i, state: core.step(**variants.token_slice(inputs, context + i), state=state)  # noqa: E731
         return core, prefill, step
     layer = _layer(cell, device, dtype)
     x = torch.randn(axes["batch"], context + new_tokens, axes["heads"] * axes["d_value"], generator=_generator(device), device=device)
@@ -281,14 +275,6 @@ def _decoder(cell, device, dtype, context, new_tokens):
 
 def _result(finite: bool, metrics: dict) -> dict:
     return {"status": "ok" if finite else "nan", "error": None if finite else "the output contains NaN or Inf", "metrics": metrics}
-
-
-def _head(beta, length):
-    return None if beta is None else beta[:, :, :length]
-
-
-def _at(beta, position):
-    return None if beta is None else beta[:, :, position]
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
