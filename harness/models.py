@@ -77,7 +77,7 @@ class SegmentConfig:
 
 
 @dataclass
-class LMConfig:
+class DecoderConfig:
     """Sizes of a DecoderLM. ``variant`` names the attention core, ``variant_params`` go to it
     (and to ``AttentionLayer``: e.g. ``d_key``, ``chunk_size``, ``phi``)."""
 
@@ -105,10 +105,10 @@ LM_PRESETS: dict[str, dict] = {
 }
 
 
-def lm_config(preset: str, vocab_size: int, **overrides) -> LMConfig:
-    """The LMConfig of a preset (see ``LM_PRESETS``) for ``vocab_size``, with ``overrides``
-    (any LMConfig field, e.g. ``variant="delta"``, ``dropout=0.1``)."""
-    return config_from_preset(LMConfig, LM_PRESETS, "LM", preset, vocab_size, overrides)
+def lm_config(preset: str, vocab_size: int, **overrides) -> DecoderConfig:
+    """The DecoderConfig of a preset (see ``LM_PRESETS``) for ``vocab_size``, with ``overrides``
+    (any DecoderConfig field, e.g. ``variant="delta"``, ``dropout=0.1``)."""
+    return config_from_preset(DecoderConfig, LM_PRESETS, "LM", preset, vocab_size, overrides)
 
 
 def config_from_preset(config_class, presets: dict, label: str, preset: str, vocab_size: int, overrides: dict):
@@ -126,7 +126,7 @@ def config_from_preset(config_class, presets: dict, label: str, preset: str, voc
 class Block(nn.Module):
     """Pre-LayerNorm residual block: ``x + attn(ln1(x))``, then ``x + ff(ln2(x))``."""
 
-    def __init__(self, config: LMConfig):
+    def __init__(self, config: DecoderConfig):
         super().__init__()
         self.ln1 = nn.LayerNorm(config.d_model)
         self.attn = variants.AttentionLayer(config.d_model, config.n_heads, config.variant, **config.variant_params)
@@ -161,7 +161,7 @@ class Block(nn.Module):
 class DecoderLM(nn.Module):
     """Token + position embedding, ``n_layers`` Blocks, final LayerNorm, output projection."""
 
-    def __init__(self, config: LMConfig):
+    def __init__(self, config: DecoderConfig):
         super().__init__()
         self.config = config
         self.embed = nn.Embedding(config.vocab_size, config.d_model)
@@ -286,7 +286,7 @@ class DecoderLM(nn.Module):
         - ``carry_state``: each block's fast-weight state after the segment (``prefill``)."""
         segment = self.config.segment
         if segment is None or not segment.active:
-            raise ValueError("DecoderLM.segment needs a model built with an active LMConfig.segment")
+            raise ValueError("DecoderLM.segment needs a model built with an active DecoderConfig.segment")
         if tokens.shape[1] > segment.length:
             raise ValueError(f"a segment has at most segment.length={segment.length} tokens, got {tokens.shape[1]}")
         if segment.kind == "carry_state":

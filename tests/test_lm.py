@@ -10,14 +10,17 @@ import torch
 import torch.nn.functional as F
 from conftest import attnbench, needs_shared
 
-from harness.models import DecoderLM, LMConfig
+from harness.models import DecoderConfig, DecoderLM
 from harness.tasks.lm import (
+    LMConfig,
     WindowBatches,
     evaluate_carry,
     evaluate_sliding,
     evaluate_windows,
+    main,
     run_lm,
 )
+from harness.tasks.training import parse_command_line
 
 VOCAB = 40
 
@@ -25,7 +28,7 @@ VOCAB = 40
 def toy_model(variant: str, seed: int, context: int = 4, **overrides) -> DecoderLM:
     """A float64 two-layer model with weights far from zero (so that context matters)."""
     torch.manual_seed(seed)
-    config = LMConfig(vocab_size=VOCAB, n_layers=2, d_model=16, n_heads=2, d_ff=32, context=context, variant=variant,
+    config = DecoderConfig(vocab_size=VOCAB, n_layers=2, d_model=16, n_heads=2, d_ff=32, context=context, variant=variant,
                       **overrides)
     model = DecoderLM(config).double().eval()
     with torch.no_grad():
@@ -144,15 +147,13 @@ def test_loss_falls_below_the_unigram_baseline():
     """A tiny model beats the best context-free model (the unigram entropy of the training
     split, ~7.06 nats) on validation text within seconds of training (measured: 6.89 after 200
     steps, from 7.10 after 50)."""
-    metrics = run_lm(
-        "linear", {}, preset="cpu", steps=200, batch=32, lr=3e-3, warmup=10, dropout=0.0, context=32,
-        adaptive_cutoffs=[2000, 10000], model_overrides={"n_layers": 1, "d_model": 64, "n_heads": 2, "d_ff": 128},
-        eval_tokens=4000, sliding_tokens=200, threads=1, seed=0,
-    )
+    config = LMConfig(steps=200, batch=32, lr=3e-3, warmup=10, dropout=0.0, model_overrides={"n_layers": 1, "d_model": 64, "n_heads": 2, "d_ff": 128},
+                      eval_tokens=4000, sliding_tokens=200, threads=1)
+    metrics = run_lm("linear", {}, config, context=32)
     unigram_nll = math.log(metrics["unigram_ppl"])
     assert 6.9 < unigram_nll < 7.2
     assert math.log(metrics["valid_ppl"]) < unigram_nll - 0.1, metrics["evaluations"]
-    assert metrics["loss_curve"][-1][1] < metrics["loss_curve"][0][1]
+    assert metrics["losses"][-1][1] < metrics["losses"][0][1]
     assert metrics["words"] == 200 * 32 * 32 and metrics["words_per_s"] > 0
     assert metrics["eval_tokens"] == {"valid": 4000, "test": 4000} and metrics["sliding_tokens"] == 200
     assert {"test_ppl", "valid_ppl_sliding", "valid_ppl_carry", "test_ppl_carry", "peak_mem_bytes"} <= set(metrics)
@@ -178,17 +179,78 @@ def test_ci_preset_runs_through_the_runner(tmp_path):
 
 @needs_shared
 def test_command_line_writes_metrics_and_a_rerun_resumes(tmp_path, capsys):
-    from harness.tasks.lm import main
-
     args = ["--variant", "linear", "--context", "16", "--steps", "4", "--batch", "4", "--warmup", "1", "--eval-tokens", "300",
             "--sliding-tokens", "40", "--checkpoint-every", "2", "--threads", "1", "--out", str(tmp_path)]
     assert main(args) == 0
     first = json.loads((tmp_path / "metrics.json").read_text())
-    assert first["resumed_from"] is None and first["words"] == 4 * 4 * 16 and first["config"]["variant"] == "linear"
+    assert first["resumed_from"] is None and first["words"] == 4 * 4 * 16 and first["arguments"]["variant"] == "linear"
+    assert first["config"] == LMConfig(steps=4, batch=4, warmup=1, eval_tokens=300, sliding_tokens=40, threads=1).model_dump()
     assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step-000000004.pt"]
     assert main(args) == 0
     again = json.loads((tmp_path / "metrics.json").read_text())
-    assert again["resumed_from"] == 4 and again["loss_curve"] == first["loss_curve"]
+    assert again["resumed_from"] == 4 and again["losses"] == first["losses"]
     assert again["valid_ppl"] == first["valid_ppl"] and again["test_ppl"] == first["test_ppl"]
     assert main(["--variant", "nope", "--out", str(tmp_path / "x")]) == 2
     assert "unknown variant 'nope'" in capsys.readouterr().err
+
+
+# --- settings and the command line -----------------------------------------------------
+
+
+def parse(argv):
+    from harness.tasks.lm import _command_line
+
+    return parse_command_line(_command_line(), LMConfig, ["--variant", "linear", "--out", "out", *argv])
+
+
+def test_command_line_defaults_are_the_configs():
+    """Every setting has an option, and an option left out takes the config's own default."""
+    args, config = parse([])
+    assert config == LMConfig() and config.model_dump()["warmup"] == 50 and config.adaptive_cutoffs == [2000, 10000]
+    assert vars(args) == {"variant": "linear", "params": {}, "out": "out", "device": None, "checkpoint_every": 250,
+                          "context": None, "dtype": "float32"}
+    from harness.tasks.lm import _command_line
+
+    options = {action.dest for action in _command_line()._actions}
+    assert set(LMConfig.model_fields) - {"name"} <= options
+
+
+def test_options_parse_into_the_config():
+    _, config = parse(["--steps", "30", "--lr", "3e-3", "--warmup", "0", "--adaptive-cutoffs", "none", "--eval-tokens", "all",
+                       "--sliding-tokens", "100", "--no-carry", "--clip", "none", "--weight-decay", "0.1", "--log-every", "5",
+                       "--model-overrides", "{n_layers: 1, d_model: 32}", "--segment", "rmt", "--segment", "{kind: rmt, memory: 2}"])
+    assert config == LMConfig(steps=30, lr=3e-3, warmup=0, adaptive_cutoffs=None, eval_tokens=None, sliding_tokens=100, carry=False,
+                              clip=None, weight_decay=0.1, log_every=5, model_overrides={"n_layers": 1, "d_model": 32},
+                              segment={"kind": "rmt", "memory": 2})
+    assert parse(["--adaptive-cutoffs", "100,500"])[1].adaptive_cutoffs == [100, 500]
+    assert parse(["--adaptive-cutoffs", "[100, 500]", "--segment", "xl"])[1].segment == {"kind": "xl"}
+    assert parse(["--params", '{"m": 16}'])[0].params == {"m": 16}
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--steps", "2"], "error: --warmup: must be at most steps = 2, got 50"),
+    (["--steps", "0"], "error: --steps: Input should be greater than or equal to 1, got '0'"),
+    (["--preset", "huge"], "error: --preset: expected a model preset among small, medium, cpu, got 'huge'"),
+    (["--adaptive-cutoffs", "500,100"], "error: --adaptive-cutoffs: expected increasing positive word ranks"),
+    (["--model-overrides", "{context: 64}"], "error: --model-overrides: context: expected model fields among"),
+    (["--model-overrides", "{n_heads: 3}"], "error: --model-overrides: d_model (128) must be a multiple of n_heads (3)"),
+    (["--segment", "{kind: xl, size: 2}"], "error: --segment: unknown segment field"),
+    (["--params", "[1]"], "error: --params: expected a mapping"),
+    (["--nope", "1"], "error: unrecognized arguments: --nope 1"),
+])
+def test_bad_options_end_in_one_line_naming_the_option(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        parse(argv)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.startswith(message) and err.count("\n") == 1, err
+
+
+def test_too_few_steps_for_the_default_warmup_is_a_clean_error(tmp_path):
+    """The case of the issue: no traceback, one line naming the option, exit code 2."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "harness.tasks.lm", "--variant", "linear", "--steps", "2", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and done.stderr == "error: --warmup: must be at most steps = 2, got 50\n", done.stderr
+    assert not (tmp_path / "metrics.json").exists()

@@ -8,14 +8,14 @@ import pytest
 import torch
 
 import variants
-from harness.models import LM_PRESETS, DecoderLM, LMConfig, lm_config
+from harness.models import LM_PRESETS, DecoderConfig, DecoderLM, lm_config
 
 BATCH, VOCAB, CONTEXT = 2, 50, 24
 
 
-def tiny_config(variant: str, **overrides) -> LMConfig:
+def tiny_config(variant: str, **overrides) -> DecoderConfig:
     sizes = dict(vocab_size=VOCAB, n_layers=2, d_model=16, n_heads=2, d_ff=32, context=CONTEXT, variant=variant)
-    return LMConfig(**{**sizes, **overrides})
+    return DecoderConfig(**{**sizes, **overrides})
 
 
 def build(variant: str, seed: int, **overrides) -> DecoderLM:

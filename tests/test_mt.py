@@ -10,23 +10,31 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import needs_shared
+from pydantic import ValidationError
 
 import variants
 from harness import runner
 from harness.scenario import load_scenario
 from harness.tasks.mt import (
+    PRESETS,
     Example,
     LengthBatches,
+    MTConfig,
+    _command_line,
     beam_search,
     bleu,
     collate,
     greedy,
     label_smoothed_loss,
+    main,
+    mt_config,
     position_variants,
     run_mt,
 )
-from harness.tasks.mt_model import Seq2Seq, mt_config, source_lengths
+from harness.tasks.mt_model import Seq2Seq, source_lengths
 from harness.tasks.parallel_text import BOS, EOS, PAD, data_root
+from harness.tasks.training import parse_command_line
 
 D_KEY = 16  # the ci preset: d_model 32, 2 heads
 
@@ -102,7 +110,7 @@ def test_cross_attention_refuses_a_causal_only_core():
 
 @pytest.mark.parametrize("position", ["encoder", "cross"])
 def test_causal_only_variant_refused_at_non_causal_positions(position):
-    with pytest.raises(variants.VariantError, match=f"MTConfig.{position}: variant 'delta' is causal only"):
+    with pytest.raises(variants.VariantError, match=f"Seq2SeqConfig.{position}: variant 'delta' is causal only"):
         Seq2Seq(mt_config("ci", 20, **{position: "delta"}))
     Seq2Seq(mt_config("ci", 20, decoder="delta"))  # the causal position takes it
 
@@ -302,13 +310,49 @@ def fake_wmt(directory, rng):
 def test_wmt_layout_trains_and_scores_newstest2014(tmp_path, monkeypatch, seed):
     monkeypatch.setenv("ATTNBENCH_CACHE", str(tmp_path / "cache"))
     fake_wmt(tmp_path, torch.Generator().manual_seed(seed))
-    metrics = run_mt("linear", {}, preset="ci", dataset="wmt14", data=str(tmp_path), steps=30, vocab_size=300, seed=seed % 100, out_dir=str(tmp_path / "out"))
+    config = MTConfig(preset="ci", dataset="wmt14", data=str(tmp_path), steps=30, vocab_size=300, seed=seed % 100)
+    metrics = run_mt("linear", {}, config, out_dir=str(tmp_path / "out"))
     assert metrics["test_set"] == f"{tmp_path.name}/newstest2014" and metrics["test_sentences"] == 12
     assert metrics["valid_loss"] is None, "no newstest2013 in the directory: no validation"
     assert 0 <= metrics["bleu"] <= 100 and metrics["bleu_signature"].startswith("nrefs:1")
     assert metrics["losses"][-1][1] < metrics["losses"][0][1]
+    assert metrics["config"] == dict(config.model_dump(), batch_tokens=600, lr=3e-3, warmup=10, beam=2, max_sentences=200, test_sentences=16)
     assert len((tmp_path / "out" / "newstest2014.hyp.de").read_text(encoding="utf-8").split("\n")) == 13
-    assert json.loads((tmp_path / "out" / "metrics.json").read_text()) == metrics
+
+
+def test_command_line_writes_metrics(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("ATTNBENCH_CACHE", str(tmp_path / "cache"))
+    fake_wmt(tmp_path, torch.Generator().manual_seed(0))
+    out = tmp_path / "out"
+    argv = ["--variant", "delta", "--preset", "ci", "--dataset", "wmt14", "--data", str(tmp_path), "--steps", "12", "--warmup", "2",
+            "--vocab-size", "300", "--beam", "1", "--threads", "1", "--out", str(out)]
+    assert main(argv) == 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["arguments"] == {"variant": "delta", "params": {}, "out": str(out), "device": None, "checkpoint_every": None}
+    assert metrics["config"]["steps"] == 12 and metrics["config"]["beam"] == 1 and metrics["positions"]["encoder"] == ["linear", {}]
+    assert "BLEU" in capsys.readouterr().out
+    assert sorted(path.name for path in out.iterdir()) == ["metrics.json", "newstest2014.hyp.de"], "no temporary file left"
+    assert main([*argv[:-2], "--batch-tokens", "2", "--out", str(tmp_path / "x")]) == 2
+    assert "batch_tokens=2 is below the longest sentence" in capsys.readouterr().err
+
+
+@needs_shared
+def test_both_tasks_write_metrics_under_the_same_names(tmp_path, monkeypatch):
+    """One name per concept in the metrics.json of language modelling and of translation."""
+    from harness.tasks import lm
+
+    monkeypatch.setenv("ATTNBENCH_CACHE", str(tmp_path / "cache"))
+    fake_wmt(tmp_path, torch.Generator().manual_seed(0))
+    assert main(["--variant", "linear", "--preset", "ci", "--dataset", "wmt14", "--data", str(tmp_path), "--steps", "4", "--warmup", "1",
+                 "--vocab-size", "300", "--beam", "1", "--threads", "1", "--out", str(tmp_path / "mt")]) == 0
+    assert lm.main(["--variant", "linear", "--context", "8", "--steps", "4", "--batch", "2", "--warmup", "1", "--eval-tokens", "50",
+                    "--sliding-tokens", "20", "--threads", "1", "--model-overrides", "{n_layers: 1, d_model: 16, n_heads: 2, d_ff: 16}",
+                    "--out", str(tmp_path / "lm")]) == 0
+    names = [set(json.loads((tmp_path / task / "metrics.json").read_text())) for task in ("mt", "lm")]
+    shared = {"steps", "loss", "losses", "evaluations", "train_s", "wall_s", "final_eval_s", "peak_mem_bytes", "memory_kind", "resumed_from",
+              "world_size", "torch_threads", "num_parameters", "words", "words_per_s", "vocab_size", "data", "config", "arguments"}
+    assert all(shared <= keys for keys in names), [shared - keys for keys in names]
+    assert not any({"parameters", "processes", "loss_curve", "settings"} & keys for keys in names)
 
 
 def test_ci_preset_end_to_end_through_the_runner(tmp_path, monkeypatch):
@@ -334,3 +378,43 @@ def test_ci_preset_end_to_end_through_the_runner(tmp_path, monkeypatch):
     quality = page[page.index("<caption>Quality"):]
     quality = quality[: quality.index("</table>")]
     assert all(header in quality for header in ("<th>bleu</th>", "<th>sentences/s</th>", "<th>words/s</th>", "<th>peak memory</th>"))
+
+
+# --- settings and the command line -----------------------------------------------------
+
+
+def parse(argv):
+    return parse_command_line(_command_line(), MTConfig, ["--variant", "linear", "--out", "out", *argv])
+
+
+def test_command_line_defaults_are_the_configs():
+    """Every setting has an option, and an option left out takes the config's own default."""
+    args, config = parse([])
+    assert config == MTConfig() and config.resolved().steps == PRESETS["cpu"]["run"]["steps"]
+    assert vars(args) == {"variant": "linear", "params": {}, "out": "out", "device": None, "checkpoint_every": None}
+    assert set(MTConfig.model_fields) - {"name"} <= {action.dest for action in _command_line()._actions}
+    _, config = parse(["--preset", "ci", "--steps", "20", "--lr", "1e-3", "--encoder", "softmax", "--vocab-size", "none"])
+    assert config == MTConfig(preset="ci", steps=20, lr=1e-3, encoder="softmax")
+    assert config.resolved().model_dump() == dict(config.model_dump(), **{k: v for k, v in PRESETS["ci"]["run"].items() if k not in ("steps", "lr")})
+
+
+def test_presets_come_from_one_table():
+    assert {preset: MTConfig(preset=preset).head_width for preset in PRESETS} == {"ci": 16, "cpu": 32, "gpu": 32, "base": 64}
+    assert mt_config("gpu", 100).d_model == PRESETS["gpu"]["model"]["d_model"]
+    with pytest.raises(ValidationError, match="expected a preset among ci, cpu, gpu, base"):
+        MTConfig(preset="large")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--preset", "large"], "error: --preset: expected a preset among ci, cpu, gpu, base, got 'large'"),
+    (["--dataset", "wmt19"], "error: --dataset: expected a data set among multi30k, wmt14, got 'wmt19'"),
+    (["--preset", "cpu", "--steps", "30"], "error: --warmup: the preset's warm-up, 70, must be at most steps = 30"),
+    (["--preset", "ci", "--warmup", "50"], "error: --warmup: must be at most steps = 40, got '50'"),
+    (["--fallback", "nope"], "error: --fallback: unknown variant 'nope'"),
+    (["--vocab-size", "100"], "error: --vocab-size: Input should be greater than or equal to 300, got '100'"),
+])
+def test_bad_options_end_in_one_line_naming_the_option(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        parse(argv)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.startswith(message) and err.count("\n") == 1, err

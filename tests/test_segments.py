@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 from conftest import attnbench, needs_shared
 
-from harness.models import DecoderLM, LMConfig, SegmentConfig
-from harness.tasks.lm import evaluate_segments, evaluate_windows, main, run_lm
+from harness.models import DecoderConfig, DecoderLM, SegmentConfig
+from harness.tasks.lm import LMConfig, evaluate_segments, evaluate_windows, main, run_lm
 
 VOCAB = 40
 
@@ -23,7 +23,7 @@ def segment_model(variant: str, seed: int, segment: SegmentConfig | None, **over
     """A float64 two-layer model with weights far from zero, positions for one segment."""
     torch.manual_seed(seed)
     context = segment.positions() if segment else LENGTH
-    config = LMConfig(vocab_size=VOCAB, n_layers=2, d_model=16, n_heads=2, d_ff=32, context=context, variant=variant,
+    config = DecoderConfig(vocab_size=VOCAB, n_layers=2, d_model=16, n_heads=2, d_ff=32, context=context, variant=variant,
                       segment=segment, **overrides)
     model = DecoderLM(config).double().eval()
     with torch.no_grad():
@@ -52,19 +52,18 @@ def test_bad_segment_options_name_the_field():
         SegmentConfig("xl", length=4, bptt=2)
     too_long = SegmentConfig("rmt", length=4, memory=1)  # 6 positions
     with pytest.raises(ValueError, match="context=5"):
-        DecoderLM(LMConfig(vocab_size=VOCAB, n_layers=1, d_model=8, n_heads=2, d_ff=8, context=5, segment=too_long))
+        DecoderLM(DecoderConfig(vocab_size=VOCAB, n_layers=1, d_model=8, n_heads=2, d_ff=8, context=5, segment=too_long))
 
 
-def test_scenario_validates_the_segment_field():
+def test_config_validates_the_segment_field():
     from pydantic import ValidationError
 
-    from harness.scenario import LMTask
-
-    assert LMTask(name="lm", segment={"kind": "xl", "length": 8}).segment == {"kind": "xl", "length": 8}
+    assert LMConfig(segment={"kind": "xl", "length": 8}).segment == {"kind": "xl", "length": 8}
+    assert LMConfig(segment="carry_state").segment == {"kind": "carry_state"}
     with pytest.raises(ValidationError, match="segment.kind"):
-        LMTask(name="lm", segment={"kind": "nope"})
+        LMConfig(segment={"kind": "nope"})
     with pytest.raises(ValidationError, match="unknown segment field"):
-        LMTask(name="lm", segment={"kind": "xl", "size": 8})
+        LMConfig(segment={"kind": "xl", "size": 8})
 
 
 # --- Transformer-XL --------------------------------------------------------------------
@@ -180,9 +179,10 @@ TINY = {"n_layers": 1, "d_model": 32, "n_heads": 2, "d_ff": 64}
     ("delta", {"kind": "carry_state", "length": 16, "segments": 3, "bptt": 2}),
 ])
 def test_segment_training_lowers_the_loss(variant, segment):
-    metrics = run_lm(variant, {}, preset="cpu", steps=30, batch=8, lr=3e-3, warmup=3, dropout=0.0, context=16,
-                     model_overrides=TINY, eval_tokens=300, log_every=5, threads=1, segment=segment)
-    curve = [loss for _, loss in metrics["loss_curve"]]
+    config = LMConfig(steps=30, batch=8, lr=3e-3, warmup=3, dropout=0.0, model_overrides=TINY, eval_tokens=300, log_every=5, threads=1,
+                      segment=segment)
+    metrics = run_lm(variant, {}, config, context=16)
+    curve = [loss for _, loss in metrics["losses"]]
     assert curve[-1] < curve[0] - 0.5, curve
     assert metrics["words"] == 30 * 8 * segment["segments"] * 16 and metrics["segment"]["kind"] == segment["kind"]
     assert 1 < metrics["valid_ppl_segment"] < 1e5 and 1 < metrics["test_ppl_segment"] < 1e5 and metrics["test_ppl"] > 1
@@ -190,17 +190,19 @@ def test_segment_training_lowers_the_loss(variant, segment):
 
 
 @needs_shared
-def test_command_line_trains_transformer_xl(tmp_path):
-    args = ["--variant", "softmax", "--segment", "xl", "--segment-length", "16", "--segments", "2", "--steps", "30",
+def test_command_line_trains_transformer_xl(tmp_path, capsys):
+    args = ["--variant", "softmax", "--segment", "{kind: xl, length: 16, segments: 2}", "--steps", "30",
             "--batch", "8", "--lr", "3e-3", "--warmup", "3", "--dropout", "0", "--eval-tokens", "300", "--threads", "1",
             "--out", str(tmp_path)]
     assert main(args) == 0
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     # logged at steps 25 and 30; an untrained model's loss is about log V = 10.4
-    assert metrics["loss_curve"][-1][1] < math.log(metrics["vocab_size"]) - 2, metrics["loss_curve"]
+    assert metrics["losses"][-1][1] < math.log(metrics["vocab_size"]) - 2, metrics["losses"]
     assert metrics["context"] == 16 and metrics["words"] == 30 * 8 * 2 * 16 and metrics["valid_ppl_segment"] > 1
-    with pytest.raises(SystemExit, match="segment.memory"):
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_:
         main(["--variant", "softmax", "--segment", "rmt", "--out", str(tmp_path / "x")])
+    assert exit_.value.code == 2 and capsys.readouterr().err.startswith("error: --segment: segment.memory: rmt needs memory >= 1")
 
 
 @needs_shared

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import socket
@@ -11,6 +12,7 @@ import torch
 import torch.multiprocessing as mp
 from torch import nn
 
+from harness.files import write_json_atomic
 from harness.tasks.training import Distributed, TrainConfig, latest_checkpoint, train, warmup_cosine
 
 GLOBAL_BATCH, D_IN = 8, 6
@@ -169,3 +171,13 @@ def test_two_process_gloo_run_matches_one_process(seed, tmp_path):
         torch.testing.assert_close(a, b.detach(), rtol=1e-5, atol=1e-6, msg=f"seed={seed}")
     for (step_a, loss_a), (step_b, loss_b) in zip(ranks[0]["losses"], result.losses, strict=True):
         assert step_a == step_b and loss_a == pytest.approx(loss_b, rel=1e-5), f"seed={seed}"
+
+
+def test_json_is_written_whole_or_not_at_all(tmp_path):
+    path = tmp_path / "metrics.json"
+    write_json_atomic(path, {"a": 1})
+    write_json_atomic(path, {"a": [1, 2]})
+    assert json.loads(path.read_text()) == {"a": [1, 2]}
+    with pytest.raises(TypeError):
+        write_json_atomic(path, {"a": object()})
+    assert json.loads(path.read_text()) == {"a": [1, 2]} and [p.name for p in tmp_path.iterdir()] == ["metrics.json"]

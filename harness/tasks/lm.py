@@ -19,28 +19,31 @@ fast-weight state carried, ``harness.models.SegmentConfig``) trains on samples o
 consecutive segments and is evaluated by ``evaluate_segments``: the whole split as one run of
 segments, each continuing from the cache, memory or state the previous one left.
 
-``python -m harness.tasks.lm`` (or ``torchrun --nproc_per_node N -m harness.tasks.lm``) runs one
-training; the harness runs the same through ``run_lm`` as the cells of an ``lm`` scenario.
+``LMConfig`` holds every setting of a run, with its default. ``python -m harness.tasks.lm`` (or
+``torchrun --nproc_per_node N -m harness.tasks.lm``) runs one training with an option per
+setting; the harness runs the cells of an ``lm`` scenario through ``run_cell``.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
-import os
 import sys
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict, fields, replace
 from pathlib import Path
+from typing import Any, Literal
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from variants import VariantError
 
-from ..models import SEGMENT_KINDS, DecoderLM, SegmentConfig, lm_config
+from ..files import write_json_atomic
+from ..models import LM_PRESETS, DecoderConfig, DecoderLM, SegmentConfig, lm_config
+from . import Task, register
 from .download import DataError
-from .training import CheckpointError, Distributed, TrainConfig, train
+from .training import CheckpointError, CommandLine, Distributed, TrainConfig, command_line, parse_command_line, train, training_metrics
 from .wikitext import load_wikitext
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -175,122 +178,189 @@ def perplexity(nll: float) -> float:
     return math.exp(nll)
 
 
+# --- settings --------------------------------------------------------------------------
+
+#: DecoderConfig fields that a run sets itself (from its settings, variant and context), so
+#: ``model_overrides`` cannot.
+_SET_BY_RUN = ("vocab_size", "context", "dropout", "variant", "variant_params", "adaptive_cutoffs", "segment")
+
+
+class LMConfig(BaseModel):
+    """Every setting of a language-modelling run, with its default: a scenario's ``task:``
+    section, the settings options of ``python -m harness.tasks.lm`` and what ``run_lm`` takes.
+    The model's context is the run's (``axes.seq_len``, ``--context``), not a setting."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: Literal["lm"] = "lm"
+    preset: str = Field("cpu", description="model sizes: a preset of harness.models.LM_PRESETS (small, medium, cpu)")
+    steps: int = Field(700, ge=1, description="optimiser steps")
+    batch: int = Field(16, ge=1, description="windows per step (the global batch, over all processes)")
+    lr: float = Field(2e-3, gt=0, description="peak learning rate (AdamW)")
+    warmup: int = Field(50, ge=0, validate_default=True, description="steps of linear warm-up, then cosine decay (at most steps)")
+    dropout: float = Field(0.1, ge=0, lt=1, description="dropout on the embeddings and every residual branch")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
+    clip: float | None = Field(1.0, gt=0, description="gradient norm clipping (none: no clipping)")
+    adaptive_cutoffs: list[int] | None = Field([2000, 10000], description="adaptive softmax cutoffs (none: a full softmax tied to the embedding)")
+    eval_tokens: int | None = Field(None, ge=2, description="evaluate on the first N tokens of valid and test (none or all: the whole splits)")
+    sliding_tokens: int | None = Field(2048, ge=2, description="sliding-window evaluation on the first N valid tokens (none or all: the whole split)")
+    carry: bool = Field(True, description="also evaluate linear-time variants carrying their state across windows")
+    eval_every: int | None = Field(None, ge=1, description="steps between validation evaluations (none: at the end only)")
+    log_every: int = Field(25, ge=1, description="steps between recorded training losses (and the last step)")
+    data: str | None = Field(None, description="a WikiText directory (none: $ATTNBENCH_DATA/wikitext-2, else the shared data)")
+    threads: int | None = Field(None, ge=1, description="torch CPU threads (none: torch's default)")
+    model_overrides: dict[str, Any] = Field({}, description="model sizes replacing the preset's, e.g. {n_layers: 1, d_model: 32}")
+    segment: dict[str, Any] | None = Field(
+        None, description="segment-level recurrence, {kind: xl | rmt | carry_state, length, segments, memory, bptt} or a kind "
+        "(harness.models.SegmentConfig; length defaults to the context)")
+    seed: int = Field(0, description="seed of the initialisation, the batches and dropout")
+
+    @field_validator("preset")
+    @classmethod
+    def _known_preset(cls, value):
+        if value not in LM_PRESETS:
+            raise ValueError(f"expected a model preset among {', '.join(LM_PRESETS)}")
+        return value
+
+    @field_validator("warmup")
+    @classmethod
+    def _warmup_within_steps(cls, value, info):
+        if "steps" in info.data and value > info.data["steps"]:
+            raise ValueError(f"must be at most steps = {info.data['steps']}")
+        return value
+
+    @field_validator("adaptive_cutoffs")
+    @classmethod
+    def _increasing_cutoffs(cls, value):
+        if value is not None and (not value or value[0] < 1 or any(b <= a for a, b in zip(value, value[1:]))):
+            raise ValueError("expected increasing positive word ranks such as [2000, 10000], or none")
+        return value
+
+    @field_validator("eval_tokens", "sliding_tokens", mode="before")
+    @classmethod
+    def _all_tokens(cls, value):
+        return None if isinstance(value, str) and value.lower() == "all" else value
+
+    @field_validator("model_overrides")
+    @classmethod
+    def _model_sizes(cls, value, info):
+        allowed = [field.name for field in fields(DecoderConfig) if field.name not in _SET_BY_RUN]
+        unknown = sorted(set(value) - set(allowed))
+        if unknown:
+            raise ValueError(f"{', '.join(unknown)}: expected model fields among {', '.join(allowed)} "
+                             "(the context is the run's; dropout, adaptive_cutoffs and segment are settings of their own)")
+        if "preset" in info.data:
+            sizes = {**LM_PRESETS[info.data["preset"]], **value}
+            if sizes["d_model"] % sizes["n_heads"]:
+                raise ValueError(f"d_model ({sizes['d_model']}) must be a multiple of n_heads ({sizes['n_heads']})")
+        return value
+
+    @field_validator("segment", mode="before")
+    @classmethod
+    def _valid_segment(cls, value):
+        if isinstance(value, str):
+            value = {"kind": value}
+        if isinstance(value, dict):
+            try:
+                SegmentConfig(**value)
+            except TypeError as exc:
+                raise ValueError(f"unknown segment field ({exc}); expected kind, length, segments, memory, bptt") from None
+        return value
+
+    @property
+    def head_width(self) -> int:
+        """d_key of the model (d_model / n_heads), to check the variants against."""
+        sizes = {**LM_PRESETS[self.preset], **self.model_overrides}
+        return sizes["d_model"] // sizes["n_heads"]
+
+
 # --- one run ---------------------------------------------------------------------------
 
 
-def run_lm(
-    variant: str,
-    params: dict,
-    *,
-    preset: str,
-    steps: int,
-    batch: int,
-    lr: float,
-    warmup: int = 0,
-    dropout: float = 0.1,
-    weight_decay: float = 0.0,
-    clip: float | None = 1.0,
-    context: int | None = None,
-    eval_tokens: int | None = None,
-    sliding_tokens: int | None = 2048,
-    carry: bool = True,
-    eval_every: int | None = None,
-    log_every: int = 25,
-    data: str | None = None,
-    seed: int = 0,
-    device="cpu",
-    dtype: str = "float32",
-    adaptive_cutoffs: list[int] | None = None,
-    model_overrides: dict | None = None,
-    checkpoint_dir: str | None = None,
-    checkpoint_every: int | None = None,
-    threads: int | None = None,
-    segment: dict | SegmentConfig | None = None,
-    dist: Distributed | None = None,
-    progress: bool = False,
-) -> dict:
-    """Train a DecoderLM of ``preset`` (``context`` overrides the preset's) with attention
-    ``variant(**params)`` on WikiText and evaluate it; returns the metrics as a JSON-ready dict
-    (complete on the main rank). ``eval_tokens`` / ``sliding_tokens`` limit the evaluations to
-    the first so many tokens of each split (None: all); ``carry`` adds the carry-state
-    evaluation for linear-time variants. ``batch`` is the global batch (over all ranks);
-    ``adaptive_cutoffs`` (e.g. [2000, 10000]) replace the tied output layer by an adaptive softmax.
-    ``segment`` (a ``SegmentConfig`` or its fields) makes it a segment model: ``length`` defaults
-    to the context, a training sample is ``segments`` segments, and the final evaluation reports
-    ``valid_ppl_segment`` / ``test_ppl_segment`` (docs/language-modelling.md)."""
+def run_lm(variant: str, params: dict, config: LMConfig, *, context: int | None = None, device="cpu", dtype: str = "float32",
+           out_dir=None, checkpoint_every: int | None = None, dist: Distributed | None = None, progress: bool = False) -> dict:
+    """Train a DecoderLM with attention ``variant(**params)`` on WikiText as ``config`` says and
+    evaluate it; returns the metrics as a JSON-ready dict on the main rank, {} on the others.
+    ``context``: the model's window (None: the preset's); a segment model's segments are
+    ``segment.length`` tokens, by default the context, and its final evaluation adds
+    ``valid_ppl_segment`` / ``test_ppl_segment`` (docs/language-modelling.md). ``dtype``:
+    float32, or bfloat16 under autocast. Every ``checkpoint_every`` steps a checkpoint goes to
+    ``out_dir/checkpoints``, from which a rerun resumes. ``dist``: this process's place under
+    torchrun (default: one process on ``device``)."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)} (bfloat16 runs under autocast), got {dtype!r}")
-    if threads:
-        torch.set_num_threads(threads)
+    if config.threads:
+        torch.set_num_threads(config.threads)
     dist = dist or Distributed(0, 1, torch.device(device))
-    corpus = load_wikitext(data)
-    overrides = dict(model_overrides or {}, dropout=dropout, variant=variant, variant_params=dict(params))
-    if adaptive_cutoffs:
-        overrides["adaptive_cutoffs"] = tuple(adaptive_cutoffs)
+    corpus = load_wikitext(config.data)
+    overrides = dict(config.model_overrides, dropout=config.dropout, variant=variant, variant_params=dict(params))
+    if config.adaptive_cutoffs:
+        overrides["adaptive_cutoffs"] = tuple(config.adaptive_cutoffs)
     if context is not None:
         overrides["context"] = context
-    segment = SegmentConfig(**segment) if isinstance(segment, dict) else segment
+    segment = SegmentConfig(**config.segment) if config.segment else None
     if segment is not None and segment.active:
-        length = segment.length or overrides.get("context") or lm_config(preset, corpus.vocab_size).context
+        length = segment.length or overrides.get("context") or lm_config(config.preset, corpus.vocab_size).context
         segment = replace(segment, length=length)
         overrides.update(segment=segment, context=segment.positions())
     else:
         segment = None
-    config = lm_config(preset, corpus.vocab_size, **overrides)
-    torch.manual_seed(seed)
-    model = DecoderLM(config).to(dist.device)
+    model_config = lm_config(config.preset, corpus.vocab_size, **overrides)
+    torch.manual_seed(config.seed)
+    model = DecoderLM(model_config).to(dist.device)
     autocast = torch.autocast(dist.device.type, dtype=DTYPES[dtype], enabled=dtype != "float32")
     # the window of the plain evaluations (a segment model: one segment from the initial memory)
-    context = segment.length if segment else config.context
+    context = segment.length if segment else model_config.context
 
     def evaluate(m):
         with autocast:
-            return {"valid_ppl": perplexity(evaluate_windows(m, corpus["valid"], context, limit=eval_tokens))}
+            return {"valid_ppl": perplexity(evaluate_windows(m, corpus["valid"], context, limit=config.eval_tokens))}
 
     def loss_fn(m, batch_):
         with autocast:
             return lm_loss(m, batch_)
 
     sample = context * segment.segments if segment else context
-    batches = WindowBatches(corpus["train"], sample, batch, seed=seed, rank=dist.rank, world_size=dist.world_size,
+    batches = WindowBatches(corpus["train"], sample, config.batch, seed=config.seed, rank=dist.rank, world_size=dist.world_size,
                             device=dist.device)
     train_config = TrainConfig(
-        steps=steps, lr=lr, warmup=warmup, clip=clip, weight_decay=weight_decay, eval_every=eval_every,
-        checkpoint_every=checkpoint_every, checkpoint_dir=checkpoint_dir, log_every=log_every, seed=seed,
+        steps=config.steps, lr=config.lr, warmup=config.warmup, clip=config.clip, weight_decay=config.weight_decay,
+        eval_every=config.eval_every, checkpoint_every=checkpoint_every, log_every=config.log_every, seed=config.seed,
+        checkpoint_dir=str(Path(out_dir) / "checkpoints") if out_dir is not None else None,
     )
     result = train(model, loss_fn, batches, train_config, evaluate=evaluate, dist=dist, progress=progress)
+    if not dist.is_main:
+        return {}
     metrics = {
-        "steps": result.steps,
-        "loss": result.losses[-1][1],
-        "loss_curve": [list(point) for point in result.losses],
-        "evaluations": [[step, values] for step, values in result.evaluations],
+        **training_metrics(result, dist, model),
         "words": result.units,
         "words_per_s": result.units_per_s,
-        "train_s": result.train_s,
-        "wall_s": result.wall_s,
-        "peak_mem_bytes": result.peak_mem_bytes,
-        "memory_kind": result.memory_kind,
-        "resumed_from": result.resumed_from,
-        "processes": dist.world_size,
-        "torch_threads": torch.get_num_threads(),
-        "num_parameters": model.num_parameters(),
         "vocab_size": corpus.vocab_size,
         "context": context,
         "segment": asdict(segment) if segment else None,
-        "batch": batch,
         "data": str(corpus.directory),
         "unigram_ppl": math.exp(corpus.unigram_entropy()),
+        "config": config.model_dump(),
     }
-    if dist.is_main:
-        started = time.perf_counter()
-        if segment:
-            metrics.update(_segment_evaluation(model, corpus, context, autocast, eval_tokens))
-        else:
-            metrics.update(_final_evaluation(model, corpus, context, autocast, eval_tokens, sliding_tokens, carry))
-        metrics["valid_ppl"] = result.evaluations[-1][1]["valid_ppl"]
-        metrics["final_eval_s"] = time.perf_counter() - started
-        metrics["wall_s"] += metrics["final_eval_s"]
+    started = time.perf_counter()
+    if segment:
+        metrics.update(_segment_evaluation(model, corpus, context, autocast, config.eval_tokens))
+    else:
+        metrics.update(_final_evaluation(model, corpus, context, autocast, config.eval_tokens, config.sliding_tokens, config.carry))
+    metrics["valid_ppl"] = result.evaluations[-1][1]["valid_ppl"]
+    metrics["final_eval_s"] = time.perf_counter() - started
+    metrics["wall_s"] += metrics["final_eval_s"]
     return metrics
+
+
+def run_cell(cell: dict) -> dict:
+    """The metrics of a scenario cell of this task: ``cell["task"]`` validated as an LMConfig,
+    the cell's variant with its parameters and backend, ``axes.seq_len`` as the context, on
+    ``axes.device`` in ``axes.dtype``."""
+    axes = cell["axes"]
+    params = dict(cell["params"], backend=cell["backend"])
+    return run_lm(cell["variant"], params, LMConfig.model_validate(cell["task"]), context=axes["seq_len"], device=axes["device"],
+                  dtype=axes["dtype"])
 
 
 def _final_evaluation(model, corpus, context, autocast, eval_tokens, sliding_tokens, carry) -> dict:
@@ -324,90 +394,33 @@ def _segment_evaluation(model, corpus, length, autocast, eval_tokens) -> dict:
     return metrics
 
 
+register(Task(
+    name="lm", config=LMConfig, axes=("seq_len",), run=run_cell, d_keys=lambda config, axes: [config.head_width], any_device=True,
+    metrics=("valid_ppl", "test_ppl", "valid_ppl_sliding", "valid_ppl_carry", "valid_ppl_segment", "test_ppl_segment"),
+))
+
+
 # --- command line ----------------------------------------------------------------------
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m harness.tasks.lm",
-        description="Train and evaluate one WikiText language model (also under torchrun --nproc_per_node N).",
-    )
-    parser.add_argument("--variant", required=True, help="attention variant (softmax, linear, performer, dpfp, delta, ...)")
-    parser.add_argument("--params", default="{}", help='variant parameters as JSON, e.g. \'{"m": 64}\'')
-    parser.add_argument("--preset", default="cpu", help="model preset of harness.models.LM_PRESETS (default: cpu)")
-    parser.add_argument("--data", help="a WikiText directory (default: $ATTNBENCH_DATA/wikitext-2, else the shared data)")
-    parser.add_argument("--out", required=True, help="directory for metrics.json and checkpoints/ (a rerun resumes)")
-    parser.add_argument("--steps", type=int, default=700)
-    parser.add_argument("--batch", type=int, default=16, help="global batch in windows (over all processes)")
-    parser.add_argument("--context", type=int, help="training context (default: the preset's)")
-    parser.add_argument("--lr", type=float, default=2e-3)
-    parser.add_argument("--warmup", type=int, default=50)
-    parser.add_argument("--dropout", type=float, default=0.1)
-    parser.add_argument("--adaptive-cutoffs", type=_cutoffs, default=[2000, 10000],
-                        help="adaptive softmax cutoffs (default: 2000,10000); 'none': a full softmax tied to the embedding")
-    parser.add_argument("--eval-tokens", type=_count_or_all, help="evaluate on the first N tokens of valid/test (default: all)")
-    parser.add_argument("--sliding-tokens", type=_count_or_all, default=2048,
-                        help="sliding-window evaluation on the first N valid tokens (default: 2048; 'all': the whole split)")
-    parser.add_argument("--no-carry", action="store_true", help="skip the carry-state evaluation")
-    parser.add_argument("--segment", choices=SEGMENT_KINDS, default="none",
-                        help="segment-level recurrence: xl (Transformer-XL), rmt (Recurrent Memory Transformer), "
-                             "carry_state (linear-time variants); default none")
-    parser.add_argument("--segment-length", type=int, help="tokens per segment (default: the context)")
-    parser.add_argument("--segments", type=int, default=2, help="consecutive segments per training sample (default: 2)")
-    parser.add_argument("--memory", type=int, default=0, help="rmt: memory tokens")
-    parser.add_argument("--bptt", type=int, help="segments that gradients flow through (default: all of a sample)")
-    parser.add_argument("--eval-every", type=int)
-    parser.add_argument("--checkpoint-every", type=int, default=250)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda:LOCAL_RANK if available, else cpu)")
-    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
-    parser.add_argument("--threads", type=int, help="torch.set_num_threads (CPU)")
+def _command_line() -> CommandLine:
+    parser = command_line(LMConfig, prog="python -m harness.tasks.lm", checkpoint_every=250,
+                          description="Train and evaluate one WikiText language model (also under torchrun --nproc_per_node N).")
+    parser.add_argument("--context", type=int, help="the model's context in tokens (default: the preset's)")
+    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="bfloat16 runs under autocast (default: float32)")
     return parser
 
 
-def _count_or_all(text: str) -> int | None:
-    if text.lower() == "all":
-        return None
-    if not text.isdigit() or int(text) < 2:
-        raise argparse.ArgumentTypeError(f"expected a number of tokens >= 2 or 'all', got {text!r}")
-    return int(text)
-
-
-def _cutoffs(text: str) -> list[int] | None:
-    if text.lower() == "none":
-        return None
-    try:
-        return [int(cutoff) for cutoff in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers such as 2000,10000, or none; got {text!r}") from None
-
-
 def main(argv=None) -> int:
-    args = _parser().parse_args(argv)
-    try:
-        params = json.loads(args.params)
-    except json.JSONDecodeError as exc:
-        raise SystemExit(f"--params: not valid JSON ({exc}): {args.params}") from None
-    try:
-        segment = SegmentConfig(args.segment, args.segment_length, args.segments, args.memory, args.bptt)
-    except ValueError as exc:
-        raise SystemExit(f"--segment options: {exc}") from None
+    """Run ``python -m harness.tasks.lm``: one training, its metrics in OUT/metrics.json."""
+    args, config = parse_command_line(_command_line(), LMConfig, argv)
     dist = Distributed.from_env(args.device)
-    out = Path(args.out)
     try:
-        metrics = run_lm(
-            args.variant, params, preset=args.preset, steps=args.steps, batch=args.batch, lr=args.lr, warmup=args.warmup,
-            dropout=args.dropout, adaptive_cutoffs=args.adaptive_cutoffs, context=args.context,
-            eval_tokens=args.eval_tokens, sliding_tokens=args.sliding_tokens,
-            carry=not args.no_carry, eval_every=args.eval_every, data=args.data, seed=args.seed, dtype=args.dtype, threads=args.threads,
-            checkpoint_dir=str(out / "checkpoints"), checkpoint_every=args.checkpoint_every, segment=segment, dist=dist, progress=True,
-        )
+        metrics = run_lm(args.variant, args.params, config, context=args.context, dtype=args.dtype, out_dir=args.out,
+                         checkpoint_every=args.checkpoint_every, dist=dist, progress=True)
         if dist.is_main:
-            metrics["config"] = {key: value for key, value in vars(args).items()}
-            out.mkdir(parents=True, exist_ok=True)
-            temporary = out / f"metrics.json.{os.getpid()}.tmp"
-            temporary.write_text(json.dumps(metrics, indent=1))
-            os.replace(temporary, out / "metrics.json")
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+            write_json_atomic(Path(args.out) / "metrics.json", dict(metrics, arguments=vars(args)))
             summary = {k: metrics.get(k) for k in ("valid_ppl", "test_ppl", "valid_ppl_sliding", "valid_ppl_carry",
                                                     "valid_ppl_segment", "words_per_s", "wall_s")}
             print(json.dumps(summary))

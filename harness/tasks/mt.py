@@ -14,28 +14,36 @@
 * Scoring: the detokenised output (sentencepiece decode) against the raw reference text with
   ``sacrebleu.metrics.BLEU`` (default 13a tokenisation); its signature is recorded.
 
+``MTConfig`` holds every setting of a run (``PRESETS`` the values of those left None); the
+command line has an option per setting, and the harness runs the cells of an ``mt`` scenario
+through ``run_cell``:
+
     python -m harness.tasks.mt --variant linear --preset cpu --out results/mt-linear
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import random
+import sys
 import time
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 import variants
 
+from ..files import write_json_atomic
 from ..measure import synchronize
-from .mt_model import Seq2Seq, mt_config
-from .parallel_text import BOS, EOS, PAD, DataError, dataset_dir, read_parallel, train_vocabulary
-from .training import Distributed, TrainConfig, train
+from ..models import config_from_preset
+from . import Task, register
+from .mt_model import POSITIONS, Seq2Seq, Seq2SeqConfig
+from .parallel_text import BOS, EOS, PAD, dataset_dir, read_parallel, train_vocabulary
+from .training import CommandLine, Distributed, TrainConfig, command_line, parse_command_line, train, training_metrics
 
 
 @dataclass(frozen=True)
@@ -56,15 +64,97 @@ DATASETS = {
     "wmt14": Dataset("wmt14", "train", "newstest2013", "newstest2014", test_directory="wmt14-newstest2014"),
 }
 
-#: Training and decoding settings of each preset (the model sizes are ``mt_model.MT_PRESETS``).
-#: "cpu": about 5-6 minutes of training on one CPU thread; see docs/translation.md.
-RUN_PRESETS: dict[str, dict] = {
-    "ci": dict(steps=40, batch_tokens=600, lr=3e-3, warmup=10, beam=2, vocab_size=1000, max_sentences=200, test_sentences=16),
-    "cpu": dict(steps=700, batch_tokens=2000, lr=2e-3, warmup=70, beam=4, vocab_size=4000, max_sentences=None, test_sentences=None),
-    "gpu": dict(steps=15000, batch_tokens=8000, lr=1e-3, warmup=1000, beam=5, vocab_size=8000, max_sentences=None, test_sentences=None),
-    # Transformer base for WMT14 (Vaswani et al. 2017: 100k steps of 25k tokens, beam 4); batch_tokens is per rank.
-    "base": dict(steps=100000, batch_tokens=25000, lr=7e-4, warmup=4000, beam=4, vocab_size=32000, max_sentences=None, test_sentences=None),
+#: Every preset of a run, in one table: the model's sizes (``Seq2SeqConfig`` fields) and the
+#: values of the run settings an ``MTConfig`` leaves None. "ci" runs in seconds; "cpu" trains in
+#: about 5-6 minutes on one CPU thread (docs/translation.md); "gpu" is a Multi30k-sized model (3 + 3
+#: layers of width 256, as common small Multi30k baselines); "base" is the Transformer base of
+#: Vaswani et al. 2017 for WMT14 (100k steps of 25k tokens, beam 4; batch_tokens is per rank).
+PRESETS: dict[str, dict[str, dict]] = {
+    "ci": {"model": dict(encoder_layers=1, decoder_layers=1, d_model=32, n_heads=2, d_ff=64, dropout=0.0),
+           "run": dict(steps=40, batch_tokens=600, lr=3e-3, warmup=10, beam=2, vocab_size=1000, max_sentences=200, test_sentences=16)},
+    "cpu": {"model": dict(encoder_layers=2, decoder_layers=2, d_model=128, n_heads=4, d_ff=512, dropout=0.1),
+            "run": dict(steps=700, batch_tokens=2000, lr=2e-3, warmup=70, beam=4, vocab_size=4000, max_sentences=None, test_sentences=None)},
+    "gpu": {"model": dict(encoder_layers=3, decoder_layers=3, d_model=256, n_heads=8, d_ff=1024, dropout=0.1),
+            "run": dict(steps=15000, batch_tokens=8000, lr=1e-3, warmup=1000, beam=5, vocab_size=8000, max_sentences=None, test_sentences=None)},
+    "base": {"model": dict(encoder_layers=6, decoder_layers=6, d_model=512, n_heads=8, d_ff=2048, dropout=0.1),
+             "run": dict(steps=100000, batch_tokens=25000, lr=7e-4, warmup=4000, beam=4, vocab_size=32000, max_sentences=None,
+                         test_sentences=None)},
 }
+
+
+def mt_config(preset: str, vocab_size: int, **overrides) -> Seq2SeqConfig:
+    """The Seq2SeqConfig of a preset's model (``PRESETS``) for ``vocab_size`` with ``overrides`` (any field)."""
+    return config_from_preset(Seq2SeqConfig, {name: sizes["model"] for name, sizes in PRESETS.items()}, "MT", preset, vocab_size, overrides)
+
+
+class MTConfig(BaseModel):
+    """Every setting of a translation run, with its default: a scenario's ``task:`` section, the
+    settings options of ``python -m harness.tasks.mt`` and what ``run_mt`` takes. A setting left
+    None takes the preset's value (``PRESETS``; ``resolved``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: Literal["mt"] = "mt"
+    preset: str = Field("cpu", description=f"model sizes and the values of the settings left none: one of {', '.join(PRESETS)}")
+    dataset: str = Field("multi30k", description=f"the data set: one of {', '.join(DATASETS)}")
+    data: str | None = Field(None, description="the data set's directory (none: the shared data, or $ATTNBENCH_DATA)")
+    steps: int | None = Field(None, ge=1, description="optimiser steps (none: the preset's)")
+    batch_tokens: int | None = Field(None, ge=1, description="padded tokens per batch and process (none: the preset's)")
+    lr: float | None = Field(None, gt=0, description="peak learning rate, AdamW (none: the preset's)")
+    warmup: int | None = Field(None, ge=0, validate_default=True, description="steps of linear warm-up, at most steps (none: the preset's)")
+    beam: int | None = Field(None, ge=1, description="beam width, 1 for greedy decoding (none: the preset's)")
+    length_penalty: float = Field(1.0, ge=0, description="beam search ranks hypotheses by log p / length^length_penalty")
+    vocab_size: int | None = Field(None, ge=300, description="joint sentencepiece vocabulary (none: the preset's)")
+    max_sentences: int | None = Field(None, ge=1, description="train on the first N pairs (none: the preset's; ci 200, the others all)")
+    test_sentences: int | None = Field(None, ge=1, description="translate the first N test sentences (none: the preset's; ci 16, the others all)")
+    eval_every: int | None = Field(None, ge=1, description="steps between validation losses (none: at the end only)")
+    encoder: str | None = Field(None, description="variant of encoder self-attention (none: the run's variant, or fallback)")
+    cross: str | None = Field(None, description="variant of cross-attention (none: the run's variant, or fallback)")
+    fallback: str = Field("linear", description="encoder and cross variant when the run's variant is causal only")
+    threads: int | None = Field(None, ge=1, description="torch CPU threads (none: torch's default)")
+    seed: int = Field(0, description="seed of the initialisation, the batches and dropout")
+
+    @field_validator("preset")
+    @classmethod
+    def _known_preset(cls, value):
+        if value not in PRESETS:
+            raise ValueError(f"expected a preset among {', '.join(PRESETS)}")
+        return value
+
+    @field_validator("dataset")
+    @classmethod
+    def _known_dataset(cls, value):
+        if value not in DATASETS:
+            raise ValueError(f"expected a data set among {', '.join(DATASETS)}")
+        return value
+
+    @field_validator("warmup")
+    @classmethod
+    def _warmup_within_steps(cls, value, info):
+        if "preset" in info.data and "steps" in info.data:
+            run = PRESETS[info.data["preset"]]["run"]
+            warmup, steps = run["warmup"] if value is None else value, info.data["steps"] or run["steps"]
+            if warmup > steps:
+                preset_s = "" if value is not None else f"the preset's warm-up, {warmup}, "
+                raise ValueError(f"{preset_s}must be at most steps = {steps}")
+        return value
+
+    @field_validator("encoder", "cross", "fallback")
+    @classmethod
+    def _known_variant(cls, value):
+        if value is not None and value not in variants.names():
+            raise ValueError(f"unknown variant {value!r}; known: {', '.join(variants.names())}")
+        return value
+
+    @property
+    def head_width(self) -> int:
+        """d_key of the preset's model (d_model / n_heads), to check the variants against."""
+        sizes = PRESETS[self.preset]["model"]
+        return sizes["d_model"] // sizes["n_heads"]
+
+    def resolved(self) -> MTConfig:
+        """This config with every setting left None that the preset has filled in from ``PRESETS``."""
+        return self.model_copy(update={key: value for key, value in PRESETS[self.preset]["run"].items() if getattr(self, key) is None})
 
 
 # --- data ------------------------------------------------------------------------------
@@ -351,143 +441,109 @@ def position_variants(variant: str, params: dict, d_key: int, *, encoder: str | 
     return fields
 
 
-def run_mt(
-    variant: str,
-    params: dict | None = None,
-    *,
-    preset: str = "cpu",
-    dataset: str = "multi30k",
-    data: str | None = None,
-    steps: int | None = None,
-    batch_tokens: int | None = None,
-    lr: float | None = None,
-    warmup: int | None = None,
-    beam: int | None = None,
-    length_penalty: float = 1.0,
-    vocab_size: int | None = None,
-    max_sentences: int | None = None,
-    test_sentences: int | None = None,
-    encoder: str | None = None,
-    cross: str | None = None,
-    fallback: str = "linear",
-    eval_every: int | None = None,
-    checkpoint_every: int | None = None,
-    checkpoint_dir: str | None = None,
-    threads: int | None = None,
-    seed: int = 0,
-    device=None,
-    out_dir: str | None = None,
-    progress: bool = False,
-) -> dict:
-    """Train a Seq2Seq model of ``preset`` (model size and the defaults of every None setting,
-    see ``RUN_PRESETS``) with ``variant`` (see ``position_variants``), translate the test split
-    and score it. ``data``: the data set's directory (default: ``dataset``'s name under
-    ``data_root()``); ``max_sentences``/``test_sentences`` keep the first training/test pairs.
-    Under torchrun every rank trains and the main rank evaluates. Returns JSON-ready metrics
-    (on the main rank; other ranks get {})."""
-    if preset not in RUN_PRESETS:
-        raise ValueError(f"unknown preset {preset!r}; known presets: {', '.join(RUN_PRESETS)}")
-    if dataset not in DATASETS:
-        raise ValueError(f"unknown dataset {dataset!r}; known: {', '.join(DATASETS)}")
-    settings = dict(RUN_PRESETS[preset])
-    chosen = dict(steps=steps, batch_tokens=batch_tokens, lr=lr, warmup=warmup, beam=beam, vocab_size=vocab_size,
-                  max_sentences=max_sentences, test_sentences=test_sentences)
-    settings.update({key: value for key, value in chosen.items() if value is not None})
-    if threads is not None:
-        torch.set_num_threads(threads)
-    spec = DATASETS[dataset]
-    directory = dataset_dir(data or spec.directory)
+def run_mt(variant: str, params: dict, config: MTConfig, *, device="cpu", out_dir=None, checkpoint_every: int | None = None,
+           dist: Distributed | None = None, progress: bool = False) -> dict:
+    """Train a Seq2Seq model as ``config`` says (its None settings from the preset, see
+    ``MTConfig.resolved``) with ``variant(**params)`` (see ``position_variants``), translate the
+    test split and score it. Returns the metrics as a JSON-ready dict on the main rank (under
+    torchrun every rank trains and the main rank evaluates), {} on the others. ``out_dir``
+    receives the test translations (``{test}.hyp.{lang}``) and, every ``checkpoint_every``
+    steps, a checkpoint in ``checkpoints/``, from which a rerun resumes. ``dist``: this
+    process's place under torchrun (default: one process on ``device``)."""
+    settings = config.resolved()
+    if settings.threads is not None:
+        torch.set_num_threads(settings.threads)
+    spec = DATASETS[settings.dataset]
+    directory = dataset_dir(settings.data or spec.directory)
     test_directory = directory if (directory / f"{spec.test}.en").is_file() or spec.test_directory is None else dataset_dir(spec.test_directory)
-    dist = Distributed.from_env(device)
-    torch.manual_seed(seed)
+    dist = dist or Distributed(0, 1, torch.device(device))
+    torch.manual_seed(settings.seed)
 
-    vocab = train_vocabulary(directory, vocab_size=settings["vocab_size"], split=spec.train)
-    training = read_parallel(directory, spec.train, limit=settings["max_sentences"])
+    vocab = train_vocabulary(directory, vocab_size=settings.vocab_size, split=spec.train)
+    training = read_parallel(directory, spec.train, limit=settings.max_sentences)
     examples = encode_examples(training.sources, training.targets, vocab, max_length=256)
-    batches = LengthBatches(examples, settings["batch_tokens"], seed=seed, rank=dist.rank, world_size=dist.world_size, device=dist.device)
+    batches = LengthBatches(examples, settings.batch_tokens, seed=settings.seed, rank=dist.rank, world_size=dist.world_size, device=dist.device)
     valid = None
     if spec.valid is not None and (directory / f"{spec.valid}.en").is_file():
         text = read_parallel(directory, spec.valid)
         valid = encode_examples(text.sources, text.targets, vocab)
-    test = read_parallel(test_directory, spec.test, limit=settings["test_sentences"])
+    test = read_parallel(test_directory, spec.test, limit=settings.test_sentences)
 
-    sizes = mt_config(preset, 1)
-    fields = position_variants(variant, dict(params or {}), sizes.d_model // sizes.n_heads, encoder=encoder, cross=cross, fallback=fallback)
-    config = mt_config(preset, len(vocab), **fields)
-    model = Seq2Seq(config).to(dist.device)
+    fields = position_variants(variant, dict(params), settings.head_width, encoder=settings.encoder, cross=settings.cross,
+                               fallback=settings.fallback)
+    model = Seq2Seq(mt_config(settings.preset, len(vocab), **fields)).to(dist.device)
     train_config = TrainConfig(
-        steps=settings["steps"], lr=settings["lr"], warmup=settings["warmup"], clip=1.0, eval_every=eval_every,
-        checkpoint_every=checkpoint_every, checkpoint_dir=checkpoint_dir, log_every=max(1, settings["steps"] // 20), seed=seed,
+        steps=settings.steps, lr=settings.lr, warmup=settings.warmup, clip=1.0, eval_every=settings.eval_every,
+        checkpoint_every=checkpoint_every, checkpoint_dir=str(Path(out_dir) / "checkpoints") if out_dir is not None else None,
+        log_every=max(1, settings.steps // 20), seed=settings.seed,
     )
     evaluate = (lambda m: {"valid_loss": validation_loss(m, valid, device=dist.device)}) if valid is not None else None
     result = train(model, label_smoothed_loss, batches, train_config, evaluate=evaluate, dist=dist, progress=progress)
     if not dist.is_main:
-        dist.close()
         return {}
 
-    hypotheses, decode_s = translate(model, vocab, test.sources, beam=settings["beam"], length_penalty=length_penalty, device=dist.device)
+    started = time.perf_counter()
+    hypotheses, decode_s = translate(model, vocab, test.sources, beam=settings.beam, length_penalty=settings.length_penalty, device=dist.device)
     score, signature = bleu(hypotheses, test.targets)
     metrics = {
+        **training_metrics(result, dist, model),
+        "words": result.units,
+        "words_per_s": result.units_per_s,
         "bleu": score,
         "bleu_signature": signature,
         "test_set": f"{test.directory.name}/{spec.test}",
         "test_sentences": len(test),
         "sentences_per_s": len(test) / decode_s,
         "decode_s": decode_s,
-        "words_per_s": result.units_per_s,
-        "peak_mem_bytes": result.peak_mem_bytes,
-        "memory_kind": result.memory_kind,
-        "steps": result.steps,
-        "wall_s": result.wall_s,
-        "train_s": result.train_s,
-        "loss": result.losses[-1][1],
-        "losses": [list(item) for item in result.losses],
-        "evaluations": [[step, values] for step, values in result.evaluations],
         "valid_loss": result.evaluations[-1][1]["valid_loss"] if result.evaluations else None,
         "vocab_size": len(vocab),
-        "parameters": model.num_parameters(),
-        "positions": {position: [fields[position], fields[f"{position}_params"]] for position in ("encoder", "decoder", "cross")},
-        "settings": dict(settings, preset=preset, dataset=dataset, data=str(directory), length_penalty=length_penalty, seed=seed),
-        "world_size": dist.world_size,
-        "torch_threads": torch.get_num_threads(),
+        "positions": {position: [fields[position], fields[f"{position}_params"]] for position in POSITIONS},
+        "data": str(directory),
+        "config": settings.model_dump(),
+        "final_eval_s": time.perf_counter() - started,
     }
+    metrics["wall_s"] += metrics["final_eval_s"]
     if out_dir is not None:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         (out / f"{spec.test}.hyp.{test.tgt_lang}").write_text("".join(h + "\n" for h in hypotheses), encoding="utf-8")
-        (out / "metrics.json").write_text(json.dumps(metrics, indent=1))
-    dist.close()
     return metrics
 
 
+def run_cell(cell: dict) -> dict:
+    """The metrics of a scenario cell of this task: ``cell["task"]`` validated as an MTConfig,
+    the cell's variant with its parameters and backend, on ``axes.device``."""
+    params = dict(cell["params"], backend=cell["backend"])
+    return run_mt(cell["variant"], params, MTConfig.model_validate(cell["task"]), device=cell["axes"]["device"])
+
+
+register(Task(
+    name="mt", config=MTConfig, axes=(), run=run_cell, d_keys=lambda config, axes: [config.head_width], any_device=True,
+    metrics=("bleu", "valid_loss", "sentences_per_s"),
+))
+
+
+def _command_line() -> CommandLine:
+    return command_line(MTConfig, prog="python -m harness.tasks.mt", description=__doc__.split("\n\n")[0], checkpoint_every=None)
+
+
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m harness.tasks.mt", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--variant", required=True, help=f"attention variant ({', '.join(variants.names())})")
-    parser.add_argument("--params", default="{}", help='JSON parameters of the variant, e.g. \'{"nu": 2}\'')
-    parser.add_argument("--preset", default="cpu", choices=sorted(RUN_PRESETS))
-    parser.add_argument("--dataset", default="multi30k", choices=sorted(DATASETS))
-    parser.add_argument("--data", help="the data set's directory (default: the shared data, or $ATTNBENCH_DATA)")
-    parser.add_argument("--out", required=True, help="directory for metrics.json and the test translations")
-    parser.add_argument("--encoder", help="variant of encoder self-attention (default: --variant, or --fallback if it is causal only)")
-    parser.add_argument("--cross", help="variant of cross-attention (default: as --encoder)")
-    parser.add_argument("--fallback", default="linear", help="encoder and cross variant when --variant is causal only")
-    for name, kind in (("steps", int), ("batch-tokens", int), ("lr", float), ("warmup", int), ("beam", int), ("vocab-size", int),
-                       ("max-sentences", int), ("test-sentences", int), ("eval-every", int), ("checkpoint-every", int), ("threads", int)):
-        parser.add_argument(f"--{name}", type=kind, help="default: the preset's" if name not in ("eval-every", "checkpoint-every", "threads") else None)
-    parser.add_argument("--length-penalty", type=float, default=1.0)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--device", help="default: cuda:LOCAL_RANK where CUDA is available, else cpu")
-    args = parser.parse_args(argv)
-    options = {key: value for key, value in vars(args).items() if key not in ("variant", "params", "out")}
-    checkpoint_dir = str(Path(args.out) / "checkpoints") if args.checkpoint_every else None
+    """Run ``python -m harness.tasks.mt``: one training, its metrics in OUT/metrics.json."""
+    args, config = parse_command_line(_command_line(), MTConfig, argv)
+    dist = Distributed.from_env(args.device)
     try:
-        metrics = run_mt(args.variant, json.loads(args.params), out_dir=args.out, checkpoint_dir=checkpoint_dir, progress=True, **options)
-    except (DataError, variants.VariantError, ValueError) as exc:
-        parser.exit(2, f"error: {exc}\n")
-    if metrics:
-        print(f"BLEU {metrics['bleu']:.2f} ({metrics['bleu_signature']}) on {metrics['test_set']}; "
-              f"{metrics['words_per_s']:.0f} words/s training, {metrics['sentences_per_s']:.1f} sentences/s decoding, "
-              f"{metrics['wall_s']:.0f} s -> {Path(args.out) / 'metrics.json'}")
+        metrics = run_mt(args.variant, args.params, config, out_dir=args.out, checkpoint_every=args.checkpoint_every, dist=dist,
+                         progress=True)
+        if dist.is_main:
+            write_json_atomic(Path(args.out) / "metrics.json", dict(metrics, arguments=vars(args)))
+            print(f"BLEU {metrics['bleu']:.2f} ({metrics['bleu_signature']}) on {metrics['test_set']}; "
+                  f"{metrics['words_per_s']:.0f} words/s training, {metrics['sentences_per_s']:.1f} sentences/s decoding, "
+                  f"{metrics['wall_s']:.0f} s -> {Path(args.out) / 'metrics.json'}")
+    except ValueError as exc:  # a DataError, VariantError or CheckpointError, or settings the data cannot meet
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        dist.close()
     return 0
 
 

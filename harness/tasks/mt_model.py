@@ -29,14 +29,13 @@ from torch import nn
 
 import variants
 
-from ..models import config_from_preset
 from .parallel_text import PAD
 
 POSITIONS = ("encoder", "decoder", "cross")
 
 
 @dataclass
-class MTConfig:
+class Seq2SeqConfig:
     """Sizes of a Seq2Seq model; ``encoder``, ``decoder``, ``cross`` name the variant at each
     attention position and ``*_params`` go to it (and to ``AttentionLayer``)."""
 
@@ -56,22 +55,6 @@ class MTConfig:
     tie_embeddings: bool = True
 
 
-#: Model sizes without the vocabulary and the variants. "ci" runs in seconds; "cpu" trains on
-#: one CPU thread in minutes; "gpu" is a Multi30k-sized model (3 + 3 layers of width 256, as
-#: common small Multi30k baselines); "base" is the Transformer base of Vaswani et al. (WMT14).
-MT_PRESETS: dict[str, dict] = {
-    "ci": dict(encoder_layers=1, decoder_layers=1, d_model=32, n_heads=2, d_ff=64, dropout=0.0),
-    "cpu": dict(encoder_layers=2, decoder_layers=2, d_model=128, n_heads=4, d_ff=512, dropout=0.1),
-    "gpu": dict(encoder_layers=3, decoder_layers=3, d_model=256, n_heads=8, d_ff=1024, dropout=0.1),
-    "base": dict(encoder_layers=6, decoder_layers=6, d_model=512, n_heads=8, d_ff=2048, dropout=0.1),
-}
-
-
-def mt_config(preset: str, vocab_size: int, **overrides) -> MTConfig:
-    """The MTConfig of a preset (see ``MT_PRESETS``) for ``vocab_size`` with ``overrides`` (any field)."""
-    return config_from_preset(MTConfig, MT_PRESETS, "MT", preset, vocab_size, overrides)
-
-
 def sinusoids(positions: torch.Tensor, d_model: int) -> torch.Tensor:
     """Vaswani et al. 2017, §3.5: PE(p, 2i) = sin(p / 10000^(2i/d)), PE(p, 2i+1) = cos(...);
     ``positions: [T]`` -> ``[T, d_model]``."""
@@ -80,19 +63,19 @@ def sinusoids(positions: torch.Tensor, d_model: int) -> torch.Tensor:
     return torch.stack([angles.sin(), angles.cos()], dim=-1).flatten(1)[:, :d_model]
 
 
-def _attention(config: MTConfig, position: str) -> variants.AttentionLayer:
+def _attention(config: Seq2SeqConfig, position: str) -> variants.AttentionLayer:
     """The AttentionLayer at ``position``; a causal-only core at a non-causal position is an error."""
     name, params = getattr(config, position), getattr(config, f"{position}_params")
     layer = variants.AttentionLayer(config.d_model, config.n_heads, name, **params)
     if position != "decoder" and not layer.core.supports_noncausal:
         raise variants.VariantError(
-            f"MTConfig.{position}: variant {name!r} is causal only, but {position} attention is non-causal; "
-            f"use it for decoder self-attention (MTConfig.decoder) and a non-causal variant here"
+            f"Seq2SeqConfig.{position}: variant {name!r} is causal only, but {position} attention is non-causal; "
+            f"use it for decoder self-attention (Seq2SeqConfig.decoder) and a non-causal variant here"
         )
     return layer
 
 
-def _feed_forward(config: MTConfig) -> nn.Sequential:
+def _feed_forward(config: Seq2SeqConfig) -> nn.Sequential:
     return nn.Sequential(
         nn.Linear(config.d_model, config.d_ff), nn.ReLU(), nn.Dropout(config.dropout), nn.Linear(config.d_ff, config.d_model)
     )
@@ -101,7 +84,7 @@ def _feed_forward(config: MTConfig) -> nn.Sequential:
 class EncoderBlock(nn.Module):
     """``x + attn(ln(x))`` (non-causal), then ``x + ff(ln(x))``."""
 
-    def __init__(self, config: MTConfig):
+    def __init__(self, config: Seq2SeqConfig):
         super().__init__()
         self.ln_attn, self.attn = nn.LayerNorm(config.d_model), _attention(config, "encoder")
         self.ln_ff, self.ff = nn.LayerNorm(config.d_model), _feed_forward(config)
@@ -115,7 +98,7 @@ class EncoderBlock(nn.Module):
 class DecoderBlock(nn.Module):
     """``x + self_attn(ln(x))`` (causal), ``x + cross(ln(x), memory)``, ``x + ff(ln(x))``."""
 
-    def __init__(self, config: MTConfig):
+    def __init__(self, config: Seq2SeqConfig):
         super().__init__()
         self.ln_self, self.self_attn = nn.LayerNorm(config.d_model), _attention(config, "decoder")
         self.ln_cross, self.cross_attn = nn.LayerNorm(config.d_model), _attention(config, "cross")
@@ -166,7 +149,7 @@ class Seq2Seq(nn.Module):
     """``forward(src [B, S], tgt_in [B, T]) -> logits [B, T, vocab]`` (teacher forcing);
     ``encode``, ``start`` and ``step`` for autoregressive decoding."""
 
-    def __init__(self, config: MTConfig):
+    def __init__(self, config: Seq2SeqConfig):
         super().__init__()
         self.config = config
         self.embed = nn.Embedding(config.vocab_size, config.d_model, padding_idx=PAD)
@@ -230,10 +213,6 @@ class Seq2Seq(nn.Module):
             self_states.append(self_state)
             memories.append(memory)
         return self.head(self.ln_decoder(x_t)), DecoderState(state.position + 1, self_states, memories)
-
-    def num_parameters(self) -> int:
-        """The number of parameters, a tied embedding counted once."""
-        return sum(p.numel() for p in self.parameters())
 
 
 def source_lengths(src) -> torch.Tensor:
