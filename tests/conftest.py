@@ -38,7 +38,8 @@ def keep_thread_count():
     yield
     torch.set_num_threads(threads)
 
-#: (variant name, parameters): every registered variant, several settings each.
+#: (variant name, parameters): every registered variant, several settings each
+#: (tests/test_equivalence.py fails when a registered variant has none).
 CONFIGS = [
     ("softmax", {}),
     ("softmax", {"scale": 0.3}),
@@ -56,9 +57,25 @@ CONFIGS = [
     ("delta", {"attn_norm": True, "chunk_size": 16}),
     ("delta", {"phi": "dpfp", "nu": 2, "chunk_size": 16}),
     ("delta", {"phi": "favor", "m": 8, "attn_norm": True}),
+    ("gated_delta", {}),
+    ("gated_delta", {"chunk_size": 5}),
+    ("gated_delta", {"phi": "elu1", "sum_norm": True, "chunk_size": 16}),
     ("based", {"chunk_size": 16}),
     ("rebased", {"normalize": False}),
+    ("rwkv", {}),
+    ("rwkv", {"chunk_size": 5}),
 ]
+
+#: rtol and atol of a form against the float64 reference; atol is scaled by the largest
+#: magnitude of the expected tensor (at least 1).
+TOLERANCES = {torch.float64: (1e-9, 1e-10), torch.float32: (2e-4, 1e-4)}
+
+
+def assert_close(actual, expected, dtype, what, seed):
+    """``actual`` against ``expected`` with the tolerances of ``dtype``."""
+    rtol, atol = TOLERANCES[dtype]
+    scale = max(1.0, expected.abs().max().item()) if expected.numel() else 1.0
+    torch.testing.assert_close(actual, expected.to(dtype), rtol=rtol, atol=atol * scale, msg=lambda m: f"{what} (seed {seed}): {m}")
 
 
 def config_id(config) -> str:
@@ -74,36 +91,51 @@ def seed(request) -> int:
     return value
 
 
-def make_inputs(core, batch, heads, length, d_value, *, dtype, seed, requires_grad=False):
-    """Random q, k, v (and β for the delta rule) for ``core``.
-
-    Identity-φ variants get unit-norm keys: the plain delta rule is only stable while
-    β‖k‖² < 2, and plain linear attention grows with ‖q‖‖k‖.
-    """
-    gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(batch, heads, length, core.d_key, generator=gen, dtype=torch.float64)
-    k = torch.randn(batch, heads, length, core.d_key, generator=gen, dtype=torch.float64)
-    v = torch.randn(batch, heads, length, d_value, generator=gen, dtype=torch.float64)
-    if getattr(core, "phi_name", None) == "identity":
-        k = k / k.norm(dim=-1, keepdim=True)
-        q = q / q.norm(dim=-1, keepdim=True)
-    beta = torch.rand(batch, heads, length, generator=gen, dtype=torch.float64) if core.needs_beta else None
-    tensors = [t.to(dtype).requires_grad_(requires_grad) if t is not None else None for t in (q, k, v, beta)]
-    return tuple(tensors)
+def make_inputs(core, batch, heads, length, d_value, *, dtype, seed, requires_grad=False) -> dict:
+    """``core.example_inputs`` drawn in float64 from ``seed`` and cast to ``dtype`` (the same values
+    for every dtype), so that a float32 form and the float64 reference see the same inputs.
+    ``d_value`` is d_key for a per-channel core (RWKV)."""
+    d_value = core.d_key if core.d_value_is_d_key else d_value
+    inputs = core.example_inputs(batch, heads, length, d_value, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+    return {name: x.to(dtype).requires_grad_(requires_grad) for name, x in inputs.items()}
 
 
-def run_steps(core, q, k, v, beta, state=None, log_gate=None):
-    """The recurrent form over a whole sequence: ``[B, H, T, Dv]`` and the final state."""
-    if state is None:
-        state = core.init_state(q.shape[0], q.shape[1], v.shape[-1], dtype=q.dtype)
-    outputs = []
-    for t in range(q.shape[2]):
-        at_t = {"beta_t": beta[:, :, t] if beta is not None else None}
-        if log_gate is not None:
-            at_t["log_gate_t"] = log_gate[:, :, t]
-        out, state = core.step(q[:, :, t], k[:, :, t], v[:, :, t], state, **at_t)
-        outputs.append(out)
-    return torch.stack(outputs, dim=2), state
+def to(inputs: dict, dtype, requires_grad=False) -> dict:
+    """The same inputs in ``dtype``, detached (as new leaves when ``requires_grad``)."""
+    return {name: x.detach().to(dtype).requires_grad_(requires_grad) for name, x in inputs.items()}
+
+
+def forms(core, inputs: dict):
+    """The fast forms of ``core`` on ``inputs``: the parallel form and the step loop."""
+    yield "parallel", core(**inputs)
+    yield "step loop", core.step_loop(inputs)[0]
+
+
+def check_forms(core, reference, inputs: dict, dtype, seed, what, *, backward=True, cotangent=None):
+    """Every form of ``core`` (in ``dtype``) agrees with ``reference.reference`` in float64 on the same
+    ``inputs``: the outputs where ``cotangent`` is nonzero (default: random, nonzero everywhere) and,
+    with ``backward``, the gradients of every input and trainable parameter (``reference`` holds the
+    same parameter values in float64). A zero reference gradient fails the check: it would test nothing."""
+    exact = to(inputs, torch.float64, requires_grad=backward)
+    exact_parameters = [p for p in reference.parameters() if p.requires_grad]
+    expected = reference.reference(**exact)
+    if cotangent is None:
+        cotangent = torch.randn(expected.shape, generator=torch.Generator().manual_seed(seed + 1), dtype=torch.float64)
+    kept = cotangent != 0
+    names = [*exact, *(name for name, p in core.named_parameters() if p.requires_grad)]
+    if backward:
+        want = torch.autograd.grad((expected * cotangent).sum(), [*exact.values(), *exact_parameters], materialize_grads=True)
+    low = to(inputs, dtype, requires_grad=backward)
+    for form, out in forms(core, low):
+        assert out.shape == expected.shape and out.dtype == dtype, f"{what} {form}: {out.shape} {out.dtype}"
+        assert_close(out[kept], expected[kept], dtype, f"{what} {form} vs float64 reference", seed)
+        if not backward:
+            continue
+        leaves = [*low.values(), *(p for p in core.parameters() if p.requires_grad)]
+        grads = torch.autograd.grad((out * cotangent.to(dtype)).sum(), leaves, materialize_grads=True)
+        for name, grad, target in zip(names, grads, want, strict=True):
+            assert target.abs().max() > 0, f"{what}: the reference's d/d{name} is zero (seed {seed}); the check says nothing"
+            assert_close(grad, target, dtype, f"{what} {form}: d/d{name}", seed)
 
 
 def layer_step_loop(layer, x, state=None):

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import config_id, make_inputs, run_steps
+from conftest import config_id, make_inputs, to
 
 import variants
 
@@ -30,14 +30,14 @@ def test_triton_backend_matches_the_reference(config, seed):
     reference = variants.create(name, 8, **params).double()
     kernel = variants.create(name, 8, backend="triton", **params).to(DEVICE)
     inputs = make_inputs(reference, 2, 3, 37, 6, dtype=torch.float64, seed=seed, requires_grad=True)
-    leaves = [t for t in inputs if t is not None]
     cotangent = torch.randn(2, 3, 37, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
-    expected = reference.reference(*inputs[:3], beta=inputs[3])
-    want = torch.autograd.grad((expected * cotangent).sum(), leaves)
-    low = [t.detach().float().to(DEVICE).requires_grad_() if t is not None else None for t in inputs]
-    out = kernel(*low[:3], beta=low[3])
-    got = torch.autograd.grad((out * cotangent.float().to(DEVICE)).sum(), [t for t in low if t is not None])
-    for label, actual, target in zip(["out", "dq", "dk", "dv", "dβ"], [out, *got], [expected, *want]):
+    expected = reference.reference(**inputs)
+    want = torch.autograd.grad((expected * cotangent).sum(), list(inputs.values()))
+    low = {name: x.to(DEVICE) for name, x in to(inputs, torch.float32).items()}
+    low = {name: x.requires_grad_() for name, x in low.items()}
+    out = kernel(**low)
+    got = torch.autograd.grad((out * cotangent.float().to(DEVICE)).sum(), list(low.values()))
+    for label, actual, target in zip(["out", *(f"d{name}" for name in inputs)], [out, *got], [expected, *want], strict=True):
         scale = max(1.0, target.abs().max().item())
         torch.testing.assert_close(actual.double().cpu(), target, rtol=2e-4, atol=1e-4 * scale, msg=lambda m: f"{label} (seed {seed}): {m}")
 
@@ -46,11 +46,11 @@ def test_triton_backend_matches_the_reference(config, seed):
 def test_triton_prefill_state_continues_into_steps(config, seed):
     name, params = config
     core = variants.create(name, 8, backend="triton", **params).to(DEVICE)
-    q, k, v, beta = (t.to(DEVICE) if t is not None else None for t in make_inputs(core, 1, 2, 30, 8, dtype=torch.float32, seed=seed))
-    whole = core(q, k, v, beta=beta)
+    inputs = {name: x.to(DEVICE) for name, x in make_inputs(core, 1, 2, 30, 8, dtype=torch.float32, seed=seed).items()}
+    whole = core(**inputs)
     cut = 19
-    head, state = core.prefill(q[:, :, :cut], k[:, :, :cut], v[:, :, :cut], beta=None if beta is None else beta[:, :, :cut])
-    tail, _ = run_steps(core, q[:, :, cut:], k[:, :, cut:], v[:, :, cut:], None if beta is None else beta[:, :, cut:], state=state)
+    head, state = core.prefill(**variants.time_slice(inputs, 0, cut))
+    tail, _ = core.step_loop(variants.time_slice(inputs, cut), state)
     torch.testing.assert_close(torch.cat([head, tail], 2), whole, rtol=1e-4, atol=1e-5)
 
 

@@ -12,7 +12,6 @@ from conftest import CONFIGS, config_id
 import variants
 
 LINEAR_TIME = [(name, params) for name, params in CONFIGS if name != "softmax"]
-LINEAR_TIME += [("gated_delta", {}), ("rwkv", {})]
 LENGTH, CHUNK = 40, 8
 
 
@@ -31,15 +30,9 @@ def graph_nodes(output: torch.Tensor):
 def test_no_chunk_slices_or_writes_a_full_length_tensor(config):
     name, params = config
     core = variants.create(name, 8, **dict(params, chunk_size=CHUNK))
-    gen = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(1, 2, LENGTH, 8, generator=gen, requires_grad=True) for _ in range(3))
-    gates = {}
-    if core.needs_beta:
-        gates["beta"] = torch.rand(1, 2, LENGTH, generator=gen, requires_grad=True)
-    if core.needs_gate:
-        gates["log_gate"] = -torch.rand(1, 2, LENGTH, generator=gen, requires_grad=True)
+    inputs = core.example_inputs(1, 2, LENGTH, 8, generator=torch.Generator().manual_seed(0), requires_grad=True)
     kinds = []
-    for node in graph_nodes(core(q, k, v, **gates)):
+    for node in graph_nodes(core(**inputs)):
         kinds.append(type(node).__name__)
         assert kinds[-1] != "CopySlices", f"{name}: a slice write into a full-length output"
         if kinds[-1] == "SliceBackward0":

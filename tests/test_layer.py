@@ -69,8 +69,8 @@ def test_parallel_equals_step_loop(config, seed):
 def test_parameter_gradients_agree(config, seed):
     layer, x, cotangent = build(config, seed)
     named = dict(layer.named_parameters())
-    if layer.core.needs_beta:
-        assert "write_strength.weight" in named and "write_strength.bias" in named
+    for spec in layer.core.token_inputs:
+        assert f"{spec.layer_attribute}.weight" in named and f"{spec.layer_attribute}.bias" in named
     x = x.requires_grad_()
     leaves = list(named.values()) + [x]
     labels = list(named) + ["x"]
@@ -82,16 +82,19 @@ def test_parameter_gradients_agree(config, seed):
 
 
 @pytest.mark.parametrize("name", variants.names())
-def test_write_strength_only_for_the_delta_rule(name):
+def test_a_projection_per_token_input(name):
+    """β's ``write_strength`` for the delta rules, the gate's ``decay_gate`` for the gated rule, nothing else."""
     layer = variants.AttentionLayer(8, 2, name)
     names = {n for n, _ in layer.named_parameters()}
-    if name in ("delta", "gated_delta"):
-        assert isinstance(layer.write_strength, torch.nn.Linear)
-        assert layer.write_strength.in_features == 8 and layer.write_strength.out_features == 2
-        assert {"write_strength.weight", "write_strength.bias"} <= names
-    else:
-        assert layer.write_strength is None
-        assert not any(n.startswith("write_strength") for n in names)
+    expected = {"delta": {"write_strength"}, "gated_delta": {"write_strength", "decay_gate"}}.get(name, set())
+    assert {spec.layer_attribute for spec in layer.core.token_inputs} == expected
+    for attribute in ("write_strength", "decay_gate"):
+        if attribute in expected:
+            projection = getattr(layer, attribute)
+            assert isinstance(projection, torch.nn.Linear) and projection.in_features == 8 and projection.out_features == 2
+            assert {f"{attribute}.weight", f"{attribute}.bias"} <= names
+        else:
+            assert not hasattr(layer, attribute) and not any(n.startswith(attribute) for n in names)
 
 
 @pytest.mark.parametrize("name", variants.names())

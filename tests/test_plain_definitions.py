@@ -63,10 +63,9 @@ def test_flop_counts_match_torch_flop_counter():
     batch, heads, length, d = 2, 3, 100, 16
     for name, params in [("linear", {}), ("linear", {"normalize": False}), ("dpfp", {"nu": 2}), ("delta", {})]:
         core = variants.create(name, d, **params)
-        q, k, v = (torch.randn(batch, heads, length, d) for _ in range(3))
-        beta = torch.rand(batch, heads, length) if core.needs_beta else None
+        inputs = core.example_inputs(batch, heads, length, d)
         with FlopCounterMode(display=False) as counter:
-            core(q, k, v, beta=beta)
+            core(**inputs)
         solve = 0
         if name == "delta":
             chunks = [core.chunk_size] * (length // core.chunk_size) + [length % core.chunk_size]

@@ -1,12 +1,13 @@
-"""RWKV-4's WKV operator and token shift: chunked == running-maximum step loop == the plain
-float64 formula, forward and backward (r, k, v, w, u), numerically stable where the plain
-formula overflows float32, prefill chaining, the layer with its token shift, FLOPs, errors."""
+"""RWKV-4's WKV operator and token shift, beyond what tests/test_equivalence.py checks for every
+variant: the reference is the paper's formula; chunked == running-maximum step loop == reference,
+forward and backward (r, k, v, w, u) with random decays and bonuses; numerically stable where the
+plain formula overflows float32; the layer with its token shift; FLOPs; errors."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from conftest import check_layer_forms, run_steps
+from conftest import check_forms, check_layer_forms
 from test_layer import randomise
 
 import variants
@@ -53,26 +54,13 @@ def test_reference_is_the_papers_formula(seed):
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("chunk_size", [32, 5])
-def test_forms_agree_forward_and_backward(chunk_size, shape, dtype, seed):
+def test_forms_agree_with_random_decays_and_bonuses(chunk_size, shape, dtype, seed):
+    """As tests/test_equivalence.py, with w and u drawn (their gradients too); forward only at
+    T = 1, where wkv_0 = v_0 whatever k, w, u (zero gradients would test nothing)."""
     batch, heads, length, d = shape
-    reference = rwkv(d, seed, chunk_size=chunk_size)
-    inputs = [randn(seed + i, batch, heads, length, d).requires_grad_() for i in range(3)]
-    cotangent = randn(seed + 3, batch, heads, length, d)
-    leaves = inputs + [reference.log_decay, reference.bonus]
-    expected = reference.reference(*inputs)
-    want = torch.autograd.grad((expected * cotangent).sum(), leaves, materialize_grads=True)
+    inputs = {name: randn(seed + i, batch, heads, length, d) for i, name in enumerate("qkv")}
     core = rwkv(d, seed, dtype, chunk_size=chunk_size)
-    low = [t.detach().to(dtype).requires_grad_() for t in inputs]
-    rtol, atol = (1e-9, 1e-10) if dtype == torch.float64 else (2e-4, 1e-4)
-    for form, out in [("chunked", core(*low)), ("step loop", run_steps(core, *low, None)[0])]:
-        torch.testing.assert_close(out, expected.to(dtype), rtol=rtol, atol=atol, msg=lambda m: f"{form} (seed {seed}): {m}")
-        # at T = 1 the step form never touches w (it only decays the state after the read)
-        grads = torch.autograd.grad((out * cotangent.to(dtype)).sum(), low + [core.log_decay, core.bonus], materialize_grads=True)
-        for label, grad, target in zip(["r", "k", "v", "w_raw", "u"], grads, want):
-            scale = max(1.0, target.abs().max().item())
-            torch.testing.assert_close(grad, target.to(dtype), rtol=rtol, atol=atol * scale, msg=lambda m: f"{form} d/d{label} (seed {seed}): {m}")
-            if length > 1 or label in ("r", "v"):  # at T = 1, wkv_0 = v_0 whatever k, w, u
-                assert target.abs().max() > 0, f"d/d{label} is zero (seed {seed})"
+    check_forms(core, rwkv(d, seed, chunk_size=chunk_size), inputs, dtype, seed, f"rwkv chunk_size={chunk_size}", backward=length > 1)
 
 
 @pytest.mark.parametrize("key_scale", [40.0, 120.0])
@@ -84,18 +72,9 @@ def test_stable_where_the_plain_formula_overflows_float32(key_scale, seed):
     assert torch.isfinite(expected).all()
     low = rwkv(4, seed, torch.float32, chunk_size=8)
     assert not torch.isfinite(low.reference(r.float(), k.float(), v.float())).all(), "the plain formula should overflow here"
-    for out in (low(r.float(), k.float(), v.float()), run_steps(low, r.float(), k.float(), v.float(), None)[0]):
+    inputs = {"q": r.float(), "k": k.float(), "v": v.float()}
+    for out in (low(**inputs), low.step_loop(inputs)[0]):
         torch.testing.assert_close(out.double(), expected, rtol=1e-4, atol=1e-4)
-
-
-def test_prefill_then_step_continues_the_sequence(seed):
-    core = rwkv(6, seed, chunk_size=8)
-    r, k, v = (randn(seed + i, 2, 2, 45, 6) for i in range(3))
-    whole = core(r, k, v)
-    first, state = core.prefill(r[:, :, :20], k[:, :, :20], v[:, :, :20])
-    second, state = core.prefill(r[:, :, 20:33], k[:, :, 20:33], v[:, :, 20:33], state=state)
-    third, _ = run_steps(core, r[:, :, 33:], k[:, :, 33:], v[:, :, 33:], None, state=state)
-    torch.testing.assert_close(torch.cat([first, second, third], 2), whole, rtol=1e-10, atol=1e-10)
 
 
 def test_token_shift_is_the_mix_with_the_previous_input(seed):
@@ -115,7 +94,7 @@ def test_token_shift_is_the_mix_with_the_previous_input(seed):
 @pytest.mark.parametrize("short_conv", [None, 2])
 def test_layer_parallel_prefill_and_steps_agree(short_conv, seed):
     layer = variants.AttentionLayer(8, 2, "rwkv", chunk_size=4, short_conv=short_conv).double()
-    assert isinstance(layer.token_shift, TokenShift) and layer.write_strength is None and layer.decay_gate is None
+    assert isinstance(layer.token_shift, TokenShift) and not hasattr(layer, "write_strength") and not hasattr(layer, "decay_gate")
     gen = torch.Generator().manual_seed(seed)
     randomise(layer, gen)
     x = torch.randn(2, 13, 8, generator=gen, dtype=torch.float64, requires_grad=True)
@@ -142,7 +121,7 @@ def test_metadata_and_flops():
 def test_errors():
     core = variants.create("rwkv", 4).double()
     x = torch.randn(2, 3, 5, 4, dtype=torch.float64)
-    with pytest.raises(variants.VariantError, match=r"^rwkv: the WKV operator is per channel; v's last dim must be d_key=4, got 3"):
+    with pytest.raises(variants.VariantError, match=r"^rwkv: the operator is per channel; v's last dim must be d_key=4, got 3"):
         core(x, x, x[..., :3])
     with pytest.raises(variants.VariantError, match=r"^rwkv: this variant is causal only"):
         core(x, x, x, causal=False)

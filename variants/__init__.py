@@ -2,24 +2,45 @@
 
 ``names()`` lists the registered variants, ``create(name, d_key, **params)`` builds an
 attention core (parallel form, recurrent ``step``, ``reference``), and ``AttentionLayer``
-wraps a core with its projections. See docs/variants.md for every definition.
+wraps a core with its projections. ``core.example_inputs(...)`` draws valid inputs (q, k, v
+and the per-token inputs the core declares, ``TokenInput``); ``token_slice`` and
+``time_slice`` cut them for ``step`` and ``prefill``. See docs/variants.md for every definition.
 """
 
 # Importing the families registers them.
 from . import delta_rule, rwkv, softmax, sum_rule  # noqa: E402,F401
-from .base import AttentionCore, UnsupportedBackend, VariantError, create, names, register
+from .base import (
+    BETA,
+    LOG_GATE,
+    AttentionCore,
+    TokenInput,
+    UnsupportedBackend,
+    VariantError,
+    create,
+    debug_checks,
+    names,
+    register,
+    time_slice,
+    token_slice,
+)
 from .fast_weights import FastWeightState
 from .layer import AttentionLayer
 from .softmax import KVCache
 
 __all__ = [
+    "BETA",
+    "LOG_GATE",
     "AttentionCore",
     "AttentionLayer",
     "FastWeightState",
     "KVCache",
+    "TokenInput",
     "UnsupportedBackend",
     "VariantError",
     "create",
+    "debug_checks",
     "names",
     "register",
+    "time_slice",
+    "token_slice",
 ]

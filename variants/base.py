@@ -1,27 +1,37 @@
-"""The common interface of every attention core, its shape checks and the registry.
+"""The common interface of every attention core, its argument checks and the registry.
 
 Tensors are ``[B, H, T, D]`` (batch, heads, time, head dim), as in
 ``torch.nn.functional.scaled_dot_product_attention``. A core has three faces that
 compute the same function:
 
-* ``core(q, k, v, *, beta=None, causal=True)``: the parallel (training) form;
-* ``core.init_state(...)`` and ``core.step(q_t, k_t, v_t, state, *, beta_t=None)``:
+* ``core(q, k, v, *, causal=True, **token_inputs)``: the parallel (training) form;
+* ``core.init_state(...)`` and ``core.step(q_t, k_t, v_t, state, **token_inputs_t)``:
   the recurrent form for autoregressive decoding, one token at a time;
-* ``core.reference(q, k, v, *, beta=None, causal=True)``: the plainest correct form,
+* ``core.reference(q, k, v, *, causal=True, **token_inputs)``: the plainest correct form,
   used by the tests in float64.
 
-A gated core (``needs_gate``, the gated delta rule) also takes ``log_gate=`` (``[B, H, T]``,
-g_t = log α_t ≤ 0) in every form, ``log_gate_t=`` (``[B, H]``) in ``step``; it is passed on
-to ``_parallel``, ``_reference`` and ``_step`` as the keyword ``log_gate`` only for such cores,
-so the other cores' signatures stay as they are.
+Besides q, k, v a core may take per-token inputs, one value per batch row, head and token,
+which it declares as ``token_inputs``, a tuple of ``TokenInput`` (the delta rule's write
+strength ``BETA``, the gated rule's ``LOG_GATE``). Each is passed as the keyword ``name``
+(``[B, H, T]``) to the parallel form, ``reference`` and ``prefill`` and as ``name + "_t"``
+(``[B, H]``) to ``step``; the base class checks that exactly the declared ones are given
+(None counts as not given), their shapes and their ranges, and hands them on to
+``_parallel``, ``_reference``, ``_prefill`` and ``_step`` as keywords ``name``.
+``core.example_inputs(...)`` draws valid inputs of every kind; ``token_slice`` and
+``time_slice`` cut them for ``step`` and ``prefill``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import math
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 _REGISTRY: dict[str, Callable[..., AttentionCore]] = {}
@@ -75,53 +85,204 @@ def create(name: str, d_key: int, *, backend: str = "torch", **params: Any) -> A
     return core
 
 
+#: Set by ``debug_checks`` (or ATTNBENCH_DEBUG_CHECKS=1 in the environment): check token input
+#: ranges in every form on every device, not only where the check needs no device sync.
+_DEBUG_CHECKS = os.environ.get("ATTNBENCH_DEBUG_CHECKS", "") not in ("", "0")
+
+#: Every ``TokenInput`` by name, for the message that refuses one a core does not take.
+_KNOWN_INPUTS: dict[str, TokenInput] = {}
+
+
+@contextlib.contextmanager
+def debug_checks(enabled: bool = True) -> Iterator[None]:
+    """Within the block, the parallel form and ``step`` check the ranges of token inputs on
+    accelerators too (each check then waits for the device); see ``TokenInput.bounds``."""
+    global _DEBUG_CHECKS
+    previous, _DEBUG_CHECKS = _DEBUG_CHECKS, enabled
+    try:
+        yield
+    finally:
+        _DEBUG_CHECKS = previous
+
+
+def _range_check_due(device: torch.device, always: bool) -> bool:
+    """Whether a form checks a token input's range: ``always`` (``reference``, ``prefill``), or
+    where it costs no device sync (CPU tensors), or under ``debug_checks``."""
+    return always or _DEBUG_CHECKS or device.type == "cpu"
+
+
+@dataclass(frozen=True)
+class TokenInput:
+    """A per-token input of a core besides q, k, v: one value per batch row, head and token.
+
+    ``name`` is its keyword in the parallel form, ``reference`` and ``prefill`` (``[B, H, T]``);
+    ``step`` takes ``name + "_t"`` (``[B, H]``). ``doc`` says what it is ("the write strength")
+    and ``owner`` who takes it ("the delta rule"), both for error messages. ``draw(shape, *,
+    generator, device, dtype)`` returns valid random values (``example_inputs``). Valid values
+    are finite and within the closed ``bounds`` (either may be ±inf). ``activation`` maps a free
+    real, the output of ``AttentionLayer``'s projection of the layer input, into the bounds;
+    the layer keeps that ``nn.Linear(d_model, n_heads)`` as the attribute ``projection``
+    (default: ``name``). A plugin declares a new input by making one and listing it in its
+    core's ``token_inputs``.
+    """
+
+    name: str
+    doc: str
+    draw: Callable[..., torch.Tensor]
+    bounds: tuple[float, float]
+    activation: Callable[[torch.Tensor], torch.Tensor]
+    owner: str
+    projection: str | None = None
+
+    def __post_init__(self):
+        _KNOWN_INPUTS.setdefault(self.name, self)
+
+    @property
+    def layer_attribute(self) -> str:
+        """The name of ``AttentionLayer``'s projection that computes this input."""
+        return self.projection or self.name
+
+    def range_text(self) -> str:
+        low, high = self.bounds
+        if low == -math.inf:
+            return f"≤ {high:g}"
+        return f"≥ {low:g}" if high == math.inf else f"in [{low:g}, {high:g}]"
+
+    def check_range(self, x: torch.Tensor, variant: str, label: str) -> None:
+        """Refuse values that are not finite or outside ``bounds`` (one reduction of ``x``)."""
+        least, most = (float(m) for m in torch.aminmax(x.detach()))
+        low, high = self.bounds
+        if not (math.isfinite(least) and math.isfinite(most) and low <= least and most <= high):
+            raise VariantError(f"{variant}: {label} must be finite and {self.range_text()} ({self.doc}), got values from {least:.4g} to {most:.4g}")
+
+
+#: Write strength β_t of the delta rules (Schlag et al. 2021, eq. 21: β = σ(W_β x)).
+BETA = TokenInput(
+    "beta",
+    "the write strength",
+    draw=lambda shape, *, generator=None, device=None, dtype=None: torch.rand(shape, generator=generator, device=device, dtype=dtype),
+    bounds=(0.0, 1.0),
+    activation=torch.sigmoid,
+    owner="the delta rule",
+    projection="write_strength",
+)
+
+#: Log decay g_t = log α_t ≤ 0 of the gated delta rule (Yang, Kautz, Hatamizadeh 2024, eq. 10;
+#: g = −softplus(W_α x + b_α)). Drawn as −3u², u ~ U(0, 1): decays α from about 0.05 to 1.
+LOG_GATE = TokenInput(
+    "log_gate",
+    "the log decay gate log α",
+    draw=lambda shape, *, generator=None, device=None, dtype=None: -3 * torch.rand(shape, generator=generator, device=device, dtype=dtype) ** 2,
+    bounds=(-math.inf, 0.0),
+    activation=lambda x: -F.softplus(x),
+    owner="the gated delta rule",
+    projection="decay_gate",
+)
+
+
+def token_slice(inputs: dict[str, torch.Tensor], t: int) -> dict[str, torch.Tensor]:
+    """The inputs of ``step`` at time ``t`` from sequence inputs (``example_inputs``' keys):
+    ``{"q_t": q[:, :, t], "k_t": ..., "v_t": ..., "beta_t": ...}``, so ``core.step(**token_slice(inputs, t), state=s)``."""
+    return {f"{name}_t": x[:, :, t] for name, x in inputs.items()}
+
+
+def time_slice(inputs: dict[str, torch.Tensor], start: int, stop: int | None = None) -> dict[str, torch.Tensor]:
+    """The sequence inputs at times ``start:stop`` (same keys), e.g. a prompt for ``prefill``."""
+    return {name: x[:, :, start:stop] for name, x in inputs.items()}
+
+
 class AttentionCore(nn.Module):
     """Base class of every variant: argument checks around the three forms.
 
     Subclasses set ``d_dot`` (the dimension after the feature map, the size of the
-    memory's key side; None for softmax, whose KV cache has no fixed size), ``needs_beta``,
-    ``needs_gate``, ``token_shift`` (the layer should token-shift its inputs, RWKV) and
-    ``supports_noncausal`` and implement ``_parallel``, ``_reference``, ``init_state``
-    and ``_step``.
+    memory's key side; None for softmax, whose KV cache has no fixed size), ``token_inputs``
+    (the ``TokenInput`` they take besides q, k, v), ``token_shift`` (the layer should
+    token-shift its inputs, RWKV), ``supports_noncausal`` and ``d_value_is_d_key`` (a per-channel
+    operator, RWKV) and implement ``_parallel``, ``_reference``, ``_prefill``, ``init_state`` and
+    ``_step``, which receive the token inputs as keywords ``name``.
     """
 
     variant_name = "?"
-    needs_beta = False
-    needs_gate = False
+    token_inputs: tuple[TokenInput, ...] = ()
     token_shift = False
     supports_noncausal = True
+    d_value_is_d_key = False
+    #: example_inputs draws unit-norm q and k (plain rules without φ, stable only for bounded keys)
+    example_unit_keys = False
 
     def __init__(self, d_key: int):
         super().__init__()
         self.d_key = d_key
         self.d_dot = d_key
 
+    @property
+    def needs_beta(self) -> bool:
+        """Whether the core takes ``BETA`` (kept for callers that ask; ``token_inputs`` says it all)."""
+        return BETA in self.token_inputs
+
+    @property
+    def needs_gate(self) -> bool:
+        """Whether the core takes ``LOG_GATE``."""
+        return LOG_GATE in self.token_inputs
+
     # --- the three faces -------------------------------------------------------
-    def forward(self, q, k, v, *, beta=None, log_gate=None, causal: bool = True) -> torch.Tensor:
-        """Parallel form: ``q, k: [B, H, T, Dk]``, ``v: [B, H, T, Dv]``, ``beta, log_gate: [B, H, T]``
-        -> ``[B, H, T, Dv]``."""
-        self._check_sequence(q, k, v, beta, causal, log_gate)
-        return self._parallel(q, k, v, beta, causal, **self._gate(log_gate))
+    def forward(self, q, k, v, *, causal: bool = True, **token_inputs) -> torch.Tensor:
+        """Parallel form: ``q, k: [B, H, T, Dk]``, ``v: [B, H, T, Dv]``, each token input ``[B, H, T]``
+        -> ``[B, H, T, Dv]``. Token input ranges are checked on CPU tensors (no device sync) or
+        under ``debug_checks``."""
+        given = self._check_sequence(q, k, v, causal, token_inputs, always=False)
+        return self._parallel(q, k, v, causal, **given)
 
-    def reference(self, q, k, v, *, beta=None, log_gate=None, causal: bool = True) -> torch.Tensor:
+    def reference(self, q, k, v, *, causal: bool = True, **token_inputs) -> torch.Tensor:
         """The plainest correct implementation of the same function (for tests)."""
-        self._check_sequence(q, k, v, beta, causal, log_gate)
-        return self._reference(q, k, v, beta, causal, **self._gate(log_gate))
+        given = self._check_sequence(q, k, v, causal, token_inputs, always=True)
+        return self._reference(q, k, v, causal, **given)
 
-    def step(self, q_t, k_t, v_t, state, *, beta_t=None, log_gate_t=None):
-        """Recurrent form: ``q_t, k_t: [B, H, Dk]``, ``v_t: [B, H, Dv]``, ``beta_t, log_gate_t: [B, H]``
-        -> ``(out_t [B, H, Dv], new_state)``. The output at time t includes token t."""
-        self._check_token(q_t, k_t, v_t, beta_t, log_gate_t)
-        return self._step(q_t, k_t, v_t, state, beta_t, **self._gate(log_gate_t))
+    def step(self, q_t, k_t, v_t, state, **token_inputs_t):
+        """Recurrent form: ``q_t, k_t: [B, H, Dk]``, ``v_t: [B, H, Dv]``, each token input ``name_t: [B, H]``
+        -> ``(out_t [B, H, Dv], new_state)``. The output at time t includes token t. Ranges are
+        checked as in the parallel form."""
+        given = self._check_token(q_t, k_t, v_t, token_inputs_t)
+        return self._step(q_t, k_t, v_t, state, **given)
 
-    def prefill(self, q, k, v, *, beta=None, log_gate=None, state=None):
+    def prefill(self, q, k, v, *, state=None, **token_inputs):
         """Causal parallel form that also returns the decoding state after its last token,
         continuing from ``state`` when given: ``(out [B, H, T, Dv], state)``."""
-        raise NotImplementedError
+        given = self._check_sequence(q, k, v, True, token_inputs, always=True)
+        return self._prefill(q, k, v, state, **given)
 
     def init_state(self, batch: int, heads: int, d_value: int, *, device=None, dtype=None):
         """The empty decoding state (a KV cache, or the fast weight matrix and normaliser)."""
         raise NotImplementedError
+
+    def step_loop(self, inputs: dict[str, torch.Tensor], state=None):
+        """The recurrent form over a whole sequence, token by token, from ``state`` (default: empty):
+        ``inputs`` as ``example_inputs`` gives them -> ``(out [B, H, T, Dv], state)``."""
+        q, v = inputs["q"], inputs["v"]
+        if state is None:
+            state = self.init_state(q.shape[0], q.shape[1], v.shape[-1], device=q.device, dtype=q.dtype)
+        outputs = []
+        for t in range(q.shape[2]):
+            out, state = self.step(**token_slice(inputs, t), state=state)
+            outputs.append(out)
+        return torch.stack(outputs, dim=2), state
+
+    def example_inputs(
+        self, batch: int, heads: int, seq_len: int, d_value: int, *, device=None, dtype=torch.float32, generator=None, requires_grad=False
+    ) -> dict[str, torch.Tensor]:
+        """Random valid inputs of the parallel form, so that ``core(**inputs)`` works:
+        ``{"q", "k": [B, H, T, d_key] ~ N(0, 1), "v": [B, H, T, d_value] ~ N(0, 1)}`` and each
+        declared token input ``[B, H, T]`` from its ``draw`` (β ~ U(0, 1), log gate −3u²). Drawn
+        in float64 for ``dtype=torch.float64``, else in float32 and cast, on ``device`` from
+        ``generator`` (whose device must match); leaves with ``requires_grad`` when asked.
+        Unit-norm q and k for a core with ``example_unit_keys``."""
+        shape, working = (batch, heads, seq_len), torch.float64 if dtype == torch.float64 else torch.float32
+        draw = dict(generator=generator, device=device, dtype=working)
+        q, k, v = (torch.randn(*shape, width, **draw) for width in (self.d_key, self.d_key, d_value))
+        if self.example_unit_keys:
+            q, k = q / q.norm(dim=-1, keepdim=True), k / k.norm(dim=-1, keepdim=True)
+        inputs = {"q": q, "k": k, "v": v} | {spec.name: spec.draw(shape, **draw) for spec in self.token_inputs}
+        return {name: x.to(dtype).requires_grad_(requires_grad) for name, x in inputs.items()}
 
     def extra_repr(self) -> str:
         return f"d_key={self.d_key}, d_dot={self.d_dot}"
@@ -139,22 +300,22 @@ class AttentionCore(nn.Module):
         """Elements of the decoding state after ``length`` tokens."""
         raise NotImplementedError
 
-    # --- implemented by each family ---------------------------------------------
-    def _parallel(self, q, k, v, beta, causal):
+    # --- implemented by each family (token inputs come as keywords) ---------------------
+    def _parallel(self, q, k, v, causal, **token_inputs):
         raise NotImplementedError
 
-    def _reference(self, q, k, v, beta, causal):
+    def _reference(self, q, k, v, causal, **token_inputs):
         raise NotImplementedError
 
-    def _step(self, q_t, k_t, v_t, state, beta_t):
+    def _prefill(self, q, k, v, state, **token_inputs):
+        raise NotImplementedError
+
+    def _step(self, q_t, k_t, v_t, state, **token_inputs):
         raise NotImplementedError
 
     # --- checks --------------------------------------------------------------------
-    def _gate(self, log_gate) -> dict:
-        """The keyword a gated core's implementation takes (none for the other cores)."""
-        return {"log_gate": log_gate} if self.needs_gate else {}
-
-    def _check_sequence(self, q, k, v, beta, causal, log_gate=None) -> None:
+    def _check_sequence(self, q, k, v, causal, token_inputs: dict, *, always: bool) -> dict:
+        """Check q, k, v ``[B, H, T, D]`` and the token inputs ``[B, H, T]``; the declared inputs by name."""
         name = self.variant_name
         for label, x in (("q", q), ("k", k), ("v", v)):
             if not isinstance(x, torch.Tensor) or x.dim() != 4:
@@ -165,18 +326,17 @@ class AttentionCore(nn.Module):
             raise VariantError(f"{name}: the sequence is empty (T = 0); give at least one token")
         if not causal and not self.supports_noncausal:
             raise VariantError(f"{name}: this variant is causal only; causal=False is not defined for it")
-        self._check_beta(beta, q.shape[:3], "beta", "[B, H, T]")
-        self._check_log_gate(log_gate, q.shape[:3], "log_gate", "[B, H, T]")
+        return self._check_token_inputs(token_inputs, q.shape[:3], "[B, H, T]", "", always)
 
-    def _check_token(self, q_t, k_t, v_t, beta_t, log_gate_t=None) -> None:
+    def _check_token(self, q_t, k_t, v_t, token_inputs: dict) -> dict:
+        """Check q_t, k_t, v_t ``[B, H, D]`` and the token inputs ``name_t: [B, H]``."""
         name = self.variant_name
         for label, x in (("q_t", q_t), ("k_t", k_t), ("v_t", v_t)):
             if not isinstance(x, torch.Tensor) or x.dim() != 3:
                 shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
                 raise VariantError(f"{name}: {label} must be a 3-d tensor [B, H, D], got {shape}")
         self._check_common(q_t, k_t, v_t, "[B, H, D]")
-        self._check_beta(beta_t, q_t.shape[:2], "beta_t", "[B, H]")
-        self._check_log_gate(log_gate_t, q_t.shape[:2], "log_gate_t", "[B, H]")
+        return self._check_token_inputs(token_inputs, q_t.shape[:2], "[B, H]", "_t", False)
 
     def _check_common(self, q, k, v, layout: str) -> None:
         name = self.variant_name
@@ -188,27 +348,31 @@ class AttentionCore(nn.Module):
             )
         if q.shape[-1] != self.d_key:
             raise VariantError(f"{name}: the last dim of q and k must be d_key={self.d_key}, got {q.shape[-1]}")
+        if self.d_value_is_d_key and v.shape[-1] != self.d_key:
+            raise VariantError(f"{name}: the operator is per channel; v's last dim must be d_key={self.d_key}, got {v.shape[-1]}")
         if not (q.dtype == k.dtype == v.dtype):
             raise VariantError(f"{name}: q, k and v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
 
-    def _check_beta(self, beta, shape, label: str, layout: str) -> None:
-        name = self.variant_name
-        if not self.needs_beta:
-            if beta is not None:
-                raise VariantError(f"{name}: this variant takes no {label} (only the delta rule does)")
-            return
-        if beta is None:
-            raise VariantError(f"{name}: the delta rule needs the write strength {label} {layout}, in (0, 1)")
-        if tuple(beta.shape) != tuple(shape):
-            raise VariantError(f"{name}: {label} must have shape {layout} = {tuple(shape)}, got {tuple(beta.shape)}")
-
-    def _check_log_gate(self, log_gate, shape, label: str, layout: str) -> None:
-        name = self.variant_name
-        if not self.needs_gate:
-            if log_gate is not None:
-                raise VariantError(f"{name}: this variant takes no {label} (only the gated delta rule does)")
-            return
-        if log_gate is None:
-            raise VariantError(f"{name}: the gated rule needs the log decay gate {label} {layout}, log α ≤ 0")
-        if tuple(log_gate.shape) != tuple(shape):
-            raise VariantError(f"{name}: {label} must have shape {layout} = {tuple(shape)}, got {tuple(log_gate.shape)}")
+    def _check_token_inputs(self, given: dict, shape, layout: str, suffix: str, always: bool) -> dict:
+        """Exactly the declared token inputs (keywords ``name + suffix``; None is not given), each of
+        ``shape`` and, where due (``_range_check_due``), within its bounds. Returns them by ``name``."""
+        variant = self.variant_name
+        declared = {spec.name + suffix: spec for spec in self.token_inputs}
+        for label, x in given.items():
+            if x is not None and label not in declared:
+                known = _KNOWN_INPUTS.get(label.removesuffix(suffix) if suffix else label)
+                owner = f" (only {known.owner} does)" if known is not None and known not in self.token_inputs else ""
+                takes = f"; it takes {', '.join(declared)}" if declared else ""
+                raise VariantError(f"{variant}: this variant takes no {label}{owner}{takes}")
+        checked = {}
+        for label, spec in declared.items():
+            x = given.get(label)
+            if x is None:
+                raise VariantError(f"{variant}: {spec.owner} needs {spec.doc} {label} {layout}, {spec.range_text()}")
+            if not isinstance(x, torch.Tensor) or tuple(x.shape) != tuple(shape):
+                got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+                raise VariantError(f"{variant}: {label} must have shape {layout} = {tuple(shape)}, got {got}")
+            if _range_check_due(x.device, always):
+                spec.check_range(x, variant, label)
+            checked[spec.name] = x
+        return checked

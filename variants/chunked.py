@@ -15,6 +15,7 @@ the outputs gathered by ``_Output``.
 from __future__ import annotations
 
 import itertools
+import math
 
 import torch
 
@@ -70,6 +71,22 @@ def safe_reciprocal(x):
     return torch.where(positive, 1 / torch.where(positive, x, torch.ones_like(x)), torch.zeros_like(x))
 
 
+def causal_read(read, values: torch.Tensor, dim: int = 2) -> torch.Tensor:
+    """``read(values)`` for a causal read, in which output t is a weighted sum of the values at
+    positions i ≤ t along ``dim``, such that a non-finite value at position p reaches no output
+    before p. A causal matrix times the values multiplies each later value by an exact zero, and
+    0·NaN = NaN would carry a NaN at p into every earlier row; so ``read`` gets the values with
+    non-finite entries zeroed, and the cumulative sum of ``values − values`` (0, or NaN from the
+    first non-finite value on; a forward-only scan) puts NaN back into every output channel at or
+    after one. Outputs that are fewer than the values are the last positions (a prefill after a cache).
+    On the CPU, where reading a sum costs no device sync, finite values (a finite sum) skip all that."""
+    if values.device.type == "cpu" and math.isfinite(values.detach().sum()):
+        return read(values)
+    poison = (values - values).detach().cumsum(dim)
+    out = read(torch.nan_to_num(values, nan=0.0, posinf=0.0, neginf=0.0))
+    return out + poison.narrow(dim, poison.shape[dim] - out.shape[dim], out.shape[dim])
+
+
 def _identity(x):
     return x
 
@@ -89,7 +106,7 @@ def sum_rule_chunked(q, k, v, weights, normaliser, chunk_size: int, phi=_identit
     for q_c, k_c, v_c in _split_time(chunk_size, q, k, v):
         q_c, k_c = phi(q_c), phi_k(k_c)
         scores = torch.tril(q_c @ k_c.transpose(-1, -2))
-        read = scores @ v_c + q_c @ weights
+        read = causal_read(scores.matmul, v_c) + q_c @ weights
         if normaliser is not None:
             denominator = scores.sum(-1, keepdim=True) + q_c @ normaliser.unsqueeze(-1)
             read = read / (denominator + EPS)
@@ -144,7 +161,7 @@ def delta_rule_chunked(q, k, v, beta, weights, normaliser, chunk_size: int, phi=
             strictly_lower, torch.cat([write * v_c, erase * erased_keys], dim=-1), upper=False, unitriangular=True
         )
         new_values = solved[..., :d_value] - solved[..., d_value:] @ weights
-        read = state_queries @ weights + torch.tril(queries_keys) @ new_values
+        read = state_queries @ weights + causal_read(torch.tril(queries_keys).matmul, new_values)
         if normaliser is not None:
             read = read / ((q_c * z).sum(-1, keepdim=True) + EPS)
         output.write(read)
@@ -178,7 +195,7 @@ def wkv_chunked(k, v, decay, bonus, numerator, denominator, max_exponent, chunk_
         state_exponent = max_exponent.unsqueeze(2) - steps[:, None].to(k.dtype) * decay  # [B, H, t, D]
         row_max = torch.maximum(exponents.amax(3), state_exponent).detach()
         weights, state_weight = torch.exp(exponents - row_max.unsqueeze(3)), torch.exp(state_exponent - row_max)
-        read = torch.einsum("bhtic,bhic->bhtc", weights, v_c) + state_weight * numerator.unsqueeze(2)
+        read = causal_read(lambda values: torch.einsum("bhtic,bhic->bhtc", weights, values), v_c) + state_weight * numerator.unsqueeze(2)
         output.write(read / (weights.sum(3) + state_weight * denominator.unsqueeze(2)))
         # the state after the chunk: earlier tokens decay by n·w, token i by (n − 1 − i)·w
         end_exponents = k_c - (n - 1 - steps)[:, None].to(k.dtype) * decay

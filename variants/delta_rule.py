@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from . import kernels
-from .base import VariantError, register
+from .base import BETA, LOG_GATE, VariantError, register
 from .chunked import delta_rule_chunked, safe_reciprocal
 from .fast_weights import FastWeightCore, FastWeightState
 from .feature_maps import EPS
@@ -30,7 +30,7 @@ from .feature_maps import EPS
 class DeltaRule(FastWeightCore):
     """The delta rule with any φ (default elu+1), sum normalisation on by default."""
 
-    needs_beta = True
+    token_inputs = (BETA,)
     supports_noncausal = False
 
     def __init__(self, d_key, *, phi="elu1", sum_norm=True, attn_norm=False, **options):
@@ -40,7 +40,7 @@ class DeltaRule(FastWeightCore):
                 "delta: backend='triton' implements the delta rule without attention normalisation; use attn_norm=False or backend='torch'"
             )
 
-    def _run(self, q, k, v, beta, state, causal, log_gate=None):
+    def _run(self, q, k, v, state, causal, beta, log_gate=None):
         if self.backend == "triton":
             kernel = self._kernel("delta_rule", q).delta_rule_triton
             read, weights = kernel(self.phi.for_queries(q), self.phi.for_keys(k), v, beta, state.weights)
@@ -50,13 +50,13 @@ class DeltaRule(FastWeightCore):
         )
         return read, FastWeightState(weights, normaliser)
 
-    def _write(self, features_k, v_t, beta_t, state, log_gate=None):
-        """W ← αW, then W ← W + β (v − W φ(k)) ⊗ φ(k) (α = 1 ungated)."""
+    def _write(self, features_k, v_t, state, beta, log_gate=None):
+        """W ← αW, then W ← W + β (v − W φ(k)) ⊗ φ(k) (α = 1 ungated); ``beta``, ``log_gate``: ``[B, H]``."""
         weights = state.weights if log_gate is None else torch.exp(log_gate)[..., None, None] * state.weights
         retrieved = (features_k.unsqueeze(-2) @ weights).squeeze(-2)
         if self.attn_norm:
             retrieved = retrieved * safe_reciprocal((state.normaliser * features_k).sum(-1, keepdim=True))
-        return weights + features_k.unsqueeze(-1) * (beta_t.unsqueeze(-1) * (v_t - retrieved)).unsqueeze(-2)
+        return weights + features_k.unsqueeze(-1) * (beta.unsqueeze(-1) * (v_t - retrieved)).unsqueeze(-2)
 
     def _chunk_flops(self, n, d_value):
         """K Kᵀ and Q Kᵀ (n × n), the triangular solve for [U, W], W S, the read Q S, the
@@ -67,7 +67,7 @@ class DeltaRule(FastWeightCore):
     def _step_flops_per_head(self, d_value):
         return 6 * self.d_dot * d_value
 
-    def _reference(self, q, k, v, beta, causal, log_gate=None):
+    def _reference(self, q, k, v, causal, beta, log_gate=None):
         """Token by token, in the paper's notation: W is [Dv, d_dot], eq. 20-28 (gated: W ← α_t W first)."""
         features_q, features_k = self.phi.for_queries(q), self.phi.for_keys(k)
         batch, heads, length, _ = q.shape
@@ -98,7 +98,7 @@ class GatedDeltaRule(DeltaRule):
     normalisation ('l2', d_dot = d_key); any φ of the delta rule works. No attention
     normaliser, and PyTorch only (the Triton delta kernel has no gate)."""
 
-    needs_gate = True
+    token_inputs = (BETA, LOG_GATE)
 
     def __init__(self, d_key, *, phi="l2", sum_norm=False, attn_norm=False, backend="torch", **options):
         kernels.check_backend("gated_delta", backend, supported=("torch",))

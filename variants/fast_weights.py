@@ -55,28 +55,27 @@ class FastWeightCore(AttentionCore):
         self.attn_norm = attn_norm
         self.chunk_size = chunk_size
         self.d_dot = feature_map.d_dot
+        # without φ the plain rules stay bounded only for bounded keys (delta: while β‖k‖² < 2)
+        self.example_unit_keys = phi == "identity"
 
     def init_state(self, batch, heads, d_value, *, device=None, dtype=None) -> FastWeightState:
         weights = torch.zeros(batch, heads, self.d_dot, d_value, device=device, dtype=dtype)
         normaliser = torch.zeros(batch, heads, self.d_dot, device=device, dtype=dtype) if self.attn_norm else None
         return FastWeightState(weights, normaliser)
 
-    def prefill(self, q, k, v, *, beta=None, log_gate=None, state: FastWeightState | None = None):
-        """Causal parallel form that also returns the decoding state after the last token,
-        so that ``step`` can continue from it. ``state`` (optional) is the state before the first."""
-        self._check_sequence(q, k, v, beta, True, log_gate)
+    def _prefill(self, q, k, v, state: FastWeightState | None, **token_inputs):
         if state is None:
             state = self.init_state(q.shape[0], q.shape[1], v.shape[-1], device=q.device, dtype=q.dtype)
-        return self._run(q, k, v, beta, state, True, **self._gate(log_gate))
+        return self._run(q, k, v, state, True, **token_inputs)
 
-    def _parallel(self, q, k, v, beta, causal, **gate):
+    def _parallel(self, q, k, v, causal, **token_inputs):
         state = self.init_state(q.shape[0], q.shape[1], v.shape[-1], device=q.device, dtype=q.dtype)
-        return self._run(q, k, v, beta, state, causal, **gate)[0]
+        return self._run(q, k, v, state, causal, **token_inputs)[0]
 
-    def _step(self, q_t, k_t, v_t, state, beta_t, **gate):
+    def _step(self, q_t, k_t, v_t, state, **token_inputs):
         features_q, features_k = self.phi.for_queries(q_t), self.phi.for_keys(k_t)
         normaliser = state.normaliser + features_k if self.attn_norm else None
-        weights = self._write(features_k, v_t, beta_t, state, **gate)
+        weights = self._write(features_k, v_t, state, **token_inputs)
         read = (features_q.unsqueeze(-2) @ weights).squeeze(-2)
         if self.attn_norm:
             read = read / ((features_q * normaliser).sum(-1, keepdim=True) + EPS)
@@ -106,8 +105,8 @@ class FastWeightCore(AttentionCore):
         )
 
     # --- implemented by each rule -------------------------------------------------
-    def _run(self, q, k, v, beta, state, causal, **gate):
-        """Parallel form from ``state``: ``(out, final_state)``; ``gate`` holds ``log_gate`` for a gated rule."""
+    def _run(self, q, k, v, state, causal, **token_inputs):
+        """Parallel form from ``state``: ``(out, final_state)``; ``token_inputs`` as the rule declares them."""
         raise NotImplementedError
 
     def _kernel(self, rule: str, q):
@@ -115,8 +114,8 @@ class FastWeightCore(AttentionCore):
         kernels.require_device(self.variant_name, q.device)
         return kernels.load(rule)
 
-    def _write(self, features_k, v_t, beta_t, state, **gate):
-        """One write into the fast weights: the new ``weights``."""
+    def _write(self, features_k, v_t, state, **token_inputs):
+        """One write into the fast weights (token inputs ``[B, H]``): the new ``weights``."""
         raise NotImplementedError
 
     def _chunk_flops(self, n: int, d_value: int) -> int:

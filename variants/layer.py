@@ -23,8 +23,10 @@ class LayerState(NamedTuple):
 
 
 class AttentionLayer(nn.Module):
-    """Projections x -> q, k, v (and β = σ(W_β x), the gated delta rule's log decay
-    g = −softplus(W_α x) for cores that need them), the core, and the output projection.
+    """Projections x -> q, k, v and, for each token input the core declares, one value per head
+    (β = σ(W_β x) in ``write_strength``, the gated rule's log decay g = −softplus(W_α x) in
+    ``decay_gate``: ``TokenInput.activation`` of an ``nn.Linear(d_model, n_heads)`` kept as the
+    attribute ``TokenInput.layer_attribute``), the core, and the output projection.
     ``x: [B, T, d_model] -> [B, T, d_model]``; ``step`` takes ``x_t: [B, d_model]``.
 
     ``d_key`` and ``d_value`` default to d_model / n_heads; ``params`` go to the core.
@@ -52,8 +54,10 @@ class AttentionLayer(nn.Module):
         self.query = nn.Linear(d_model, n_heads * self.d_key, bias=bias)
         self.key = nn.Linear(d_model, n_heads * self.d_key, bias=bias)
         self.value = nn.Linear(d_model, n_heads * self.d_value, bias=bias)
-        self.write_strength = nn.Linear(d_model, n_heads) if self.core.needs_beta else None
-        self.decay_gate = nn.Linear(d_model, n_heads) if self.core.needs_gate else None
+        for spec in self.core.token_inputs:
+            if hasattr(self, spec.layer_attribute) or spec.layer_attribute == "out":  # registered before out: the parameter order stays
+                raise VariantError(f"AttentionLayer: {core_name}'s token input {spec.name!r} names its projection {spec.layer_attribute!r}, taken")
+            self.add_module(spec.layer_attribute, nn.Linear(d_model, n_heads))
         self.out = nn.Linear(n_heads * self.d_value, d_model, bias=bias)
 
     @property
@@ -62,18 +66,14 @@ class AttentionLayer(nn.Module):
         return self.short_conv is not None or self.token_shift is not None
 
     def _project(self, x, x_q=None, x_k=None, x_v=None):
-        """``x: [..., d_model]`` -> q, k ``[..., H, Dk]``, v ``[..., H, Dv]`` and the per-token inputs
-        ``{'beta': β = σ(W_β x), 'log_gate': g = −softplus(W_α x)}`` ``[..., H]`` of the cores that need
-        them. ``x_q, x_k, x_v`` (token shift) replace ``x`` as the input of each projection."""
+        """``x: [..., d_model]`` -> q, k ``[..., H, Dk]``, v ``[..., H, Dv]`` and the core's token inputs
+        by name, ``[..., H]`` (e.g. ``{'beta': σ(W_β x)}``). ``x_q, x_k, x_v`` (token shift) replace ``x``
+        as the input of each projection."""
         heads = x.shape[:-1] + (self.n_heads, -1)
         q = self.query(x if x_q is None else x_q).view(heads)
         k = self.key(x if x_k is None else x_k).view(heads)
         v = self.value(x if x_v is None else x_v).view(heads)
-        per_token = {}
-        if self.write_strength is not None:
-            per_token["beta"] = torch.sigmoid(self.write_strength(x))
-        if self.decay_gate is not None:
-            per_token["log_gate"] = -F.softplus(self.decay_gate(x))
+        per_token = {spec.name: spec.activation(getattr(self, spec.layer_attribute)(x)) for spec in self.core.token_inputs}
         return q, k, v, per_token
 
     def _project_sequence(self, x, state=None):

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from .base import AttentionCore, VariantError, register
-from .chunked import _chunks, wkv_chunked
+from .chunked import _chunks, causal_read, wkv_chunked
 from .kernels import check_backend
 
 #: The chunked form's work per token grows with C (its [B, H, C, C, D] exponents): on a CPU,
@@ -46,6 +46,7 @@ class RWKV(AttentionCore):
 
     token_shift = True
     supports_noncausal = False
+    d_value_is_d_key = True
 
     def __init__(self, d_key, *, chunk_size=DEFAULT_CHUNK, backend="torch"):
         super().__init__(d_key)
@@ -64,17 +65,16 @@ class RWKV(AttentionCore):
         zeros = torch.zeros(batch, heads, self.d_key, device=device, dtype=dtype)
         return WKVState(zeros, zeros.clone(), torch.full_like(zeros, float("-inf")))
 
-    def prefill(self, q, k, v, *, beta=None, log_gate=None, state: WKVState | None = None):
-        self._check_sequence(q, k, v, beta, True, log_gate)
+    def _prefill(self, q, k, v, state: WKVState | None):
         if state is None:
             state = self.init_state(q.shape[0], q.shape[1], v.shape[-1], device=q.device, dtype=q.dtype)
         wkv, *state = wkv_chunked(k, v, *self._parameters_as(k), *state, self.chunk_size)
         return torch.sigmoid(q) * wkv, WKVState(*state)
 
-    def _parallel(self, q, k, v, beta, causal):
-        return self.prefill(q, k, v)[0]
+    def _parallel(self, q, k, v, causal):
+        return self._prefill(q, k, v, None)[0]
 
-    def _step(self, q_t, k_t, v_t, state, beta_t):
+    def _step(self, q_t, k_t, v_t, state):
         """The running-maximum recurrence (RWKV-4's CUDA kernel form): read with the bonus, then
         decay the state by e^{−w} and add token t, all relative to the largest exponent."""
         decay, bonus = self._parameters_as(k_t)
@@ -86,20 +86,15 @@ class RWKV(AttentionCore):
         old, new = torch.exp(max_exponent - decay - top), torch.exp(k_t - top)
         return torch.sigmoid(q_t) * wkv, WKVState(old * numerator + new * v_t, old * denominator + new, top)
 
-    def _reference(self, q, k, v, beta, causal):
+    def _reference(self, q, k, v, causal):
         """The formula above as written: all T × T weights e^{k_i − (t−1−i)w}, no stabiliser."""
         decay, bonus = self._parameters_as(k)
         steps = torch.arange(q.shape[2], device=q.device)
         lag = (steps[:, None] - 1 - steps[None, :]).to(k.dtype)[..., None]
-        weights = torch.exp(k.unsqueeze(2) - lag * decay) * (lag >= 0)
+        weights = torch.exp((k.unsqueeze(2) - lag * decay).masked_fill(lag < 0, float("-inf")))
         weights = weights + torch.diag_embed(torch.exp(bonus + k).transpose(-1, -2)).permute(0, 1, 3, 4, 2)
-        wkv = (weights * v.unsqueeze(2)).sum(3) / weights.sum(3)
+        wkv = causal_read(lambda values: (weights * values.unsqueeze(2)).sum(3), v) / weights.sum(3)
         return torch.sigmoid(q) * wkv
-
-    def _check_common(self, q, k, v, layout):
-        super()._check_common(q, k, v, layout)
-        if v.shape[-1] != self.d_key:
-            raise VariantError(f"rwkv: the WKV operator is per channel; v's last dim must be d_key={self.d_key}, got {v.shape[-1]}")
 
     def flops(self, batch, heads, length, d_value, *, causal=True):
         """The weighted sums of values, 2·n²·D per chunk of n tokens plus 2·n·D for the carried

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from .base import AttentionCore, VariantError, register
+from .chunked import causal_read
 
 
 class KVCache(NamedTuple):
@@ -55,19 +56,20 @@ class Softmax(AttentionCore):
             raise VariantError(f"softmax: scale must be a positive number, got {scale!r}")
         self.scale = 1 / math.sqrt(d_key) if scale is None else float(scale)
 
-    def _parallel(self, q, k, v, beta, causal):
-        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=self.scale)
+    def _parallel(self, q, k, v, causal):
+        if not causal:
+            return F.scaled_dot_product_attention(q, k, v, scale=self.scale)
+        return causal_read(lambda values: F.scaled_dot_product_attention(q, k, values, is_causal=True, scale=self.scale), v)
 
-    def prefill(self, q, k, v, *, beta=None, log_gate=None, state: KVCache | None = None):
+    def _prefill(self, q, k, v, state: KVCache | None):
         """Causal parallel form that also returns the KV cache after the last token."""
-        self._check_sequence(q, k, v, beta, True, log_gate)
         if state is None or state.length == 0:
-            return self._parallel(q, k, v, beta, True), KVCache(k, v, k.shape[2])
+            return self._parallel(q, k, v, True), KVCache(k, v, k.shape[2])
         past_keys, past_values = state.filled()
         keys, values = torch.cat([past_keys, k], 2), torch.cat([past_values, v], 2)
         # A query at prefill position t sees every cached token and the new tokens up to t.
         visible = torch.ones(q.shape[2], keys.shape[2], dtype=torch.bool, device=q.device).tril(state.length)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=visible, scale=self.scale)
+        out = causal_read(lambda clean: F.scaled_dot_product_attention(q, keys, clean, attn_mask=visible, scale=self.scale), values)
         return out, KVCache(keys, values, keys.shape[2])
 
     def init_state(self, batch, heads, d_value, *, device=None, dtype=None) -> KVCache:
@@ -75,17 +77,17 @@ class Softmax(AttentionCore):
         values = torch.empty(batch, heads, 0, d_value, device=device, dtype=dtype)
         return KVCache(keys, values, 0)
 
-    def _step(self, q_t, k_t, v_t, state, beta_t):
+    def _step(self, q_t, k_t, v_t, state):
         state = state.append(k_t, v_t)
         keys, values = state.filled()
         weights = torch.softmax((keys @ q_t.unsqueeze(-1)).squeeze(-1) * self.scale, dim=-1)
         return (weights.unsqueeze(-2) @ values).squeeze(-2), state
 
-    def _reference(self, q, k, v, beta, causal):
+    def _reference(self, q, k, v, causal):
         scores = (q @ k.transpose(-1, -2)) * self.scale
         if causal:
             future = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).triu(1)
-            scores = scores.masked_fill(future, float("-inf"))
+            return causal_read(torch.softmax(scores.masked_fill(future, float("-inf")), dim=-1).matmul, v)
         return torch.softmax(scores, dim=-1) @ v
 
     def flops(self, batch, heads, length, d_value, *, causal=True):

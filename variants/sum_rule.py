@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from .base import register
-from .chunked import sum_rule_chunked
+from .chunked import causal_read, sum_rule_chunked
 from .fast_weights import FastWeightCore, FastWeightState
 from .feature_maps import EPS
 
@@ -29,7 +29,7 @@ class SumRule(FastWeightCore):
     def normalize(self) -> bool:
         return self.attn_norm
 
-    def _run(self, q, k, v, beta, state, causal):
+    def _run(self, q, k, v, state, causal):
         if causal and self.backend == "triton":
             kernel = self._kernel("sum_rule", q).sum_rule_triton
             read, weights, normaliser = kernel(self.phi.for_queries(q), self.phi.for_keys(k), v, *state, normalize=self.attn_norm)
@@ -45,7 +45,7 @@ class SumRule(FastWeightCore):
         normaliser = state.normaliser + features_k.sum(2)
         return read / (features_q @ normaliser.unsqueeze(-1) + EPS), FastWeightState(weights, normaliser)
 
-    def _write(self, features_k, v_t, beta_t, state):
+    def _write(self, features_k, v_t, state):
         return state.weights + features_k.unsqueeze(-1) * v_t.unsqueeze(-2)
 
     def _chunk_flops(self, n, d_value):
@@ -55,12 +55,12 @@ class SumRule(FastWeightCore):
     def _step_flops_per_head(self, d_value):
         return 4 * self.d_dot * d_value
 
-    def _reference(self, q, k, v, beta, causal):
+    def _reference(self, q, k, v, causal):
         """The O(T²) masked form: y_t = Σ_{i≤t} (φ(q_t)·φ(k_i)) v_i / Σ_{i≤t} φ(q_t)·φ(k_i)."""
         scores = self.phi.for_queries(q) @ self.phi.for_keys(k).transpose(-1, -2)
         if causal:
             scores = torch.tril(scores)
-        read = scores @ v
+        read = causal_read(scores.matmul, v) if causal else scores @ v
         return read / (scores.sum(-1, keepdim=True) + EPS) if self.attn_norm else read
 
 
