@@ -232,3 +232,10 @@ def test_bad_chunk_size_is_refused(chunk_size):
 
 def test_default_chunk_sizes():
     assert [kernel.default_chunk_size(d) for d in (5, 64, 65, 128, 129, 256)] == [64, 64, 32, 32, 16, 16]
+
+
+def test_float64_is_refused():
+    """The kernels compute in float32 (as the sum rule's do): float64 inputs go to backend='torch'."""
+    q = torch.zeros(1, 1, 4, 16, device=DEVICE, dtype=torch.float64)
+    with pytest.raises(variants.UnsupportedBackend, match="float64: use backend='torch'"):
+        kernel.delta_rule_triton(q, q, q, torch.zeros(1, 1, 4, device=DEVICE, dtype=torch.float64))

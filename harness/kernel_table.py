@@ -1,0 +1,287 @@
+"""``attnbench kernels``: compile every Triton kernel for named GPU targets, on a machine without a GPU.
+
+Which kernels and configurations exist is the kernel modules' knowledge (``variants.kernels.RULES``,
+each with ``compile_configs()``, ``config_label(config)`` and ``record_launches(config, capability)``:
+the launches of one training step at the reference shape, recorded on "meta" tensors). This module
+compiles each launch with Triton's compiler for a ``GPUTarget`` (ptxas ships with Triton), reads the
+cubin's resources with the ``cuobjdump`` beside it, and makes one :class:`Row` per (kernel,
+configuration, arch).
+
+Figures: ``registers`` per thread and ``spill_bytes`` (the per-thread stack frame, where spilled
+registers and local arrays live) from ``cuobjdump -res-usage``; ``shared_bytes`` Triton's dynamic
+shared memory per program; ``occupancy_warps`` the resident warps per SM that registers, shared
+memory and the arch's limits allow; ``programs`` the grid size at the reference shape (B=1, H=8,
+T=16384, the configuration's d_dot and d_value); ``mma`` the matrix instructions in the PTX
+(``wgmma bf16``, ``mma tf32``, ...; ``fma`` when there are none).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import json
+import math
+import multiprocessing
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+
+@dataclasses.dataclass(frozen=True)
+class Arch:
+    """An NVIDIA GPU generation's per-SM and per-block limits (CUDA occupancy calculator figures)."""
+
+    name: str
+    gpu: str
+    capability: int
+    shared_per_sm: int  # bytes
+    max_shared_per_block: int  # bytes, opt-in maximum
+    reserved_shared_per_block: int  # bytes the driver keeps per resident block
+    registers_per_sm: int = 65536
+    max_registers_per_thread: int = 255
+    max_warps_per_sm: int = 64
+    max_blocks_per_sm: int = 32
+    register_unit: int = 256  # registers are allocated per warp in units of this many
+
+
+KIB = 1024
+ARCHS = {
+    "sm_70": Arch("sm_70", "V100", 70, 96 * KIB, 96 * KIB, 0),
+    "sm_80": Arch("sm_80", "A100", 80, 164 * KIB, 163 * KIB, KIB),
+    "sm_90": Arch("sm_90", "H100", 90, 228 * KIB, 227 * KIB, KIB),
+}
+FIELDS = ("kernel", "config", "arch", "registers", "spill_bytes", "shared_bytes", "num_warps", "occupancy_warps", "programs", "mma")
+
+
+class KernelTableError(RuntimeError):
+    """The table cannot be made (no triton, the kernels run under the interpreter, an unknown arch)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    kernel: str
+    config: str
+    arch: str
+    registers: int | None = None
+    spill_bytes: int | None = None
+    shared_bytes: int | None = None
+    num_warps: int | None = None
+    occupancy_warps: int | None = None
+    programs: int | None = None
+    mma: str | None = None
+    problem: str | None = None  # why it failed: no compile, or a limit of the arch exceeded
+
+    def as_dict(self) -> dict:
+        """The JSON fields, then ``problem`` (null when the row is fine)."""
+        return {name: getattr(self, name) for name in (*FIELDS, "problem")}
+
+
+def parse_archs(text: str) -> list[Arch]:
+    """``"sm_70,sm_80"`` -> the Arch entries; an unknown name is an error naming the known ones."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in ARCHS]
+    if unknown or not names:
+        raise KernelTableError(f"unknown arch {', '.join(unknown) or repr(text)}: choose among {', '.join(ARCHS)}")
+    return [ARCHS[name] for name in names]
+
+
+def occupancy_warps(arch: Arch, registers: int, shared_bytes: int, num_warps: int) -> int:
+    """Resident warps per SM: whole blocks of ``num_warps`` warps, limited by registers (allocated per
+    warp in ``register_unit``s), shared memory (plus the per-block reserve), warps and blocks per SM."""
+    registers_per_warp = math.ceil(max(registers, 1) * 32 / arch.register_unit) * arch.register_unit
+    blocks = min(
+        arch.registers_per_sm // registers_per_warp // num_warps,
+        arch.max_warps_per_sm // num_warps,
+        arch.max_blocks_per_sm,
+        arch.shared_per_sm // (shared_bytes + arch.reserved_shared_per_block) if shared_bytes else arch.max_blocks_per_sm,
+    )
+    return blocks * num_warps
+
+
+def mma_kind(ptx: str) -> str:
+    """The matrix instructions in ``ptx`` as "wgmma bf16", "mma f16", "mma tf32", ... (several joined
+    by "+"), named by the operand type; "fma" when there are none."""
+    kinds = set()
+    for instruction, types in re.findall(r"\b(wgmma\.mma_async|mma\.sync)((?:\.\w+)+)", ptx):
+        operand = next((t for t in types.split(".")[1:] if t in ("bf16", "f16", "tf32", "e4m3", "e5m2", "s8", "u8", "f64")), "?")
+        kinds.add(f"{instruction.split('.')[0]} {operand}")
+    return "+".join(sorted(kinds)) or "fma"
+
+
+def triton_tool(name: str) -> Path:
+    """A CUDA tool Triton ships (ptxas, cuobjdump, nvdisasm) in ``triton/backends/nvidia/bin``."""
+    import triton
+
+    path = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name
+    if not path.is_file():
+        raise KernelTableError(f"{path} is missing: this triton package does not ship {name}")
+    return path
+
+
+def resource_usage(cubin: bytes) -> dict[str, int]:
+    """``cuobjdump -res-usage`` of one kernel's cubin: REG, STACK, SHARED, LOCAL, ... as ints."""
+    with tempfile.TemporaryDirectory() as directory:
+        path = Path(directory) / "kernel.cubin"
+        path.write_bytes(cubin)
+        out = subprocess.run([triton_tool("cuobjdump"), "-res-usage", path], capture_output=True, text=True, check=True).stdout
+    return {key: int(value) for key, value in re.findall(r"\b([A-Z]+(?:\[\d+\])?):(\d+)", out)}
+
+
+def _signature(launch) -> tuple[dict, dict, dict]:
+    """Signature, constexprs and attrs of a recorded launch, specialised as Triton's launcher does for
+    contiguous tensors: pointers 16-byte aligned, ints equal to 1 constant, ints divisible by 16 hinted."""
+    import torch
+
+    names = launch.kernel.arg_names
+    signature, constexprs, attrs = {}, {}, {}
+    for index, name in enumerate(names):
+        if index >= len(launch.args):
+            signature[name], constexprs[name] = "constexpr", launch.constexprs[name]
+            continue
+        arg = launch.args[index]
+        if isinstance(arg, torch.Tensor):
+            signature[name] = "*" + {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}[arg.dtype]
+            attrs[(index,)] = [["tt.divisibility", 16]]
+        elif arg == 1:
+            signature[name], constexprs[name] = "constexpr", 1
+        else:
+            signature[name] = "i32" if -(2**31) <= arg < 2**31 else "i64"
+            if arg % 16 == 0:
+                attrs[(index,)] = [["tt.divisibility", 16]]
+    return signature, constexprs, attrs
+
+
+def compile_launch(launch, label: str, arch: Arch) -> Row:
+    """Compile one recorded launch for ``arch`` and measure it; a failure or a limit exceeded is the row's ``problem``."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    row = Row(kernel=launch.name, config=label, arch=arch.name, num_warps=launch.options["num_warps"], programs=launch.programs)
+    signature, constexprs, attrs = _signature(launch)
+    try:
+        source = triton.compiler.ASTSource(fn=launch.kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+        compiled = triton.compile(source, target=GPUTarget("cuda", arch.capability, 32), options=launch.options)
+    except Exception as exc:  # noqa: BLE001 - any compiler failure is this row's finding
+        first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        return dataclasses.replace(row, problem=f"does not compile: {type(exc).__name__}: {first_line}")
+    usage = resource_usage(compiled.asm["cubin"])
+    registers, shared = usage["REG"], compiled.metadata.shared
+    row = dataclasses.replace(
+        row, registers=registers, spill_bytes=usage["STACK"], shared_bytes=shared,
+        occupancy_warps=occupancy_warps(arch, registers, shared, row.num_warps), mma=mma_kind(compiled.asm["ptx"]),
+    )  # fmt: skip
+    problems = []
+    if shared > arch.max_shared_per_block:
+        problems.append(f"shared memory {shared} B > {arch.max_shared_per_block} B per block on {arch.name} ({arch.gpu})")
+    if registers > arch.max_registers_per_thread:
+        problems.append(f"{registers} registers > {arch.max_registers_per_thread} per thread")
+    return dataclasses.replace(row, problem="; ".join(problems) or None)
+
+
+def _split(text: str | None, kind=str) -> list | None:
+    if not text:
+        return None
+    try:
+        return [kind(item.strip()) for item in text.split(",") if item.strip()]
+    except ValueError as exc:
+        raise KernelTableError(f"not a comma-separated list of {kind.__name__}: {text!r}") from exc
+
+
+def jobs(rules=None, dtypes=None, head_dims=None) -> list[tuple[str, int]]:
+    """(rule, index into its ``compile_configs()``) of every configuration, optionally only those of
+    the given rules, dtype names ("fp32", ...) and head dims (d_dot = d_value = d, default chunk)."""
+    from variants import kernels
+    from variants.kernels import _common
+
+    unknown = [rule for rule in rules or () if rule not in kernels.RULES] + [name for name in dtypes or () if name not in _common.DTYPE_NAMES.values()]
+    if unknown:
+        raise KernelTableError(f"unknown {', '.join(unknown)}: rules are {', '.join(kernels.RULES)}, dtypes {', '.join(_common.DTYPE_NAMES.values())}")
+    chosen = []
+    for rule in rules or kernels.RULES:
+        for index, config in enumerate(kernels.load(rule).compile_configs()):
+            if dtypes is not None and _common.DTYPE_NAMES[config["dtype"]] not in dtypes:
+                continue
+            if head_dims is not None and not (config["d_dot"] == config["d_value"] in head_dims and config["chunk_size"] is None):
+                continue
+            chosen.append((rule, index))
+    return chosen
+
+
+def _compile_job(job: tuple[str, int], archs: list[Arch]) -> list[Row]:
+    from variants import kernels
+
+    rule, index = job
+    module = kernels.load(rule)
+    config = module.compile_configs()[index]
+    label = module.config_label(config)
+    return [compile_launch(launch, label, arch) for arch in archs for launch in module.record_launches(config, arch.capability)]
+
+
+def _worker_init() -> None:
+    """Compile workers import the kernels as real @triton.jit functions, whatever the parent's TRITON_INTERPRET."""
+    os.environ["TRITON_INTERPRET"] = "0"
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9's default, stated to silence its warning
+
+
+def build_table(archs: list[Arch], selected: list[tuple[str, int]] | None = None, workers: int | None = None, progress=None) -> list[Row]:
+    """Compile ``selected`` jobs (default: every configuration) for ``archs`` in ``workers`` fresh
+    processes; rows in the order of the jobs, then arch, then launch."""
+    try:
+        import triton  # noqa: F401
+    except ImportError as exc:
+        raise KernelTableError("attnbench kernels needs the triton package: pip install 'attnbench[triton]'") from exc
+    selected = jobs() if selected is None else selected
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(workers or os.cpu_count(), mp_context=context, initializer=_worker_init) as pool:
+        futures = [pool.submit(_compile_job, job, archs) for job in selected]
+        results = []
+        for done, future in enumerate(futures, 1):
+            results.append(future.result())
+            if progress:
+                progress(done, len(futures))
+    return [row for rows in results for row in rows]
+
+
+def problems(rows: list[Row]) -> list[str]:
+    """One line per failed row: kernel, configuration, arch and what is wrong."""
+    return [f"{row.kernel} [{row.config}] on {row.arch} ({ARCHS[row.arch].gpu if row.arch in ARCHS else '?'}): {row.problem}" for row in rows if row.problem]
+
+
+def format_table(rows: list[Row]) -> str:
+    """A plain-text table, one line per row (problems at the end of their line)."""
+    header = ["kernel", "config", "arch", "regs", "spill B", "smem B", "warps", "occ warps/SM", "programs", "mma"]
+    lines = [[r.kernel, r.config, r.arch, *("-" if getattr(r, f) is None else str(getattr(r, f)) for f in FIELDS[3:])] for r in rows]
+    widths = [max(len(x) for x in column) for column in zip(header, *lines)]
+    out = ["  ".join(h.ljust(w) for h, w in zip(header, widths))]
+    for row, line in zip(rows, lines):
+        text = "  ".join(x.ljust(w) for x, w in zip(line, widths)).rstrip()
+        out.append(text + (f"  !! {row.problem}" if row.problem else ""))
+    return "\n".join(out)
+
+
+def write_json(rows: list[Row], path: Path) -> None:
+    path.write_text(json.dumps([row.as_dict() for row in rows], indent=1) + "\n")
+
+
+def command(arch: str, json_path: Path | None = None, rules: str | None = None, dtypes: str | None = None, head_dims: str | None = None,
+            workers: int | None = None) -> int:
+    """``attnbench kernels``: print the table (and write ``json_path``); 1 when a row failed, 2 when
+    the table cannot be made. ``rules``, ``dtypes``, ``head_dims``: comma-separated filters, as typed."""
+    try:
+        archs = parse_archs(arch)
+        selected = jobs(_split(rules), _split(dtypes), _split(head_dims, int))
+        print(f"attnbench kernels: {len(selected)} configurations x {len(archs)} arches ({', '.join(a.name for a in archs)})", file=sys.stderr)
+        rows = build_table(archs, selected, workers, progress=lambda done, total: print(f"  {done}/{total} configurations", file=sys.stderr))
+    except KernelTableError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(format_table(rows))
+    if json_path is not None:
+        write_json(rows, json_path)
+    failed = problems(rows)
+    for line in failed:
+        print(f"error: {line}", file=sys.stderr)
+    return 1 if failed else 0
