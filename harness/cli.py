@@ -187,12 +187,6 @@ def _kernels(args) -> int:
     return command(args.arch, args.json, rules=args.rule, dtypes=args.dtype, head_dims=args.d, workers=args.jobs)
 
 
-def _kernels(args) -> int:
-    from .kernel_table import command
-
-    return command(args.arch, args.json, rules=args.rule, dtypes=args.dtype, head_dims=args.d, workers=args.jobs)
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="attnbench", description="Benchmark attention variants across hardware.")
     parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
@@ -272,15 +266,6 @@ def build_parser() -> argparse.ArgumentParser:
     fetch.add_argument("name", help="wikitext-2, wikitext-103, multi30k (wmt14-newstest2014: prints the sacrebleu command)")
     fetch.add_argument("--to", required=True, help="the data root; files land in TO/NAME/ (point $ATTNBENCH_DATA at TO)")
     fetch.set_defaults(handler=_data_download)
-
-    kernels = commands.add_parser("kernels", help="compile every Triton kernel for GPU targets (no GPU needed): registers, spills, occupancy, MMA")
-    kernels.add_argument("--arch", default="sm_70,sm_80,sm_90", help="comma-separated targets among sm_70, sm_80, sm_90 (default: all three)")
-    kernels.add_argument("--json", type=Path, help="also write the rows to this JSON file")
-    kernels.add_argument("--rule", help="only these kernel files, e.g. sum_rule,delta_rule (default: all)")
-    kernels.add_argument("--dtype", help="only these input dtypes, e.g. bf16,fp32 (default: fp32, fp16, bf16)")
-    kernels.add_argument("--d", help="only d_dot = d_value in this list, default chunk, e.g. 64,256 (default: every shipped shape)")
-    kernels.add_argument("--jobs", type=int, help="compiler processes (default: one per CPU)")
-    kernels.set_defaults(handler=_kernels)
 
     kernels = commands.add_parser("kernels", help="compile every Triton kernel for GPU targets (no GPU needed): registers, spills, occupancy, MMA")
     kernels.add_argument("--arch", default="sm_70,sm_80,sm_90", help="comma-separated targets among sm_70, sm_80, sm_90 (default: all three)")
