@@ -1,6 +1,9 @@
 """Forward tokens/s of each variant's parallel form against SDPA and the token loop.
 
-The table of docs/performance.md. fp32, B=4, H=8, D=64 by default; every cell is the
+The table of docs/performance.md: every registered variant's parallel form with its defaults
+(Based and ReBased at their own d_key = 16, ``harness.demo.OWN_D_KEY``), plain linear attention
+and the delta rule's token loop, each on its own ``example_inputs`` (q, k, v and its per-token
+inputs). fp32, B=4, H=8, D=64 by default; every cell is the
 median of ``--repeats`` runs after a warm-up, with the p20-p80 spread. All cells are timed
 in interleaved rounds (each cell once per round) so that the ratios are comparable. Usage: ``python benchmarks/cpu_throughput.py [--lengths ...]``.
 """
@@ -16,34 +19,26 @@ import pandas as pd
 import torch
 
 import variants
+from harness.demo import OWN_D_KEY
 from harness.measure import time_interleaved
 
-CONTENDERS = [
-    # (label, variant, params, form)
-    ("softmax (SDPA)", "softmax", {}, "parallel"),
+#: (label, variant, params, form)
+CONTENDERS = [(name, name, {}, "parallel") for name in variants.names()] + [
     ("linear, phi=identity, unnormalised", "linear", {"phi": "identity", "normalize": False}, "parallel"),
-    ("linear (elu+1, normalised)", "linear", {}, "parallel"),
-    ("performer m=64", "performer", {"m": 64}, "parallel"),
-    ("dpfp nu=1", "dpfp", {"nu": 1}, "parallel"),
-    ("delta (chunked)", "delta", {}, "parallel"),
     ("delta (token loop)", "delta", {}, "reference"),
 ]
 
 
 def measure(lengths, loop_lengths, batch, heads, dim, repeats):
     """Every (contender, T) cell timed in interleaved rounds, so all share the machine's drift."""
-    gen = torch.Generator().manual_seed(0)
     calls = {}
     for length in lengths:
-        q, k, v = (torch.randn(batch, heads, length, dim, generator=gen) for _ in range(3))
-        beta = torch.rand(batch, heads, length, generator=gen)
         for label, name, params, form in CONTENDERS:
             if form == "reference" and length not in loop_lengths:
                 continue
-            core = variants.create(name, dim, **params)
-            fn = getattr(core, "forward" if form == "parallel" else "reference")
-            kwargs = {"beta": beta} if core.needs_beta else {}
-            calls[label, length] = functools.partial(fn, q, k, v, **kwargs)
+            core = variants.create(name, OWN_D_KEY.get(name, dim), **params)
+            inputs = core.example_inputs(batch, heads, length, dim, generator=torch.Generator().manual_seed(0))
+            calls[label, length] = functools.partial(getattr(core, "forward" if form == "parallel" else "reference"), **inputs)
     with torch.no_grad():
         timings = time_interleaved(calls, warmup=1, repeats=repeats)
     rows = []

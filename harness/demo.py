@@ -1,8 +1,9 @@
 """The demo: every variant's forms on one small CPU input, checked and timed.
 
-For each variant it runs the parallel form, the recurrent step loop and the reference,
-reports each form's largest deviation from the float64 reference, and times the
-parallel form and a decoding step (median with the p20-p80 spread).
+For every registered variant (``variants.names()``, each with its defaults) it runs the
+parallel form, the recurrent step loop and the reference on the core's own example inputs
+(``core.example_inputs``: q, k, v and its token inputs), reports each form's largest
+deviation from the float64 reference, and times each form (median with the p20-p80 spread).
 """
 
 from __future__ import annotations
@@ -16,14 +17,9 @@ import variants
 
 from .measure import time_callable
 
-#: (variant, parameters) shown by the demo: the five core variants.
-DEMO_VARIANTS = [
-    ("softmax", {}),
-    ("linear", {}),
-    ("performer", {"m": 64}),
-    ("dpfp", {"nu": 1}),
-    ("delta", {}),
-]
+#: Variants with their own query/key width, as in the shipped scenarios (Based's and ReBased's
+#: 16-dim projection; at d_key = 64 Based's d_dot would be 4161); values keep the shape's d_value.
+OWN_D_KEY = {"based": 16, "rebased": 16}
 
 
 @dataclass(frozen=True)
@@ -35,40 +31,22 @@ class DemoShape:
     d_value: int = 64
 
 
-def _inputs(core, shape: DemoShape, generator):
-    dims = (shape.batch, shape.heads, shape.length)
-    q = torch.randn(*dims, shape.d_key, generator=generator)
-    k = torch.randn(*dims, shape.d_key, generator=generator)
-    v = torch.randn(*dims, shape.d_value, generator=generator)
-    beta = torch.rand(*dims, generator=generator) if core.needs_beta else None
-    return q, k, v, beta
-
-
-def _step_loop(core, q, k, v, beta):
-    state = core.init_state(q.shape[0], q.shape[1], v.shape[-1], dtype=q.dtype)
-    outputs = []
-    for t in range(q.shape[2]):
-        out, state = core.step(q[:, :, t], k[:, :, t], v[:, :, t], state, beta_t=None if beta is None else beta[:, :, t])
-        outputs.append(out)
-    return torch.stack(outputs, dim=2)
-
-
 def run_demo(shape: DemoShape = DemoShape(), *, repeats: int = 5, seed: int = 0) -> pd.DataFrame:
     """One row per (variant, form): error against the float64 reference and timing."""
     generator = torch.Generator().manual_seed(seed)
     tokens = shape.batch * shape.length
     rows = []
-    for name, params in DEMO_VARIANTS:
-        core = variants.create(name, shape.d_key, **params)
-        q, k, v, beta = _inputs(core, shape, generator)
+    for name in variants.names():
+        d_key = OWN_D_KEY.get(name, shape.d_key)
+        core = variants.create(name, d_key)
+        inputs = core.example_inputs(shape.batch, shape.heads, shape.length, shape.d_value, generator=generator)
         with torch.no_grad():
-            double = [t.double() if t is not None else None for t in (q, k, v, beta)]
-            expected = core.double().reference(*double[:3], beta=double[3]).float()
+            expected = core.double().reference(**{key: x.double() for key, x in inputs.items()}).float()
             core.float()
             forms = {
-                "parallel": lambda: core(q, k, v, beta=beta),
-                "step loop": lambda: _step_loop(core, q, k, v, beta),
-                "reference": lambda: core.reference(q, k, v, beta=beta),
+                "parallel": lambda: core(**inputs),
+                "step loop": lambda: core.step_loop(inputs)[0],
+                "reference": lambda: core.reference(**inputs),
             }
             for form, fn in forms.items():
                 error = (fn() - expected).abs().max().item()
@@ -76,7 +54,7 @@ def run_demo(shape: DemoShape = DemoShape(), *, repeats: int = 5, seed: int = 0)
                 rows.append(
                     {
                         "variant": name,
-                        "params": ", ".join(f"{key}={value}" for key, value in params.items()),
+                        "d_key": d_key,
                         "d_dot": core.d_dot,
                         "form": form,
                         "max_abs_err": error,

@@ -52,30 +52,36 @@ class FileTrace:
         return False
 
 
-def _inputs(core, d_key: int, d_value: int, seed: int):
-    """q, k, v, β and the log gate g ≤ 0 (None where the core takes none) in float64, as leaves
-    that require grad. Older revisions' cores have no ``needs_gate``: they take no gate."""
+def _inputs(core, d_key: int, d_value: int, seed: int) -> dict:
+    """The core's inputs by keyword (q, k, v and its per-token inputs) in float64, as leaves that
+    require grad: ``core.example_inputs`` where the revision has it. Older revisions' cores do not:
+    for them q, k, v ~ N(0, 1) (unit-norm q, k for φ = identity, which keeps the plain rules
+    stable), β ~ U(0, 1) where the core ``needs_beta`` and g = −u where it ``needs_gate`` (older
+    still: no such attribute, no gate)."""
     gen = torch.Generator().manual_seed(seed)
-    make = lambda *shape: torch.randn(*shape, generator=gen, dtype=torch.float64)
+    if hasattr(core, "example_inputs"):
+        return core.example_inputs(BATCH, HEADS, LENGTH, d_value, dtype=torch.float64, generator=gen, requires_grad=True)
+    make = lambda *shape: torch.randn(*shape, generator=gen, dtype=torch.float64)  # noqa: E731
     q, k, v = make(BATCH, HEADS, LENGTH, d_key), make(BATCH, HEADS, LENGTH, d_key), make(BATCH, HEADS, LENGTH, d_value)
-    if getattr(core, "phi_name", None) == "identity":  # keeps the plain rules stable, as in tests/conftest.py
+    if getattr(core, "phi_name", None) == "identity":
         q, k = q / q.norm(dim=-1, keepdim=True), k / k.norm(dim=-1, keepdim=True)
-    beta = torch.rand(BATCH, HEADS, LENGTH, generator=gen, dtype=torch.float64) if core.needs_beta else None
-    gate = -torch.rand(BATCH, HEADS, LENGTH, generator=gen, dtype=torch.float64) if getattr(core, "needs_gate", False) else None
-    return [t.requires_grad_() if t is not None else None for t in (q, k, v, beta, gate)]
+    inputs = {"q": q, "k": k, "v": v}
+    if core.needs_beta:
+        inputs["beta"] = torch.rand(BATCH, HEADS, LENGTH, generator=gen, dtype=torch.float64)
+    if getattr(core, "needs_gate", False):
+        inputs["log_gate"] = -torch.rand(BATCH, HEADS, LENGTH, generator=gen, dtype=torch.float64)
+    return {name: x.requires_grad_() for name, x in inputs.items()}
 
 
-def _gate(log_gate, suffix: str = "") -> dict:
-    """The gate keyword, only for a gated core (older revisions' forms do not take it)."""
-    return {} if log_gate is None else {"log_gate" + suffix: log_gate}
-
-
-def _step_loop(core, q, k, v, beta, log_gate):
+def _step_loop(core, inputs: dict):
+    """The step form over the sequence; each token input ``name`` goes to ``step`` as ``name_t``
+    (as ``variants.token_slice`` gives it; written out here for revisions without it)."""
+    q, k, v = inputs["q"], inputs["k"], inputs["v"]
     state = core.init_state(q.shape[0], q.shape[1], v.shape[-1], device=q.device, dtype=q.dtype)
     outputs = []
     for t in range(q.shape[2]):
-        at_t = lambda x: None if x is None else x[:, :, t]  # noqa: E731
-        out, state = core.step(q[:, :, t], k[:, :, t], v[:, :, t], state, beta_t=at_t(beta), **_gate(at_t(log_gate), "_t"))
+        per_token = {f"{name}_t": x[:, :, t] for name, x in inputs.items() if name not in ("q", "k", "v")}
+        out, state = core.step(q[:, :, t], k[:, :, t], v[:, :, t], state, **per_token)
         outputs.append(out)
     return torch.stack(outputs, dim=2)
 
@@ -100,19 +106,18 @@ def check(config: dict, device: torch.device, trace: FileTrace) -> list[str]:
     name, params, d_key = config["variant"], config["params"], config["d_key"]
     reference = variants.create(name, d_key, **params).double()
     inputs = _inputs(reference, d_key, d_key, seed=0)
-    leaves = [t for t in inputs if t is not None]
-    expected = reference.reference(*inputs[:3], beta=inputs[3], **_gate(inputs[4]))
+    expected = reference.reference(**inputs)
     cotangent = torch.randn(expected.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
-    expected_grads = torch.autograd.grad((expected * cotangent).sum(), leaves)
-    low = [t.detach().float().to(device).requires_grad_() if t is not None else None for t in inputs]
+    expected_grads = torch.autograd.grad((expected * cotangent).sum(), list(inputs.values()))
+    low = {key: x.detach().float().to(device).requires_grad_() for key, x in inputs.items()}
     with trace:
         core = variants.create(name, d_key, backend=config["backend"], **params).to(device)
-        out = core(*low[:3], beta=low[3], **_gate(low[4]))
-        grads = torch.autograd.grad((out * cotangent.float().to(device)).sum(), [t for t in low if t is not None])
+        out = core(**low)
+        grads = torch.autograd.grad((out * cotangent.float().to(device)).sum(), list(low.values()))
         if config.get("decode"):
             with torch.no_grad():
-                steps = _step_loop(core, *[t.detach() if t is not None else None for t in low])
-    labels = ["forward", "dq", "dk", "dv"] + ["dβ"] * (inputs[3] is not None) + ["dg"] * (inputs[4] is not None)
+                steps = _step_loop(core, {key: x.detach() for key, x in low.items()})
+    labels = ["forward", *(f"d{key}" for key in inputs)]
     problems = [_mismatch(label, got, want) for label, got, want in zip(labels, [out, *grads], [expected, *expected_grads])]
     if config.get("decode"):
         problems.append(_mismatch("step loop", steps, expected))

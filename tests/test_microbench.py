@@ -1,9 +1,9 @@
 """pytest-benchmark micro-benchmarks: each registered variant's parallel form and decode step.
 
 ``nox -s microbench`` times them; the test session runs each once with
-``--benchmark-disable`` (a smoke test, no timing). fp32 on the CPU, B=4, H=8, D=64; each
-variant with its defaults, except Performer with m = 64 (d_dot = 128) and Based and ReBased
-with their own d_key = 16 (as in the shipped scenarios; values keep D).
+``--benchmark-disable`` (a smoke test, no timing). fp32 on the CPU, B=4, H=8, D=64; every
+registered variant with its defaults (Based and ReBased at their own d_key,
+``harness.demo.OWN_D_KEY``; values keep D) on its own ``example_inputs``.
 """
 
 from __future__ import annotations
@@ -12,14 +12,13 @@ import pytest
 import torch
 
 import variants
+from harness.demo import OWN_D_KEY
 
-PARAMS = {"performer": {"m": 64}}
-D_KEY = {"based": 16, "rebased": 16}
 BATCH, HEADS, DIM = 4, 8, 64
 
 
 def _core_and_inputs(name, length):
-    core = variants.create(name, D_KEY.get(name, DIM), **PARAMS.get(name, {}))
+    core = variants.create(name, OWN_D_KEY.get(name, DIM))
     return core, core.example_inputs(BATCH, HEADS, length, DIM, generator=torch.Generator().manual_seed(0))
 
 
