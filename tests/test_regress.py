@@ -62,7 +62,7 @@ def history(tmp_path_factory):
     subprocess.run(["tar", "-x", "-C", str(repo)], input=archive, check=True)
     _git(repo, "init", "-q")
     commits = {"plain": _commit(repo, "plain")}
-    _edit(repo, "variants/sum_rule.py", "    def _run(self, q, k, v, beta, state, causal):\n", "    def _run(self, q, k, v, beta, state, causal):\n" + SLEEP)
+    _edit(repo, "variants/sum_rule.py", "    def _run(self, q, k, v, state, causal):\n", "    def _run(self, q, k, v, state, causal):\n" + SLEEP)
     commits["slow"] = _commit(repo, "slow linear")
     (repo / "README.md").write_text((repo / "README.md").read_text() + "\nA line of prose.\n")
     commits["readme"] = _commit(repo, "README only")

@@ -273,10 +273,11 @@ def test_the_page_renders_in_headless_chromium(report, page, tmp_path):
 
 
 def test_labels_order_numbers_by_value_and_name_a_variants_own_d_key():
-    from harness.report import _base_label, _natural
+    from harness.figures import natural
+    from harness.report import _base_label
 
     labels = ["rwkv(chunk_size=32)", "rwkv(chunk_size=4)", "rwkv(chunk_size=16)", "linear"]
-    assert sorted(labels, key=_natural) == ["linear", "rwkv(chunk_size=4)", "rwkv(chunk_size=16)", "rwkv(chunk_size=32)"]
+    assert sorted(labels, key=natural) == ["linear", "rwkv(chunk_size=4)", "rwkv(chunk_size=16)", "rwkv(chunk_size=32)"]
     record = {"variant": "based", "params_text": "", "backend": "torch", "axes.d_key": 16.0, "axes.d_value": 64.0}
     assert _base_label(record, show_backend=False) == "based(d_key=16)"
     assert _base_label({**record, "axes.d_key": 64.0}, show_backend=True) == "based[torch]"
