@@ -71,18 +71,20 @@ def safe_reciprocal(x):
     return torch.where(positive, 1 / torch.where(positive, x, torch.ones_like(x)), torch.zeros_like(x))
 
 
-def causal_read(read, values: torch.Tensor, dim: int = 2) -> torch.Tensor:
+def causal_read(read, values: torch.Tensor, dim: int = 2, *, every_channel: bool = False) -> torch.Tensor:
     """``read(values)`` for a causal read, in which output t is a weighted sum of the values at
     positions i ≤ t along ``dim``, such that a non-finite value at position p reaches no output
     before p. A causal matrix times the values multiplies each later value by an exact zero, and
     0·NaN = NaN would carry a NaN at p into every earlier row; so ``read`` gets the values with
     non-finite entries zeroed, and the cumulative sum of ``values − values`` (0, or NaN from the
-    first non-finite value on; a forward-only scan) puts NaN back into every output channel at or
-    after one. Outputs that are fewer than the values are the last positions (a prefill after a cache).
+    first non-finite value on; a forward-only scan) puts NaN back into the output at or after one:
+    into its channel, or with ``every_channel`` (keys, whose channels are not the output's) into all.
+    Outputs that are fewer than the values are the last positions (a prefill after a cache).
     On the CPU, where reading a sum costs no device sync, finite values (a finite sum) skip all that."""
     if values.device.type == "cpu" and math.isfinite(values.detach().sum()):
         return read(values)
-    poison = (values - values).detach().cumsum(dim)
+    poison = values - values
+    poison = (poison.sum(-1, keepdim=True) if every_channel else poison).detach().cumsum(dim)
     out = read(torch.nan_to_num(values, nan=0.0, posinf=0.0, neginf=0.0))
     return out + poison.narrow(dim, poison.shape[dim] - out.shape[dim], out.shape[dim])
 

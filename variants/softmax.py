@@ -59,7 +59,14 @@ class Softmax(AttentionCore):
     def _parallel(self, q, k, v, causal):
         if not causal:
             return F.scaled_dot_product_attention(q, k, v, scale=self.scale)
-        return causal_read(lambda values: F.scaled_dot_product_attention(q, k, values, is_causal=True, scale=self.scale), v)
+        return self._causal(q, k, v, is_causal=True)
+
+    def _causal(self, q, k, v, **mask):
+        """Causal SDPA in which a non-finite key or value at position p reaches no output before p,
+        whatever the SDPA backend does with a masked-out NaN (0·NaN and NaN − ∞ are NaN): both go
+        through ``causal_read``, a key poisoning every channel of the outputs from p on."""
+        attend = lambda keys, values: F.scaled_dot_product_attention(q, keys, values, scale=self.scale, **mask)  # noqa: E731
+        return causal_read(lambda keys: causal_read(lambda values: attend(keys, values), v), k, every_channel=True)
 
     def _prefill(self, q, k, v, state: KVCache | None):
         """Causal parallel form that also returns the KV cache after the last token."""
@@ -69,8 +76,7 @@ class Softmax(AttentionCore):
         keys, values = torch.cat([past_keys, k], 2), torch.cat([past_values, v], 2)
         # A query at prefill position t sees every cached token and the new tokens up to t.
         visible = torch.ones(q.shape[2], keys.shape[2], dtype=torch.bool, device=q.device).tril(state.length)
-        out = causal_read(lambda clean: F.scaled_dot_product_attention(q, keys, clean, attn_mask=visible, scale=self.scale), values)
-        return out, KVCache(keys, values, keys.shape[2])
+        return self._causal(q, keys, values, attn_mask=visible), KVCache(keys, values, keys.shape[2])
 
     def init_state(self, batch, heads, d_value, *, device=None, dtype=None) -> KVCache:
         keys = torch.empty(batch, heads, 0, self.d_key, device=device, dtype=dtype)
