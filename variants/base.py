@@ -217,13 +217,8 @@ class AttentionCore(nn.Module):
 
     @property
     def needs_beta(self) -> bool:
-        """Whether the core takes ``BETA`` (kept for callers that ask; ``token_inputs`` says it all)."""
+        """Whether the core takes ``BETA`` (for the callers that still ask; ``token_inputs`` says it all)."""
         return BETA in self.token_inputs
-
-    @property
-    def needs_gate(self) -> bool:
-        """Whether the core takes ``LOG_GATE``."""
-        return LOG_GATE in self.token_inputs
 
     # --- the three faces -------------------------------------------------------
     def forward(self, q, k, v, *, causal: bool = True, **token_inputs) -> torch.Tensor:
