@@ -64,7 +64,7 @@ def run_demo(shape: DemoShape = DemoShape(), *, repeats: int = 5, seed: int = 0)
                         "tokens_per_s": tokens / timing.median_s,
                     }
                 )
-    return pd.DataFrame(rows)
+    return pd.DataFrame(rows).astype({"d_dot": "Int64"})  # softmax has none: <NA>, the others stay integers
 
 
 def format_table(table: pd.DataFrame) -> str:
