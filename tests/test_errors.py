@@ -93,7 +93,7 @@ def tensors(*shape, dtype=torch.float64):
 
 
 def beta_for(core, *shape):
-    return torch.rand(*shape, dtype=torch.float64) if core.needs_beta else None
+    return torch.rand(*shape, dtype=torch.float64) if variants.BETA in core.token_inputs else None
 
 
 NAMES = ["softmax", "linear", "performer", "dpfp", "delta"]
@@ -254,7 +254,7 @@ def test_layer_passes_core_errors_on():
 def test_empty_sequence_is_a_clear_error(name):
     core = variants.create(name, 4)
     q = torch.randn(1, 1, 0, 4)
-    beta = torch.rand(1, 1, 0) if core.needs_beta else None
+    beta = torch.rand(1, 1, 0) if variants.BETA in core.token_inputs else None
     with pytest.raises(variants.VariantError, match="empty"):
         core(q, q, q, beta=beta)
 

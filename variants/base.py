@@ -215,11 +215,6 @@ class AttentionCore(nn.Module):
         self.d_key = d_key
         self.d_dot = d_key
 
-    @property
-    def needs_beta(self) -> bool:
-        """Whether the core takes ``BETA`` (for the callers that still ask; ``token_inputs`` says it all)."""
-        return BETA in self.token_inputs
-
     # --- the three faces -------------------------------------------------------
     def forward(self, q, k, v, *, causal: bool = True, **token_inputs) -> torch.Tensor:
         """Parallel form: ``q, k: [B, H, T, Dk]``, ``v: [B, H, T, Dv]``, each token input ``[B, H, T]``

@@ -148,7 +148,7 @@ class RetrievalModel(nn.Module):
         self.W_K = nn.Linear(d_emb + S, d_key, bias=False)
         self.W_Q = nn.Linear(d_emb, d_key, bias=False)
         self.core = variants.create(variant, d_key, **variant_params)
-        self.W_beta = nn.Linear(d_emb + S, 1) if self.core.needs_beta else None
+        self.W_beta = nn.Linear(d_emb + S, 1) if variants.BETA in self.core.token_inputs else None
 
     def sequences(self, batch: RetrievalBatch):
         """The core's inputs ``q, k: [B, 1, L, d_key]``, ``v: [B, 1, L, S]`` and ``beta:
