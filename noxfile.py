@@ -94,7 +94,7 @@ def demo(session):
 def microbench(session):
     """pytest-benchmark micro-benchmarks of each variant's parallel form and decode step."""
     install(session)
-    session.run("pytest", "tests/test_microbench.py", "--benchmark-only", "--benchmark-sort=name", *session.posargs)
+    session.run("pytest", "tests/test_harness/test_microbench.py", "--benchmark-only", "--benchmark-sort=name", *session.posargs)
 
 
 @nox.session(name="perf_cpu")

@@ -6,7 +6,7 @@ is that revision's code; this file imports nothing else of attnbench. For every
 configuration (variant, backend, parameters, d_key) it compares, in float32 on a small
 input, the parallel form (and, when decoding is measured, the recurrent step loop) with the
 float64 ``reference`` of the torch backend, forward and every gradient, with the tolerances
-of tests/test_backends.py. While it runs it records which files of the checkout executed,
+of tests/test_variants/test_backends.py. While it runs it records which files of the checkout executed,
 which is how regress knows the variants a diff touches.
 
     cd WORKTREE && PYTHONPATH=WORKTREE python -c "$RUN_SCRIPT" PATH/regress_check.py < CONFIGS.json

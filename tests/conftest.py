@@ -1,11 +1,10 @@
-"""Shared test helpers: the variant configurations under test and fresh random inputs."""
+"""Fixtures of every test: the interpreter for Triton kernels without a GPU, a fresh seed per
+test, the thread count restored. Helpers the tests import live in tests/helpers.py."""
 
 from __future__ import annotations
 
 import os
 import random
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -15,21 +14,6 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import variants
-from harness.tasks.download import SHARED_DATA
-
-#: Skips a test that reads the shared WikiText-2 (``../shared/data`` beside the checkout).
-needs_shared = pytest.mark.skipif(
-    not (SHARED_DATA / "wikitext-2" / "wiki.train.tokens").is_file(),
-    reason=f"the shared WikiText-2 is not at {SHARED_DATA / 'wikitext-2'}",
-)
-
-
-def attnbench(*args, env=None, **kwargs) -> subprocess.CompletedProcess:
-    """``python -m harness.cli ARGS`` in a subprocess, output captured."""
-    command = [sys.executable, "-m", "harness.cli", *args]
-    return subprocess.run(command, capture_output=True, text=True, env={**os.environ, **(env or {})}, timeout=300, **kwargs)
-
 
 @pytest.fixture(autouse=True)
 def keep_thread_count():
@@ -38,50 +22,6 @@ def keep_thread_count():
     yield
     torch.set_num_threads(threads)
 
-#: (variant name, parameters): every registered variant, several settings each
-#: (tests/test_equivalence.py fails when a registered variant has none).
-CONFIGS = [
-    ("softmax", {}),
-    ("softmax", {"scale": 0.3}),
-    ("linear", {}),
-    ("linear", {"chunk_size": 16}),
-    ("linear", {"phi": "identity", "normalize": False, "chunk_size": 16}),
-    ("linear", {"phi": "dpfp", "nu": 2, "sum_norm": True, "chunk_size": 32}),
-    ("performer", {"m": 16, "chunk_size": 16}),
-    ("performer", {"d_dot": 10, "seed": 3}),
-    ("dpfp", {"nu": 1, "chunk_size": 16}),
-    ("dpfp", {"nu": 3, "normalize": False}),
-    ("delta", {}),
-    ("delta", {"chunk_size": 16}),
-    ("delta", {"phi": "identity", "sum_norm": False, "chunk_size": 16}),
-    ("delta", {"attn_norm": True, "chunk_size": 16}),
-    ("delta", {"phi": "dpfp", "nu": 2, "chunk_size": 16}),
-    ("delta", {"phi": "favor", "m": 8, "attn_norm": True}),
-    ("gated_delta", {}),
-    ("gated_delta", {"chunk_size": 5}),
-    ("gated_delta", {"phi": "elu1", "sum_norm": True, "chunk_size": 16}),
-    ("based", {"chunk_size": 16}),
-    ("rebased", {"normalize": False}),
-    ("rwkv", {}),
-    ("rwkv", {"chunk_size": 5}),
-]
-
-#: rtol and atol of a form against the float64 reference; atol is scaled by the largest
-#: magnitude of the expected tensor (at least 1).
-TOLERANCES = {torch.float64: (1e-9, 1e-10), torch.float32: (2e-4, 1e-4)}
-
-
-def assert_close(actual, expected, dtype, what, seed):
-    """``actual`` against ``expected`` with the tolerances of ``dtype``."""
-    rtol, atol = TOLERANCES[dtype]
-    scale = max(1.0, expected.abs().max().item()) if expected.numel() else 1.0
-    torch.testing.assert_close(actual, expected.to(dtype), rtol=rtol, atol=atol * scale, msg=lambda m: f"{what} (seed {seed}): {m}")
-
-
-def config_id(config) -> str:
-    name, params = config
-    return name + "".join(f"-{key}={value}" for key, value in params.items())
-
 
 @pytest.fixture
 def seed(request) -> int:
@@ -89,85 +29,3 @@ def seed(request) -> int:
     value = int(os.environ.get("ATTNBENCH_TEST_SEED", random.randrange(2**31)))
     request.node.user_properties.append(("seed", value))
     return value
-
-
-def make_inputs(core, batch, heads, length, d_value, *, dtype, seed, requires_grad=False) -> dict:
-    """``core.example_inputs`` drawn in float64 from ``seed`` and cast to ``dtype`` (the same values
-    for every dtype), so that a float32 form and the float64 reference see the same inputs.
-    ``d_value`` is d_key for a per-channel core (RWKV)."""
-    d_value = core.d_key if core.d_value_is_d_key else d_value
-    inputs = core.example_inputs(batch, heads, length, d_value, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
-    return {name: x.to(dtype).requires_grad_(requires_grad) for name, x in inputs.items()}
-
-
-def to(inputs: dict, dtype, requires_grad=False) -> dict:
-    """The same inputs in ``dtype``, detached (as new leaves when ``requires_grad``)."""
-    return {name: x.detach().to(dtype).requires_grad_(requires_grad) for name, x in inputs.items()}
-
-
-def forms(core, inputs: dict):
-    """The fast forms of ``core`` on ``inputs``: the parallel form and the step loop."""
-    yield "parallel", core(**inputs)
-    yield "step loop", core.step_loop(inputs)[0]
-
-
-def check_forms(core, reference, inputs: dict, dtype, seed, what, *, backward=True, cotangent=None):
-    """Every form of ``core`` (in ``dtype``) agrees with ``reference.reference`` in float64 on the same
-    ``inputs``: the outputs where ``cotangent`` is nonzero (default: random, nonzero everywhere) and,
-    with ``backward``, the gradients of every input and trainable parameter (``reference`` holds the
-    same parameter values in float64). A zero reference gradient fails the check: it would test nothing."""
-    exact = to(inputs, torch.float64, requires_grad=backward)
-    exact_parameters = [p for p in reference.parameters() if p.requires_grad]
-    expected = reference.reference(**exact)
-    if cotangent is None:
-        cotangent = torch.randn(expected.shape, generator=torch.Generator().manual_seed(seed + 1), dtype=torch.float64)
-    kept = cotangent != 0
-    names = [*exact, *(name for name, p in core.named_parameters() if p.requires_grad)]
-    if backward:
-        want = torch.autograd.grad((expected * cotangent).sum(), [*exact.values(), *exact_parameters], materialize_grads=True)
-    low = to(inputs, dtype, requires_grad=backward)
-    for form, out in forms(core, low):
-        assert out.shape == expected.shape and out.dtype == dtype, f"{what} {form}: {out.shape} {out.dtype}"
-        assert_close(out[kept], expected[kept], dtype, f"{what} {form} vs float64 reference", seed)
-        if not backward:
-            continue
-        leaves = [*low.values(), *(p for p in core.parameters() if p.requires_grad)]
-        grads = torch.autograd.grad((out * cotangent.to(dtype)).sum(), leaves, materialize_grads=True)
-        for name, grad, target in zip(names, grads, want, strict=True):
-            assert target.abs().max() > 0, f"{what}: the reference's d/d{name} is zero (seed {seed}); the check says nothing"
-            assert_close(grad, target, dtype, f"{what} {form}: d/d{name}", seed)
-
-
-def layer_step_loop(layer, x, state=None):
-    """An ``AttentionLayer``'s recurrent form over ``x [B, T, D]``, token by token."""
-    state = layer.init_state(x.shape[0], dtype=x.dtype) if state is None else state
-    outputs = []
-    for t in range(x.shape[1]):
-        y_t, state = layer.step(x[:, t], state)
-        outputs.append(y_t)
-    return torch.stack(outputs, dim=1)
-
-
-def check_layer_forms(layer, x, gen, seed, tol=1e-10) -> dict:
-    """A layer's parallel form == its step loop == a prefill chain (6 tokens, 4 more, one step),
-    forward and the gradients of ``x`` and every parameter (``x``: 11 tokens or more).
-    Returns the parallel form's gradients by name ("x", then the parameter names)."""
-    parallel, stepped = layer(x), layer_step_loop(layer, x)
-    torch.testing.assert_close(stepped, parallel, rtol=tol, atol=tol, msg=lambda m: f"step loop (seed {seed}): {m}")
-    head, state = layer.prefill(x[:, :6])
-    middle, state = layer.prefill(x[:, 6:10], state)
-    last, _ = layer.step(x[:, 10], state)
-    chained = torch.cat([head, middle, last[:, None]], 1)
-    torch.testing.assert_close(chained, parallel[:, :11], rtol=tol, atol=tol, msg=lambda m: f"prefill chain (seed {seed}): {m}")
-    names, leaves = ["x", *dict(layer.named_parameters())], [x, *layer.parameters()]
-    cotangent = torch.randn(parallel.shape, generator=gen, dtype=parallel.dtype)
-    grads_parallel = torch.autograd.grad((parallel * cotangent).sum(), leaves)
-    grads_step = torch.autograd.grad((stepped * cotangent).sum(), leaves)
-    for label, grad_parallel, grad_step in zip(names, grads_parallel, grads_step):
-        torch.testing.assert_close(grad_step, grad_parallel, rtol=tol, atol=tol, msg=lambda m: f"d/d{label} (seed {seed}): {m}")
-    return dict(zip(names, grads_parallel))
-
-
-def build(config, d_key, dtype=torch.float64):
-    name, params = config
-    return variants.create(name, d_key, **params).to(dtype)

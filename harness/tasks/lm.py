@@ -42,8 +42,9 @@ from variants import VariantError
 from ..files import write_json_atomic
 from ..models import LM_PRESETS, DecoderConfig, DecoderLM, SegmentConfig, lm_config
 from . import Task, register
+from .command_line import CommandLine, command_line, parse_command_line
 from .download import DataError
-from .training import CheckpointError, CommandLine, Distributed, TrainConfig, command_line, parse_command_line, train, training_metrics
+from .training import CheckpointError, Distributed, TrainConfig, train, training_metrics
 from .wikitext import load_wikitext
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

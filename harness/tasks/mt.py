@@ -41,9 +41,10 @@ from ..files import write_json_atomic
 from ..measure import synchronize
 from ..models import config_from_preset
 from . import Task, register
+from .command_line import CommandLine, command_line, parse_command_line
 from .mt_model import POSITIONS, Seq2Seq, Seq2SeqConfig
 from .parallel_text import BOS, EOS, PAD, dataset_dir, read_parallel, train_vocabulary
-from .training import CommandLine, Distributed, TrainConfig, command_line, parse_command_line, train, training_metrics
+from .training import Distributed, TrainConfig, train, training_metrics
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ the chunk and the incoming state S:
 with respect to q, k, v, beta and weights, with a gradient accepted on S_T too (so two calls
 chained through the state pass gradients through it). It is the fast twin of
 ``variants.chunked.delta_rule_chunked`` (identity φ, no normaliser) and is tied to it by
-``tests/test_kernel_delta_rule.py``.
+``tests/test_kernels/test_kernel_delta_rule.py``.
 
 Kernels (all fp32 inside, whatever the input dtype; B·H is the second grid axis):
 

@@ -1,5 +1,5 @@
 """One plugin file that adds a variant with a per-token input of its own and a task, without a
-change to attnbench (docs/extending.md walks through it; tests/test_extending.py runs it).
+change to attnbench (docs/extending.md walks through it; tests/test_harness/test_extending.py runs it).
 
 - ``toy_tempered``: causal softmax attention whose query t divides its scores by its own
   temperature τ_t ∈ [0.5, 2] (a new ``TokenInput``, ``temperature``):

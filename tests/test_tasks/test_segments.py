@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import attnbench, needs_shared
+from helpers import attnbench, needs_shared
 
 from harness.models import DecoderConfig, DecoderLM, SegmentConfig
 from harness.tasks.lm import LMConfig, evaluate_segments, evaluate_windows, main, run_lm

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import attnbench
+from helpers import attnbench
 
 from harness.results import load, read_records
 

@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from conftest import layer_step_loop
+from helpers import layer_step_loop
 
 import variants
 
@@ -14,7 +14,7 @@ import variants
 #: and a few settings that exercise more of the layer.
 LAYER_CONFIGS = [(name, {}) for name in variants.names() if name != "rebased"] + [
     # randomise() gives ReBased's γ, β unit spread, with which a first-token kernel (q'·k')² near 0
-    # leaves the normalised form's gradient only ~1e-9 accurate (tests/test_based.py covers it)
+    # leaves the normalised form's gradient only ~1e-9 accurate (tests/test_variants/test_based.py covers it)
     ("rebased", {"normalize": False}),
     ("delta", {"attn_norm": True}),
     ("delta", {"attn_norm": True, "chunk_size": 8, "bias": True}),

@@ -10,12 +10,13 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import needs_shared
+from helpers import needs_shared
 from pydantic import ValidationError
 
 import variants
 from harness import runner
 from harness.scenario import load_scenario
+from harness.tasks.command_line import parse_command_line
 from harness.tasks.mt import (
     PRESETS,
     Example,
@@ -34,7 +35,6 @@ from harness.tasks.mt import (
 )
 from harness.tasks.mt_model import Seq2Seq, source_lengths
 from harness.tasks.parallel_text import BOS, EOS, PAD, data_root
-from harness.tasks.training import parse_command_line
 
 D_KEY = 16  # the ci preset: d_model 32, 2 heads
 

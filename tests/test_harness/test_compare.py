@@ -1,6 +1,6 @@
 """compare end to end on real results written by the runner (in subprocesses).
 
-The timed variant is fault_slow (tests/fault_plugin.py): each call sleeps FAULT_SLOW_S
+The timed variant is fault_slow (tests/test_harness/fault_plugin.py): each call sleeps FAULT_SLOW_S
 seconds, so its true time is known and stable, while the µs-scale compute of a real variant
 on a shared 2-core machine can genuinely differ several-fold between two runs (contention
 from other processes is a real change, not noise). softmax cells ride along to show that

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import attnbench
+from helpers import attnbench
 from torch import nn
 
 from harness.results import ResultsFileError, ResultsWriter, read_records

@@ -1,4 +1,4 @@
-"""RWKV-4's WKV operator and token shift, beyond what tests/test_equivalence.py checks for every
+"""RWKV-4's WKV operator and token shift, beyond what tests/test_variants/test_equivalence.py checks for every
 variant: the reference is the paper's formula; chunked == running-maximum step loop == reference,
 forward and backward (r, k, v, w, u) with random decays and bonuses; numerically stable where the
 plain formula overflows float32; the layer with its token shift; FLOPs; errors."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import check_forms, check_layer_forms
+from helpers import check_forms, check_layer_forms
 from test_layer import randomise
 
 import variants
@@ -55,7 +55,7 @@ def test_reference_is_the_papers_formula(seed):
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("chunk_size", [32, 5])
 def test_forms_agree_with_random_decays_and_bonuses(chunk_size, shape, dtype, seed):
-    """As tests/test_equivalence.py, with w and u drawn (their gradients too); forward only at
+    """As tests/test_variants/test_equivalence.py, with w and u drawn (their gradients too); forward only at
     T = 1, where wkv_0 = v_0 whatever k, w, u (zero gradients would test nothing)."""
     batch, heads, length, d = shape
     inputs = {name: randn(seed + i, batch, heads, length, d) for i, name in enumerate("qkv")}

@@ -1,4 +1,4 @@
-"""The gated delta rule (Yang, Kautz, Hatamizadeh 2024) beyond what tests/test_equivalence.py
+"""The gated delta rule (Yang, Kautz, Hatamizadeh 2024) beyond what tests/test_variants/test_equivalence.py
 checks for every variant (forms == float64 reference, forward and backward including d/dβ and
 d/dg, prefill chaining): the paper's recurrence written out here, α ≡ 1 == the delta rule,
 FLOPs and errors."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import assert_close, make_inputs
+from helpers import assert_close, make_inputs
 from torch.nn.functional import normalize
 
 import variants

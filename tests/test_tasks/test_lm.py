@@ -8,9 +8,10 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import attnbench, needs_shared
+from helpers import attnbench, needs_shared
 
 from harness.models import DecoderConfig, DecoderLM
+from harness.tasks.command_line import parse_command_line
 from harness.tasks.lm import (
     LMConfig,
     WindowBatches,
@@ -20,7 +21,6 @@ from harness.tasks.lm import (
     main,
     run_lm,
 )
-from harness.tasks.training import parse_command_line
 
 VOCAB = 40
 

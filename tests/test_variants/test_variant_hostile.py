@@ -10,7 +10,7 @@ import re
 
 import pytest
 import torch
-from conftest import CONFIGS, build, config_id, make_inputs
+from helpers import CONFIGS, build, config_id, make_inputs
 
 import variants
 from variants.base import _range_check_due

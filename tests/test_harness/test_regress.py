@@ -30,8 +30,8 @@ from harness.regress import changed_files, pool, regress, worktrees
 from harness.results import read_records
 from harness.scenario import load_scenario
 
-ROOT = Path(__file__).resolve().parents[1]
-SLEEP = "        import time\n        time.sleep(0.05)  # injected by tests/test_regress.py\n"
+ROOT = Path(__file__).resolve().parents[2]
+SLEEP = "        import time\n        time.sleep(0.05)  # injected by tests/test_harness/test_regress.py\n"
 
 
 def _git(repo: Path, *args: str) -> str:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import CONFIGS, assert_close, build, check_forms, config_id, make_inputs
+from helpers import CONFIGS, assert_close, build, check_forms, config_id, make_inputs
 
 import variants
 
@@ -19,7 +19,7 @@ SHAPES = [(1, 1, 1, 4, 4), (2, 3, 17, 5, 3), (1, 2, 63, 8, 8), (2, 1, 130, 6, 7)
 
 
 def test_every_registered_variant_has_a_config():
-    assert set(variants.names()) <= {name for name, _ in CONFIGS}, "add the new variant to tests/conftest.py CONFIGS"
+    assert set(variants.names()) <= {name for name, _ in CONFIGS}, "add the new variant to tests/helpers.py CONFIGS"
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])

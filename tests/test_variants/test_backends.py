@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import config_id, make_inputs, to
+from helpers import config_id, make_inputs, to
 
 import variants
 

@@ -1,5 +1,5 @@
 """The report end to end: real results of tiny scenarios, written by the runner in
-subprocesses (with failing cells from tests/fault_plugin.py), turned into HTML, CSV and PNG
+subprocesses (with failing cells from tests/test_harness/fault_plugin.py), turned into HTML, CSV and PNG
 files; checked by parsing the files and by opening the page in headless Chromium."""
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ import torch
 from harness import machine
 from harness.machine import fingerprint, format_fingerprint, throttle_state
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 TOP_KEYS = {"hostname", "platform", "python", "cpu", "memory_bytes", "versions", "git", "gpu", "machine_id"}
 NVML_KEYS = {
     "driver_version",

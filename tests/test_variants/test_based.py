@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import check_forms, check_layer_forms
+from helpers import check_forms, check_layer_forms
 from test_layer import randomise
 
 import variants

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import CONFIGS, config_id
+from helpers import CONFIGS, config_id
 
 import variants
 

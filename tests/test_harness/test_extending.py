@@ -1,4 +1,4 @@
-"""Extending attnbench from one plugin file (tests/toy_plugin.py, the recipe of docs/extending.md):
+"""Extending attnbench from one plugin file (tests/test_harness/toy_plugin.py, the recipe of docs/extending.md):
 a variant with a per-token input of its own and a task, run and reported with no harness file changed."""
 
 from __future__ import annotations
@@ -7,12 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import attnbench
+from helpers import attnbench
 
 from harness.results import load
 
 PLUGIN = str(Path(__file__).with_name("toy_plugin.py"))
-HARNESS = Path(__file__).resolve().parent.parent / "harness"
+HARNESS = Path(__file__).resolve().parents[2] / "harness"
 
 
 def _write(tmp_path, name: str, text: str) -> str:
