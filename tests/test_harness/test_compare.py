@@ -93,6 +93,7 @@ def row(result, variant: str, seq_len: int) -> pd.Series:
     return rows.iloc[0]
 
 
+@pytest.mark.slow
 def test_identical_inputs_are_unchanged(runs):
     result = compare(runs["base"], runs["base"])
     assert list(result.table.columns) == TABLE_COLUMNS
@@ -103,6 +104,7 @@ def test_identical_inputs_are_unchanged(runs):
     assert result.format_table().endswith("4 cells: 4 unchanged (factor 1.1, alpha 0.05); exit code 0")
 
 
+@pytest.mark.slow
 def test_two_real_runs_of_the_same_cells_are_not_flagged(runs):
     result = compare(runs["base"], runs["again"])
     for seq_len in (16, 32):
@@ -111,6 +113,7 @@ def test_two_real_runs_of_the_same_cells_are_not_flagged(runs):
         assert 0.95 < slow["ratio"] < 1.05 and slow["ci_low"] < slow["ratio"] < slow["ci_high"]
 
 
+@pytest.mark.slow
 def test_a_cell_twice_as_slow_is_worse(runs):
     result = compare(runs["base"], runs["slower"])
     slow = row(result, "fault_slow", 32)
@@ -123,6 +126,7 @@ def test_a_cell_twice_as_slow_is_worse(runs):
     assert row(reverse, "fault_slow", 32)["mark"] == "better" and reverse.exit_code == EXIT_OK
 
 
+@pytest.mark.slow
 def test_a_cell_that_starts_failing_is_a_regression(runs):
     result = compare(runs["base"], runs["failing"])
     broken = row(result, "fault_slow", 16)
@@ -135,6 +139,7 @@ def test_a_cell_that_starts_failing_is_a_regression(runs):
     assert reverse.exit_code == EXIT_OK
 
 
+@pytest.mark.slow
 def test_different_machines_are_refused_unless_allowed(runs, tmp_path):
     other = as_other_machine(runs["base"], tmp_path / "other.jsonl")
     with pytest.raises(CompareError, match="different machines") as refused:
@@ -147,11 +152,13 @@ def test_different_machines_are_refused_unless_allowed(runs, tmp_path):
     assert result.exit_code == EXIT_INCOMPARABLE
 
 
+@pytest.mark.slow
 def test_the_comparison_is_reproducible(runs):
     first, second = compare(runs["base"], runs["again"], seed=3), compare(runs["base"], runs["again"], seed=3)
     pd.testing.assert_frame_equal(first.table, second.table)
 
 
+@pytest.mark.slow
 def test_bad_thresholds_are_refused(runs):
     with pytest.raises(CompareError, match="factor"):
         compare(runs["base"], runs["base"], factor=0.9)

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from helpers import attnbench
 
 from harness.results import load
@@ -44,12 +45,14 @@ else:
 """
 
 
+@pytest.mark.slow
 def test_a_plugin_variant_with_its_own_token_input_agrees_with_its_reference():
     """In a subprocess, so that the toy variant does not join this session's registry."""
     done = subprocess.run([sys.executable, "-c", AGREEMENT.replace("PLUGIN", repr(PLUGIN))], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
 
 
+@pytest.mark.slow
 def test_a_plugin_variant_and_task_run_and_report_with_no_harness_change(tmp_path):
     speed = _write(tmp_path, "toy-speed", (
         "name: toy-speed\nvariants: {toy_tempered: {}, softmax: {}}\naxes: {seq_len: [8, 16], batch: 1, heads: 2, d_key: 8}\n"

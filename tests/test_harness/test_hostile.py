@@ -157,6 +157,7 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
+@pytest.mark.slow
 def test_resume_never_picks_or_appends_to_another_scenarios_file(tmp_path):
     out = tmp_path / "out"
     assert attnbench("run", _scenario(tmp_path, "tiny-big"), "--out", str(out), "--no-progress").returncode == 0
@@ -168,6 +169,7 @@ def test_resume_never_picks_or_appends_to_another_scenarios_file(tmp_path):
     assert other.read_bytes() == before
 
 
+@pytest.mark.slow
 def test_resume_refuses_an_edited_scenario_file(tmp_path):
     out, tiny = tmp_path / "out", _scenario(tmp_path, "tiny")
     assert attnbench("run", tiny, "--out", str(out), "--no-progress").returncode == 0
@@ -180,12 +182,14 @@ def test_resume_refuses_an_edited_scenario_file(tmp_path):
     [("variants.softmax.scale=.nan", "variants.softmax.scale"), ("variants.softmax.scale=-.inf", "variants.softmax.scale"),
      ("measure.timeout_s=.inf", "measure.timeout_s")],
 )
+@pytest.mark.slow
 def test_non_finite_numbers_are_refused_before_anything_runs(tmp_path, assignment, field):
     out = tmp_path / "out"
     _refused(attnbench("run", _scenario(tmp_path, "tiny"), "--set", assignment, "--out", str(out), "--no-progress"), field, "finite")
     assert not out.exists()
 
 
+@pytest.mark.slow
 def test_a_second_run_into_one_directory_is_refused_and_nothing_interleaves(tmp_path):
     out, slow = tmp_path / "out", _scenario(tmp_path, "slow", "fault_slow: {}", "[16, 24, 32]")
     first = _start(tmp_path, slow, out, slow_s=1.0)
@@ -201,6 +205,7 @@ def test_a_second_run_into_one_directory_is_refused_and_nothing_interleaves(tmp_
     assert kinds == ["run", "cell", "cell", "cell"]
 
 
+@pytest.mark.slow
 def test_runs_measuring_side_by_side_on_one_machine_are_recorded(tmp_path):
     env = {"ATTNBENCH_RUNS_DIR": str(tmp_path / "runs")}
     first = _start(tmp_path, _scenario(tmp_path, "slow", "fault_slow: {}", "[16, 24, 32]"), tmp_path / "one", slow_s=2.0, env=env)
@@ -216,6 +221,7 @@ def test_runs_measuring_side_by_side_on_one_machine_are_recorded(tmp_path):
     assert [run["pid"] for run in cell["concurrent_runs"]] == [first.pid]
 
 
+@pytest.mark.slow
 def test_a_worker_dies_with_its_killed_runner(tmp_path):
     runner = _start(tmp_path, _scenario(tmp_path, "slow", "fault_slow: {}"), tmp_path / "out", slow_s=120)
     try:
@@ -235,6 +241,7 @@ def test_a_worker_dies_with_its_killed_runner(tmp_path):
 
 
 @pytest.mark.parametrize("name", ["../../escaped", "/tmp/absolute", "sub/dir", ".hidden"])
+@pytest.mark.slow
 def test_a_scenario_name_is_a_file_name(tmp_path, name):
     path = Path(_scenario(tmp_path, "tiny"))
     path.write_text(path.read_text().replace("name: tiny", f"name: {name!r}"))
@@ -242,6 +249,7 @@ def test_a_scenario_name_is_a_file_name(tmp_path, name):
     assert list(tmp_path.rglob("*.jsonl")) == []
 
 
+@pytest.mark.slow
 def test_files_that_are_not_scenarios_get_one_line_errors(tmp_path):
     _refused(attnbench("run", str(tmp_path), "--dry-run"), str(tmp_path), "directory")
     binary = tmp_path / "binary.yaml"
@@ -257,10 +265,12 @@ def test_files_that_are_not_scenarios_get_one_line_errors(tmp_path):
     ("assignment", "field"),
     [("modes=[]", "modes"), ("backends=[]", "backends"), ("seq_len=true", "axes.seq_len"), ("seq_len=1.5", "axes.seq_len")],
 )
+@pytest.mark.slow
 def test_empty_sweeps_and_non_integer_axes_are_refused(tmp_path, assignment, field):
     _refused(attnbench("run", _scenario(tmp_path, "tiny"), "--set", assignment, "--dry-run"), field)
 
 
+@pytest.mark.slow
 def test_an_unwritable_out_or_an_unusable_file_to_resume_is_one_line(tmp_path):
     tiny = _scenario(tmp_path, "tiny")
     _refused(attnbench("run", tiny, "--out", f"{tiny}/results", "--no-progress"), "cannot write results")
@@ -289,6 +299,7 @@ def test_load_and_compare_refuse_impossible_timings_with_file_and_line(tmp_path,
     _refused(attnbench("compare", str(good), str(bad)), "bad.jsonl, line 2", "finite numbers >= 0")
 
 
+@pytest.mark.slow
 def test_a_full_disk_stops_the_run_and_leaves_a_file_that_loads_and_resumes(tmp_path):
     """A file-size limit (as a full disk) hit at the second cell line: the run stops with one
     line, the file holds the run line and the first cell whole, and --resume completes it."""
@@ -312,6 +323,7 @@ def test_a_full_disk_stops_the_run_and_leaves_a_file_that_loads_and_resumes(tmp_
 
 
 @pytest.mark.parametrize("after_cells", [0, 1], ids=["while-starting", "mid-sweep"])
+@pytest.mark.slow
 def test_ctrl_c_to_the_process_group_exits_130_without_a_traceback(tmp_path, after_cells):
     out = tmp_path / "out"
     runner = _start(tmp_path, _scenario(tmp_path, "slow", "fault_slow: {}", "[16, 24, 32]"), out, slow_s=1.0)
@@ -328,6 +340,7 @@ def test_ctrl_c_to_the_process_group_exits_130_without_a_traceback(tmp_path, aft
     assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr
 
 
+@pytest.mark.slow
 def test_a_killed_worker_is_crashed_not_oom_and_retry_failed_runs_it_again(tmp_path):
     out, faults = tmp_path / "out", _scenario(tmp_path, "faults", "fault_kill: {}, softmax: {}")
     assert attnbench("run", faults, "--plugin", PLUGIN, "--out", str(out), "--no-progress").returncode == 0

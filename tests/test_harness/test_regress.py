@@ -84,6 +84,7 @@ def _cells(path: Path) -> list[dict]:
     return [record for record in read_records(path) if record["kind"] == "cell"]
 
 
+@pytest.mark.slow
 def test_a_slowed_variant_is_flagged_worse_and_only_touched_variants_are_measured(history, tmp_path):
     repo, commits = history
     said = []
@@ -104,6 +105,7 @@ def test_a_slowed_variant_is_flagged_worse_and_only_touched_variants_are_measure
     assert len(_git(repo, "worktree", "list").splitlines()) == 1, "a temporary git worktree was not removed"
 
 
+@pytest.mark.slow
 def test_an_unchanged_head_is_not_flagged(history, tmp_path, capsys):
     repo, commits = history
     scenario = tmp_path / "tiny.yaml"
@@ -121,6 +123,7 @@ def test_an_unchanged_head_is_not_flagged(history, tmp_path, capsys):
     assert list(result.comparison.table["variant"]) == ["linear"] and result.comparison.regressions.empty
 
 
+@pytest.mark.slow
 def test_a_wrong_variant_is_reported_incorrect_and_not_timed(history, tmp_path):
     repo, commits = history
     said = []

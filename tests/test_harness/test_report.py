@@ -148,12 +148,14 @@ def cells_of(path: Path) -> list[dict]:
     return [record for record in read_records(path) if record["kind"] == "cell"]
 
 
+@pytest.mark.slow
 def test_the_page_parses_and_its_tags_balance(page):
     unbalanced = {tag: count for tag, count in page.open.items() if count}
     assert not unbalanced, f"unclosed or stray tags: {unbalanced}"
     assert page.all_text.startswith("attnbench report: tiny-lm, tiny-report")
 
 
+@pytest.mark.slow
 def test_every_plot_is_a_png_file_and_embedded_in_the_page(report, page):
     files = sorted((report.parent / "plots").glob("*.png"))
     names = {path.stem for path in files}
@@ -170,6 +172,7 @@ def test_every_plot_is_a_png_file_and_embedded_in_the_page(report, page):
     assert sorted(embedded) == sorted(path.read_bytes() for path in files), "the page and plots/ hold different images"
 
 
+@pytest.mark.slow
 def test_cells_csv_has_one_row_per_cell_with_its_status(report, results):
     with open(report.parent / "cells.csv", newline="") as handle:
         rows = list(csv.DictReader(handle))
@@ -181,6 +184,7 @@ def test_cells_csv_has_one_row_per_cell_with_its_status(report, results):
     assert len(json.loads(ok["metrics.samples_s"])) >= 2
 
 
+@pytest.mark.slow
 def test_failed_cells_are_listed_with_their_messages(page, results):
     failed = [cell for cell in cells_of(results["core"]) if cell["status"] != "ok"]
     table = next(table for table in page.tables if table and "message" in table[0])
@@ -193,6 +197,7 @@ def test_failed_cells_are_listed_with_their_messages(page, results):
     assert "RuntimeError: injected failure" in page.all_text
 
 
+@pytest.mark.slow
 def test_the_header_says_where_and_how_it_was_measured(page, results):
     run = next(record for record in read_records(results["core"]) if record["kind"] == "run")
     text = page.all_text
@@ -203,6 +208,7 @@ def test_the_header_says_where_and_how_it_was_measured(page, results):
     assert "no cell reported throttling" in text
 
 
+@pytest.mark.slow
 def test_the_model_table_has_words_per_second_and_memory(page, results):
     table = next(table for table in page.tables if table and "words/s" in table[0])
     header, rows = table[0], table[1:]
@@ -211,6 +217,7 @@ def test_the_model_table_has_words_per_second_and_memory(page, results):
     assert all(row[header.index("memory")].endswith("MiB") for row in rows)
 
 
+@pytest.mark.slow
 def test_a_second_machine_gets_a_side_by_side_section_with_ratios_and_its_throttling(results, tmp_path):
     other = as_other_machine(results["core"], tmp_path / "b" / "tiny-report-b.jsonl")
     index = build_report([results["core"], other], tmp_path / "report")
@@ -225,6 +232,7 @@ def test_a_second_machine_gets_a_side_by_side_section_with_ratios_and_its_thrott
     assert len(table) - 1 == len(ok) and {row[-1] for row in table[1:]} == {"1.000"}
 
 
+@pytest.mark.slow
 def test_a_comparison_becomes_a_section(results, tmp_path):
     index = build_report([results["core"]], tmp_path / "report", title="with a comparison", compare_base=compare(results["core"], results["core"]))
     page = Page(index.read_text(encoding="utf-8"))
@@ -248,6 +256,7 @@ def _browse(report: Path, profile: Path, *args: str) -> subprocess.CompletedProc
     return subprocess.run(command, capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.slow
 def test_the_page_renders_in_headless_chromium(report, page, tmp_path):
     """Every image decodes, no script error or console message, and the screenshot is not blank;
     the screenshot and the page are kept in $ATTNBENCH_ARTIFACTS (default: this test's tmp_path)."""

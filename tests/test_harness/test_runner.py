@@ -35,6 +35,7 @@ def cells_of(out_dir: Path) -> list[dict]:
     return [r for r in read_records(path) if r["kind"] == "cell"]
 
 
+@pytest.mark.slow
 def test_failures_are_recorded_and_the_sweep_goes_on(tmp_path):
     scenario = write_scenario(tmp_path, "fault_oom: {}\nfault_error: {}\nfault_crash: {}\nfault_nan: {}\nsoftmax: {}")
     done = attnbench("run", str(scenario), "--plugin", PLUGIN, "--out", str(tmp_path / "out"), "--no-progress")
@@ -49,6 +50,7 @@ def test_failures_are_recorded_and_the_sweep_goes_on(tmp_path):
     assert "5 cells" in done.stdout
 
 
+@pytest.mark.slow
 def test_a_hanging_cell_times_out_and_the_sweep_goes_on(tmp_path):
     scenario = write_scenario(tmp_path, "fault_slow: {}\nsoftmax: {}", extra="")
     text = scenario.read_text().replace("timeout_s: 60", "timeout_s: 3")
@@ -84,6 +86,7 @@ def _run_until(tmp_path, scenario, finished: int, sig) -> tuple[subprocess.Popen
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT], ids=["killed", "ctrl-c"])
+@pytest.mark.slow
 def test_resume_after_a_crash_loses_and_repeats_nothing(tmp_path, sig):
     scenario = write_scenario(tmp_path, "fault_slow: {}", seq_len="[16, 24, 32, 40, 48, 56]")
     process, before = _run_until(tmp_path, scenario, finished=2, sig=sig)
@@ -103,6 +106,7 @@ def test_resume_after_a_crash_loses_and_repeats_nothing(tmp_path, sig):
     assert len(runs) == 2 and runs[1]["resumed_from"] == runs[0]["run_id"]
 
 
+@pytest.mark.slow
 def test_dry_run_lists_cells_and_measures_nothing(tmp_path):
     scenario = write_scenario(tmp_path, "softmax: {}\ndpfp: {nu: [1, 2]}", seq_len="[16, 32]", modes="[forward, train]")
     done = attnbench("run", str(scenario), "--dry-run", "--out", str(tmp_path / "out"))
@@ -111,6 +115,7 @@ def test_dry_run_lists_cells_and_measures_nothing(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 def test_bad_scenario_exits_2_with_the_file_and_field(tmp_path):
     scenario = write_scenario(tmp_path, "softmax: {}", seq_len="[-4]")
     done = attnbench("run", str(scenario), "--out", str(tmp_path / "out"))
@@ -118,6 +123,7 @@ def test_bad_scenario_exits_2_with_the_file_and_field(tmp_path):
     assert str(scenario) in done.stderr and "axes.seq_len" in done.stderr and "-4" in done.stderr
 
 
+@pytest.mark.slow
 def test_malloc_tuning_is_for_speed_workers_only():
     """Speed cells get the exact-RSS malloc settings; quality cells (training runs) glibc's defaults."""
     from harness.runner import WORKER_ENV, Worker
@@ -130,6 +136,7 @@ def test_malloc_tuning_is_for_speed_workers_only():
         quality.close()
 
 
+@pytest.mark.slow
 def test_smoke_ci_preset_runs_and_loads(tmp_path):
     """The shipped smoke scenario end to end (ci preset): every cell ok, loadable, with metrics."""
     done = attnbench("run", "smoke-cpu", "--preset", "ci", "--set", "measure.repeats=2", "--out", str(tmp_path / "out"), "--no-progress")
@@ -143,6 +150,7 @@ def test_smoke_ci_preset_runs_and_loads(tmp_path):
     json.dumps(table.drop(columns=["metrics.samples_s", "metrics.step_latency_s"]).to_dict())
 
 
+@pytest.mark.slow
 def test_retrieval_task_runs_through_the_runner(tmp_path):
     """A quality cell trains the retrieval model and records its loss, steps and d_dot."""
     done = attnbench("run", "quality/retrieval-capacity", "--preset", "ci", "--out", str(tmp_path / "out"), "--no-progress")
@@ -159,6 +167,7 @@ def test_retrieval_task_runs_through_the_runner(tmp_path):
     assert (tmp_path / "report" / "plots" / "retrieval-capacity-capacity.png").stat().st_size > 0
 
 
+@pytest.mark.slow
 def test_update_rules_get_their_own_table_and_stay_out_of_the_capacity_plot(tmp_path):
     """Setting 2 cells record their task, show as one row per rule in the report, and are not capacity points."""
     done = attnbench("run", "quality/retrieval-update-rules", "--preset", "ci", "--out", str(tmp_path / "out"), "--no-progress")
@@ -174,6 +183,7 @@ def test_update_rules_get_their_own_table_and_stay_out_of_the_capacity_plot(tmp_
     assert not (tmp_path / "report" / "plots" / "retrieval-update-rules-capacity.png").exists()
 
 
+@pytest.mark.slow
 def test_mqar_task_runs_through_the_runner(tmp_path):
     done = attnbench("run", "quality/mqar", "--preset", "ci", "--out", str(tmp_path / "out"), "--no-progress")
     assert done.returncode == 0, done.stderr
@@ -187,6 +197,7 @@ def test_mqar_task_runs_through_the_runner(tmp_path):
     assert (tmp_path / "report" / "plots" / "mqar-mqar.png").stat().st_size > 0
 
 
+@pytest.mark.slow
 def test_cpu_peak_memory_does_not_depend_on_the_cells_before(tmp_path):
     """Each CPU speed cell gets a new worker (measure.fresh_worker's default). In a worker shared
     with earlier cells glibc serves a cell from heap pages they left: the same delta-rule forward

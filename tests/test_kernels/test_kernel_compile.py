@@ -50,6 +50,7 @@ def _check_rows(rows: list[kt.Row], dtype: str) -> None:
         assert row.occupancy_warps <= 64 and row.occupancy_warps % row.num_warps == 0 and (row.occupancy_warps > 0) == (row.problem is None), row
 
 
+@pytest.mark.slow
 def test_bf16_every_kernel_every_arch_at_d64():
     """bf16 on sm_80 / sm_90: the kernels upcast to fp32 and use TF32 MMA (wgmma on sm_90); on sm_70
     (no bf16 or TF32 tensor cores) the documented fp32 path: IEEE fp32 FMAs, no MMA instruction at all."""
@@ -63,6 +64,7 @@ def test_bf16_every_kernel_every_arch_at_d64():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["fp32", "fp16"])
+@pytest.mark.slow
 def test_other_dtypes_every_kernel_every_arch_at_d64(dtype):
     rows = _table(dtype, 64)
     _check_rows(rows, dtype)
@@ -72,6 +74,7 @@ def test_other_dtypes_every_kernel_every_arch_at_d64(dtype):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ARCHS, ids=lambda arch: arch.name)
+@pytest.mark.slow
 def test_largest_d_in_fp32(arch):
     """d = 256 in fp32: the over-limit rows measured 2026-12-01 (docs/performance.md), no more, no fewer."""
     rows = _table("fp32", 256, [arch])
@@ -134,6 +137,7 @@ def test_mma_kind():
     assert kt.mma_kind("fma.rn.f32 %f1, %f2, %f3, %f4;") == "fma"
 
 
+@pytest.mark.slow
 def test_limit_exceeded_names_kernel_config_and_arch():
     """A configuration over the arch's shared memory per block is a problem row naming all three."""
     small = dataclasses.replace(kt.ARCHS["sm_80"], max_shared_per_block=1024)
@@ -148,6 +152,7 @@ def _attnbench(*args):
     return subprocess.run([sys.executable, "-m", "harness.cli", "kernels", *args], capture_output=True, text=True, env=env, timeout=600)
 
 
+@pytest.mark.slow
 def test_command_writes_the_json_fields(tmp_path):
     out = tmp_path / "kernels.json"
     done = _attnbench("--arch", "sm_90", "--rule", "delta_rule", "--dtype", "bf16", "--d", "64", "--json", str(out), "--jobs", "1")
@@ -161,6 +166,7 @@ def test_command_writes_the_json_fields(tmp_path):
 @pytest.mark.parametrize(
     ("args", "message"), [(["--arch", "sm_75"], "unknown arch sm_75"), (["--dtype", "fp8"], "unknown fp8"), (["--d", "x"], "comma-separated")]
 )
+@pytest.mark.slow
 def test_command_refuses_bad_arguments(args, message):
     done = _attnbench(*args)
     assert done.returncode == 2 and message in done.stderr

@@ -143,6 +143,7 @@ def test_adaptive_softmax_scores_match_its_log_probabilities(seed):
 
 
 @needs_shared
+@pytest.mark.slow
 def test_loss_falls_below_the_unigram_baseline():
     """A tiny model beats the best context-free model (the unigram entropy of the training
     split, ~7.06 nats) on validation text within seconds of training (measured: 6.89 after 200
@@ -160,6 +161,7 @@ def test_loss_falls_below_the_unigram_baseline():
 
 
 @needs_shared
+@pytest.mark.slow
 def test_ci_preset_runs_through_the_runner(tmp_path):
     from harness.results import load
 
@@ -178,6 +180,7 @@ def test_ci_preset_runs_through_the_runner(tmp_path):
 
 
 @needs_shared
+@pytest.mark.slow
 def test_command_line_writes_metrics_and_a_rerun_resumes(tmp_path, capsys):
     args = ["--variant", "linear", "--context", "16", "--steps", "4", "--batch", "4", "--warmup", "1", "--eval-tokens", "300",
             "--sliding-tokens", "40", "--checkpoint-every", "2", "--threads", "1", "--out", str(tmp_path)]
@@ -245,6 +248,7 @@ def test_bad_options_end_in_one_line_naming_the_option(argv, message, capsys):
     assert exit_.value.code == 2 and err.startswith(message) and err.count("\n") == 1, err
 
 
+@pytest.mark.slow
 def test_too_few_steps_for_the_default_warmup_is_a_clean_error(tmp_path):
     """The case of the issue: no traceback, one line naming the option, exit code 2."""
     import subprocess

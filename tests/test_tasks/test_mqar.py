@@ -116,6 +116,7 @@ def test_causal(seed, variant, params):
 # --- training --------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_softmax_learns_mqar():
     """The pipeline learns: softmax attention solves a small MQAR within 300 steps. Whether a
     short run passes MQAR's phase transition depends on the seed (seed 643 stayed at 0.33), so

@@ -355,6 +355,7 @@ def test_both_tasks_write_metrics_under_the_same_names(tmp_path, monkeypatch):
     assert not any({"parameters", "processes", "loss_curve", "settings"} & keys for keys in names)
 
 
+@pytest.mark.slow
 def test_ci_preset_end_to_end_through_the_runner(tmp_path, monkeypatch):
     if not (data_root() / "multi30k").is_dir():
         pytest.skip(f"multi30k is not at {data_root() / 'multi30k'}")

@@ -190,6 +190,7 @@ def test_segment_training_lowers_the_loss(variant, segment):
 
 
 @needs_shared
+@pytest.mark.slow
 def test_command_line_trains_transformer_xl(tmp_path, capsys):
     args = ["--variant", "softmax", "--segment", "{kind: xl, length: 16, segments: 2}", "--steps", "30",
             "--batch", "8", "--lr", "3e-3", "--warmup", "3", "--dropout", "0", "--eval-tokens", "300", "--threads", "1",
@@ -206,6 +207,7 @@ def test_command_line_trains_transformer_xl(tmp_path, capsys):
 
 
 @needs_shared
+@pytest.mark.slow
 def test_ci_segment_preset_runs_through_the_runner(tmp_path):
     from harness.results import load
 

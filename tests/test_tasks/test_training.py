@@ -157,6 +157,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_two_process_gloo_run_matches_one_process(seed, tmp_path):
     mp.spawn(_ddp_worker, args=(2, _free_port(), seed, str(tmp_path)), nprocs=2, join=True)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
