@@ -3,7 +3,7 @@
     v̄_t = W_{t-1} φ(k_t),   W_t = W_{t-1} + β_t (v_t − v̄_t) ⊗ φ(k_t),   y_t = W_t φ(q_t)
 
 with β_t = σ(W_β x_t) ∈ (0, 1) given per token and head, and, by default, the sum
-normalisation φ'(x) = φ(x) / Σ_j φ(x)_j of keys and queries (eq. 29). ``attn_norm=True``
+normalisation φ'(x) = φ(x) / Σ_j φ(x)_j of keys and queries (eq. 29). ``normalize=True``
 adds the attention normalisation the paper ablates (eq. 26-28): z_t = z_{t-1} + φ(k_t),
 v̄_t = W_{t-1} φ(k_t) / (z_{t-1}·φ(k_t)) (v̄ = 0 while that is 0), y_t = W_t φ(q_t) / (z_t·φ(q_t) + ε).
 With ``phi='identity', sum_norm=False`` this is the plain delta rule
@@ -33,11 +33,11 @@ class DeltaRule(FastWeightCore):
     token_inputs = (BETA,)
     supports_noncausal = False
 
-    def __init__(self, d_key, *, phi="elu1", sum_norm=True, attn_norm=False, **options):
-        super().__init__(d_key, phi=phi, sum_norm=sum_norm, attn_norm=attn_norm, **options)
-        if self.backend == "triton" and attn_norm:
+    def __init__(self, d_key, *, phi="elu1", sum_norm=True, normalize=False, **options):
+        super().__init__(d_key, phi=phi, sum_norm=sum_norm, normalize=normalize, **options)
+        if self.backend == "triton" and normalize:
             raise kernels.UnsupportedBackend(
-                "delta: backend='triton' implements the delta rule without attention normalisation; use attn_norm=False or backend='torch'"
+                "delta: backend='triton' implements the delta rule without attention normalisation; use normalize=False or backend='torch'"
             )
 
     def _run(self, q, k, v, state, causal, beta, log_gate=None):
@@ -54,7 +54,7 @@ class DeltaRule(FastWeightCore):
         """W ← αW, then W ← W + β (v − W φ(k)) ⊗ φ(k) (α = 1 ungated); ``beta``, ``log_gate``: ``[B, H]``."""
         weights = state.weights if log_gate is None else torch.exp(log_gate)[..., None, None] * state.weights
         retrieved = (features_k.unsqueeze(-2) @ weights).squeeze(-2)
-        if self.attn_norm:
+        if self.normalize:
             retrieved = retrieved * safe_reciprocal((state.normaliser * features_k).sum(-1, keepdim=True))
         return weights + features_k.unsqueeze(-1) * (beta.unsqueeze(-1) * (v_t - retrieved)).unsqueeze(-2)
 
@@ -79,12 +79,12 @@ class DeltaRule(FastWeightCore):
             if log_gate is not None:
                 W = torch.exp(log_gate[:, :, t, None, None]) * W
             v_bar = torch.einsum("bhvd,bhd->bhv", W, phi_k)
-            if self.attn_norm:
+            if self.normalize:
                 v_bar = v_bar * safe_reciprocal(torch.einsum("bhd,bhd->bh", z, phi_k)).unsqueeze(-1)
                 z = z + phi_k
             W = W + torch.einsum("bhv,bhd->bhvd", beta[:, :, t, None] * (v[:, :, t] - v_bar), phi_k)
             y = torch.einsum("bhvd,bhd->bhv", W, phi_q)
-            if self.attn_norm:
+            if self.normalize:
                 y = y / (torch.einsum("bhd,bhd->bh", z, phi_q).unsqueeze(-1) + EPS)
             outputs.append(y)
         return torch.stack(outputs, dim=2)
@@ -100,8 +100,8 @@ class GatedDeltaRule(DeltaRule):
 
     token_inputs = (BETA, LOG_GATE)
 
-    def __init__(self, d_key, *, phi="l2", sum_norm=False, attn_norm=False, backend="torch", **options):
+    def __init__(self, d_key, *, phi="l2", sum_norm=False, normalize=False, backend="torch", **options):
         kernels.check_backend("gated_delta", backend, supported=("torch",))
-        if attn_norm:
-            raise VariantError("gated_delta: attn_norm=True is not defined for the gated rule (the decay has no normaliser counterpart)")
+        if normalize:
+            raise VariantError("gated_delta: normalize=True is not defined for the gated rule (the decay has no normaliser counterpart)")
         super().__init__(d_key, phi=phi, sum_norm=sum_norm, **options)

@@ -34,11 +34,12 @@ class FastWeightCore(AttentionCore):
 
     ``phi`` names the feature map ('identity', 'elu1', 'favor' with ``m``, 'dpfp' with
     ``nu``; ``d_dot`` may stand in for m or ν; ``seed`` draws FAVOR+'s features). ``sum_norm``
-    divides φ(q), φ(k) by the sum of their components; ``attn_norm`` divides each read by
-    z·φ(q). ``chunk_size`` is the scan's chunk; ``backend`` 'torch' or 'triton'.
+    divides φ(q), φ(k) by the sum of their components; ``normalize`` divides each read by
+    z·φ(q) (the attention normalisation of the sum rule, Katharopoulos et al. eq. 12; Schlag
+    et al. 2021 eq. 17 for the delta rule). ``chunk_size`` is the scan's chunk; ``backend`` 'torch' or 'triton'.
     """
 
-    def __init__(self, d_key, *, phi, sum_norm, attn_norm, chunk_size=DEFAULT_CHUNK, m=None, nu=None, d_dot=None, seed=0, backend="torch"):
+    def __init__(self, d_key, *, phi, sum_norm, normalize, chunk_size=DEFAULT_CHUNK, m=None, nu=None, d_dot=None, seed=0, backend="torch"):
         super().__init__(d_key)
         if not isinstance(chunk_size, int) or chunk_size < 1:
             raise VariantError(f"chunk_size must be a positive int, got {chunk_size!r}")
@@ -52,7 +53,7 @@ class FastWeightCore(AttentionCore):
         self.phi = SumNormalized(feature_map) if sum_norm else feature_map
         self.phi_name = phi
         self.sum_norm = sum_norm
-        self.attn_norm = attn_norm
+        self.normalize = normalize
         self.chunk_size = chunk_size
         self.d_dot = feature_map.d_dot
         # without φ the plain rules stay bounded only for bounded keys (delta: while β‖k‖² < 2)
@@ -60,7 +61,7 @@ class FastWeightCore(AttentionCore):
 
     def init_state(self, batch, heads, d_value, *, device=None, dtype=None) -> FastWeightState:
         weights = torch.zeros(batch, heads, self.d_dot, d_value, device=device, dtype=dtype)
-        normaliser = torch.zeros(batch, heads, self.d_dot, device=device, dtype=dtype) if self.attn_norm else None
+        normaliser = torch.zeros(batch, heads, self.d_dot, device=device, dtype=dtype) if self.normalize else None
         return FastWeightState(weights, normaliser)
 
     def _prefill(self, q, k, v, state: FastWeightState | None, **token_inputs):
@@ -74,10 +75,10 @@ class FastWeightCore(AttentionCore):
 
     def _step(self, q_t, k_t, v_t, state, **token_inputs):
         features_q, features_k = self.phi.for_queries(q_t), self.phi.for_keys(k_t)
-        normaliser = state.normaliser + features_k if self.attn_norm else None
+        normaliser = state.normaliser + features_k if self.normalize else None
         weights = self._write(features_k, v_t, state, **token_inputs)
         read = (features_q.unsqueeze(-2) @ weights).squeeze(-2)
-        if self.attn_norm:
+        if self.normalize:
             read = read / ((features_q * normaliser).sum(-1, keepdim=True) + EPS)
         return read, FastWeightState(weights, normaliser)
 
@@ -85,7 +86,7 @@ class FastWeightCore(AttentionCore):
         """Matmul FLOPs of the chunked scan (φ itself not counted): per chunk of n tokens the
         rule's intra-chunk products plus reading and writing the d_dot × Dv state, and the
         normaliser's read φ(q)·z."""
-        normaliser = 2 * length * self.d_dot if self.attn_norm else 0
+        normaliser = 2 * length * self.d_dot if self.normalize else 0
         if not causal:
             return batch * heads * (4 * length * self.d_dot * d_value + normaliser)
         chunks, rest = divmod(length, self.chunk_size)
@@ -96,12 +97,12 @@ class FastWeightCore(AttentionCore):
         return batch * heads * self._step_flops_per_head(d_value)
 
     def state_numel(self, batch, heads, d_value, length):
-        return batch * heads * self.d_dot * (d_value + (1 if self.attn_norm else 0))
+        return batch * heads * self.d_dot * (d_value + (1 if self.normalize else 0))
 
     def extra_repr(self) -> str:
         return (
             f"{super().extra_repr()}, phi={self.phi_name}, sum_norm={self.sum_norm}, "
-            f"attn_norm={self.attn_norm}, chunk_size={self.chunk_size}, backend={self.backend}"
+            f"normalize={self.normalize}, chunk_size={self.chunk_size}, backend={self.backend}"
         )
 
     # --- implemented by each rule -------------------------------------------------

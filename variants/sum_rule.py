@@ -23,16 +23,12 @@ class SumRule(FastWeightCore):
     Katharopoulos' normalisation. ``sum_norm`` (off by default) is Schlag's φ / Σφ."""
 
     def __init__(self, d_key, *, phi="elu1", normalize=True, sum_norm=False, **options):
-        super().__init__(d_key, phi=phi, sum_norm=sum_norm, attn_norm=normalize, **options)
-
-    @property
-    def normalize(self) -> bool:
-        return self.attn_norm
+        super().__init__(d_key, phi=phi, sum_norm=sum_norm, normalize=normalize, **options)
 
     def _run(self, q, k, v, state, causal):
         if causal and self.backend == "triton":
             kernel = self._kernel("sum_rule", q).sum_rule_triton
-            read, weights, normaliser = kernel(self.phi.for_queries(q), self.phi.for_keys(k), v, *state, normalize=self.attn_norm)
+            read, weights, normaliser = kernel(self.phi.for_queries(q), self.phi.for_keys(k), v, *state, normalize=self.normalize)
             return read, FastWeightState(weights.to(v.dtype), None if normaliser is None else normaliser.to(v.dtype))
         if causal:
             read, weights, normaliser = sum_rule_chunked(q, k, v, *state, self.chunk_size, phi=self.phi.for_queries, phi_k=self.phi.for_keys)
@@ -40,7 +36,7 @@ class SumRule(FastWeightCore):
         features_q, features_k = self.phi.for_queries(q), self.phi.for_keys(k)
         weights = state.weights + features_k.transpose(-1, -2) @ v
         read = features_q @ weights
-        if not self.attn_norm:
+        if not self.normalize:
             return read, FastWeightState(weights, None)
         normaliser = state.normaliser + features_k.sum(2)
         return read / (features_q @ normaliser.unsqueeze(-1) + EPS), FastWeightState(weights, normaliser)
@@ -61,7 +57,7 @@ class SumRule(FastWeightCore):
         if causal:
             scores = torch.tril(scores)
         read = causal_read(scores.matmul, v) if causal else scores @ v
-        return read / (scores.sum(-1, keepdim=True) + EPS) if self.attn_norm else read
+        return read / (scores.sum(-1, keepdim=True) + EPS) if self.normalize else read
 
 
 @register("performer")

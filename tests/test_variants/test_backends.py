@@ -58,7 +58,7 @@ def test_triton_backend_refusals():
     with pytest.raises(variants.UnsupportedBackend, match="only the 'torch' backend"):
         variants.create("softmax", 8, backend="triton")
     with pytest.raises(variants.UnsupportedBackend, match="attention normalisation"):
-        variants.create("delta", 8, backend="triton", attn_norm=True)
+        variants.create("delta", 8, backend="triton", normalize=True)
     with pytest.raises(variants.VariantError, match="backend must be one of"):
         variants.create("linear", 8, backend="cuda")
     with pytest.raises(variants.UnsupportedBackend, match="d_dot=384 exceeds the Triton kernels' limit of 256"):

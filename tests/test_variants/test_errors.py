@@ -35,7 +35,7 @@ def test_unknown_variant_lists_the_known_names():
     [
         ("softmax", {"m": 3}, "m"),
         ("linear", {"colour": "red"}, "colour"),
-        ("delta", {"normalize": True}, "normalize"),
+        ("delta", {"scale": 0.5}, "scale"),
     ],
 )
 def test_unknown_keyword(name, params, bad):

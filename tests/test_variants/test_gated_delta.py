@@ -75,5 +75,5 @@ def test_errors():
         variants.create("delta", 4).double()(q, q, q, beta=beta, log_gate=torch.zeros_like(beta))
     with pytest.raises(variants.UnsupportedBackend, match=r"gated_delta: backend must be one of torch, got 'triton'"):
         variants.create("gated_delta", 4, backend="triton")
-    with pytest.raises(variants.VariantError, match=r"gated_delta: attn_norm=True is not defined"):
-        variants.create("gated_delta", 4, attn_norm=True)
+    with pytest.raises(variants.VariantError, match=r"gated_delta: normalize=True is not defined"):
+        variants.create("gated_delta", 4, normalize=True)

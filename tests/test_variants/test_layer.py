@@ -16,8 +16,8 @@ LAYER_CONFIGS = [(name, {}) for name in variants.names() if name != "rebased"] +
     # randomise() gives ReBased's γ, β unit spread, with which a first-token kernel (q'·k')² near 0
     # leaves the normalised form's gradient only ~1e-9 accurate (tests/test_variants/test_based.py covers it)
     ("rebased", {"normalize": False}),
-    ("delta", {"attn_norm": True}),
-    ("delta", {"attn_norm": True, "chunk_size": 8, "bias": True}),
+    ("delta", {"normalize": True}),
+    ("delta", {"normalize": True, "chunk_size": 8, "bias": True}),
     ("linear", {"chunk_size": 8, "bias": True}),
     ("performer", {"m": 6, "chunk_size": 8}),
 ]
