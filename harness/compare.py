@@ -28,9 +28,10 @@ EXIT_INCOMPARABLE = 2  #: the inputs cannot be compared (different machines, not
 REGRESSION_MARKS = ("worse", "newly failing")
 #: Every mark, most alarming first (the order of rows without a ratio).
 MARKS = (
-    "worse", "newly failing", "still failing", "changed (not significant)", "unchanged", "better", "fixed",
+    "worse", "newly failing", "still failing", "too few samples to decide", "unchanged", "better", "fixed",
     "not comparable", "new", "removed",
 )
+UNDECIDED = "too few samples to decide"
 RESAMPLES = 2000
 MIN_SAMPLES = 2
 NOTE_WIDTH = 120  #: characters of a note shown by format_table (the table keeps it whole)
@@ -119,50 +120,84 @@ def latest(frame: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
 # --- statistics ---------------------------------------------------------------------------
 
 
-def _bootstrap_medians(samples: np.ndarray, rng: np.random.Generator) -> np.ndarray:
-    """``RESAMPLES`` medians of resamples of ``samples``: a flat array is resampled with
-    replacement; a ``[rounds, n]`` array (measured in several rounds, as regress does) is
-    resampled in two stages, rounds with replacement and then samples within each chosen
-    round, so that drift between rounds widens the interval as it should."""
-    if samples.ndim == 1:
-        return np.median(rng.choice(samples, size=(RESAMPLES, samples.size)), axis=1)
-    rounds, n = samples.shape
-    chosen = rng.integers(rounds, size=(RESAMPLES, rounds, 1))
-    within = rng.integers(n, size=(RESAMPLES, rounds, n))
-    return np.median(samples[chosen, within].reshape(RESAMPLES, rounds * n), axis=1)
+#: Criterion's "severe" outlier fences: a sample beyond 3 interquartile ranges from the quartiles.
+OUTLIER_FENCE = 3.0
 
 
-def ratio_ci(base, head, *, alpha: float, seed) -> tuple[float, float, float]:
-    """The ratio of medians head/base and its percentile bootstrap interval at 1-alpha from
-    ``RESAMPLES`` resamples of each side (``_bootstrap_medians``). A side is a list of raw
-    samples, or a list of rounds of equally many samples each."""
-    base, head = np.asarray(base, dtype=float), np.asarray(head, dtype=float)
+def _without_outliers(samples) -> np.ndarray:
+    """``samples`` without its severe outliers (outside [Q1 - 3 IQR, Q3 + 3 IQR], as criterion
+    classifies them): a sample 8x the others because the scheduler ran something else is the
+    machine's, not the code's."""
+    samples = np.asarray(samples, dtype=float)
+    q1, q3 = np.percentile(samples, [25, 75])
+    fence = OUTLIER_FENCE * (q3 - q1)
+    return samples[(samples >= q1 - fence) & (samples <= q3 + fence)]
+
+
+def _padded(rounds: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """The rounds as one ``[rounds, longest]`` array (padded with NaN) and their lengths."""
+    lengths = np.array([len(r) for r in rounds])
+    table = np.full((len(rounds), lengths.max()), np.nan)
+    for row, values in zip(table, rounds):
+        row[: len(values)] = values
+    return table, lengths
+
+
+def _bootstrap_medians(rounds: list[np.ndarray], rng: np.random.Generator) -> np.ndarray:
+    """``RESAMPLES`` medians of two-stage resamples of a side measured in ``rounds``: rounds
+    with replacement, then as many samples as the longest round with replacement within each
+    chosen round, so that drift between rounds widens the interval as it should (one round:
+    the plain bootstrap)."""
+    table, lengths = _padded(rounds)
+    count, longest = table.shape
+    chosen = rng.integers(count, size=(RESAMPLES, count, 1))
+    within = (rng.random((RESAMPLES, count, longest)) * lengths[chosen]).astype(int)
+    return np.median(table[chosen, within].reshape(RESAMPLES, count * longest), axis=1)
+
+
+def _as_rounds(side) -> list[np.ndarray]:
+    """A side as a list of rounds: a flat list of samples is one round."""
+    side = list(side)
+    return [np.asarray(r, dtype=float) for r in side] if side and isinstance(side[0], (list, tuple, np.ndarray)) else [np.asarray(side, dtype=float)]
+
+
+def ratio_ci(base, head, *, alpha: float, seed) -> tuple[float, float, float, int]:
+    """The ratio of medians head/base, its percentile bootstrap interval at 1-alpha from
+    ``RESAMPLES`` resamples of each side (``_bootstrap_medians``) and how many severe outliers
+    were left out (``_without_outliers``, per round). A side is a list of raw samples, or a
+    list of rounds of samples."""
     rng = np.random.default_rng(seed)
-    ratios = _bootstrap_medians(head, rng) / _bootstrap_medians(base, rng)
+    sides = [_as_rounds(side) for side in (base, head)]
+    kept = [[_without_outliers(r) for r in rounds] for rounds in sides]
+    dropped = sum(r.size for rounds in sides for r in rounds) - sum(r.size for rounds in kept for r in rounds)
+    base_kept, head_kept = kept
+    ratios = _bootstrap_medians(head_kept, rng) / _bootstrap_medians(base_kept, rng)
     low, high = np.quantile(ratios, [alpha / 2, 1 - alpha / 2])
-    return float(np.median(head) / np.median(base)), float(low), float(high)
+    ratio = np.median(np.concatenate(head_kept)) / np.median(np.concatenate(base_kept))
+    return float(ratio), float(low), float(high), dropped
 
 
 def _rounds(value) -> list | None:
     """A cell's per-round samples (``metrics.round_samples_s``) when it has two or more
-    rounds of equal length; None otherwise."""
+    rounds; None otherwise."""
     rounds = _samples(value)
-    if len(rounds) < 2 or len({len(_samples(r)) for r in rounds}) != 1:
+    if len(rounds) < 2 or not all(_samples(r) for r in rounds):
         return None
     return [_samples(r) for r in rounds]
 
 
 def timing_mark(ratio: float, low: float, high: float, factor: float) -> str:
-    """worse / better when the interval excludes 1 and the ratio passes the factor; otherwise
-    "changed (not significant)" beyond the factor and "unchanged" within it."""
+    """worse / better when the interval excludes 1 and the ratio passes the factor; "unchanged"
+    when the whole interval lies within [1 / factor, factor]; otherwise the interval is too wide
+    to tell a change of the factor from none: "too few samples to decide"."""
     significant = low > 1 or high < 1
     if significant and ratio > factor:
         return "worse"
     if significant and ratio < 1 / factor:
         return "better"
-    if ratio > factor or ratio < 1 / factor:
-        return "changed (not significant)"
-    return "unchanged"
+    if 1 / factor <= low and high <= factor:
+        return "unchanged"
+    return UNDECIDED
 
 
 def _pair_seed(seed: int, pair: dict) -> list[int]:
@@ -220,8 +255,12 @@ def _judge(pair: dict, *, factor: float, alpha: float, seed: int) -> dict:
     base_rounds, head_rounds = _rounds(pair.get("metrics.round_samples_s_base")), _rounds(pair.get("metrics.round_samples_s_head"))
     if base_rounds is not None and head_rounds is not None:
         base, head = base_rounds, head_rounds
-    ratio, low, high = ratio_ci(base, head, alpha=alpha, seed=_pair_seed(seed, pair))
-    return {"mark": timing_mark(ratio, low, high, factor), "note": "", "ratio": ratio, "ci_low": low, "ci_high": high}
+    ratio, low, high, dropped = ratio_ci(base, head, alpha=alpha, seed=_pair_seed(seed, pair))
+    mark = timing_mark(ratio, low, high, factor)
+    notes = [f"{dropped} severe outlier(s) left out"] if dropped else []
+    if mark == UNDECIDED:
+        notes.append(f"the interval spans both 1 and the factor {factor:g}: measure with more samples (measure.repeats, measure.target_rel_ci)")
+    return {"mark": mark, "note": "; ".join(notes), "ratio": ratio, "ci_low": low, "ci_high": high}
 
 
 # --- the comparison -----------------------------------------------------------------------

