@@ -47,6 +47,8 @@ CONFIGS = [
     ("delta", {"normalize": True, "chunk_size": 16}),
     ("delta", {"phi": "dpfp", "nu": 2, "chunk_size": 16}),
     ("delta", {"phi": "favor", "m": 8, "normalize": True}),
+    ("deltanet", {}),
+    ("deltanet", {"chunk_size": 16, "normalize": True}),
     ("gated_delta", {}),
     ("gated_delta", {"chunk_size": 5}),
     ("gated_delta", {"phi": "elu1", "sum_norm": True, "chunk_size": 16}),

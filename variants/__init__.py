@@ -10,12 +10,12 @@ and the per-token inputs the core declares, ``TokenInput``); ``token_slice`` and
 # Importing the families registers them.
 from . import delta_rule, rwkv, softmax, sum_rule  # noqa: E402,F401
 from .base import (
-    BETA,
-    LOG_GATE,
+    ActivatedLinear,
     AttentionCore,
     TokenInput,
     UnsupportedBackend,
     VariantError,
+    activated_linear,
     create,
     debug_checks,
     names,
@@ -23,6 +23,7 @@ from .base import (
     time_slice,
     token_slice,
 )
+from .delta_rule import BETA, LOG_GATE, DecayGate
 from .fast_weights import FastWeightState
 from .layer import AttentionLayer
 from .softmax import KVCache
@@ -30,13 +31,16 @@ from .softmax import KVCache
 __all__ = [
     "BETA",
     "LOG_GATE",
+    "ActivatedLinear",
     "AttentionCore",
     "AttentionLayer",
+    "DecayGate",
     "FastWeightState",
     "KVCache",
     "TokenInput",
     "UnsupportedBackend",
     "VariantError",
+    "activated_linear",
     "create",
     "debug_checks",
     "names",

@@ -31,7 +31,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 _REGISTRY: dict[str, Callable[..., AttentionCore]] = {}
@@ -119,18 +118,18 @@ class TokenInput:
     ``step`` takes ``name + "_t"`` (``[B, H]``). ``doc`` says what it is ("the write strength")
     and ``owner`` who takes it ("the delta rule"), both for error messages. ``draw(shape, *,
     generator, device, dtype)`` returns valid random values (``example_inputs``). Valid values
-    are finite and within the closed ``bounds`` (either may be ±inf). ``activation`` maps a free
-    real, the output of ``AttentionLayer``'s projection of the layer input, into the bounds;
-    the layer keeps that ``nn.Linear(d_model, n_heads)`` as the attribute ``projection``
-    (default: ``name``). A plugin declares a new input by making one and listing it in its
-    core's ``token_inputs``.
+    are finite and within the closed ``bounds`` (either may be ±inf). ``layer(d_model, n_heads)``
+    builds ``AttentionLayer``'s projection of this input: a module from the layer input
+    ``[..., d_model]`` to values within the bounds ``[..., n_heads]`` (``ActivatedLinear`` for an
+    activation of a linear map), kept as the attribute ``projection`` (default: ``name``). A
+    plugin declares a new input by making one and listing it in its core's ``token_inputs``.
     """
 
     name: str
     doc: str
     draw: Callable[..., torch.Tensor]
     bounds: tuple[float, float]
-    activation: Callable[[torch.Tensor], torch.Tensor]
+    layer: Callable[[int, int], nn.Module]
     owner: str
     projection: str | None = None
 
@@ -156,28 +155,20 @@ class TokenInput:
             raise VariantError(f"{variant}: {label} must be finite and {self.range_text()} ({self.doc}), got values from {least:.4g} to {most:.4g}")
 
 
-#: Write strength β_t of the delta rules (Schlag et al. 2021, eq. 21: β = σ(W_β x)).
-BETA = TokenInput(
-    "beta",
-    "the write strength",
-    draw=lambda shape, *, generator=None, device=None, dtype=None: torch.rand(shape, generator=generator, device=device, dtype=dtype),
-    bounds=(0.0, 1.0),
-    activation=torch.sigmoid,
-    owner="the delta rule",
-    projection="write_strength",
-)
+class ActivatedLinear(nn.Linear):
+    """``activation(W x + b)``: a per-token input's projection in ``AttentionLayer`` (β = σ(W_β x + b_β))."""
 
-#: Log decay g_t = log α_t ≤ 0 of the gated delta rule (Yang, Kautz, Hatamizadeh 2024, eq. 10;
-#: g = −softplus(W_α x + b_α)). Drawn as −3u², u ~ U(0, 1): decays α from about 0.05 to 1.
-LOG_GATE = TokenInput(
-    "log_gate",
-    "the log decay gate log α",
-    draw=lambda shape, *, generator=None, device=None, dtype=None: -3 * torch.rand(shape, generator=generator, device=device, dtype=dtype) ** 2,
-    bounds=(-math.inf, 0.0),
-    activation=lambda x: -F.softplus(x),
-    owner="the gated delta rule",
-    projection="decay_gate",
-)
+    def __init__(self, d_model: int, n_heads: int, activation: Callable[[torch.Tensor], torch.Tensor]):
+        super().__init__(d_model, n_heads)
+        self.activation = activation
+
+    def forward(self, x):
+        return self.activation(super().forward(x))
+
+
+def activated_linear(activation: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[int, int], nn.Module]:
+    """``TokenInput.layer`` for ``activation`` of a linear map of the layer input."""
+    return lambda d_model, n_heads: ActivatedLinear(d_model, n_heads, activation)
 
 
 def token_slice(inputs: dict[str, torch.Tensor], t: int) -> dict[str, torch.Tensor]:

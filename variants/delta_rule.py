@@ -13,17 +13,67 @@ W_t = W_{t-1} + β_t (v_t − W_{t-1} k_t) k_tᵀ, y_t = W_t q_t. Causal only.
 arXiv:2412.06464, eq. 10), W_t = α_t W_{t-1}(I − β_t k_t k_tᵀ) + β_t v_t k_tᵀ, i.e.
 W_t = α_t W_{t-1} + β_t (v_t − α_t W_{t-1} k_t) k_tᵀ, with a data-dependent decay α_t = exp(g_t) ∈ (0, 1]
 per token and head (``log_gate`` g) and, as in the paper, L2-normalised keys and queries.
+
+``deltanet`` is the delta rule as DeltaNet parameterises it (Yang, Wang, Shen, Panda, Kim
+2024, "Parallelizing Linear Transformers with the Delta Rule over Sequence Length", §3.3):
+φ(x) = SiLU(x) / ‖SiLU(x)‖₂ for keys and queries, no sum normalisation.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from . import kernels
-from .base import BETA, LOG_GATE, VariantError, register
+from .base import TokenInput, VariantError, activated_linear, register
 from .chunked import delta_rule_chunked, safe_reciprocal
 from .fast_weights import FastWeightCore, FastWeightState
 from .feature_maps import EPS
+
+#: Write strength β_t of the delta rules (Schlag et al. 2021, eq. 21: β = σ(W_β x)).
+BETA = TokenInput(
+    "beta",
+    "the write strength",
+    draw=lambda shape, *, generator=None, device=None, dtype=None: torch.rand(shape, generator=generator, device=device, dtype=dtype),
+    bounds=(0.0, 1.0),
+    layer=activated_linear(torch.sigmoid),
+    owner="the delta rule",
+    projection="write_strength",
+)
+
+
+class DecayGate(nn.Module):
+    """The gated delta rule's log decay, as Gated DeltaNet parameterises it after Mamba2 (Yang,
+    Kautz, Hatamizadeh 2024, §3.3): g = −exp(A) · softplus(W_α x + b_dt) ≤ 0 per head, with
+    A ~ U[1, 16] and softplus(b_dt) log-uniform in [0.001, 0.1] at initialisation, so the decay
+    α = exp(g) starts between about 0.2 and 1 (near 1 for most heads: memory that lasts) and
+    not at σ(0)-like values that halve the memory at every token."""
+
+    def __init__(self, d_model: int, n_heads: int):
+        super().__init__()
+        self.linear = nn.Linear(d_model, n_heads, bias=False)
+        self.log_A = nn.Parameter(torch.empty(n_heads).uniform_(1, 16).log())
+        step = torch.empty(n_heads).uniform_(math.log(1e-3), math.log(1e-1)).exp()
+        self.step_bias = nn.Parameter(step + torch.log(-torch.expm1(-step)))  # softplus⁻¹(step)
+
+    def forward(self, x):
+        return -self.log_A.exp() * F.softplus(self.linear(x) + self.step_bias)
+
+
+#: Log decay g_t = log α_t ≤ 0 of the gated delta rule (Yang, Kautz, Hatamizadeh 2024, eq. 10),
+#: computed in the layer by ``DecayGate``. Drawn as −3u², u ~ U(0, 1): decays α from about 0.05 to 1.
+LOG_GATE = TokenInput(
+    "log_gate",
+    "the log decay gate log α",
+    draw=lambda shape, *, generator=None, device=None, dtype=None: -3 * torch.rand(shape, generator=generator, device=device, dtype=dtype) ** 2,
+    bounds=(-math.inf, 0.0),
+    layer=DecayGate,
+    owner="the gated delta rule",
+    projection="decay_gate",
+)
 
 
 @register("delta")
@@ -90,11 +140,17 @@ class DeltaRule(FastWeightCore):
         return torch.stack(outputs, dim=2)
 
 
+@register("deltanet")
+def deltanet(d_key, *, phi="silu_l2", sum_norm=False, **options):
+    """The delta rule with DeltaNet's keys and queries: φ = SiLU then L2 normalisation (d_dot = d_key)."""
+    return DeltaRule(d_key, phi=phi, sum_norm=sum_norm, **options)
+
+
 @register("gated_delta")
 class GatedDeltaRule(DeltaRule):
     """The gated delta rule: the delta rule whose memory decays by α_t = exp(g_t) before each
     write; g = ``log_gate`` ``[B, H, T]`` (≤ 0) comes with the input like β (``AttentionLayer``
-    computes it, see ``AttentionLayer.decay_gate``). φ defaults to the paper's L2
+    computes it with the paper's ``DecayGate``). φ defaults to the paper's L2
     normalisation ('l2', d_dot = d_key); any φ of the delta rule works. No attention
     normaliser, and PyTorch only (the Triton delta kernel has no gate)."""
 

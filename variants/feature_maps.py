@@ -141,6 +141,17 @@ class L2Normalized(FeatureMap):
         return F.normalize(x, dim=-1, eps=EPS)
 
 
+class SiLUL2Normalized(FeatureMap):
+    """φ(x) = SiLU(x) / ‖SiLU(x)‖₂: DeltaNet's keys and queries (Yang, Wang, Shen, Panda, Kim
+    2024, §3.3), with which the delta rule trains far better than with elu+1 and sum normalisation."""
+
+    def __init__(self, d_key: int):
+        super().__init__(d_key, d_key)
+
+    def forward(self, x):
+        return F.normalize(F.silu(x), dim=-1, eps=EPS)
+
+
 class Taylor(FeatureMap):
     """Second-order Taylor expansion of exp(q·k / √d) (Arora et al. 2024, Based, §4.1, eq. 3):
 
@@ -207,9 +218,9 @@ class SumNormalized(FeatureMap):
         return features / (features.sum(-1, keepdim=True) + EPS)
 
 
-PHI_NAMES = ("identity", "elu1", "favor", "dpfp", "l2", "taylor", "rebased")
+PHI_NAMES = ("identity", "elu1", "favor", "dpfp", "l2", "silu_l2", "taylor", "rebased")
 #: the maps without a size parameter, and the d_dot each has
-_FIXED = {"identity": (Identity, "d_key"), "elu1": (Elu1, "d_key"), "l2": (L2Normalized, "d_key"),
+_FIXED = {"identity": (Identity, "d_key"), "elu1": (Elu1, "d_key"), "l2": (L2Normalized, "d_key"), "silu_l2": (SiLUL2Normalized, "d_key"),
           "taylor": (Taylor, "1 + d_key + d_key²"), "rebased": (ReBased, "d_key²")}
 
 

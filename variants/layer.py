@@ -24,9 +24,8 @@ class LayerState(NamedTuple):
 
 class AttentionLayer(nn.Module):
     """Projections x -> q, k, v and, for each token input the core declares, one value per head
-    (β = σ(W_β x) in ``write_strength``, the gated rule's log decay g = −softplus(W_α x) in
-    ``decay_gate``: ``TokenInput.activation`` of an ``nn.Linear(d_model, n_heads)`` kept as the
-    attribute ``TokenInput.layer_attribute``), the core, and the output projection.
+    (β = σ(W_β x + b_β) in ``write_strength``, the gated rule's log decay in ``decay_gate``: the
+    module ``TokenInput.layer`` builds, kept as the attribute ``TokenInput.layer_attribute``), the core, and the output projection.
     ``x: [B, T, d_model] -> [B, T, d_model]``; ``step`` takes ``x_t: [B, d_model]``.
 
     ``d_key`` and ``d_value`` default to d_model / n_heads; ``params`` go to the core.
@@ -57,7 +56,7 @@ class AttentionLayer(nn.Module):
         for spec in self.core.token_inputs:
             if hasattr(self, spec.layer_attribute) or spec.layer_attribute == "out":  # registered before out: the parameter order stays
                 raise VariantError(f"AttentionLayer: {core_name}'s token input {spec.name!r} names its projection {spec.layer_attribute!r}, taken")
-            self.add_module(spec.layer_attribute, nn.Linear(d_model, n_heads))
+            self.add_module(spec.layer_attribute, spec.layer(d_model, n_heads))
         self.out = nn.Linear(n_heads * self.d_value, d_model, bias=bias)
 
     @property
@@ -73,7 +72,7 @@ class AttentionLayer(nn.Module):
         q = self.query(x if x_q is None else x_q).view(heads)
         k = self.key(x if x_k is None else x_k).view(heads)
         v = self.value(x if x_v is None else x_v).view(heads)
-        per_token = {spec.name: spec.activation(getattr(self, spec.layer_attribute)(x)) for spec in self.core.token_inputs}
+        per_token = {spec.name: getattr(self, spec.layer_attribute)(x) for spec in self.core.token_inputs}
         return q, k, v, per_token
 
     def _project_sequence(self, x, state=None):

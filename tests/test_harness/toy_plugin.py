@@ -18,14 +18,14 @@ from pydantic import BaseModel, ConfigDict
 
 import variants
 from harness import tasks
-from variants.base import AttentionCore, TokenInput
+from variants.base import AttentionCore, TokenInput, activated_linear
 
 TEMPERATURE = TokenInput(
     "temperature",
     "the softmax temperature of each query",
     draw=lambda shape, *, generator=None, device=None, dtype=None: 0.5 + 1.5 * torch.rand(shape, generator=generator, device=device, dtype=dtype),
     bounds=(0.5, 2.0),
-    activation=lambda x: 0.5 + 1.5 * torch.sigmoid(x),
+    layer=activated_linear(lambda x: 0.5 + 1.5 * torch.sigmoid(x)),
     owner="toy_tempered",
 )
 

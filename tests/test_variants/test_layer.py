@@ -70,7 +70,7 @@ def test_parameter_gradients_agree(config, seed):
     layer, x, cotangent = build(config, seed)
     named = dict(layer.named_parameters())
     for spec in layer.core.token_inputs:
-        assert f"{spec.layer_attribute}.weight" in named and f"{spec.layer_attribute}.bias" in named
+        assert any(name.startswith(f"{spec.layer_attribute}.") for name in named), f"no parameters of {spec.layer_attribute}"
     x = x.requires_grad_()
     leaves = list(named.values()) + [x]
     labels = list(named) + ["x"]
@@ -83,18 +83,38 @@ def test_parameter_gradients_agree(config, seed):
 
 @pytest.mark.parametrize("name", variants.names())
 def test_a_projection_per_token_input(name):
-    """β's ``write_strength`` for the delta rules, the gate's ``decay_gate`` for the gated rule, nothing else."""
+    """β's ``write_strength`` for the delta rules, the gate's ``decay_gate`` for the gated rule,
+    nothing else; each maps the layer input to one value per head, within its bounds."""
     layer = variants.AttentionLayer(8, 2, name)
     names = {n for n, _ in layer.named_parameters()}
-    expected = {"delta": {"write_strength"}, "gated_delta": {"write_strength", "decay_gate"}}.get(name, set())
+    expected = {"delta": {"write_strength"}, "deltanet": {"write_strength"}, "gated_delta": {"write_strength", "decay_gate"}}.get(name, set())
     assert {spec.layer_attribute for spec in layer.core.token_inputs} == expected
-    for attribute in ("write_strength", "decay_gate"):
-        if attribute in expected:
-            projection = getattr(layer, attribute)
-            assert isinstance(projection, torch.nn.Linear) and projection.in_features == 8 and projection.out_features == 2
-            assert {f"{attribute}.weight", f"{attribute}.bias"} <= names
-        else:
-            assert not hasattr(layer, attribute) and not any(n.startswith(attribute) for n in names)
+    x = 3 * torch.randn(4, 5, 8)
+    for spec in layer.core.token_inputs:
+        values = getattr(layer, spec.layer_attribute)(x)
+        assert values.shape == (4, 5, 2)
+        low, high = spec.bounds
+        assert (values >= low).all() and (values <= high).all()
+        assert any(n.startswith(f"{spec.layer_attribute}.") for n in names)
+    for attribute in {"write_strength", "decay_gate"} - expected:
+        assert not hasattr(layer, attribute) and not any(n.startswith(attribute) for n in names)
+
+
+def test_the_decay_gate_starts_as_gated_deltanet_does():
+    """g = −exp(A)·softplus(W_α x + b_dt), A in [1, 16] and softplus(b_dt) in [0.001, 0.1] at
+    initialisation (Yang, Kautz, Hatamizadeh 2024, after Mamba2): with a zero projection every
+    head's decay α = exp(g) lies in [exp(−1.6), exp(−0.001)], most of them near 1."""
+    torch.manual_seed(0)
+    gate = variants.DecayGate(16, 64)
+    A = gate.log_A.exp()
+    step = torch.nn.functional.softplus(gate.step_bias)
+    assert (A >= 1).all() and (A <= 16).all()
+    assert (step >= 1e-3 * 0.999).all() and (step <= 0.1 * 1.001).all()
+    with torch.no_grad():
+        gate.linear.weight.zero_()
+        alpha = gate(torch.randn(3, 16)).exp()
+    torch.testing.assert_close(alpha, (-A * step).exp().expand(3, 64))
+    assert alpha.min() > 0.19 and alpha.median() > 0.7
 
 
 @pytest.mark.parametrize("name", variants.names())
