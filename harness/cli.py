@@ -62,6 +62,7 @@ def _run(args) -> int:
         counts = ", ".join(f"{count} {status}" for status, count in sorted(summary.statuses.items())) or "nothing new"
         done = f", {summary.skipped_as_done} already done" if summary.skipped_as_done else ""
         print(f"{scenario.name}: {summary.total} cells ({counts}{done}) in {summary.seconds:.1f} s -> {summary.path}")
+        print(f"{scenario.name}: {summary.stability()}")
         if summary.interrupted:
             print(f"interrupted: every finished cell is in {summary.path}; continue with the same command and --resume", file=sys.stderr)
             return EXIT_INTERRUPTED

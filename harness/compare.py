@@ -240,6 +240,24 @@ def _judge_statuses(pair: dict) -> tuple[str, str] | None:
     return None
 
 
+#: Other processes keeping this many cores busy on average make a cell's timing a shared-machine one.
+BUSY_CORES = 0.5
+
+
+def _load_notes(pair: dict) -> list[str]:
+    """What makes a side's timing suspect: it did not reach its interval target (unstable), or
+    other processes kept at least ``BUSY_CORES`` cores busy while it was measured."""
+    notes = []
+    for side in ("base", "head"):
+        cores = pair.get(f"metrics.load.other_cores_{side}")
+        unstable = pair.get(f"metrics.unstable_{side}")
+        if present(unstable) and bool(unstable):
+            notes.append(f"{side} unstable (interval of its median ±{pair[f'metrics.rel_ci_{side}']:.0%})")
+        if present(cores) and cores >= BUSY_CORES:
+            notes.append(f"{side} measured on a busy machine (other processes used {cores:.1f} cores)")
+    return notes
+
+
 def _judge(pair: dict, *, factor: float, alpha: float, seed: int) -> dict:
     """The mark, note and statistics of one row of the outer join of base and head."""
     if pair["_merge"] != "both":
@@ -258,6 +276,7 @@ def _judge(pair: dict, *, factor: float, alpha: float, seed: int) -> dict:
     ratio, low, high, dropped = ratio_ci(base, head, alpha=alpha, seed=_pair_seed(seed, pair))
     mark = timing_mark(ratio, low, high, factor)
     notes = [f"{dropped} severe outlier(s) left out"] if dropped else []
+    notes += _load_notes(pair)
     if mark == UNDECIDED:
         notes.append(f"the interval spans both 1 and the factor {factor:g}: measure with more samples (measure.repeats, measure.target_rel_ci)")
     return {"mark": mark, "note": "; ".join(notes), "ratio": ratio, "ci_low": low, "ci_high": high}
@@ -320,7 +339,7 @@ def compare(base_paths, head_paths, *, factor: float = 1.1, alpha: float = 0.05,
     if factor < 1 or not 0 < alpha < 1:
         raise CompareError(f"factor must be >= 1 and alpha in (0, 1); got factor={factor}, alpha={alpha}")
     columns = CELL_KEY + ["status", "error", "machine_key", "machine", "gpu", "params_text", "axes_text", "metrics.median_s", "metrics.samples_s",
-               "metrics.round_samples_s"]
+               "metrics.round_samples_s", "metrics.unstable", "metrics.rel_ci", "metrics.load.other_cores"]
     base, head = _side(base_paths), _side(head_paths)
     pairs = base.reindex(columns=columns).merge(head.reindex(columns=columns), on=CELL_KEY, how="outer", suffixes=("_base", "_head"), indicator=True)
     pairs = pairs.sort_values(CELL_KEY, kind="stable").reset_index(drop=True)

@@ -1,4 +1,5 @@
-"""Honest timing and memory: warm up, synchronise, repeat, keep every sample.
+"""Honest timing and memory: warm up, synchronise, repeat until the median is known well
+enough (or the time is spent), keep every sample.
 
 CPU: ``time.perf_counter`` around synchronous work. GPU: a CUDA event pair around every
 call, with the L2 cache flushed before each (as ``triton.testing.do_bench`` does), so a
@@ -21,13 +22,32 @@ import torch
 
 #: Bytes written between GPU iterations to evict the L2 cache (H100/H200: 50 MiB of L2).
 L2_FLUSH_BYTES = 256 * 1024 * 1024
+#: Resamples of the bootstrap interval of a median (``median_rel_ci``).
+CI_RESAMPLES = 1000
+#: Adaptive sampling never takes more samples than this (a µs-scale call would take thousands).
+MAX_SAMPLES = 1000
+#: Adaptive sampling checks its interval again once the sample count has grown by this factor.
+CHECK_GROWTH = 1.25
+
+
+def median_rel_ci(samples, *, alpha: float = 0.05) -> float:
+    """Half the width of the 1-alpha percentile bootstrap interval of the median of ``samples``
+    (the larger side), relative to the median; seeded, so the same samples give the same figure."""
+    samples = np.asarray(samples, dtype=float)
+    rng = np.random.default_rng(0)
+    medians = np.median(rng.choice(samples, size=(CI_RESAMPLES, samples.size)), axis=1)
+    low, high = np.quantile(medians, [alpha / 2, 1 - alpha / 2])
+    median = np.median(samples)
+    return float(max(median - low, high - median) / median) if median > 0 else 0.0
 
 
 @dataclass(frozen=True)
 class Timing:
-    """Raw per-iteration samples in seconds, with the order statistics a report quotes."""
+    """Raw per-iteration samples in seconds, with the order statistics a report quotes, and
+    whether their median reached ``target_rel_ci`` (None: a fixed number of samples was asked)."""
 
     samples_s: tuple[float, ...]
+    target_rel_ci: float | None = None
 
     @property
     def median_s(self) -> float:
@@ -45,6 +65,15 @@ class Timing:
     def iqr_s(self) -> float:
         return float(np.percentile(self.samples_s, 75) - np.percentile(self.samples_s, 25))
 
+    @property
+    def rel_ci(self) -> float:
+        return median_rel_ci(self.samples_s)
+
+    @property
+    def unstable(self) -> bool | None:
+        """True when the interval of the median stayed wider than asked; None when nothing was asked."""
+        return None if self.target_rel_ci is None else self.rel_ci > self.target_rel_ci
+
     def summary(self) -> dict:
         return {
             "median_s": self.median_s,
@@ -52,7 +81,27 @@ class Timing:
             "p80_s": self.p80_s,
             "iqr_s": self.iqr_s,
             "samples_s": list(self.samples_s),
+            "rel_ci": self.rel_ci,
+            **({} if self.target_rel_ci is None else {"unstable": self.unstable, "target_rel_ci": self.target_rel_ci}),
         }
+
+
+def sample_until_stable(take, *, repeats: int, target_rel_ci: float | None = None, max_time_s: float = 0.0) -> Timing:
+    """Call ``take() -> seconds`` ``repeats`` times, then (with ``target_rel_ci``) on until the
+    95 % bootstrap interval of the median is within ±target_rel_ci of it, ``max_time_s`` of
+    sampling is spent or ``MAX_SAMPLES`` are taken, as pyperf and criterion do."""
+    start, samples, check_at = time.perf_counter(), [], repeats
+    while True:
+        samples.append(take())
+        if len(samples) < repeats:
+            continue
+        if target_rel_ci is None or len(samples) >= MAX_SAMPLES or time.perf_counter() - start >= max_time_s:
+            break
+        if len(samples) >= check_at:
+            if median_rel_ci(samples) <= target_rel_ci:
+                break
+            check_at = max(len(samples) + 1, int(len(samples) * CHECK_GROWTH))
+    return Timing(tuple(samples), target_rel_ci)
 
 
 def synchronize(device: torch.device) -> None:
@@ -103,9 +152,17 @@ def time_interleaved(fns: dict, *, warmup: int = 2, repeats: int = 7, device="cp
     return {key: Timing(tuple(values)) for key, values in samples.items()}
 
 
-def time_callable(fn, *, warmup: int = 2, repeats: int = 7, device="cpu", flush_l2: bool = True) -> Timing:
-    """Run ``fn()`` ``warmup`` times untimed, then time ``repeats`` calls one by one."""
-    return time_interleaved({None: fn}, warmup=warmup, repeats=repeats, device=device, flush_l2=flush_l2)[None]
+def time_callable(fn, *, warmup: int = 2, repeats: int = 7, device="cpu", flush_l2: bool = True, target_rel_ci: float | None = None,
+                  max_time_s: float = 0.0) -> Timing:
+    """Run ``fn()`` ``warmup`` times untimed, then time calls one by one: ``repeats`` of them,
+    and with ``target_rel_ci`` more until the median is that sure (``sample_until_stable``)."""
+    if warmup < 0 or repeats < 1:
+        raise ValueError(f"need warmup >= 0 and repeats >= 1, got warmup={warmup}, repeats={repeats}")
+    clock = Clock(device, flush_l2)
+    for _ in range(warmup):
+        fn()
+    synchronize(clock.device)
+    return sample_until_stable(lambda: clock(fn)[1], repeats=repeats, target_rel_ci=target_rel_ci, max_time_s=max_time_s)
 
 
 #: glibc's mallopt parameters (malloc.h) and the environment variables that set them at start-up.

@@ -200,15 +200,21 @@ def touched(changed: list[str], checks: dict[str, dict[str, dict]]) -> dict[str,
 
 def pool(records: list[dict]) -> dict:
     """One record from a cell's measurements in several rounds: every round's raw samples
-    together, the order statistics and rates of them all, the largest peak memory; the
-    other metrics are the first round's. A round that failed makes the cell fail."""
+    together, the order statistics, interval and rates of them all, the largest peak memory,
+    the load over all rounds; the other metrics are the first round's. A round that failed
+    makes the cell fail."""
     failed = [record for record in records if record["status"] != "ok"]
     if failed:
         return failed[0]
     first = records[0]
-    timing = Timing(tuple(sample for record in records for sample in record["metrics"]["samples_s"]))
+    timing = Timing(tuple(sample for record in records for sample in record["metrics"]["samples_s"]), first["metrics"].get("target_rel_ci"))
     metrics = {**first["metrics"], **timing.summary(), "round_medians_s": [record["metrics"]["median_s"] for record in records],
                "round_samples_s": [record["metrics"]["samples_s"] for record in records]}
+    loads = [record["metrics"].get("load") or {} for record in records]
+    if all(load.get("other_cpu_s") is not None for load in loads):
+        wall, other = sum(load["wall_s"] for load in loads), sum(load["other_cpu_s"] for load in loads)
+        metrics["load"] = {**loads[0], "wall_s": wall, "other_cpu_s": other, "other_cores": other / wall if wall > 0 else None,
+                           "loadavg_after": loads[-1].get("loadavg_after")}
     for rate, amount in (("tokens_per_s", "tokens"), ("flops_per_s", "flops"), ("words_per_s", "tokens")):
         if rate in metrics:
             metrics[rate] = metrics[amount] / timing.median_s

@@ -249,6 +249,33 @@ class RunSummary:
     seconds: float = 0.0
     interrupted: bool = False
     write_error: str | None = None
+    timed: int = 0  #: cells with a stability verdict (metrics.unstable)
+    unstable: list = field(default_factory=list)  #: describe() of each unstable cell
+    other_cpu_s: float = 0.0  #: CPU seconds other processes used during the cells
+    load_wall_s: float = 0.0  #: wall seconds of the cells those were counted over
+    cores: int | None = None
+
+    def count(self, cell: dict, record: dict) -> None:
+        """Add a finished cell: its status, whether it was unstable, the load it saw."""
+        self.statuses[record["status"]] = self.statuses.get(record["status"], 0) + 1
+        metrics = record["metrics"]
+        if metrics.get("unstable") is not None:
+            self.timed += 1
+            if metrics["unstable"]:
+                self.unstable.append(describe(cell))
+        load = metrics.get("load") or {}
+        if load.get("other_cpu_s") is not None:
+            self.other_cpu_s += load["other_cpu_s"]
+            self.load_wall_s += load["wall_s"]
+            self.cores = load["cores"]
+
+    def stability(self, names: int = 5) -> str:
+        """"3 of 36 cells unstable (...); other processes used 1.7 of 2 cores during the run"."""
+        listed = "; ".join(self.unstable[:names]) + (f"; and {len(self.unstable) - names} more" if len(self.unstable) > names else "")
+        text = f"{len(self.unstable)} of {self.timed} cells unstable" + (f" ({listed})" if listed else "")
+        if self.load_wall_s > 0:
+            text += f"; other processes used {self.other_cpu_s / self.load_wall_s:.1f} of {self.cores} cores during the run"
+        return text
 
 
 def utc_now() -> str:
@@ -347,7 +374,7 @@ def _run_locked(loaded, out_dir, resume, retry_failed, plugins, command, progres
             if others:
                 record["concurrent_runs"] = others
             writer.write_cell(record)
-            summary.statuses[record["status"]] = summary.statuses.get(record["status"], 0) + 1
+            summary.count(cell, record)
             if needs_fresh_worker(cell):
                 worker.restart()
     except KeyboardInterrupt:

@@ -100,7 +100,12 @@ class Axes(BaseModel):
 
 class Measure(Strict):
     warmup: int = Field(2, ge=0)
-    repeats: int = Field(7, ge=1)
+    repeats: int = Field(7, ge=1, description="the fewest timed samples; sampling goes on until target_rel_ci or max_time_s")
+    target_rel_ci: float | None = Field(
+        0.05, gt=0, description="sample until the 95 % bootstrap interval of the median is within ± this fraction of it; null: exactly repeats"
+    )
+    max_time_s: float = Field(2.0, ge=0, description="seconds of sampling per cell after which a cell that has not reached target_rel_ci stops (unstable)")
+    cpus: list[Annotated[int, Field(ge=0)]] | None = Field(None, min_length=1, description="pin the worker to these CPUs (os.sched_setaffinity)")
     timeout_s: float = Field(900.0, gt=0, description="a cell running longer is stopped and recorded as an error")
     flush_l2: bool = True
     fresh_worker: bool | None = Field(

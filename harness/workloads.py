@@ -9,6 +9,7 @@ projections, or a decoder-only LM ``model``) and its ``mode`` what one iteration
 from __future__ import annotations
 
 import gc
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -18,7 +19,8 @@ import torch
 import variants
 
 from . import tasks
-from .measure import Clock, PeakMemory, Timing, synchronize, time_callable, usual_allocator
+from .load import LoadMeter
+from .measure import Clock, PeakMemory, sample_until_stable, synchronize, time_callable, usual_allocator
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
@@ -156,12 +158,41 @@ def _finite(output) -> bool:
 
 
 def measure_cell(cell: dict) -> dict:
-    """Build, check and time one cell: ``{"status", "error", "metrics"}``. Exceptions (and
-    out-of-memory errors) propagate to the caller, which records them."""
-    axes, measure = cell["axes"], cell["measure"]
+    """Build, check and time one cell: ``{"status", "error", "metrics"}``, with the machine's
+    load meanwhile in ``metrics.load``. Exceptions (and out-of-memory errors) propagate to the
+    caller, which records them."""
+    axes = cell["axes"]
     device, dtype = torch.device(axes["device"]), DTYPES[axes["dtype"]]
     if device.type == "cuda" and not torch.cuda.is_available():
         return {"status": "skipped", "error": "CUDA is not available on this machine", "metrics": {}}
+    pin(cell["measure"].get("cpus"))
+    with LoadMeter(device) as load:
+        result = _measure(cell, device, dtype)
+    result["metrics"]["load"] = load.record
+    return result
+
+
+#: The worker's CPUs and threads as it started, restored for a cell without ``measure.cpus``.
+_UNPINNED = (os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None, torch.get_num_threads())
+
+
+def pin(cpus) -> None:
+    """Pin this process to ``cpus`` (measure.cpus) with no more threads than CPUs; None: as it started."""
+    affinity, threads = _UNPINNED
+    if affinity is None:
+        return
+    chosen = affinity if cpus is None else set(cpus)
+    os.sched_setaffinity(0, chosen)
+    torch.set_num_threads(min(threads, len(chosen)))
+
+
+def _sampling(measure: dict) -> dict:
+    """The adaptive sampling settings of a cell (harness.measure.sample_until_stable)."""
+    return {"repeats": measure["repeats"], "target_rel_ci": measure.get("target_rel_ci"), "max_time_s": measure.get("max_time_s", 0.0)}
+
+
+def _measure(cell, device, dtype) -> dict:
+    measure = cell["measure"]
     if cell["mode"] == "quality":
         return _measure_quality(cell, device, dtype)
     torch.manual_seed(0)
@@ -172,7 +203,7 @@ def measure_cell(cell: dict) -> dict:
         workload = BUILDERS[cell["target"]](cell, device, dtype)
         finite = _finite(workload.run())
     with usual_allocator():
-        timing = time_callable(workload.run, warmup=measure["warmup"], repeats=measure["repeats"], device=device, flush_l2=measure["flush_l2"])
+        timing = time_callable(workload.run, warmup=measure["warmup"], device=device, flush_l2=measure["flush_l2"], **_sampling(measure))
     metrics = {
         **timing.summary(),
         "tokens": workload.tokens,
@@ -213,9 +244,10 @@ def _warm_up_libraries(cell, device, dtype) -> None:
 
 
 def _measure_decode(cell, device, dtype) -> dict:
-    """Prefill ``seq_len`` tokens, then time ``new_tokens`` single steps, ``repeats`` times
-    (after ``warmup`` untimed rounds); each round starts from a fresh prefill. Peak memory is
-    that of building the decoder and one round, before any timing."""
+    """Prefill ``seq_len`` tokens, then time ``new_tokens`` single steps, in rounds (after
+    ``warmup`` untimed ones) sampled as any call is (``sample_until_stable``: a sample is the
+    total of a round's steps); each round starts from a fresh prefill. Peak memory is that of
+    building the decoder and one round, before any timing."""
     axes, measure, new_tokens = cell["axes"], cell["measure"], cell["decode"]["new_tokens"]
     if cell["target"] not in ("core", "layer"):
         raise CellError(f"decode mode measures target 'core' or 'layer', not {cell['target']!r}")
@@ -234,10 +266,16 @@ def _measure_decode(cell, device, dtype) -> dict:
             core, prefill, step = _decoder(cell, device, dtype, context, new_tokens)
             decode_round()
         with usual_allocator():
-            rounds = [decode_round() for _ in range(measure["warmup"] + measure["repeats"])]
-    rounds = rounds[measure["warmup"] :]
+            for _ in range(measure["warmup"]):
+                decode_round()
+            rounds = []
+
+            def timed_round():
+                rounds.append(decode_round())
+                return sum(rounds[-1][1])
+
+            timing = sample_until_stable(timed_round, **_sampling(measure))
     finite = all(ok for _, _, ok in rounds)
-    timing = Timing(tuple(sum(step_s) for _, step_s, _ in rounds))
     tokens = axes["batch"] * new_tokens
     flops = sum(core.step_flops(axes["batch"], axes["heads"], axes["d_value"], context + i) for i in range(new_tokens))
     metrics = {

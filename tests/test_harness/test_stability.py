@@ -99,3 +99,110 @@ def test_rounds_of_different_lengths_are_resampled_in_two_stages():
     assert low <= 1 <= high and timing_mark(ratio, low, high, factor=1.1) != "worse"
     slower = [[2 * s for s in r] for r in base]
     assert timing_mark(*ratio_ci(base, slower, alpha=0.05, seed=1)[:3], factor=1.1) == "worse"
+
+
+# --- adaptive sampling and the load record ------------------------------------------------
+
+
+def test_sampling_stops_at_the_minimum_when_the_median_is_sure():
+    from harness.measure import sample_until_stable
+
+    timing = sample_until_stable(lambda: 1.0, repeats=5, target_rel_ci=0.05, max_time_s=60)
+    assert len(timing.samples_s) == 5 and timing.rel_ci == 0 and timing.unstable is False
+    assert timing.summary()["unstable"] is False and timing.summary()["target_rel_ci"] == 0.05
+
+
+def test_sampling_goes_on_until_the_median_is_sure():
+    """Three samples far apart, then mostly 1.0 or 1.04 with an occasional 2.0: the median is sure once there are enough."""
+    from itertools import chain
+
+    from harness.measure import sample_until_stable
+
+    rng = np.random.default_rng(0)
+    values = chain([1.0, 2.0, 1.5], (float(rng.choice([1.0, 1.04, 2.0], p=[0.45, 0.4, 0.15])) for _ in range(1000)))
+    timing = sample_until_stable(lambda: next(values), repeats=3, target_rel_ci=0.05, max_time_s=60)
+    assert 3 < len(timing.samples_s) < 1000 and timing.rel_ci <= 0.05 and not timing.unstable
+
+
+def test_sampling_that_never_settles_is_unstable():
+    """Alternating 1 and 3: the median's interval never narrows; sampling stops at MAX_SAMPLES, or at once with no time left."""
+    from harness.measure import MAX_SAMPLES, sample_until_stable
+
+    values = iter(np.tile([1.0, 3.0], MAX_SAMPLES))
+    timing = sample_until_stable(lambda: next(values), repeats=4, target_rel_ci=0.05, max_time_s=600)
+    assert len(timing.samples_s) == MAX_SAMPLES and timing.unstable
+    values = iter(np.tile([1.0, 3.0], 10))
+    timing = sample_until_stable(lambda: next(values), repeats=4, target_rel_ci=0.05, max_time_s=0)
+    assert len(timing.samples_s) == 4 and timing.unstable and timing.rel_ci > 0.05
+
+
+def test_fixed_sampling_has_no_verdict():
+    from harness.measure import sample_until_stable
+
+    timing = sample_until_stable(lambda: 1.0, repeats=3)
+    assert len(timing.samples_s) == 3 and timing.unstable is None and "unstable" not in timing.summary()
+
+
+def test_other_processes_cpu_time_is_all_busy_time_minus_our_own(monkeypatch):
+    import harness.load as load
+
+    busy, own = iter([100.0, 103.5]), iter([10.0, 11.0])
+    monkeypatch.setattr(load, "busy_cpu_s", lambda: next(busy))
+    monkeypatch.setattr(load, "own_cpu_s", lambda: next(own))
+    with load.LoadMeter() as meter:
+        pass
+    assert meter.record["other_cpu_s"] == pytest.approx(2.5)
+    assert meter.record["other_cores"] == pytest.approx(2.5 / meter.record["wall_s"])
+    assert len(meter.record["loadavg_before"]) == 3 and meter.record["cores"] >= 1
+
+
+def burner():
+    """A process that keeps one core busy until killed."""
+    import subprocess
+    import sys
+
+    return subprocess.Popen([sys.executable, "-c", "while True: pass"])
+
+
+def test_a_busy_process_beside_is_seen():
+    """While a CPU-bound process runs, other processes keep at least half a core busy, however loaded the machine already is."""
+    import time
+
+    from harness.load import LoadMeter
+
+    process = burner()
+    try:
+        time.sleep(0.3)
+        with LoadMeter() as meter:
+            time.sleep(1.0)
+    finally:
+        process.kill()
+        process.wait()
+    assert meter.record["other_cores"] >= 0.5, meter.record
+
+
+@pytest.mark.slow
+def test_a_run_beside_a_busy_process_says_so(tmp_path):
+    """The summary line of ``attnbench run`` names the unstable cells and the load; with a
+    CPU-bound process beside it the load is at least half a core (the count of unstable cells
+    depends on the machine and is not asserted)."""
+    import re
+
+    scenario = tmp_path / "tiny.yaml"
+    scenario.write_text("name: tiny\nvariants: {softmax: {}, linear: {}}\naxes: {seq_len: 32, batch: 1, heads: 2, d_key: 8}\n"
+                        "modes: [forward]\nmeasure: {warmup: 1, repeats: 3, max_time_s: 0.5}\n")
+    process = burner()
+    try:
+        done = attnbench("run", str(scenario), "--out", str(tmp_path / "out"), "--no-progress")
+    finally:
+        process.kill()
+        process.wait()
+    assert done.returncode == 0, done.stderr
+    line = done.stdout.strip().splitlines()[-1]
+    found = re.fullmatch(r"tiny: (\d+) of 2 cells unstable.*; other processes used ([\d.]+) of (\d+) cores during the run", line)
+    assert found and float(found[2]) >= 0.5, done.stdout
+    from harness.results import load
+
+    cells = load(tmp_path / "out")
+    assert (cells["metrics.load.other_cores"] >= 0.5).all() and cells["metrics.unstable"].isin([True, False]).all()
+    assert ((cells["metrics.rel_ci"] > 0.05) == cells["metrics.unstable"]).all()
