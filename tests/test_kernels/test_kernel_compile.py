@@ -2,8 +2,9 @@
 without a GPU (Triton's compiler and the ptxas / cuobjdump it ships), read back as registers,
 spills, shared memory, occupancy, programs and MMA kind.
 
-The fast tests compile every kernel in bf16 at d = 64 for the three arches (about a minute on
-two cores, cold cache); ``slow`` adds fp32 and fp16 at d = 64 and the largest d in fp32.
+Compiling is ``slow``: every kernel in bf16 at d = 64 for the three arches (about a minute on two
+cores, cold cache), fp32 and fp16 at d = 64 and the largest d in fp32; the launch plans (grids,
+precisions, tiles) are recorded without compiling, in the fast tests.
 """
 
 from __future__ import annotations
@@ -26,10 +27,19 @@ ARCHS = list(kt.ARCHS.values())
 #: (kernel, arch) over a limit today: the delta rule's backward_chunk keeps seven fp32 [C, C] / [C, F] tiles
 #: (104-112 KiB of shared memory at d = 64, C = 64) where a V100 block has 96 KiB (issue 14's kernels must fix it).
 KNOWN_OVER_LIMIT = {("backward_chunk", "sm_70")}
-SUM_RULE_KERNELS = {"forward", "forward_dy_dot_y", "backward_dq", "backward_dk", "backward_dv"}
+SUM_RULE_KERNELS = {
+    "forward_states", "forward_prefix", "forward_output",
+    "recompute_states", "recompute_prefix", "recompute_dy_dot_y", "backward_states", "backward_prefix", "backward_dqk", "backward_dv",
+}  # fmt: skip
+#: The sum rule's prefix passes add chunk states: no dot, no MMA.
+SUM_RULE_PREFIX = {"forward_prefix", "recompute_prefix", "backward_prefix"}
 DELTA_RULE_KERNELS = {"ut_transform", "forward_scan", "backward_scan", "backward_chunk"}
-#: The matrix instruction of 16-bit inputs today (upcast to fp32, TF32 dots; IEEE FMAs on sm_70).
-MMA_16_BIT = {"sm_70": "fma", "sm_80": "mma tf32", "sm_90": "wgmma tf32"}
+#: The matrix instruction of 16-bit inputs: the sum rule's 16-bit dots (IEEE fp32 FMAs on sm_70, which has no
+#: bf16 tensor cores); the delta rule still upcasts to fp32 and takes TF32 dots.
+MMA_16_BIT = {
+    "sum_rule": {"sm_70": "fma", "sm_80": "mma bf16", "sm_90": "wgmma bf16"},
+    "delta_rule": {"sm_70": "fma", "sm_80": "mma tf32", "sm_90": "wgmma tf32"},
+}
 
 
 def _table(dtype: str, d: int, archs=ARCHS, rules=None) -> list[kt.Row]:
@@ -44,22 +54,41 @@ def _check_rows(rows: list[kt.Row], dtype: str) -> None:
     for arch in ARCHS:
         kernels = {row.kernel for row in rows if row.arch == arch.name}
         expected = SUM_RULE_KERNELS | DELTA_RULE_KERNELS
-        assert kernels == (expected if dtype != "fp32" else expected - {"forward_dy_dot_y"}), arch.name
+        assert kernels == (expected if dtype != "fp32" else expected - {"recompute_dy_dot_y"}), arch.name
     for row in rows:
         assert 0 < row.registers <= 255 and row.spill_bytes >= 0 and row.shared_bytes >= 0, row
         assert row.occupancy_warps <= 64 and row.occupancy_warps % row.num_warps == 0 and (row.occupancy_warps > 0) == (row.problem is None), row
 
 
+def _rule(row: kt.Row) -> str:
+    return "sum_rule" if row.kernel in SUM_RULE_KERNELS else "delta_rule"
+
+
+def _expected_mma(row: kt.Row, dtype: str) -> str:
+    if dtype == "fp32" or row.kernel in SUM_RULE_PREFIX:
+        return "fma"
+    return MMA_16_BIT[_rule(row)][row.arch].replace("bf16", dtype.replace("fp16", "f16"))
+
+
 @pytest.mark.slow
 def test_bf16_every_kernel_every_arch_at_d64():
-    """bf16 on sm_80 / sm_90: the kernels upcast to fp32 and use TF32 MMA (wgmma on sm_90); on sm_70
-    (no bf16 or TF32 tensor cores) the documented fp32 path: IEEE fp32 FMAs, no MMA instruction at all."""
+    """bf16 on sm_80 / sm_90: the sum rule's dots take bf16 operands (mma / wgmma bf16) and spill nothing;
+    the delta rule upcasts to fp32 and uses TF32 MMA. On sm_70 (no bf16 or TF32 tensor cores) the documented
+    fp32 path: IEEE fp32 FMAs, no MMA instruction at all."""
     rows = _table("bf16", 64)
     _check_rows(rows, "bf16")
+    chunks = 16384 // 64 * 8  # (chunk, b·h) pairs at the reference shape
     for row in rows:
-        assert row.mma == MMA_16_BIT[row.arch], row
-        # one program per (chunk, b·h) for the chunk-local kernels, else one per b·h (d = 64: one state block)
-        assert row.programs == (16384 // 64 * 8 if row.kernel in ("ut_transform", "backward_chunk") else 8), row
+        assert row.mma == _expected_mma(row, "bf16"), row
+        if _rule(row) == "delta_rule":  # one program per (chunk, b·h) for the chunk-local kernels, else one per b·h
+            assert row.programs == (chunks if row.kernel in ("ut_transform", "backward_chunk") else 8), row
+        elif row.kernel in SUM_RULE_PREFIX:  # b·h × blocks of 256 state entries (S: 64·64, and z: 64 when normalised)
+            assert row.programs == 8 * (17 if row.config.endswith("norm") else 16), row
+        else:  # (chunk, b·h, state tile): one 64×64 tile on sm_80 and sm_90, fp32 tiles of 32 on sm_70
+            tiles = {"sm_70": 4 if row.kernel.endswith("_states") else 2}.get(row.arch, 1)
+            assert row.programs == chunks * tiles, row
+            if row.arch != "sm_70":
+                assert row.spill_bytes == 0, row
 
 
 @pytest.mark.slow
@@ -69,41 +98,63 @@ def test_other_dtypes_every_kernel_every_arch_at_d64(dtype):
     rows = _table(dtype, 64)
     _check_rows(rows, dtype)
     for row in rows:
-        assert row.mma == ("fma" if dtype == "fp32" else MMA_16_BIT[row.arch]), row
+        assert row.mma == _expected_mma(row, dtype), row
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ARCHS, ids=lambda arch: arch.name)
 @pytest.mark.slow
 def test_largest_d_in_fp32(arch):
-    """d = 256 in fp32: the over-limit rows measured 2026-12-01 (docs/performance.md), no more, no fewer."""
+    """d = 256 in fp32: the over-limit rows measured 2026-12-01 (docs/performance.md), no more, no fewer: the
+    chunk-parallel sum rule keeps [C, 32] tiles whatever d and fits everywhere; the delta rule does not on sm_70."""
     rows = _table("fp32", 256, [arch])
-    over = {"sm_70": {"backward_dq", "backward_dk", "backward_dv", "backward_chunk"},
-            "sm_80": {"forward", "backward_dq", "backward_dk", "backward_dv"}, "sm_90": {"backward_dq", "backward_dk"}}  # fmt: skip
+    over = {"sm_70": {"backward_chunk"}, "sm_80": set(), "sm_90": set()}
     assert {row.kernel for row in rows if row.problem} == over[arch.name], kt.problems(rows)
 
 
 def test_bf16_on_sm70_takes_the_fp32_path():
-    """The decision for bf16 (and fp16) on a V100: IEEE fp32 dots on the upcast inputs, TF32 from sm_80 on."""
+    """The decision for bf16 (and fp16) on a V100: IEEE fp32 dots on the upcast inputs; from sm_80 on the sum
+    rule multiplies 16-bit operands (the interpreter emulates that), the delta rule TF32 on upcast ones."""
     assert _common.dot_precision(torch.bfloat16, 70) == _common.dot_precision(torch.float16, 70) == "ieee"
     assert _common.dot_precision(torch.bfloat16, 80) == _common.dot_precision(torch.bfloat16, 90) == "tf32"
     assert _common.dot_precision(torch.float32, 90) == _common.FP32_DOT_PRECISION
+    assert _common.operand_precision(torch.bfloat16, 70) == _common.operand_precision(torch.float16, 70) == "ieee"
+    assert _common.operand_precision(torch.bfloat16, 80) == _common.operand_precision(torch.float16, 90) == "input"
+    assert _common.operand_precision(torch.bfloat16, None) == "input_emulated"
+    assert _common.operand_precision(torch.float32, 90) == _common.FP32_DOT_PRECISION
     config = dict(dtype=torch.bfloat16, d_dot=64, d_value=64, chunk_size=None)
-    for capability, precision in ((70, "ieee"), (80, "tf32")):
-        launches = delta_rule.record_launches(config, capability) + sum_rule.record_launches({**config, "normalize": True}, capability)
-        assert {launch.constexprs["PRECISION"] for launch in launches} == {precision}
+    for capability, delta_precision, sum_precision in ((70, "ieee", "ieee"), (80, "tf32", "input")):
+        assert {launch.constexprs["PRECISION"] for launch in delta_rule.record_launches(config, capability)} == {delta_precision}
+        launches = sum_rule.record_launches({**config, "normalize": True}, capability)
+        assert {launch.constexprs.get("PRECISION") for launch in launches} == {sum_precision, None}  # None: the prefix passes
 
 
 def test_recorded_launches_are_a_training_step():
     """Forward and every backward kernel, at the reference shape, with the tiles the wrapper chooses."""
     launches = sum_rule.record_launches(dict(dtype=torch.float16, d_dot=256, d_value=64, chunk_size=None, normalize=True), 80)
-    assert [launch.name for launch in launches] == ["forward", "forward_dy_dot_y", "backward_dq", "backward_dk", "backward_dv"]
-    assert [launch.grid for launch in launches] == [(8, 1), (8, 1), (8, 4), (8, 4), (8, 1)]  # d_dot 256 in blocks of 64
-    assert launches[0].constexprs["BLOCK_C"] == 32 and launches[0].args[0].dtype == torch.float16
+    assert [(launch.name, launch.grid) for launch in launches] == [
+        ("forward_states", (256, 8, 4)), ("forward_prefix", (8, 65)), ("forward_output", (256, 8, 1)),
+        ("recompute_states", (256, 8, 4)), ("recompute_prefix", (8, 65)), ("recompute_dy_dot_y", (256, 8, 1)),
+        ("backward_states", (256, 8, 4)), ("backward_prefix", (8, 65)), ("backward_dqk", (256, 8, 4)), ("backward_dv", (256, 8, 1)),
+    ]  # fmt: skip  # 256 chunks of 64, d_dot 256 in tiles of 64, a state row of 256·64 + 256 in blocks of 256
+    assert launches[0].constexprs["BLOCK_C"] == 64 and launches[0].args[0].dtype == torch.float16
+    assert {launch.options["num_warps"] for launch in launches if "prefix" not in launch.name and launch.name != "backward_dqk"} == {4}
     launches = delta_rule.record_launches(dict(dtype=torch.float32, d_dot=64, d_value=64, chunk_size=32), 90)
     assert [(launch.name, launch.grid) for launch in launches] == [
         ("ut_transform", (512, 8)), ("forward_scan", (1, 8)), ("backward_scan", (1, 8)), ("backward_chunk", (512, 8))
     ]  # fmt: skip
+
+
+@pytest.mark.parametrize("capability", [70, 80, 90])
+def test_sum_rule_forward_fills_an_h100(capability):
+    """Every shipped configuration: the heaviest forward kernel launches at least 132 programs (H100's SMs) at
+    the reference shape, and every chunk kernel one program per (chunk, b·h) at least."""
+    for config in sum_rule.compile_configs():
+        launches = sum_rule.record_launches(config, capability)
+        forward = [launch.programs for launch in launches if launch.name.startswith("forward")]
+        assert max(forward) >= 132, (config, forward)
+        per_chunk = 8 * (16384 // (config["chunk_size"] or 64))
+        assert all(launch.programs >= per_chunk for launch in launches if "prefix" not in launch.name), config
 
 
 def test_signature_specialised_as_triton_launches():

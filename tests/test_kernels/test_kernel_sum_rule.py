@@ -1,9 +1,17 @@
-"""The Triton sum-rule kernel (variants/kernels/sum_rule.py) against the float64 PyTorch form.
+"""The chunk-parallel Triton sum-rule kernels (variants/kernels/sum_rule.py) against the float64
+PyTorch form, forward and the gradient of every input.
 
 Without a CUDA GPU the kernels run on the CPU through Triton's interpreter (TRITON_INTERPRET=1,
-set before triton is imported); with one, the same tests run natively on "cuda". Every test
+set before triton is imported), where 16-bit dots are emulated with the same rounded operands
+(``_common.operand_precision``); with one, the same tests run natively on "cuda". Every test
 runs with ``POISON`` on, so outputs and gradients start as NaN and any element a kernel
 fails to write shows up as a NaN.
+
+Tolerances (``TOLERANCE``, elementwise |a − e| ≤ tol·max|e| + tol·|e|): float32 1e-4 (IEEE dots,
+errors ~1e-7); fp16 and bf16 three times the dtype's resolution (y and the gradients pass through 16-bit
+dot operands: the inputs, and A, P, G and the chunk states rounded once to the input dtype), their
+states S_T, z_T 1e-5 (exact 16-bit products summed in float32), against the float64 reference on
+the inputs rounded to the dtype.
 """
 
 from __future__ import annotations
@@ -61,6 +69,11 @@ def _leaves(tensors, dtype=torch.float32):
     return {n: None if t is None else t.detach().to(DEVICE, dtype).requires_grad_(True) for n, t in tensors.items()}
 
 
+def _rounded(tensors, dtype):
+    """float64 leaves holding the values of ``tensors`` rounded to ``dtype`` (the reference's inputs)."""
+    return {n: None if t is None else t.detach().to(dtype).to(F64).requires_grad_(True) for n, t in tensors.items()}
+
+
 def _max_error(actual, expected):
     return ((actual.detach().to("cpu", F64) - expected.detach()).abs().max() / expected.detach().abs().max().clamp_min(1e-12)).item()
 
@@ -74,39 +87,50 @@ def _assert_close(actual, expected, name, rtol=1e-4, atol=1e-4):
     torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol * scale.item(), msg=lambda m: f"{name}: {m}")
 
 
-def _check_against_reference(case, seed, *, state_cotangent=True, rtol=1e-4, atol=1e-4):
-    """Forward and every gradient of the kernel (float32) against the float64 reference."""
+#: dtype -> (tolerance of y and every gradient, tolerance of the states S_T, z_T); see the module docstring.
+TOLERANCE = {
+    torch.float32: (1e-4, 1e-4),
+    torch.float16: (3 * torch.finfo(torch.float16).eps, 1e-5),
+    torch.bfloat16: (3 * torch.finfo(torch.bfloat16).eps, 1e-5),
+}
+DTYPES = list(TOLERANCE)
+
+
+def _check_against_reference(case, seed, *, dtype=torch.float32, state_cotangent=True, tolerance=None):
+    """Forward and every gradient of the kernels (in ``dtype``) against the float64 reference on the same (rounded) inputs."""
     batch, heads, length, d_dot, d_value, chunk, normalize, initial = case
-    ref_in = {n: None if t is None else t.requires_grad_(True) for n, t in _inputs(
-        batch, heads, length, d_dot, d_value, normalize=normalize, initial=initial, seed=seed).items()}  # fmt: skip
-    run_in = _leaves(ref_in)
+    tol, state_tol = TOLERANCE[dtype] if tolerance is None else (tolerance, tolerance)
+    drawn = _inputs(batch, heads, length, d_dot, d_value, normalize=normalize, initial=initial, seed=seed)
+    ref_in, run_in = _rounded(drawn, dtype), _leaves(drawn, dtype)
 
     y, s_final, z_final = sum_rule_triton(**run_in, normalize=normalize, chunk_size=chunk)
     y_ref, s_ref, z_ref = _reference(**ref_in, normalize=normalize)
-    assert y.dtype == torch.float32 and s_final.dtype == torch.float32
+    assert y.dtype == dtype and s_final.dtype == torch.float32
     assert y.shape == (batch, heads, length, d_value) and s_final.shape == (batch, heads, d_dot, d_value)
     assert (z_final is None) == (not normalize)
     errors = {"y": _max_error(y, y_ref), "S_T": _max_error(s_final, s_ref)}
-    _assert_close(y, y_ref, "y", rtol, atol)
-    _assert_close(s_final, s_ref, "S_T", rtol, atol)
+    _assert_close(y, y_ref, "y", tol, tol)
+    _assert_close(s_final, s_ref, "S_T", state_tol, state_tol)
     if normalize:
+        assert z_final.dtype == torch.float32
         errors["z_T"] = _max_error(z_final, z_ref)
-        _assert_close(z_final, z_ref, "z_T", rtol, atol)
+        _assert_close(z_final, z_ref, "z_T", state_tol, state_tol)
 
     gen = torch.Generator().manual_seed(seed + 1)
-    outputs, outputs_ref, cotangents = [y], [y_ref], [torch.randn(y_ref.shape, generator=gen, dtype=F64)]
+    outputs, outputs_ref = [y], [y_ref]
+    cotangents = [torch.randn(y_ref.shape, generator=gen, dtype=F64).to(dtype).to(F64)]  # dy in y's dtype
     if state_cotangent:
         outputs += [s_final] + ([z_final] if normalize else [])
         outputs_ref += [s_ref] + ([z_ref] if normalize else [])
-        cotangents += [torch.randn(t.shape, generator=gen, dtype=F64) for t in outputs_ref[1:]]
+        cotangents += [torch.randn(t.shape, generator=gen, dtype=F64).float().double() for t in outputs_ref[1:]]
     names = [n for n, t in ref_in.items() if t is not None]
-    grads = torch.autograd.grad(outputs, [run_in[n] for n in names], [c.to(DEVICE, torch.float32) for c in cotangents])
+    grads = torch.autograd.grad(outputs, [run_in[n] for n in names], [c.to(DEVICE, o.dtype) for c, o in zip(cotangents, outputs)])
     grads_ref = torch.autograd.grad(outputs_ref, [ref_in[n] for n in names], cotangents)
     for name, grad, grad_ref in zip(names, grads, grads_ref):
         assert grad.dtype == run_in[name].dtype
         errors["d" + name] = _max_error(grad, grad_ref)
-        _assert_close(grad, grad_ref, "d" + name, rtol, atol)
-    print(f"\n{case}: max |error| / max |reference|: " + ", ".join(f"{n} {e:.1e}" for n, e in errors.items()))
+        _assert_close(grad, grad_ref, "d" + name, tol, tol)
+    print(f"\n{case} {dtype}: max |error| / max |reference|: " + ", ".join(f"{n} {e:.1e}" for n, e in errors.items()))
     return errors
 
 
@@ -125,9 +149,10 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "B{}H{}T{}F{}Dv{}-C{}-norm{}-init{}".format(*c))
-def test_matches_reference(case, seed):
-    _check_against_reference(case, seed)
+def test_matches_reference(case, dtype, seed):
+    _check_against_reference(case, seed, dtype=dtype)
 
 
 @pytest.mark.parametrize("normalize", [True, False])
@@ -136,15 +161,31 @@ def test_cotangent_on_output_only(normalize, seed):
     _check_against_reference((1, 2, 40, 7, 16, 16, normalize, True), seed, state_cotangent=False)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=lambda d: str(d).removeprefix("torch."))
 @pytest.mark.parametrize("normalize", [True, False])
-def test_state_split_into_blocks(monkeypatch, normalize, seed):
-    """Several programs per (b, h), each owning a block of the state, with ragged last blocks."""
+def test_state_split_into_blocks(monkeypatch, normalize, dtype, seed):
+    """State tiles of 16: several programs per (chunk, b·h), loops over F and Dv blocks, ragged last blocks."""
     monkeypatch.setattr(kernel_module, "STATE_BLOCK", 16)
-    _check_against_reference((1, 2, 33, 40, 24, 16, normalize, True), seed)
+    _check_against_reference((1, 2, 33, 40, 24, 16, normalize, True), seed, dtype=dtype)
+
+
+@pytest.mark.parametrize(("skipped", "message"), [("forward_prefix", "^y: "), ("backward_prefix", "^dk: "), ("backward_dv", "^dv: NaN")])
+def test_a_wrong_kernel_fails_the_check(monkeypatch, skipped, message, seed):
+    """The check can fail: without the prefix pass (chunks start from their own sums, not the state before
+    them) or without the dv kernel (dv stays poisoned), the comparison with the reference fails."""
+    real_launch = kernel_module.launch
+
+    def launch(kernel, grid, *args, name=None, **kwargs):
+        if (name or kernel.__name__.strip("_").removesuffix("_kernel")) != skipped:
+            real_launch(kernel, grid, *args, name=name, **kwargs)
+
+    monkeypatch.setattr(kernel_module, "launch", launch)
+    with pytest.raises(AssertionError, match=message):
+        _check_against_reference((1, 1, 40, 8, 8, 16, True, True), seed)
 
 
 def test_some_inputs_without_grad(seed):
-    """Kernels for inputs that need no gradient are skipped; the others stay right."""
+    """Only some inputs need a gradient (the dv kernel, or the dq/dk kernel, is then skipped); those stay right."""
     ref_in = _inputs(1, 2, 30, 8, 8, normalize=True, initial=True, seed=seed)
     run_in = {n: t.detach().to(DEVICE, torch.float32) for n, t in ref_in.items()}
     for wanted in (["v"], ["q"], ["weights"], ["normaliser", "k"]):
@@ -158,13 +199,17 @@ def test_some_inputs_without_grad(seed):
             _assert_close(grad, grad_ref, f"d{name} (only {wanted} need grad)")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=lambda d: str(d).removeprefix("torch."))
 @pytest.mark.parametrize("normalize", [True, False])
-def test_chaining_through_the_state(normalize, seed):
-    """Two calls with the state carried == one call over the whole sequence, forward and backward."""
+def test_chaining_through_the_state(normalize, dtype, seed):
+    """Two calls with the state carried (split inside a chunk) == the float64 reference over the whole
+    sequence, forward and backward; in float32 also == one call over the whole sequence, to 1e-5."""
     split = 23
-    ref_in = _inputs(1, 2, 50, 7, 5, normalize=normalize, initial=True, seed=seed)
-    whole_in, piece_in = _leaves(ref_in), _leaves(ref_in)
+    tol, state_tol = TOLERANCE[dtype]
+    drawn = _inputs(1, 2, 50, 7, 5, normalize=normalize, initial=True, seed=seed)
+    ref_in, whole_in, piece_in = _rounded(drawn, dtype), _leaves(drawn, dtype), _leaves(drawn, dtype)
     whole = sum_rule_triton(**whole_in, normalize=normalize, chunk_size=16)
+    reference = _reference(**ref_in, normalize=normalize)
     q, k, v = piece_in["q"], piece_in["k"], piece_in["v"]
     y1, s1, z1 = sum_rule_triton(
         q[:, :, :split], k[:, :, :split], v[:, :, :split], piece_in["weights"], piece_in["normaliser"],
@@ -172,41 +217,24 @@ def test_chaining_through_the_state(normalize, seed):
     )  # fmt: skip
     y2, s2, z2 = sum_rule_triton(q[:, :, split:], k[:, :, split:], v[:, :, split:], s1, z1, normalize=normalize, chunk_size=16)
     pieces = (torch.cat([y1, y2], dim=2), s2, z2)
-    for name, a, b in zip(("y", "S_T", "z_T"), pieces, whole):
+    for name, a, b, c, t in zip(("y", "S_T", "z_T"), pieces, whole, reference, (tol, state_tol, state_tol)):
         if b is not None:
-            _assert_close(a, b.detach().double().cpu(), f"chained {name}", rtol=1e-5, atol=1e-5)
+            _assert_close(a, c, f"chained {name}", t, t)
+            if dtype == torch.float32:
+                _assert_close(a, b.detach().double().cpu(), f"chained {name} (one call)", rtol=1e-5, atol=1e-5)
 
     gen = torch.Generator().manual_seed(seed + 1)
     used = [t for t in whole if t is not None]
-    cotangents = [torch.randn(t.shape, generator=gen, dtype=torch.float32).to(DEVICE) for t in used]
+    cotangents = [torch.randn(t.shape, generator=gen, dtype=torch.float32).to(t.dtype).double() for t in used]
     names = [n for n, t in whole_in.items() if t is not None]
-    grads_whole = torch.autograd.grad(used, [whole_in[n] for n in names], cotangents)
-    grads_pieces = torch.autograd.grad([t for t in pieces if t is not None], [piece_in[n] for n in names], cotangents)
-    for name, a, b in zip(names, grads_pieces, grads_whole):
-        _assert_close(a, b.detach().double().cpu(), f"chained d{name}", rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_half_precision_accumulates_in_float32(dtype, seed):
-    """16-bit inputs: y in the input dtype (one rounding), the state in float32 (fp32 accumulation)."""
-    ref_in = _inputs(1, 2, 40, 16, 8, normalize=True, initial=False, seed=seed)
-    run_in = _leaves(ref_in, dtype)
-    rounded = {n: None if t is None else t.detach().to(dtype).to(F64).requires_grad_(True) for n, t in ref_in.items()}
-    y, s_final, z_final = sum_rule_triton(**run_in, normalize=True, chunk_size=16)
-    y_ref, s_ref, z_ref = _reference(**rounded, normalize=True)
-    assert y.dtype == dtype and s_final.dtype == torch.float32 and z_final.dtype == torch.float32
-    resolution = torch.finfo(dtype).eps
-    _assert_close(y, y_ref, "y", rtol=resolution, atol=resolution)
-    _assert_close(s_final, s_ref, "S_T", rtol=1e-5, atol=1e-5)
-    _assert_close(z_final, z_ref, "z_T", rtol=1e-5, atol=1e-5)
-    grad_y = torch.randn(y_ref.shape, generator=torch.Generator().manual_seed(seed), dtype=F64)
-    names = ["q", "k", "v"]
-    grads = torch.autograd.grad(y, [run_in[n] for n in names], grad_y.to(DEVICE, dtype))
-    grads_ref = torch.autograd.grad(y_ref, [rounded[n] for n in names], grad_y.to(dtype).to(F64))
-    for name, grad, grad_ref in zip(names, grads, grads_ref):
-        assert grad.dtype == dtype
-        # each gradient is rounded once to the 16-bit dtype; everything before is float32
-        _assert_close(grad, grad_ref, "d" + name, rtol=resolution, atol=resolution)
+    grads_whole = torch.autograd.grad(used, [whole_in[n] for n in names], [c.to(DEVICE, t.dtype) for c, t in zip(cotangents, used)])
+    piece_outputs = [t for t in pieces if t is not None]
+    grads_pieces = torch.autograd.grad(piece_outputs, [piece_in[n] for n in names], [c.to(DEVICE, t.dtype) for c, t in zip(cotangents, used)])
+    grads_ref = torch.autograd.grad([t for t in reference if t is not None], [ref_in[n] for n in names], cotangents)
+    for name, a, b, c in zip(names, grads_pieces, grads_whole, grads_ref):
+        _assert_close(a, c, f"chained d{name}", tol, tol)
+        if dtype == torch.float32:
+            _assert_close(a, b.detach().double().cpu(), f"chained d{name} (one call)", rtol=1e-5, atol=1e-5)
 
 
 def test_poison_marks_unwritten_elements():

@@ -5,7 +5,8 @@ checks, the launch, @triton.jit tile helpers, and the recording of launches that
 Constexpr names, the same in every kernel: ``BLOCK_C`` the chunk padded to a power of two ≥ 16,
 ``BLOCK_F`` / ``BLOCK_V`` the rows (d_dot side) / columns (d_value side) of the state one program
 holds, ``PAD_V`` d_value padded (the row stride of padded internal buffers), ``PRECISION`` the
-``tl.dot`` input precision. Runtime sizes: ``seq_len, d_dot, d_value, chunk_size, num_chunks``.
+``tl.dot`` input precision (``dot_precision``; for kernels that multiply through ``dot``,
+``operand_precision``, which adds 16-bit operands). Runtime sizes: ``seq_len, d_dot, d_value, chunk_size, num_chunks``.
 """
 
 from __future__ import annotations
@@ -69,6 +70,18 @@ def dot_precision(dtype: torch.dtype, capability: int | None) -> str:
     if dtype == torch.float32:
         return FP32_DOT_PRECISION
     return "ieee" if capability is not None and capability < TF32_CAPABILITY else "tf32"
+
+
+def operand_precision(dtype: torch.dtype, capability: int | None) -> str:
+    """``PRECISION`` of the chunk-parallel kernels (``dot``): ``FP32_DOT_PRECISION`` for float32; for
+    fp16/bf16 "input" (16-bit operands straight into the tensor cores, fp32 accumulation) from sm_80 on,
+    "input_emulated" in the interpreter (CPU tensors: the same rounded operands, exact fp32 products,
+    since the interpreter's matmul does not take bf16), IEEE fp32 on sm_70 (no bf16 tensor cores)."""
+    if dtype == torch.float32:
+        return FP32_DOT_PRECISION
+    if capability is None:
+        return "input_emulated"
+    return "ieee" if capability < TF32_CAPABILITY else "input"
 
 
 class Tiles:
@@ -245,3 +258,17 @@ def load_or_zeros(ptr, offs, mask, PRESENT: tl.constexpr):
     else:
         values = tl.zeros(offs.shape, dtype=tl.float32)
     return values
+
+
+@triton.jit
+def dot(a, b, PRECISION: tl.constexpr, INPUT_TYPE: tl.constexpr):
+    """``a @ b`` accumulated in float32 (``operand_precision``): with "input" both operands are cast to
+    ``INPUT_TYPE`` (the 16-bit input dtype: a 16-bit MMA), with "input_emulated" rounded to it and
+    multiplied in fp32 (the same products), else multiplied as fp32 at ``PRECISION`` ("ieee", "tf32")."""
+    if PRECISION == "input":
+        out = tl.dot(a.to(INPUT_TYPE), b.to(INPUT_TYPE), out_dtype=tl.float32)
+    elif PRECISION == "input_emulated":
+        out = tl.dot(a.to(INPUT_TYPE).to(tl.float32), b.to(INPUT_TYPE).to(tl.float32), input_precision="ieee")
+    else:
+        out = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=PRECISION)
+    return out

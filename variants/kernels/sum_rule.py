@@ -1,29 +1,32 @@
-"""Chunked causal sum rule (linear attention) in Triton, forward and backward.
+"""Chunk-parallel causal sum rule (linear attention) in Triton, forward and backward.
 
 Inputs are already feature-mapped: ``q, k: [B, H, T, F]`` (F = d_dot), ``v: [B, H, T, Dv]``.
-With S_0 ``[F, Dv]`` and z_0 ``[F]`` the initial state (zero when not given), per (b, h):
+With S_0 ``[F, Dv]`` and z_0 ``[F]`` the initial state (zero when not given), per (b, h)
+(Katharopoulos et al. 2020, eq. 9-12; Schlag et al. 2021, eq. 17-19):
 
     S_t = S_0 + Σ_{i≤t} k_i v_iᵀ,   z_t = z_0 + Σ_{i≤t} k_i,
     num_t = S_tᵀ q_t,   den_t = q_t·z_t,
     y_t = num_t                       (normalize=False)
     y_t = num_t / (den_t + ε)         (normalize=True, ε = variants.feature_maps.EPS)
 
-Three faces, as everywhere in the library: :func:`sum_rule_triton` (this kernel, the
-chunked parallel form), ``variants.chunked.sum_rule_chunked`` (the PyTorch chunked form, the
-reference the tests tie this file to) and the recurrent ``step`` of ``variants.sum_rule``.
+Three faces, as everywhere in the library: :func:`sum_rule_triton` (these kernels, the chunked
+parallel form), ``variants.chunked.sum_rule_chunked`` (the PyTorch chunked form, the reference the
+tests tie this file to) and the recurrent ``step`` of ``variants.sum_rule``.
 
-Forward (one program per (b, h) and block of Dv columns), per chunk of C tokens with
-Q, K ``[C, F]``, V ``[C, Dv]`` and the state S, z carried from earlier chunks:
+Forward, in three launches, with chunk c holding Q_c, K_c ``[C, F]``, V_c ``[C, Dv]``:
 
-    A = tril(Q Kᵀ)                        (causal, inclusive)
-    num = A V + Q S,   den = A 1 + Q z
-    S ← S + Kᵀ V,      z ← z + Kᵀ 1
+  (a) ``_chunk_sums_kernel``, one program per (chunk, b·h, F×Dv tile), all in parallel:
+      the chunk's own contribution ΔS_c = K_cᵀ V_c and Δz_c = K_cᵀ 1;
+  (b) ``_chunk_prefix_kernel``, one program per (b·h, block of state elements): the only
+      sequential part, an exclusive prefix sum over chunks, in place, in fp32:
+      S_c = S_0 + Σ_{c'<c} ΔS_c', z_c likewise (the state each chunk starts from), and S_T, z_T;
+  (c) ``_chunk_output_kernel``, one program per (chunk, b·h, Dv block), in parallel:
+      A = tril(Q_c K_cᵀ) (causal, inclusive), num = A V_c + Q_c S_c, den = A 1 + Q_c z_c.
 
-Every product accumulates in float32, whatever the input dtype; fp32 inputs use IEEE fp32
-dots (``_common.FP32_DOT_PRECISION``), fp16/bf16 inputs use TF32 dots on fp32 operands, which is
-exact on the 16-bit inputs themselves (IEEE fp32 on sm_70, which has no TF32: ``_common.dot_precision``).
-y is written in the input dtype, the final state in
-float32. For the normalised form the forward also keeps r_t = 1 / (den_t + ε) for backward.
+For the normalised form (c) also keeps r_t = 1 / (den_t + ε) for the backward. The states of
+(b) live in one fp32 buffer ``[B·H, n_chunks, W]``, row c = [S_c flattened (F·Dv), z_c (F, only
+when normalising)], so one prefix launch carries both; the backward recomputes them ((a) and (b)
+are light) rather than keeping them from the forward.
 
 Backward. Let dy_t, dS_T, dz_T be the incoming gradients (zero when absent), and
 
@@ -36,18 +39,30 @@ the reverse-time sums  dS̃_i = dS_T + Σ_{t≥i} q_t g_tᵀ  and  dz̃_i = dz_T
     dq_t = S_t g_t + dden_t z_t,   dk_i = dS̃_i v_i + dz̃_i,   dv_i = dS̃_iᵀ k_i,
     dS_0 = dS̃_1,   dz_0 = dz̃_1.
 
-Chunked, with P = tril(G Vᵀ + dden 1ᵀ) ``[C, C]`` (P_{ti} = g_t·v_i + dden_t for t ≥ i):
+Chunked, with P = tril(G Vᵀ + dden 1ᵀ) ``[C, C]`` (P_{ti} = g_t·v_i + dden_t for t ≥ i) and
+dS_c, dz_c the gradient reaching chunk c from after it:
 
-    dq = P K + G Sᵀ + dden zᵀ                  (S, z: the state before the chunk; forward scan)
-    dk = Pᵀ Q + V dSᵀ + 1 dzᵀ,  dv = Aᵀ G + K dS (dS, dz: the gradient after the chunk; reverse scan)
-    dS ← dS + Qᵀ G,   dz ← dz + Qᵀ dden
+    dq = P K + G S_cᵀ + dden z_cᵀ,   dk = Pᵀ Q + V dS_cᵀ + 1 dz_cᵀ,   dv = Aᵀ G + K dS_c,
+    dS_c = dS_T + Σ_{c'>c} Q_c'ᵀ G_c',   dz_c = dz_T + Σ_{c'>c} Q_c'ᵀ dden_c'.
 
-δ_t = dy_t·y_t uses the returned y for float32 inputs; for 16-bit inputs the forward kernel
-reruns to recompute y in float32 (the rounded y would put its rounding error into dq and dk,
-badly so at tokens where q·z is small). Three backward kernels, each splitting the state where its outputs allow: dq and dk (with dS_0, dz_0) per
-block of F rows, dv per block of Dv columns; each recomputes the state it needs, so nothing
-per chunk is stored. Feature and value dims are padded to powers of two (≥ 16, for tl.dot)
-with masks; at most 256 each.
+The same (a) and (b) give dS_c, dz_c: (a) on (Q, G, dden) instead of (K, V, 1), (b) in reverse,
+starting from dS_T, dz_T and ending with dS_0, dz_0. Then ``_backward_dqk_kernel`` (one program per
+(chunk, b·h, F block)) and ``_backward_dv_kernel`` (per (chunk, b·h, Dv block)), in parallel, with
+G = diag(r) dY applied after the products with dY: P = diag(r)(dY Vᵀ − δ 1ᵀ) (before tril),
+G S_cᵀ + dden z_cᵀ = diag(r)(dY S_cᵀ − δ z_cᵀ), Aᵀ G = (diag(r) A)ᵀ dY. So dY enters the dots as it
+is and the nearly cancelling differences (g_t·v_i vs r_t δ_t) are taken in float32.
+δ_t = dy_t·y_t uses the returned y for float32 inputs; for 16-bit inputs (c) reruns to recompute y
+in float32 (the rounded y would put its rounding error into dq and dk, badly so at tokens where
+q·z is small).
+
+Precision: states and every accumulation are float32. fp16/bf16 inputs go into 16-bit tensor-core
+dots as they are; the fp32 tiles they meet (A, P, diag(r) A, G in (a), the states) are rounded to the
+input dtype as dot operands (``_common.dot``; sm_70, without bf16 tensor cores, multiplies in fp32).
+fp32 inputs use IEEE fp32 dots (``_common.FP32_DOT_PRECISION``). y is written in the input dtype,
+S_T and z_T in float32. F and Dv are padded to powers of two (≥ 16, for tl.dot) with masks, at most
+256 each; the chunk kernels loop over F (or Dv) in blocks of ``STATE_BLOCK``, so their tiles stay
+[C, 64] ([C, 32] with fp32 operands) whatever d. Memory: one fp32 state row per chunk and b·h,
+4·(F·Dv + F) bytes (32 MiB at B·H = 8, T = 16384, d = 64; 0.5 GiB at d = 256); the backward holds two.
 """
 
 from __future__ import annotations
@@ -60,222 +75,242 @@ from torch.autograd.function import once_differentiable
 from ..base import VariantError
 from ..feature_maps import EPS
 from . import _common
-from ._common import chunk_rows, launch, load_or_zeros, new_output, state_tile, token_tile
+from ._common import chunk_rows, dot, launch, load_or_zeros, new_output, token_tile
 
-#: Rows (d_dot) or columns (d_value) of the state one program holds; a power of two ≥ 16.
+#: Rows (d_dot) or columns (d_value) of a state tile with 16-bit dot operands, a power of two ≥ 16;
+#: half of it (at least 16) with fp32 operands, whose FMA dots hold more registers per element.
 STATE_BLOCK = 64
+#: The chunk size when none is given.
+CHUNK_SIZE = 64
+#: State elements (of one b·h) one program of the prefix pass carries.
+PREFIX_BLOCK = 256
 
 
 # --------------------------------------------------------------------------------------
-# Kernels. Tensors are contiguous; [B, H] is flattened into one program axis ``bh``.
+# Kernels. Tensors are contiguous; [B, H] is flattened into one grid axis ``bh``. Chunk states are
+# [B·H, num_chunks, width] with width = d_dot·d_value (+ d_dot with NORMALIZE): S_c, then z_c.
 # --------------------------------------------------------------------------------------
 
 
 @triton.jit
-def _forward_kernel(
-    q_ptr, k_ptr, v_ptr, s0_ptr, z0_ptr,  # inputs
-    y_ptr, st_ptr, zt_ptr, rinv_ptr,  # outputs
+def _state_tile(states_ptr, bh, chunk, num_chunks, width, offs_f, offs_v, d_dot, d_value):
+    """Rows ``offs_f``, columns ``offs_v`` of S_c (float32, 0 outside F × Dv)."""
+    offs = (bh * num_chunks + chunk) * width + offs_f[:, None] * d_value + offs_v[None, :]
+    mask = (offs_f < d_dot)[:, None] & (offs_v < d_value)[None, :]
+    return tl.load(states_ptr + offs, mask=mask, other=0.0)
+
+
+@triton.jit
+def _norm_tile(states_ptr, bh, chunk, num_chunks, width, offs_f, d_dot, d_value):
+    """Entries ``offs_f`` of z_c (float32, 0 outside F)."""
+    offs = (bh * num_chunks + chunk) * width + d_dot * d_value + offs_f
+    return tl.load(states_ptr + offs, mask=offs_f < d_dot, other=0.0)
+
+
+@triton.jit
+def _load_tokens(ptr, bh, seq_len, rows, row_ok, cols, width):
+    """Rows ``rows`` (where ``row_ok``), columns ``cols`` of a [B·H, T, width] tensor, in its dtype, 0 outside."""
+    offs, mask = token_tile(bh, seq_len, rows, row_ok, cols, width)
+    return tl.load(ptr + offs, mask=mask, other=0.0)
+
+
+@triton.jit
+def _token_values(ptr, bh, seq_len, rows, row_ok):
+    """One float32 per token of a [B·H, T] tensor (r or δ) for one chunk, 0 outside."""
+    return tl.load(ptr + bh * seq_len + rows, mask=row_ok, other=0.0)
+
+
+@triton.jit
+def _chunk_sums_kernel(
+    x_ptr, y_ptr, rinv_ptr, delta_ptr,  # inputs: (K, V) or (Q, dY with r, δ)
+    states_ptr,  # output [B·H, num_chunks, width]
+    seq_len, d_dot, d_value, chunk_size, num_chunks, width,
+    NORMALIZE: tl.constexpr, COTANGENT: tl.constexpr,
+    BLOCK_C: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_V: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """(a) Program (chunk c, bh, tile (i, j)): rows block i, columns block j of ΔS_c = K_cᵀ V_c and,
+    with NORMALIZE (j = 0), block i of Δz_c = K_cᵀ 1. With COTANGENT the backward's Q_cᵀ G_c and Q_cᵀ dden_c."""
+    chunk = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    tile = tl.program_id(2)
+    n_v = tl.cdiv(d_value, BLOCK_V)
+    offs_f = (tile // n_v) * BLOCK_F + tl.arange(0, BLOCK_F)
+    offs_v = (tile % n_v) * BLOCK_V + tl.arange(0, BLOCK_V)
+    rows, row_ok = chunk_rows(chunk, seq_len, chunk_size, BLOCK_C)
+
+    x = _load_tokens(x_ptr, bh, seq_len, rows, row_ok, offs_f, d_dot)
+    y = _load_tokens(y_ptr, bh, seq_len, rows, row_ok, offs_v, d_value)
+    if COTANGENT and NORMALIZE:
+        rinv = _token_values(rinv_ptr, bh, seq_len, rows, row_ok)
+        y = y.to(tl.float32) * rinv[:, None]  # G = diag(r) dY
+    sums = dot(tl.trans(x), y, PRECISION, x_ptr.dtype.element_ty)
+    base = (bh * num_chunks + chunk) * width
+    mask = (offs_f < d_dot)[:, None] & (offs_v < d_value)[None, :]
+    tl.store(states_ptr + base + offs_f[:, None] * d_value + offs_v[None, :], sums, mask=mask)
+    if NORMALIZE:
+        if tile % n_v == 0:
+            if COTANGENT:
+                dden = -rinv * _token_values(delta_ptr, bh, seq_len, rows, row_ok)
+                norm = tl.sum(x.to(tl.float32) * dden[:, None], axis=0)
+            else:
+                norm = tl.sum(x.to(tl.float32), axis=0)
+            tl.store(states_ptr + base + d_dot * d_value + offs_f, norm, mask=offs_f < d_dot)
+
+
+@triton.jit
+def _chunk_prefix_kernel(
+    states_ptr, initial_ptr, final_ptr,
+    width, num_chunks,
+    HAS_INITIAL: tl.constexpr, REVERSE: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """(b) Program (bh, block): in place over chunks, ΔS_c -> S_c = S_0 + Σ_{c'<c} ΔS_c' (with REVERSE
+    dS_c = dS_T + Σ_{c'>c} ΔS_c'), for ``BLOCK`` entries of a state row; the sum over all chunks
+    (S_T, or dS_0 with REVERSE) goes to ``final``. ``initial`` and ``final`` are [B·H, width]."""
+    bh = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < width
+    running = load_or_zeros(initial_ptr, bh * width + offs, ok, HAS_INITIAL)
+    row_ptr = states_ptr + bh * num_chunks * width + offs
+    for step in range(num_chunks):
+        chunk = num_chunks - 1 - step if REVERSE else step
+        own = tl.load(row_ptr + chunk * width, mask=ok, other=0.0)
+        tl.store(row_ptr + chunk * width, running, mask=ok)
+        running += own
+    tl.store(final_ptr + bh * width + offs, running, mask=ok)
+
+
+@triton.jit
+def _chunk_output_kernel(
+    q_ptr, k_ptr, v_ptr, states_ptr,  # inputs
+    y_ptr, rinv_ptr,  # outputs
     dy_ptr, delta_ptr,  # only with DELTA_ONLY
-    seq_len, d_dot, d_value, chunk_size, num_chunks,
-    HAS_S0: tl.constexpr, HAS_Z0: tl.constexpr, NORMALIZE: tl.constexpr, DELTA_ONLY: tl.constexpr,
+    seq_len, d_dot, d_value, chunk_size, num_chunks, width,
+    NORMALIZE: tl.constexpr, DELTA_ONLY: tl.constexpr,
     BLOCK_C: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_V: tl.constexpr,
     PRECISION: tl.constexpr, EPSILON: tl.constexpr,
 ):
-    """Program (bh, j): y[:, block j of Dv], S_T[:, block j]; block 0 also writes z_T and r.
+    """(c) Program (chunk c, bh, j): y_c[:, block j] = (A V + Q S_c) r with A = tril(Q Kᵀ) and, with
+    NORMALIZE, r = 1 / (A 1 + Q z_c + ε) (block 0 stores r). A and the reads of S_c, z_c sum over F
+    in blocks of BLOCK_F.
 
     With ``DELTA_ONLY`` (backward of 16-bit inputs) it writes only Σ_{d in block j} dy_td y_td,
-    y recomputed in float32, to ``delta[j, bh, t]`` (the wrapper sums over j)."""
-    bh = tl.program_id(0).to(tl.int64)
-    pid_v = tl.program_id(1)
-    offs_c = tl.arange(0, BLOCK_C)
-    offs_f = tl.arange(0, BLOCK_F)
+    y in float32, to ``delta[j, bh, t]`` (the wrapper sums over j)."""
+    chunk = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    pid_v = tl.program_id(2)
     offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
-    f_ok = offs_f < d_dot
-    causal = offs_c[:, None] >= offs_c[None, :]
+    rows, row_ok = chunk_rows(chunk, seq_len, chunk_size, BLOCK_C)
+    input_type = q_ptr.dtype.element_ty
 
-    state_offs, state_mask = state_tile(bh, offs_f, offs_v, d_dot, d_value)
-    state = load_or_zeros(s0_ptr, state_offs, state_mask, HAS_S0)
-    norm = load_or_zeros(z0_ptr, bh * d_dot + offs_f, f_ok, HAS_Z0)
-
-    for chunk in range(num_chunks):
-        rows, row_ok = chunk_rows(chunk, seq_len, chunk_size, BLOCK_C)
-        qk_offs, qk_mask = token_tile(bh, seq_len, rows, row_ok, offs_f, d_dot)
-        v_offs, v_mask = token_tile(bh, seq_len, rows, row_ok, offs_v, d_value)
-        q = tl.load(q_ptr + qk_offs, mask=qk_mask, other=0.0).to(tl.float32)
-        k = tl.load(k_ptr + qk_offs, mask=qk_mask, other=0.0).to(tl.float32)
-        v = tl.load(v_ptr + v_offs, mask=v_mask, other=0.0).to(tl.float32)
-
-        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-        scores = tl.where(causal, scores, 0.0)
-        out = tl.dot(scores, v, input_precision=PRECISION)
-        out += tl.dot(q, state, input_precision=PRECISION)
+    scores = tl.zeros((BLOCK_C, BLOCK_C), dtype=tl.float32)
+    out = tl.zeros((BLOCK_C, BLOCK_V), dtype=tl.float32)
+    den = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    for f_start in range(0, d_dot, BLOCK_F):
+        offs_f = f_start + tl.arange(0, BLOCK_F)
+        q = _load_tokens(q_ptr, bh, seq_len, rows, row_ok, offs_f, d_dot)
+        k = _load_tokens(k_ptr, bh, seq_len, rows, row_ok, offs_f, d_dot)
+        scores += dot(q, tl.trans(k), PRECISION, input_type)
+        out += dot(q, _state_tile(states_ptr, bh, chunk, num_chunks, width, offs_f, offs_v, d_dot, d_value), PRECISION, input_type)
         if NORMALIZE:
-            den = tl.sum(scores, axis=1) + tl.sum(q * norm[None, :], axis=1)
-            rinv = 1.0 / (den + EPSILON)
-            out = out * rinv[:, None]
-            if not DELTA_ONLY:
-                if pid_v == 0:
-                    tl.store(rinv_ptr + bh * seq_len + rows, rinv, mask=row_ok)
-            norm += tl.sum(k, axis=0)
-        if DELTA_ONLY:
-            dy = tl.load(dy_ptr + v_offs, mask=v_mask, other=0.0).to(tl.float32)
-            n_bh = tl.num_programs(0).to(tl.int64)
-            tl.store(delta_ptr + (pid_v * n_bh + bh) * seq_len + rows, tl.sum(dy * out, axis=1), mask=row_ok)
-        else:
-            tl.store(y_ptr + v_offs, out.to(y_ptr.dtype.element_ty), mask=v_mask)
-        state += tl.dot(tl.trans(k), v, input_precision=PRECISION)
-
-    if not DELTA_ONLY:
-        tl.store(st_ptr + state_offs, state, mask=state_mask)
-        if NORMALIZE:
+            norm = _norm_tile(states_ptr, bh, chunk, num_chunks, width, offs_f, d_dot, d_value)
+            den += tl.sum(q.to(tl.float32) * norm[None, :], axis=1)
+    scores = tl.where(rows[:, None] >= rows[None, :], scores, 0.0)
+    v = _load_tokens(v_ptr, bh, seq_len, rows, row_ok, offs_v, d_value)
+    out += dot(scores, v, PRECISION, input_type)
+    if NORMALIZE:
+        # A 1 as a product with [1, 0, ..., 0] columns, which keeps A in the layout of the dot above (a
+        # row sum of A beside it held A twice: fp32 spilled 1.2 KB a thread)
+        first_column = tl.zeros((BLOCK_C, 16), dtype=tl.float32) + (tl.arange(0, 16) == 0).to(tl.float32)[None, :]
+        rinv = 1.0 / (den + tl.sum(dot(scores, first_column, PRECISION, input_type), axis=1) + EPSILON)
+        out = out * rinv[:, None]
+        if not DELTA_ONLY:
             if pid_v == 0:
-                tl.store(zt_ptr + bh * d_dot + offs_f, norm, mask=f_ok)
-
-
-@triton.jit
-def _load_cotangent(dy_ptr, rinv_ptr, delta_ptr, bh, seq_len, d_value, rows, row_ok, offs_v, NORMALIZE: tl.constexpr):
-    """g = dy·r and dden = −r (dy·y) for one chunk (g = dy, dden = 0 without normalisation)."""
-    dy_offs, dy_mask = token_tile(bh, seq_len, rows, row_ok, offs_v, d_value)
-    g = tl.load(dy_ptr + dy_offs, mask=dy_mask, other=0.0).to(tl.float32)
-    if NORMALIZE:
-        rinv = tl.load(rinv_ptr + bh * seq_len + rows, mask=row_ok, other=0.0)
-        delta = tl.load(delta_ptr + bh * seq_len + rows, mask=row_ok, other=0.0)
-        g = g * rinv[:, None]
-        dden = -rinv * delta
+                tl.store(rinv_ptr + bh * seq_len + rows, rinv, mask=row_ok)
+    y_offs, y_mask = token_tile(bh, seq_len, rows, row_ok, offs_v, d_value)
+    if DELTA_ONLY:
+        dy = tl.load(dy_ptr + y_offs, mask=y_mask, other=0.0).to(tl.float32)
+        n_bh = tl.num_programs(1).to(tl.int64)
+        tl.store(delta_ptr + (pid_v * n_bh + bh) * seq_len + rows, tl.sum(dy * out, axis=1), mask=row_ok)
     else:
-        dden = tl.zeros_like(rows).to(tl.float32)
-    return g, dden
+        tl.store(y_ptr + y_offs, out.to(y_ptr.dtype.element_ty), mask=y_mask)
 
 
 @triton.jit
-def _cotangent_scores(g, v, dden, causal, NORMALIZE: tl.constexpr, PRECISION: tl.constexpr):
-    """P = tril(G Vᵀ + dden 1ᵀ) for one chunk (P = tril(G Vᵀ) without normalisation)."""
-    p = tl.dot(g, tl.trans(v), input_precision=PRECISION)
-    if NORMALIZE:
-        p += dden[:, None]
-    return tl.where(causal, p, 0.0)
-
-
-@triton.jit
-def _backward_dq_kernel(
-    k_ptr, v_ptr, s0_ptr, z0_ptr, dy_ptr, rinv_ptr, delta_ptr,
-    dq_ptr,
-    seq_len, d_dot, d_value, chunk_size, num_chunks,
-    HAS_S0: tl.constexpr, HAS_Z0: tl.constexpr, NORMALIZE: tl.constexpr,
-    BLOCK_C: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_V: tl.constexpr,
-    PRECISION: tl.constexpr,
+def _backward_dqk_kernel(
+    q_ptr, k_ptr, v_ptr, dy_ptr, rinv_ptr, delta_ptr, states_ptr, dstates_ptr,  # inputs
+    dq_ptr, dk_ptr,  # outputs
+    seq_len, d_dot, d_value, chunk_size, num_chunks, width,
+    NORMALIZE: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_V: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """Program (bh, i): dq[:, block i of d_dot] = P K + G Sᵀ + dden zᵀ, forward over chunks
-    carrying rows block i of S (all Dv columns) and of z."""
-    bh = tl.program_id(0).to(tl.int64)
-    pid_f = tl.program_id(1)
-    offs_c = tl.arange(0, BLOCK_C)
-    offs_f = pid_f * BLOCK_F + tl.arange(0, BLOCK_F)
-    offs_v = tl.arange(0, BLOCK_V)
-    causal = offs_c[:, None] >= offs_c[None, :]
+    """Program (chunk c, bh, i): dq, dk [:, block i of F] = P K + G S_cᵀ + dden z_cᵀ and Pᵀ Q + V dS_cᵀ + 1 dz_cᵀ,
+    summed over Dv in blocks of BLOCK_V. G = diag(r) dY enters as r (dY Vᵀ − δ 1ᵀ) = P (before tril) and
+    r (dY S_cᵀ − δ z_cᵀ), so dY reaches the dots as it is (16-bit: not rounded again) and the near-cancelling
+    differences are taken in float32."""
+    chunk = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    offs_f = tl.program_id(2) * BLOCK_F + tl.arange(0, BLOCK_F)
+    rows, row_ok = chunk_rows(chunk, seq_len, chunk_size, BLOCK_C)
+    input_type = q_ptr.dtype.element_ty
 
-    state_offs, state_mask = state_tile(bh, offs_f, offs_v, d_dot, d_value)
-    state = load_or_zeros(s0_ptr, state_offs, state_mask, HAS_S0)
-    norm = load_or_zeros(z0_ptr, bh * d_dot + offs_f, offs_f < d_dot, HAS_Z0)
-
-    for chunk in range(num_chunks):
-        rows, row_ok = chunk_rows(chunk, seq_len, chunk_size, BLOCK_C)
-        k_offs, k_mask = token_tile(bh, seq_len, rows, row_ok, offs_f, d_dot)
-        v_offs, v_mask = token_tile(bh, seq_len, rows, row_ok, offs_v, d_value)
-        k = tl.load(k_ptr + k_offs, mask=k_mask, other=0.0).to(tl.float32)
-        v = tl.load(v_ptr + v_offs, mask=v_mask, other=0.0).to(tl.float32)
-        g, dden = _load_cotangent(dy_ptr, rinv_ptr, delta_ptr, bh, seq_len, d_value, rows, row_ok, offs_v, NORMALIZE)
-
-        p = _cotangent_scores(g, v, dden, causal, NORMALIZE, PRECISION)
-        dq = tl.dot(p, k, input_precision=PRECISION)
-        dq += tl.dot(g, tl.trans(state), input_precision=PRECISION)
-        if NORMALIZE:
-            dq += dden[:, None] * norm[None, :]
-            norm += tl.sum(k, axis=0)
-        tl.store(dq_ptr + k_offs, dq.to(dq_ptr.dtype.element_ty), mask=k_mask)
-        state += tl.dot(tl.trans(k), v, input_precision=PRECISION)
-
-
-@triton.jit
-def _backward_dk_kernel(
-    q_ptr, v_ptr, dst_ptr, dzt_ptr, dy_ptr, rinv_ptr, delta_ptr,
-    dk_ptr, ds0_ptr, dz0_ptr,
-    seq_len, d_dot, d_value, chunk_size, num_chunks,
-    HAS_DST: tl.constexpr, HAS_DZT: tl.constexpr, NORMALIZE: tl.constexpr,
-    BLOCK_C: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_V: tl.constexpr,
-    PRECISION: tl.constexpr,
-):
-    """Program (bh, i): dk[:, block i of d_dot] = Pᵀ Q + V dSᵀ + 1 dzᵀ, backward over chunks
-    carrying rows block i of dS and of dz; ends with dS_0, dz_0 of those rows."""
-    bh = tl.program_id(0).to(tl.int64)
-    pid_f = tl.program_id(1)
-    offs_c = tl.arange(0, BLOCK_C)
-    offs_f = pid_f * BLOCK_F + tl.arange(0, BLOCK_F)
-    offs_v = tl.arange(0, BLOCK_V)
-    f_ok = offs_f < d_dot
-    causal = offs_c[:, None] >= offs_c[None, :]
-
-    state_offs, state_mask = state_tile(bh, offs_f, offs_v, d_dot, d_value)
-    dstate = load_or_zeros(dst_ptr, state_offs, state_mask, HAS_DST)
-    dnorm = load_or_zeros(dzt_ptr, bh * d_dot + offs_f, f_ok, HAS_DZT)
-
-    for step in range(num_chunks):
-        rows, row_ok = chunk_rows(num_chunks - 1 - step, seq_len, chunk_size, BLOCK_C)
-        q_offs, q_mask = token_tile(bh, seq_len, rows, row_ok, offs_f, d_dot)
-        v_offs, v_mask = token_tile(bh, seq_len, rows, row_ok, offs_v, d_value)
-        q = tl.load(q_ptr + q_offs, mask=q_mask, other=0.0).to(tl.float32)
-        v = tl.load(v_ptr + v_offs, mask=v_mask, other=0.0).to(tl.float32)
-        g, dden = _load_cotangent(dy_ptr, rinv_ptr, delta_ptr, bh, seq_len, d_value, rows, row_ok, offs_v, NORMALIZE)
-
-        p = _cotangent_scores(g, v, dden, causal, NORMALIZE, PRECISION)
-        dk = tl.dot(tl.trans(p), q, input_precision=PRECISION)
-        dk += tl.dot(v, tl.trans(dstate), input_precision=PRECISION)
-        if NORMALIZE:
-            dk += dnorm[None, :]
-            dnorm += tl.sum(q * dden[:, None], axis=0)
-        tl.store(dk_ptr + q_offs, dk.to(dk_ptr.dtype.element_ty), mask=q_mask)
-        dstate += tl.dot(tl.trans(q), g, input_precision=PRECISION)
-
-    tl.store(ds0_ptr + state_offs, dstate, mask=state_mask)
+    p = tl.zeros((BLOCK_C, BLOCK_C), dtype=tl.float32)
+    dq = tl.zeros((BLOCK_C, BLOCK_F), dtype=tl.float32)
+    dk = tl.zeros((BLOCK_C, BLOCK_F), dtype=tl.float32)
+    for v_start in range(0, d_value, BLOCK_V):
+        offs_v = v_start + tl.arange(0, BLOCK_V)
+        dy = _load_tokens(dy_ptr, bh, seq_len, rows, row_ok, offs_v, d_value)
+        v = _load_tokens(v_ptr, bh, seq_len, rows, row_ok, offs_v, d_value)
+        p += dot(dy, tl.trans(v), PRECISION, input_type)
+        state = _state_tile(states_ptr, bh, chunk, num_chunks, width, offs_f, offs_v, d_dot, d_value)
+        dstate = _state_tile(dstates_ptr, bh, chunk, num_chunks, width, offs_f, offs_v, d_dot, d_value)
+        dq += dot(dy, tl.trans(state), PRECISION, input_type)
+        dk += dot(v, tl.trans(dstate), PRECISION, input_type)
     if NORMALIZE:
-        tl.store(dz0_ptr + bh * d_dot + offs_f, dnorm, mask=f_ok)
+        rinv = _token_values(rinv_ptr, bh, seq_len, rows, row_ok)
+        delta = _token_values(delta_ptr, bh, seq_len, rows, row_ok)
+        p = (p - delta[:, None]) * rinv[:, None]
+        norm = _norm_tile(states_ptr, bh, chunk, num_chunks, width, offs_f, d_dot, d_value)
+        dq = (dq - delta[:, None] * norm[None, :]) * rinv[:, None]
+        dk += _norm_tile(dstates_ptr, bh, chunk, num_chunks, width, offs_f, d_dot, d_value)[None, :]
+    p = tl.where(rows[:, None] >= rows[None, :], p, 0.0)
+    q = _load_tokens(q_ptr, bh, seq_len, rows, row_ok, offs_f, d_dot)
+    k = _load_tokens(k_ptr, bh, seq_len, rows, row_ok, offs_f, d_dot)
+    dq += dot(p, k, PRECISION, input_type)
+    dk += dot(tl.trans(p), q, PRECISION, input_type)
+    offs, mask = token_tile(bh, seq_len, rows, row_ok, offs_f, d_dot)
+    tl.store(dq_ptr + offs, dq.to(dq_ptr.dtype.element_ty), mask=mask)
+    tl.store(dk_ptr + offs, dk.to(dk_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _backward_dv_kernel(
-    q_ptr, k_ptr, dst_ptr, dy_ptr, rinv_ptr, delta_ptr,
-    dv_ptr,
-    seq_len, d_dot, d_value, chunk_size, num_chunks,
-    HAS_DST: tl.constexpr, NORMALIZE: tl.constexpr,
-    BLOCK_C: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_V: tl.constexpr,
-    PRECISION: tl.constexpr,
+    q_ptr, k_ptr, dy_ptr, rinv_ptr, dstates_ptr,  # inputs
+    dv_ptr,  # output
+    seq_len, d_dot, d_value, chunk_size, num_chunks, width,
+    NORMALIZE: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_V: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """Program (bh, j): dv[:, block j of Dv] = Aᵀ G + K dS, backward over chunks carrying
-    columns block j of dS."""
-    bh = tl.program_id(0).to(tl.int64)
-    pid_v = tl.program_id(1)
-    offs_c = tl.arange(0, BLOCK_C)
-    offs_f = tl.arange(0, BLOCK_F)
-    offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
-    causal = offs_c[:, None] >= offs_c[None, :]
+    """Program (chunk c, bh, j): dv[:, block j of Dv] = Aᵀ G + K dS_c = (diag(r) A)ᵀ dY + K dS_c, A = tril(Q Kᵀ)
+    summed over F in blocks of BLOCK_F (dY reaches the dot as it is)."""
+    chunk = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    offs_v = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
+    rows, row_ok = chunk_rows(chunk, seq_len, chunk_size, BLOCK_C)
+    input_type = q_ptr.dtype.element_ty
 
-    state_offs, state_mask = state_tile(bh, offs_f, offs_v, d_dot, d_value)
-    dstate = load_or_zeros(dst_ptr, state_offs, state_mask, HAS_DST)
-
-    for step in range(num_chunks):
-        rows, row_ok = chunk_rows(num_chunks - 1 - step, seq_len, chunk_size, BLOCK_C)
-        qk_offs, qk_mask = token_tile(bh, seq_len, rows, row_ok, offs_f, d_dot)
-        v_offs, v_mask = token_tile(bh, seq_len, rows, row_ok, offs_v, d_value)
-        q = tl.load(q_ptr + qk_offs, mask=qk_mask, other=0.0).to(tl.float32)
-        k = tl.load(k_ptr + qk_offs, mask=qk_mask, other=0.0).to(tl.float32)
-        g, dden = _load_cotangent(dy_ptr, rinv_ptr, delta_ptr, bh, seq_len, d_value, rows, row_ok, offs_v, NORMALIZE)
-
-        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-        scores = tl.where(causal, scores, 0.0)
-        dv = tl.dot(tl.trans(scores), g, input_precision=PRECISION)
-        dv += tl.dot(k, dstate, input_precision=PRECISION)
-        tl.store(dv_ptr + v_offs, dv.to(dv_ptr.dtype.element_ty), mask=v_mask)
-        dstate += tl.dot(tl.trans(q), g, input_precision=PRECISION)
+    scores = tl.zeros((BLOCK_C, BLOCK_C), dtype=tl.float32)
+    dv = tl.zeros((BLOCK_C, BLOCK_V), dtype=tl.float32)
+    for f_start in range(0, d_dot, BLOCK_F):
+        offs_f = f_start + tl.arange(0, BLOCK_F)
+        q = _load_tokens(q_ptr, bh, seq_len, rows, row_ok, offs_f, d_dot)
+        k = _load_tokens(k_ptr, bh, seq_len, rows, row_ok, offs_f, d_dot)
+        scores += dot(q, tl.trans(k), PRECISION, input_type)
+        dv += dot(k, _state_tile(dstates_ptr, bh, chunk, num_chunks, width, offs_f, offs_v, d_dot, d_value), PRECISION, input_type)
+    scores = tl.where(rows[:, None] >= rows[None, :], scores, 0.0)
+    if NORMALIZE:
+        scores = scores * _token_values(rinv_ptr, bh, seq_len, rows, row_ok)[:, None]
+    dy = _load_tokens(dy_ptr, bh, seq_len, rows, row_ok, offs_v, d_value)
+    dv += dot(tl.trans(scores), dy, PRECISION, input_type)
+    offs, mask = token_tile(bh, seq_len, rows, row_ok, offs_v, d_value)
+    tl.store(dv_ptr + offs, dv.to(dv_ptr.dtype.element_ty), mask=mask)
 
 
 # --------------------------------------------------------------------------------------
@@ -283,144 +318,154 @@ def _backward_dv_kernel(
 # --------------------------------------------------------------------------------------
 
 
-def default_chunk_size(d_dot: int, d_value: int) -> int:
-    """64 while d_dot and d_value are at most 128, else 32."""
-    return 64 if max(d_dot, d_value) <= 128 else 32
-
-
 class _Tiles(_common.Tiles):
-    """The forward and dv kernels hold all d_dot rows and a block of ``block_v`` columns of the
-    state, the dq and dk kernels a block of ``block_f`` rows and all d_value columns."""
+    """Chunk kernels: [C, ``block_f``] tiles of q, k and [C, ``block_v``] of v (blocks of STATE_BLOCK), 4 warps
+    with 16-bit operands, 8 with fp32 ones and for dq, dk (``options(wide=True)``: three [C, ·] fp32 accumulators);
+    the prefix pass: ``PREFIX_BLOCK`` state entries a program. ``width`` is a state row (S, then z). Chosen by
+    compiling (docs/performance.md, "Compiled kernels"): these spill nothing at d ≤ 128 in 16-bit on sm_80, sm_90."""
 
-    def __init__(self, q: torch.Tensor, v: torch.Tensor, chunk_size: int | None):
+    def __init__(self, q: torch.Tensor, v: torch.Tensor, chunk_size: int | None, normalize: bool):
         batch, heads, seq_len, d_dot = q.shape
         d_value = v.shape[-1]
-        chunk_size = default_chunk_size(d_dot, d_value) if chunk_size is None else chunk_size
-        super().__init__(batch, heads, seq_len, d_dot, d_value, chunk_size, q.dtype, q.device)
-        self.block_f = min(self.pad_f, STATE_BLOCK)
-        self.block_v = min(self.pad_v, STATE_BLOCK)
-        self.num_warps = 4 if max(self.pad_f, self.pad_v) <= 64 and self.block_c <= 32 else 8
-        self.num_stages = 3  # Triton's default
+        super().__init__(batch, heads, seq_len, d_dot, d_value, CHUNK_SIZE if chunk_size is None else chunk_size, q.dtype, q.device)
+        self.precision = _common.operand_precision(q.dtype, _common.capability(q.device))
+        self.device, self.normalize = q.device, normalize
+        self.width = d_dot * d_value + (d_dot if normalize else 0)
+        sixteen_bit = self.precision.startswith("input")
+        block = STATE_BLOCK if sixteen_bit else max(16, STATE_BLOCK // 2)
+        self.block_f, self.block_v = min(self.pad_f, block), min(self.pad_v, block)
+        self.num_f, self.num_v = triton.cdiv(d_dot, self.block_f), triton.cdiv(d_value, self.block_v)
+        self.num_warps = 4 if sixteen_bit else 8
+        self.num_stages = 2
 
-    def grid_f(self):
-        return (self.bh, triton.cdiv(self.d_dot, self.block_f))
+    def options(self, wide: bool = False) -> dict:
+        return dict(num_warps=8 if wide else self.num_warps, num_stages=self.num_stages)
 
-    def grid_v(self):
-        return (self.bh, triton.cdiv(self.d_value, self.block_v))
+    def sizes(self) -> tuple[int, ...]:
+        return (*super().sizes(), self.width)
+
+    def constexprs(self) -> dict:
+        return dict(BLOCK_C=self.block_c, BLOCK_F=self.block_f, BLOCK_V=self.block_v, PRECISION=self.precision)
 
 
-def _dy_dot_y(q, k, v, s0, z0, dy, y, tiles) -> torch.Tensor:
-    """δ_t = dy_t·y_t ``[B, H, T]`` in float32: from the saved y for float32 inputs, else from y
-    recomputed in float32 by the forward kernel (the returned 16-bit y would cost its rounding:
-    at an early token with a small q·z, dq and dk are differences of nearly equal terms)."""
-    if y is not None:
-        return (dy.to(torch.float32) * y).sum(-1).contiguous()
-    n_blocks = tiles.grid_v()[1]
-    partial = new_output((n_blocks, *dy.shape[:3]), dy, torch.float32)
-    dummy = partial
+def _chunk_states(x, y, initial, tiles: _Tiles, *, rinv=None, delta=None, reverse=False, name=""):
+    """(a) then (b): the state every chunk starts from ``[B·H, n_chunks, width]`` and the last one
+    ``[B·H, width]`` (S_T, z_T); with ``reverse`` (x = q, y = dy) the gradient reaching each chunk
+    from after it and dS_0, dz_0."""
+    states = new_output((tiles.bh, tiles.num_chunks, tiles.width), x, torch.float32)
+    final = new_output((tiles.bh, tiles.width), x, torch.float32)
     launch(
-        _forward_kernel, tiles.grid_v(),
-        q, k, v, s0 if s0 is not None else dummy, z0 if z0 is not None else dummy,
-        dummy, dummy, dummy, dummy, dy, partial, *tiles.sizes(),
-        HAS_S0=s0 is not None, HAS_Z0=z0 is not None, NORMALIZE=True, DELTA_ONLY=True,
-        BLOCK_C=tiles.block_c, BLOCK_F=tiles.pad_f, BLOCK_V=tiles.block_v,
-        PRECISION=tiles.precision, EPSILON=EPS, options=tiles.options(), name="forward_dy_dot_y",
+        _chunk_sums_kernel, (tiles.num_chunks, tiles.bh, tiles.num_f * tiles.num_v),
+        x, y, states if rinv is None else rinv, states if delta is None else delta, states, *tiles.sizes(),
+        NORMALIZE=tiles.normalize, COTANGENT=reverse, **tiles.constexprs(),
+        options=tiles.options(), name=f"{name}_states",
     )  # fmt: skip
-    return partial.sum(0)
+    launch(
+        _chunk_prefix_kernel, (tiles.bh, triton.cdiv(tiles.width, PREFIX_BLOCK)),
+        states, states if initial is None else initial, final, tiles.width, tiles.num_chunks,
+        HAS_INITIAL=initial is not None, REVERSE=reverse, BLOCK=PREFIX_BLOCK,
+        options=dict(num_warps=2, num_stages=1), name=f"{name}_prefix",
+    )  # fmt: skip
+    return states, final
 
 
-def _as_float32(x: torch.Tensor | None) -> torch.Tensor | None:
-    return None if x is None else x.detach().to(torch.float32).contiguous()
+def _state_row(weights, normaliser, tiles: _Tiles) -> torch.Tensor | None:
+    """S (and z) as one fp32 state row per b·h, ``[B·H, width]``; None when both are absent."""
+    if weights is None and normaliser is None:
+        return None
+    parts = [torch.zeros(tiles.bh, tiles.d_dot * tiles.d_value, device=tiles.device) if weights is None else weights.reshape(tiles.bh, -1)]
+    if tiles.normalize:
+        parts.append(torch.zeros(tiles.bh, tiles.d_dot, device=tiles.device) if normaliser is None else normaliser.reshape(tiles.bh, -1))
+    return torch.cat([part.to(torch.float32) for part in parts], dim=1)
+
+
+def _split_state_row(row: torch.Tensor, tiles: _Tiles):
+    """The inverse of ``_state_row``: S ``[B, H, F, Dv]`` and z ``[B, H, F]`` (None without the normaliser)."""
+    size = tiles.d_dot * tiles.d_value
+    weights = row[:, :size].reshape(tiles.batch, tiles.heads, tiles.d_dot, tiles.d_value).contiguous()
+    normaliser = row[:, size:].reshape(tiles.batch, tiles.heads, tiles.d_dot).contiguous() if tiles.normalize else None
+    return weights, normaliser
+
+
+def _output(q, k, v, states, tiles: _Tiles, *, dy=None, name="forward_output"):
+    """(c): y and r (None without the normaliser); with ``dy``, δ = dy·y in float32 ``[B, H, T]`` instead."""
+    shape = (tiles.batch, tiles.heads, tiles.seq_len)
+    if dy is None:
+        y = new_output((*shape, tiles.d_value), v)
+        rinv = new_output(shape, v, torch.float32) if tiles.normalize else y
+        partial = y
+    else:
+        partial = new_output((tiles.num_v, *shape), dy, torch.float32)
+        y = rinv = partial
+    launch(
+        _chunk_output_kernel, (tiles.num_chunks, tiles.bh, tiles.num_v),
+        q, k, v, states, y, rinv, partial if dy is None else dy, partial, *tiles.sizes(),
+        NORMALIZE=tiles.normalize, DELTA_ONLY=dy is not None, **tiles.constexprs(), EPSILON=EPS,
+        options=tiles.options(), name=name,
+    )  # fmt: skip
+    if dy is not None:
+        return partial.sum(0)
+    return y, rinv if tiles.normalize else None
 
 
 class _SumRuleFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, weights, normaliser, normalize, chunk_size):
-        tiles = _Tiles(q, v, chunk_size)
+        tiles = _Tiles(q, v, chunk_size, normalize)
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        s0, z0 = _as_float32(weights), _as_float32(normaliser)
-        batch, heads, seq_len, d_dot = q.shape
-        d_value = v.shape[-1]
-
-        y = new_output((batch, heads, seq_len, d_value), v)
-        s_final = new_output((batch, heads, d_dot, d_value), v, torch.float32)
-        z_final = new_output((batch, heads, d_dot), v, torch.float32) if normalize else None
-        rinv = new_output((batch, heads, seq_len), v, torch.float32) if normalize else None
-        dummy = s_final  # stands in for absent optional pointers; never read or written
-        launch(
-            _forward_kernel, tiles.grid_v(),
-            q, k, v, s0 if s0 is not None else dummy, z0 if z0 is not None else dummy,
-            y, s_final, z_final if normalize else dummy, rinv if normalize else dummy, dummy, dummy, *tiles.sizes(),
-            HAS_S0=s0 is not None, HAS_Z0=z0 is not None, NORMALIZE=normalize, DELTA_ONLY=False,
-            BLOCK_C=tiles.block_c, BLOCK_F=tiles.pad_f, BLOCK_V=tiles.block_v,
-            PRECISION=tiles.precision, EPSILON=EPS, options=tiles.options(),
-        )  # fmt: skip
-        ctx.tiles, ctx.normalize = tiles, normalize
-        ctx.has_s0, ctx.has_z0 = weights is not None, normaliser is not None
+        initial = _state_row(weights, normaliser, tiles)
+        states, final = _chunk_states(k, v, initial, tiles, name="forward")
+        y, rinv = _output(q, k, v, states, tiles)
+        s_final, z_final = _split_state_row(final, tiles)
+        ctx.tiles = tiles
         ctx.state_dtypes = (None if weights is None else weights.dtype, None if normaliser is None else normaliser.dtype)
         # dy·y in backward: from y itself when it is float32, else from y recomputed in float32
-        ctx.save_for_backward(q, k, v, s0, z0, y if normalize and y.dtype == torch.float32 else None, rinv)
+        ctx.save_for_backward(q, k, v, initial, y if normalize and y.dtype == torch.float32 else None, rinv)
         ctx.set_materialize_grads(False)
         return y, s_final, z_final
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dy, ds_final, dz_final):
-        q, k, v, s0, z0, y, rinv = ctx.saved_tensors
-        tiles, normalize = ctx.tiles, ctx.normalize
+        q, k, v, initial, y, rinv = ctx.saved_tensors
+        tiles = ctx.tiles
         need_q, need_k, need_v, need_s0, need_z0 = ctx.needs_input_grad[:5]
-        if dy is None:
-            dy = torch.zeros_like(v)
-        dy = dy.contiguous()
-        delta = _dy_dot_y(q, k, v, s0, z0, dy, y, tiles) if normalize else None
-        ds_final = _as_float32(ds_final)
-        dz_final = _as_float32(dz_final) if normalize else None
-        has_dst, has_dzt = ds_final is not None, dz_final is not None
-        dummy = dy
-        common = dict(NORMALIZE=normalize, BLOCK_C=tiles.block_c, PRECISION=tiles.precision, options=tiles.options())
-        rinv_arg = rinv if normalize else dummy
-        delta_arg = delta if normalize else dummy
+        dy = torch.zeros_like(v) if dy is None else dy.contiguous()
+        states = delta = None
+        if need_q or need_k or (tiles.normalize and y is None):
+            states, _ = _chunk_states(k, v, initial, tiles, name="recompute")
+        if tiles.normalize:
+            delta = (dy.to(torch.float32) * y).sum(-1) if y is not None else _output(q, k, v, states, tiles, dy=dy, name="recompute_dy_dot_y")
+        dinitial = None if ds_final is None and dz_final is None else _state_row(ds_final, dz_final, tiles)
+        dstates, dfinal = _chunk_states(q, dy, dinitial, tiles, rinv=rinv, delta=delta, reverse=True, name="backward")
+        common = dict(**tiles.constexprs(), NORMALIZE=tiles.normalize)
+        rinv_arg = dy if rinv is None else rinv
 
-        dq = dk = dv = ds0 = dz0 = None
-        if need_q:
-            dq = new_output(q.shape, q)
+        dq = dk = dv = None
+        if need_q or need_k:
+            dq, dk = new_output(q.shape, q), new_output(k.shape, k)
             launch(
-                _backward_dq_kernel, tiles.grid_f(),
-                k, v, s0 if s0 is not None else dummy, z0 if z0 is not None else dummy, dy, rinv_arg, delta_arg,
-                dq, *tiles.sizes(),
-                HAS_S0=s0 is not None, HAS_Z0=z0 is not None,
-                BLOCK_F=tiles.block_f, BLOCK_V=tiles.pad_v, **common,
-            )  # fmt: skip
-        if need_k or need_s0 or need_z0:
-            dk = new_output(k.shape, k)
-            ds0 = new_output((tiles.bh, tiles.d_dot, tiles.d_value), q, torch.float32)
-            dz0 = new_output((tiles.bh, tiles.d_dot), q, torch.float32) if normalize else None
-            launch(
-                _backward_dk_kernel, tiles.grid_f(),
-                q, v, ds_final if has_dst else dummy, dz_final if has_dzt else dummy, dy, rinv_arg, delta_arg,
-                dk, ds0, dz0 if normalize else dummy, *tiles.sizes(),
-                HAS_DST=has_dst, HAS_DZT=has_dzt,
-                BLOCK_F=tiles.block_f, BLOCK_V=tiles.pad_v, **common,
+                _backward_dqk_kernel, (tiles.num_chunks, tiles.bh, tiles.num_f),
+                q, k, v, dy, rinv_arg, dy if delta is None else delta, states, dstates, dq, dk, *tiles.sizes(), **common,
+                options=tiles.options(wide=True),
             )  # fmt: skip
         if need_v:
             dv = new_output(v.shape, v)
             launch(
-                _backward_dv_kernel, tiles.grid_v(),
-                q, k, ds_final if has_dst else dummy, dy, rinv_arg, delta_arg,
-                dv, *tiles.sizes(),
-                HAS_DST=has_dst,
-                BLOCK_F=tiles.pad_f, BLOCK_V=tiles.block_v, **common,
+                _backward_dv_kernel, (tiles.num_chunks, tiles.bh, tiles.num_v),
+                q, k, dy, rinv_arg, dstates, dv, *tiles.sizes(), **common, options=tiles.options(),
             )  # fmt: skip
 
+        ds0, dz0 = _split_state_row(dfinal, tiles)
         weights_dtype, normaliser_dtype = ctx.state_dtypes
-        grad_s0 = ds0.view(*q.shape[:2], tiles.d_dot, tiles.d_value).to(weights_dtype) if need_s0 and ctx.has_s0 else None
-        grad_z0 = dz0.view(*q.shape[:2], tiles.d_dot).to(normaliser_dtype) if need_z0 and ctx.has_z0 else None
-        return dq, dk if need_k else None, dv, grad_s0, grad_z0, None, None
+        grad_s0 = ds0.to(weights_dtype) if need_s0 and weights_dtype is not None else None
+        grad_z0 = dz0.to(normaliser_dtype) if need_z0 and normaliser_dtype is not None else None
+        return dq if need_q else None, dk if need_k else None, dv, grad_s0, grad_z0, None, None
 
 
 def _check(q, k, v, weights, normaliser, normalize, chunk_size):
     name = "sum_rule_triton"
-    _common.check_inputs(name, _forward_kernel, q, k, v, weights, normaliser)
+    _common.check_inputs(name, _chunk_output_kernel, q, k, v, weights, normaliser)
     batch, heads, _, d_dot = q.shape
     d_value = v.shape[-1]
     if weights is not None and tuple(weights.shape) != (batch, heads, d_dot, d_value):
@@ -449,7 +494,7 @@ def sum_rule_triton(
     ``q, k: [B, H, T, F]``, ``v: [B, H, T, Dv]`` (one dtype: float32, float16 or bfloat16),
     ``weights`` S_0 ``[B, H, F, Dv]`` and ``normaliser`` z_0 ``[B, H, F]`` (only with
     ``normalize=True``), each zero when None. F and Dv at most 256. ``chunk_size`` defaults
-    to 64 (32 when F or Dv exceeds 128); any positive int works, powers of two ≥ 16 waste nothing.
+    to 64; any positive int works, powers of two ≥ 16 waste nothing.
 
     Returns ``(y [B, H, T, Dv] in the input dtype, S_T [B, H, F, Dv] float32,
     z_T [B, H, F] float32 or None)``. Differentiable in q, k, v, weights and normaliser, with
@@ -475,7 +520,7 @@ def compile_configs() -> list[dict]:
 
 
 def config_label(config: dict) -> str:
-    chunk = config["chunk_size"] or default_chunk_size(config["d_dot"], config["d_value"])
+    chunk = config["chunk_size"] or CHUNK_SIZE
     norm = "norm" if config["normalize"] else "plain"
     return f"{_common.DTYPE_NAMES[config['dtype']]} F{config['d_dot']} Dv{config['d_value']} C{chunk} {norm}"
 
