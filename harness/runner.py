@@ -30,6 +30,7 @@ from . import machine
 from .locking import MachineRuns, ResultsDirectoryLock, describe_runs
 from .plugins import load_plugins
 from .results import ResultsWriteError, ResultsWriter, completed_cell_ids, read_records, repair_tail
+from .roofline import roofline
 from .scenario import LoadedScenario, describe
 
 #: glibc maps blocks of 64 KiB and more on their own and trims its heap at once, so freed
@@ -70,7 +71,7 @@ def _serve(conn, plugins, parent_pid=None) -> None:
     conn.send("ready")
     while (cell := conn.recv()) is not None:
         try:
-            result = measure_cell(cell)
+            result = _calibrate(cell["calibrate"]) if "calibrate" in cell else measure_cell(cell)
         except BaseException as exc:  # noqa: BLE001 - every failure of a cell is recorded
             status = "oom" if is_out_of_memory(exc) else "error"
             summary = "".join(traceback.format_exception_only(type(exc), exc)).strip()
@@ -80,6 +81,35 @@ def _serve(conn, plugins, parent_pid=None) -> None:
         conn.send(result)
         gc.collect()
         _empty_cuda_cache()
+
+
+def _calibrate(request: dict) -> dict:
+    """The worker's side of ``calibration``: pinned as its cells will be, then measured."""
+    from .roofline import calibrate
+    from .workloads import pin
+
+    pin(request.pop("cpus"))
+    return {"status": "ok", "error": None, "metrics": calibrate(**request)}
+
+
+def calibration(worker, cells: list[dict], fingerprint: dict) -> dict | None:
+    """``machine.calibration`` for ``cells``, measured in ``worker`` (its threads, the cells'
+    ``measure.cpus``): None when no cell is timed, when ``ATTNBENCH_CALIBRATE=0``, or when it
+    failed (with a warning)."""
+    timed = [cell for cell in cells if cell["mode"] != "quality" and not cell["skip"]]
+    if not timed or os.environ.get("ATTNBENCH_CALIBRATE", "1") == "0":
+        return None
+    device = _device_of(timed)
+    clock = (machine.throttle_state(device) or {}).get("sm_clock_mhz")
+    request = {
+        "machine_id": fingerprint["machine_id"], "dtypes": sorted({cell["axes"]["dtype"] for cell in timed}), "device": device,
+        "gpu_name": (fingerprint.get("gpu") or {}).get("name"), "sm_clock_mhz": clock, "cpus": timed[0]["measure"].get("cpus"),
+    }
+    result = worker.measure({"calibrate": request}, WORKER_START_TIMEOUT_S)
+    if result["status"] != "ok":
+        print(f"warning: calibration failed, no roofline fractions in this run: {result['error']}", file=sys.stderr)
+        return None
+    return result["metrics"]
 
 
 def _empty_cuda_cache() -> None:
@@ -360,8 +390,9 @@ def _run_locked(loaded, out_dir, resume, retry_failed, plugins, command, progres
     start = time.perf_counter()
     worker, bar, warned = None, None, set()
     try:
-        writer.write_run(run_header(loaded, run_id, command, fingerprint, resumed_from=resumed_from))
         worker = Worker(plugins, tune_malloc=any(cell["mode"] != "quality" for cell in todo))
+        fingerprint = {**fingerprint, "calibration": calibration(worker, todo, fingerprint)}
+        writer.write_run(run_header(loaded, run_id, command, fingerprint, resumed_from=resumed_from))
         bar = tqdm(todo, total=len(cells), initial=summary.skipped_as_done, unit="cell", disable=not progress, dynamic_ncols=True)
         for cell in bar:
             bar.set_description(describe(cell))
@@ -435,6 +466,8 @@ def measure_record(worker: Worker, cell: dict, run_id: str, fingerprint: dict) -
         result = worker.measure(cell, cell["measure"]["timeout_s"])
     after = machine.throttle_state(device)
     metrics = dict(result["metrics"])
+    if cell["mode"] != "quality":
+        metrics.update(roofline(metrics, fingerprint.get("calibration"), cell["axes"]["dtype"]))
     if before is not None or after is not None:
         metrics.update(
             throttle_before=before,

@@ -31,11 +31,22 @@ class CellError(ValueError):
 
 @dataclass
 class Workload:
-    """One iteration (``run``) with how many tokens and FLOPs it processes."""
+    """One iteration (``run``) with how many tokens and FLOPs it processes and the bytes no
+    implementation can avoid moving (``min_bytes``: docs/results.md, "Roofline")."""
 
     run: Callable[[], torch.Tensor]
     tokens: int
     flops: int
+    min_bytes: int
+
+
+def tensor_bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _module_bytes(module) -> int:
+    """Bytes of a module's parameters and buffers (read at least once per call)."""
+    return tensor_bytes(module.parameters()) + tensor_bytes(module.buffers())
 
 
 def _generator(device):
@@ -61,8 +72,10 @@ def _core_workload(cell, device, dtype) -> Workload:
     train = cell["mode"] == "train"
     inputs = _attention_inputs(core, axes, device, dtype, train)
     flops = core.flops(axes["batch"], axes["heads"], axes["seq_len"], axes["d_value"])
+    read = tensor_bytes(inputs.values())
+    output = axes["batch"] * axes["heads"] * axes["seq_len"] * axes["d_value"] * inputs["v"].element_size()
     if not train:
-        return Workload(torch.no_grad()(lambda: core(**inputs)), axes["batch"] * axes["seq_len"], flops)
+        return Workload(torch.no_grad()(lambda: core(**inputs)), axes["batch"] * axes["seq_len"], flops, read + output + _module_bytes(core))
     leaves = list(inputs.values())
     cotangent = torch.randn_like(inputs["v"])
 
@@ -71,7 +84,8 @@ def _core_workload(cell, device, dtype) -> Workload:
         torch.autograd.grad(out, leaves, cotangent)
         return out.detach()
 
-    return Workload(forward_backward, axes["batch"] * axes["seq_len"], 3 * flops)
+    # inputs read and their gradients written, output written and its cotangent read
+    return Workload(forward_backward, axes["batch"] * axes["seq_len"], 3 * flops, 2 * (read + output) + _module_bytes(core))
 
 
 def _layer(cell, device, dtype):
@@ -101,8 +115,9 @@ def _layer_workload(cell, device, dtype) -> Workload:
     x = torch.randn(axes["batch"], axes["seq_len"], axes["heads"] * axes["d_value"], generator=_generator(device), device=device)
     x = x.to(dtype)
     tokens, flops = axes["batch"] * axes["seq_len"], _layer_flops(layer, axes)
+    read = tensor_bytes([x]) + _module_bytes(layer)
     if cell["mode"] != "train":
-        return Workload(torch.no_grad()(lambda: layer(x)), tokens, flops)
+        return Workload(torch.no_grad()(lambda: layer(x)), tokens, flops, read + tensor_bytes([x]))
     x.requires_grad_(True)
     leaves = [x, *layer.parameters()]
 
@@ -111,7 +126,8 @@ def _layer_workload(cell, device, dtype) -> Workload:
         torch.autograd.grad(out.float().square().mean(), leaves)
         return out.detach()
 
-    return Workload(forward_backward, tokens, 3 * flops)
+    # x and the weights read and their gradients written, the output written
+    return Workload(forward_backward, tokens, 3 * flops, 2 * read + tensor_bytes([x]))
 
 
 def _model_workload(cell, device, dtype) -> Workload:
@@ -137,7 +153,8 @@ def _model_workload(cell, device, dtype) -> Workload:
     dense = sum(p.numel() for name, p in model.named_parameters() if p.dim() == 2 and "pos" not in name)
     flops = 2 * dense * count + config.n_layers * attention
     if cell["mode"] != "train":
-        return Workload(torch.no_grad()(lambda: model(inputs)), count, flops)
+        logits = count * config.vocab_size * torch.finfo(dtype).bits // 8
+        return Workload(torch.no_grad()(lambda: model(inputs)), count, flops, tensor_bytes([inputs]) + _module_bytes(model) + logits)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
 
     def train_step():
@@ -147,7 +164,8 @@ def _model_workload(cell, device, dtype) -> Workload:
         optimizer.step()
         return loss.detach()
 
-    return Workload(train_step, count, 3 * flops)
+    # the tokens read; the weights and Adam's two moments read and written (gradients fused away)
+    return Workload(train_step, count, 3 * flops, tensor_bytes([tokens]) + 6 * tensor_bytes(model.parameters()))
 
 
 BUILDERS = {"core": _core_workload, "layer": _layer_workload, "model": _model_workload}
@@ -211,6 +229,7 @@ def _measure(cell, device, dtype) -> dict:
         "peak_mem_bytes": peak.bytes,
         "memory_kind": peak.kind,
         "flops": workload.flops,
+        "min_bytes": workload.min_bytes,
         "flops_per_s": workload.flops / timing.median_s,
         "torch_threads": torch.get_num_threads(),
     }
@@ -235,7 +254,7 @@ def _warm_up_libraries(cell, device, dtype) -> None:
     peak memory of the fresh build that follows."""
     if cell["mode"] == "decode":
         with torch.no_grad():
-            _, prefill, step = _decoder(cell, device, dtype, cell["axes"]["seq_len"], 1)
+            _, prefill, step, _ = _decoder(cell, device, dtype, cell["axes"]["seq_len"], 1)
             step(0, prefill()[1])
     else:
         BUILDERS[cell["target"]](cell, device, dtype).run()
@@ -263,7 +282,7 @@ def _measure_decode(cell, device, dtype) -> dict:
 
     with torch.no_grad():
         with PeakMemory(device) as peak:
-            core, prefill, step = _decoder(cell, device, dtype, context, new_tokens)
+            core, prefill, step, step_bytes = _decoder(cell, device, dtype, context, new_tokens)
             decode_round()
         with usual_allocator():
             for _ in range(measure["warmup"]):
@@ -288,14 +307,24 @@ def _measure_decode(cell, device, dtype) -> dict:
         "memory_kind": peak.kind,
         "state_numel": core.state_numel(axes["batch"], axes["heads"], axes["d_value"], context + new_tokens),
         "flops": flops,
+        "min_bytes": sum(_state_traffic(core, axes, context + i) * torch.finfo(dtype).bits // 8 + step_bytes for i in range(new_tokens)),
         "flops_per_s": flops / timing.median_s,
         "torch_threads": torch.get_num_threads(),
     }
     return _result(finite, metrics)
 
 
+def _state_traffic(core, axes, position: int) -> int:
+    """Elements of the decoding state one step at ``position`` must read and write: all of it
+    read; written, what it adds (a KV cache) or all of it (a state of fixed size)."""
+    before, after = (core.state_numel(axes["batch"], axes["heads"], axes["d_value"], length) for length in (position, position + 1))
+    return before + (after - before if after != before else after)
+
+
 def _decoder(cell, device, dtype, context, new_tokens):
-    """``(core, prefill() -> (out, state), step(i, state) -> (out, state))`` for a decode cell."""
+    """``(core, prefill() -> (out, state), step(i, state) -> (out, state), step_bytes)`` for a
+    decode cell; ``step_bytes``: what a step reads and writes besides the state (its token's
+    inputs, its output, the weights)."""
     axes = cell["axes"]
     total = dict(axes, seq_len=context + new_tokens)
     if cell["target"] == "core":
@@ -304,11 +333,13 @@ def _decoder(cell, device, dtype, context, new_tokens):
         prompt = variants.time_slice(inputs, 0, context)
         prefill = lambda: core.prefill(**prompt)  # noqa: E731
         step = lambda i, state: core.step(**variants.token_slice(inputs, context + i), state=state)  # noqa: E731
-        return core, prefill, step
+        output = axes["batch"] * axes["heads"] * axes["d_value"] * inputs["v"].element_size()
+        return core, prefill, step, tensor_bytes(variants.token_slice(inputs, context).values()) + output + _module_bytes(core)
     layer = _layer(cell, device, dtype)
     x = torch.randn(axes["batch"], context + new_tokens, axes["heads"] * axes["d_value"], generator=_generator(device), device=device)
     x = x.to(dtype)
-    return layer.core, (lambda: layer.prefill(x[:, :context])), (lambda i, state: layer.step(x[:, context + i], state))
+    step_bytes = 2 * tensor_bytes([x[:, context]]) + _module_bytes(layer)  # the token in, its output out, the weights
+    return layer.core, (lambda: layer.prefill(x[:, :context])), (lambda i, state: layer.step(x[:, context + i], state)), step_bytes
 
 
 def _result(finite: bool, metrics: dict) -> dict:

@@ -147,6 +147,8 @@ def test_smoke_ci_preset_runs_and_loads(tmp_path):
     decode = table[table["mode"] == "decode"]
     assert all(len(latency) == 16 for latency in decode["metrics.step_latency_s"])
     assert table["machine.machine_id"].nunique() == 1
+    fractions = table["metrics.roofline_fraction"]
+    assert ((fractions > 0) & (fractions <= 1)).all(), "a fraction of the roofline above 1 is a counting error"
     json.dumps(table.drop(columns=["metrics.samples_s", "metrics.step_latency_s"]).to_dict())
 
 
