@@ -45,9 +45,10 @@ def tests(session):
 
 @nox.session
 def run(session):
-    """The main job: attnbench run (default set; results under results/)."""
+    """The main job: attnbench run (default set; results under results/), then the HTML report of
+    that run in reports/latest/ (its index.html printed last)."""
     install(session)
-    session.run("attnbench", "run", *session.posargs)
+    session.run("attnbench", "run", "--report", "reports/latest", *session.posargs)
 
 
 @nox.session(name="bench-cpu")

@@ -54,6 +54,7 @@ def _run(args) -> int:
         print("error: --retry-failed re-runs the failed cells of a results file: use it with --resume", file=sys.stderr)
         return 2
     command = "attnbench " + " ".join(shlex.quote(arg) for arg in sys.argv[1:])
+    written = []
     for scenario in loaded:
         summary = runner.run(
             scenario, args.out, resume=args.resume or False, retry_failed=args.retry_failed, plugins=plugins, command=command,
@@ -63,6 +64,7 @@ def _run(args) -> int:
         done = f", {summary.skipped_as_done} already done" if summary.skipped_as_done else ""
         print(f"{scenario.name}: {summary.total} cells ({counts}{done}) in {summary.seconds:.1f} s -> {summary.path}")
         print(f"{scenario.name}: {summary.stability()}")
+        written.append(summary.path)
         if summary.interrupted:
             print(f"interrupted: every finished cell is in {summary.path}; continue with the same command and --resume", file=sys.stderr)
             return EXIT_INTERRUPTED
@@ -70,6 +72,19 @@ def _run(args) -> int:
             print(f"error: {summary.write_error}; the run stopped. Free space, then continue with the same command and --resume",
                   file=sys.stderr)
             return EXIT_ERROR
+    return _report_of_run(written, args.report) if args.report else 0
+
+
+def _report_of_run(paths: list[Path], out: Path) -> int:
+    """The HTML report of the results files a run wrote (``attnbench run --report DIR``)."""
+    from .report import build_report
+
+    try:
+        index = build_report(paths, out)
+    except ValueError as exc:
+        print(f"error: no report: {exc}", file=sys.stderr)
+        return 2
+    print(f"report: {index.resolve()}")
     return 0
 
 
@@ -203,6 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--retry-failed", action="store_true", help="with --resume: also run again the cells that failed (oom, error, crashed, nan)")
     run.add_argument("--plugin", action="append", help="module or .py file registering extra variants or tasks (also ATTNBENCH_PLUGINS)")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
+    run.add_argument("--report", type=Path, metavar="DIR", help="then write the HTML report of the results files of this run into DIR")
     run.set_defaults(handler=_run)
 
     report = commands.add_parser("report", help="write an HTML report (plots, tables, machines) from results files")

@@ -51,3 +51,18 @@ def mib(value) -> str:
 
 def gib(value) -> str:
     return "-" if not present(value) else f"{value / 2**30:.1f} GiB"
+
+
+def percent(value) -> str:
+    """``±4.2%`` of a relative half-width; ``-`` for a missing value."""
+    return "-" if not present(value) else f"±{100 * value:.2g}%"
+
+
+def fraction(value) -> str:
+    """A fraction of a limit: ``0.031``; ``-`` for a missing value."""
+    return "-" if not present(value) else f"{value:.3g}"
+
+
+def flag(value) -> str:
+    """``unstable`` for a true flag, empty for false, ``-`` when unknown."""
+    return "-" if not present(value) else "unstable" if value else ""

@@ -27,7 +27,7 @@ from matplotlib.ticker import MaxNLocator, NullLocator
 from . import tasks
 from .compare import CELL_KEY, CompareResult, identify, latest
 from .figures import FAILURE_MARK, Figures, Plot, Table, natural, natural_columns, new_figure, table
-from .formatting import MIB, format_ratio, format_seconds, gib, mib, present, si, text
+from .formatting import MIB, flag, format_ratio, format_seconds, fraction, gib, mib, percent, present, si, text
 from .results import FAILED, load, read_records
 
 #: Axes that can be the x axis of a plot, in order of preference (after a task's own axes).
@@ -43,8 +43,11 @@ MEASUREMENT = CELL_KEY + ["machine_key", "axes.device"]
 #: Metric columns the plots and tables read (added, empty, when no cell has them).
 PLOTTED = [
     f"metrics.{name}"
-    for name in ("median_s", "p20_s", "p80_s", "tokens", "tokens_per_s", "peak_mem_bytes", "memory_kind", "words_per_s", "throttled")
+    for name in ("median_s", "p20_s", "p80_s", "tokens", "tokens_per_s", "peak_mem_bytes", "memory_kind", "words_per_s", "throttled",
+                 "rel_ci", "unstable", "roofline_fraction", "bound", "load.other_cores")
 ]
+#: How an unstable cell's point is drawn on top of its line: an open ring around it.
+UNSTABLE_MARK = {"marker": "o", "markersize": 11, "markerfacecolor": "none", "markeredgewidth": 1.5, "linestyle": "none"}
 
 
 # --- the cells ----------------------------------------------------------------------------
@@ -158,6 +161,9 @@ METRICS = (
            lambda c: c["metrics.tokens_per_s"], lambda c: (c["metrics.tokens"] / c["metrics.p80_s"], c["metrics.tokens"] / c["metrics.p20_s"])),
     Metric("memory", "Peak memory", "MiB", lambda c: c["metrics.peak_mem_bytes"] / MIB,
            detail=lambda c: "Counter: " + ", ".join(c["metrics.memory_kind"].dropna().unique()) + " (docs/results.md)."),
+    Metric("roofline", "Fraction of the roofline (calibrated peaks)", "fraction of the limit", lambda c: c["metrics.roofline_fraction"],
+           detail=lambda c: "The time the machine's calibrated matmul FLOP/s and copy bandwidth allow for the cell's FLOPs and "
+                            "minimum bytes, over its median time; 1 is the limit (docs/results.md, 'Roofline')."),
 )
 
 
@@ -177,6 +183,8 @@ def _draw_lines(ax, ok: pd.DataFrame, x: str, metric: Metric, figures: Figures) 
         xs, ys = line[f"axes.{x}"].to_numpy(float), metric.value(line).to_numpy(float)
         colour, style = figures.colours[series], figures.styles[machine]
         ax.plot(xs, ys, color=colour, linestyle=style, marker="o", markersize=4)
+        unstable = line["metrics.unstable"].map(lambda value: value is True).to_numpy()
+        ax.plot(xs[unstable], ys[unstable], color=colour, **UNSTABLE_MARK)
         if metric.band is not None:
             low, high = metric.band(line)
             ax.fill_between(xs, low.to_numpy(float), high.to_numpy(float), color=colour, alpha=0.2, linewidth=0)
@@ -201,7 +209,9 @@ def _draw_bars(ax, ok: pd.DataFrame, failed: pd.DataFrame, metric: Metric, figur
         low, high = metric.band(entries)
         error = np.vstack([values - low, high - values])
     positions = np.arange(len(entries))
-    ax.barh(positions, values.fillna(0), xerr=error, color=[figures.colours[s] for s in entries["series"]], alpha=0.85)
+    bars = ax.barh(positions, values.fillna(0), xerr=error, color=[figures.colours[s] for s in entries["series"]], alpha=0.85)
+    for bar, unstable in zip(bars, entries["metrics.unstable"].map(lambda value: value is True)):
+        bar.set_hatch("//" if unstable else None)
     several = entries["machine"].nunique() > 1
     ax.set_yticks(positions, [f"{r['series']} · {r['machine']}" if several else r["series"] for r in entries.to_dict("records")])
     for position in positions[entries["status"].isin(FAILED).to_numpy()]:
@@ -245,7 +255,10 @@ def _metric_plot(cells: pd.DataFrame, metric: Metric, figures: Figures, name: st
         _draw_panel(ax, ok[ok["mode"] == mode], failed[failed["mode"] == mode], x, metric, figures)
         ax.set_title(mode)
     figures.legend(figure, pd.concat([ok, failed]), not failed.empty)
-    caption = " ".join(filter(None, [f"{metric.title} against {x}.", metric.detail(ok), _decode_note(cells)]))
+    unstable = int(ok["metrics.unstable"].map(lambda value: value is True).sum())
+    warning = (f"{unstable} unstable cell(s), ringed (hatched bars): their median is not known to measure.target_rel_ci; do not trust them."
+               if unstable else "")
+    caption = " ".join(filter(None, [f"{metric.title} against {x}.", metric.detail(ok), warning, _decode_note(cells)]))
     return figures.save(figure, f"{name}-{metric.slug}", metric.title, caption)
 
 
@@ -311,11 +324,12 @@ def _model_table(cells: pd.DataFrame) -> Table | None:
 
 def _quality_table(cells: pd.DataFrame) -> Table | None:
     """Every quality metric the cells have: their tasks' own columns, then throughput, memory, time."""
-    metrics = dict.fromkeys([*(metric for task in _tasks_of(cells) for metric in task.metrics), *COMMON_QUALITY_METRICS])
-    found = [metric for metric in metrics if f"metrics.{metric}" in cells and cells[f"metrics.{metric}"].notna().any()]
+    quality = cells[cells["mode"] == "quality"]
+    metrics = dict.fromkeys([*(metric for task in _tasks_of(quality) for metric in task.metrics), *COMMON_QUALITY_METRICS])
+    found = [metric for metric in metrics if f"metrics.{metric}" in quality and quality[f"metrics.{metric}"].notna().any()]
     if not found:
         return None
-    quality = cells[cells[[f"metrics.{m}" for m in found]].notna().any(axis=1)].sort_values(["series", "mode"], key=natural_columns)
+    quality = quality[quality[[f"metrics.{m}" for m in found]].notna().any(axis=1)].sort_values(["series", "mode"], key=natural_columns)
     columns = _cell_columns(cells) + [(_quality_header(m), f"metrics.{m}", _quality_format(m)) for m in found]
     return table("Quality", quality, columns)
 
@@ -338,9 +352,14 @@ def _timing_table(cells: pd.DataFrame) -> Table | None:
     ok = ok.sort_values(["mode", "series", f"axes.{cells['x_axis'].iloc[0]}"])
     columns = _cell_columns(cells) + [
         ("median", "metrics.median_s", format_seconds), ("p20", "metrics.p20_s", format_seconds), ("p80", "metrics.p80_s", format_seconds),
-        ("tokens/s", "metrics.tokens_per_s", si), ("peak memory", "metrics.peak_mem_bytes", mib), ("throttled", "metrics.throttled", text),
+        ("±CI", "metrics.rel_ci", percent), ("stability", "metrics.unstable", flag),
+        ("tokens/s", "metrics.tokens_per_s", si), ("roofline", "metrics.roofline_fraction", fraction), ("bound", "metrics.bound", text),
+        ("peak memory", "metrics.peak_mem_bytes", mib), ("other cores", "metrics.load.other_cores", fraction), ("throttled", "metrics.throttled", text),
     ]
-    return table("Every timed cell", ok, columns)
+    caption = ("±CI: half the 95 % interval of the median, relative; unstable: it stayed wider than measure.target_rel_ci. roofline: the "
+               "fraction of the machine's calibrated limit (docs/results.md, 'Roofline'). other cores: the cores other processes kept busy meanwhile.")
+    ok = ok.assign(stability=ok["metrics.unstable"].map(lambda value: "unstable" if value is True else "stable"))
+    return table("Every timed cell", ok, columns, caption, classes="stability")
 
 
 # --- machines side by side ----------------------------------------------------------------
@@ -406,8 +425,24 @@ def _machine_facts(machine: dict) -> list[tuple[str, str]]:
         *_gpu_facts(machine.get("gpu"), versions),
         ("versions", f"torch {text(versions.get('torch'))}, triton {text(versions.get('triton'))}, cudnn {text(versions.get('cudnn'))}, "
                      f"numpy {text(versions.get('numpy'))}"),
+        *_calibration_facts(machine.get("calibration")),
         ("machine id", machine["machine_id"]),
     ]
+
+
+def _calibration_facts(calibration: dict | None) -> list[tuple[str, str]]:
+    """The calibrated (and datasheet) peaks as (label, text) rows; none for a run without calibration."""
+    if not calibration:
+        return []
+    flops = ", ".join(f"{dtype} {si(value)}FLOP/s" for dtype, value in calibration["matmul_flops_per_s"].items())
+    rows = [("calibrated peaks", f"matmul {flops}; copy {si(calibration['bandwidth_bytes_per_s'])}B/s "
+                                 f"({calibration['torch_threads']} torch threads)")]
+    sheet = calibration.get("datasheet")
+    if sheet:
+        peaks = ", ".join(f"{key} {si(value)}FLOP/s" for key, value in sheet.items() if key not in ("name", "bandwidth_bytes_per_s"))
+        rows.append(("datasheet peaks", f"{sheet['name']}: {peaks}; memory {si(sheet['bandwidth_bytes_per_s'])}B/s; SM clock "
+                                        f"{text(calibration.get('sm_clock_mhz'))} MHz"))
+    return rows
 
 
 def _commit_text(run: dict) -> str:
@@ -485,7 +520,10 @@ def _slug(text: str) -> str:
 
 def _statuses(cells: pd.DataFrame) -> str:
     counts = cells["status"].value_counts()
-    return f"{len(cells)} cells: " + ", ".join(f"{count} {status}" for status, count in counts.items())
+    unstable = int(cells["metrics.unstable"].map(lambda value: value is True).sum())
+    busy = cells["metrics.load.other_cores"].dropna()
+    load = f"; other processes used {busy.mean():.1f} cores on average while they were measured" if len(busy) else ""
+    return f"{len(cells)} cells: " + ", ".join(f"{count} {status}" for status, count in counts.items()) + f"; {unstable} unstable" + load
 
 
 def _scenario_section(name: str, cells: pd.DataFrame, figures: Figures) -> ScenarioSection:

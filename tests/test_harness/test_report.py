@@ -291,3 +291,50 @@ def test_labels_order_numbers_by_value_and_name_a_variants_own_d_key():
     assert _base_label(record, show_backend=False) == "based(d_key=16)"
     assert _base_label({**record, "axes.d_key": 64.0}, show_backend=True) == "based[torch]"
     assert _base_label({**record, "params_text": "d_key=16", "axes.d_key": None}, show_backend=False) == "based(d_key=16)"
+
+
+@pytest.mark.slow
+def test_timed_cells_show_their_fraction_of_the_roofline_and_stability(report, page):
+    table = next(table for table in page.tables if table and "roofline" in table[0])
+    header, rows = table[0], table[1:]
+    assert {"±CI", "stability", "bound", "other cores"} <= set(header) and rows
+    assert all(0 < float(row[header.index("roofline")]) <= 1 for row in rows), rows
+    assert {row[header.index("stability")] for row in rows} <= {"", "unstable"}
+    assert (report.parent / "plots" / "tiny-report-roofline.png").is_file()
+    assert "calibrated peaks" in page.all_text and "FLOP/s" in page.all_text
+
+
+@pytest.mark.slow
+def test_a_speed_only_report_has_no_quality_table(page):
+    assert "Quality" not in page.all_text
+
+
+def test_unstable_cells_are_flagged_in_the_table_and_the_plots(tmp_path):
+    """Constructed cells, one of them unstable: its row carries the class and the flag, the plots' captions warn."""
+    from harness.results import ResultsWriter
+
+    writer = ResultsWriter(tmp_path / "r.jsonl")
+    writer.write_run({"run_id": "r", "started_at": "2026-12-01T00:00:00+00:00", "scenario": "s", "machine": {"machine_id": "m", "hostname": "h"}})
+    for seq_len, unstable in ((16, False), (32, True)):
+        metrics = {"median_s": 1e-3, "p20_s": 1e-3, "p80_s": 1e-3, "iqr_s": 0.0, "samples_s": [1e-3] * 3, "tokens": seq_len,
+                   "tokens_per_s": seq_len / 1e-3, "rel_ci": 0.2 if unstable else 0.01, "unstable": unstable, "roofline_fraction": 0.25}
+        writer.write_cell({"run_id": "r", "cell_id": str(seq_len), "scenario": "s", "variant": "softmax", "backend": "torch", "params": {},
+                           "axes": {"seq_len": seq_len, "device": "cpu"}, "mode": "forward", "target": "core", "status": "ok", "error": None,
+                           "machine_id": "m", "started_at": f"2026-12-01T00:00:0{seq_len // 16}+00:00", "metrics": metrics})
+    index = build_report([tmp_path / "r.jsonl"], tmp_path / "report")
+    html = index.read_text()
+    assert html.count('<tr class="unstable">') == 1 and html.count('<tr class="stable">') == 1
+    assert "1 unstable cell(s), ringed" in html and "1 unstable" in html
+
+
+@pytest.mark.slow
+def test_run_with_report_writes_the_report_of_that_run(tmp_path):
+    scenario = tmp_path / "tiny.yaml"
+    scenario.write_text("name: tiny\nvariants: {softmax: {}}\naxes: {seq_len: [16, 32], batch: 1, heads: 2, d_key: 8}\nmodes: [forward]\n"
+                        "measure: {warmup: 1, repeats: 3, max_time_s: 0.2}\n")
+    command = [sys.executable, "-m", "harness.cli", "run", str(scenario), "--out", str(tmp_path / "out"), "--report", str(tmp_path / "rep"),
+               "--no-progress"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    last = done.stdout.strip().splitlines()[-1]
+    assert last == f"report: {(tmp_path / 'rep' / 'index.html').resolve()}" and (tmp_path / "rep" / "index.html").is_file()
