@@ -20,25 +20,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .stats import median_rel_ci
+
 #: Bytes written between GPU iterations to evict the L2 cache (H100/H200: 50 MiB of L2).
 L2_FLUSH_BYTES = 256 * 1024 * 1024
-#: Resamples of the bootstrap interval of a median (``median_rel_ci``).
-CI_RESAMPLES = 1000
 #: Adaptive sampling never takes more samples than this (a µs-scale call would take thousands).
 MAX_SAMPLES = 1000
 #: Adaptive sampling checks its interval again once the sample count has grown by this factor.
 CHECK_GROWTH = 1.25
-
-
-def median_rel_ci(samples, *, alpha: float = 0.05) -> float:
-    """Half the width of the 1-alpha percentile bootstrap interval of the median of ``samples``
-    (the larger side), relative to the median; seeded, so the same samples give the same figure."""
-    samples = np.asarray(samples, dtype=float)
-    rng = np.random.default_rng(0)
-    medians = np.median(rng.choice(samples, size=(CI_RESAMPLES, samples.size)), axis=1)
-    low, high = np.quantile(medians, [alpha / 2, 1 - alpha / 2])
-    median = np.median(samples)
-    return float(max(median - low, high - median) / median) if median > 0 else 0.0
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,9 @@
 """Results files: append one JSON line per run or cell, atomically; load them into pandas.
 
 A results file is JSON Lines (schema ``SCHEMA_VERSION``): a ``run`` line first, then one
-``cell`` line per measured cell, and another ``run`` line for each ``--resume``. The format,
-field by field, is in docs/results.md.
+``cell`` line per measured cell, and another ``run`` line for each ``--resume``. Lines of an
+older schema are upgraded as they are read (``_upgrade``). The format, field by field, is in
+docs/results.md.
 """
 
 from __future__ import annotations
@@ -15,7 +16,11 @@ from pathlib import Path
 
 import pandas as pd
 
-SCHEMA_VERSION = 1
+from .stats import median_rel_ci
+
+SCHEMA_VERSION = 2
+#: The oldest schema the reader upgrades.
+OLDEST_SCHEMA = 1
 STATUSES = ("ok", "oom", "error", "crashed", "nan", "skipped")
 #: The statuses of a cell that ran and failed; ``attnbench run --resume --retry-failed`` runs them again.
 FAILED = ("oom", "error", "crashed", "nan")
@@ -141,10 +146,10 @@ def _parse_line(raw: bytes, path: Path, where: str) -> dict:
         raise ResultsFileError(f"{where} is not valid JSON ({exc})") from None
     if not isinstance(record, dict) or "kind" not in record or "schema" not in record:
         raise ResultsFileError(f"{where} is not a results record (a JSON object with 'kind' and 'schema')")
-    if record["schema"] != SCHEMA_VERSION:
+    if record["schema"] not in range(OLDEST_SCHEMA, SCHEMA_VERSION + 1):
         raise ResultsFileError(
             f"file {path} was written with results schema {record['schema']}; "
-            f"this attnbench reads schema {SCHEMA_VERSION} ({where})"
+            f"this attnbench reads schemas {OLDEST_SCHEMA} to {SCHEMA_VERSION} ({where})"
         )
     if record["kind"] not in REQUIRED:
         raise ResultsFileError(f"{where} has unknown kind {record['kind']!r} (expected 'run' or 'cell')")
@@ -195,8 +200,22 @@ def read_records(path) -> list[dict]:
         else:
             record["metrics"] = _decode(record.get("metrics", {}))
             _check_cell(record, run_ids, where)
-        records.append(record)
+        records.append(_upgrade(record))
     return records
+
+
+def _upgrade(record: dict) -> dict:
+    """A record of an older schema as the current schema writes it. 1 -> 2: schema 1 took a fixed
+    number of samples, so its cells get the ``rel_ci`` of their samples and no ``unstable`` verdict
+    (as a cell sampled with ``target_rel_ci: null``); its runs were not calibrated
+    (``machine.calibration`` null), so no cell has a roofline fraction."""
+    if record["schema"] == 1:
+        if record["kind"] == "run":
+            record["machine"] = {**record["machine"], "calibration": None}
+        elif record["status"] in ("ok", "nan") and record["metrics"].get("samples_s"):
+            record["metrics"]["rel_ci"] = median_rel_ci(record["metrics"]["samples_s"])
+        record["schema"] = 2
+    return record
 
 
 def completed_cell_ids(path, *, retry_failed: bool = False) -> set[str]:

@@ -300,9 +300,9 @@ class RunSummary:
             self.cores = load["cores"]
 
     def stability(self, names: int = 5) -> str:
-        """"3 of 36 cells unstable (...); other processes used 1.7 of 2 cores during the run"."""
+        """"3 of 36 timed cells unstable (...); other processes used 1.7 of 2 cores during the run"."""
         listed = "; ".join(self.unstable[:names]) + (f"; and {len(self.unstable) - names} more" if len(self.unstable) > names else "")
-        text = f"{len(self.unstable)} of {self.timed} cells unstable" + (f" ({listed})" if listed else "")
+        text = f"{len(self.unstable)} of {self.timed} timed cells unstable" + (f" ({listed})" if listed else "") if self.timed else "no timed cells"
         if self.load_wall_s > 0:
             text += f"; other processes used {self.other_cpu_s / self.load_wall_s:.1f} of {self.cores} cores during the run"
         return text

@@ -7,6 +7,7 @@ import math
 import os
 import re
 import uuid
+from pathlib import Path
 
 import pytest
 
@@ -132,7 +133,7 @@ def test_every_line_is_whole_json_with_kind_and_schema(tmp_path):
     text = path.read_text(encoding="utf-8")
     assert text.endswith("\n") and "läptop" in text
     lines = [json.loads(line) for line in text.splitlines()]
-    assert [(line["kind"], line["schema"]) for line in lines] == [("run", 1), ("cell", 1)]
+    assert [(line["kind"], line["schema"]) for line in lines] == [("run", 2), ("cell", 2)]
 
 
 def test_each_record_is_one_os_write_of_one_whole_line(tmp_path, monkeypatch):
@@ -242,8 +243,8 @@ def test_repair_tail_of_a_lone_partial_line_empties_the_file(tmp_path):
 #: name: (the file's text made from a good run line and a good cell line, bad line, regex)
 CORRUPTIONS = {
     "garbage line": (lambda run, cell: f"{run}\nthis is not json\n{cell}\n", 2, "not valid JSON"),
-    "wrong schema": (lambda run, cell: run.replace('"schema": 1', '"schema": 2') + "\n", 1,
-                     "file .*broken-file\\.jsonl was written with results schema 2; this attnbench reads schema 1"),
+    "wrong schema": (lambda run, cell: run.replace('"schema": 2', '"schema": 3') + "\n", 1,
+                     "file .*broken-file\\.jsonl was written with results schema 3; this attnbench reads schemas 1 to 2"),
     "truncated tail": (lambda run, cell: f"{run}\n{cell}\n{cell[:30]}", 3, "--resume"),
     "cell before run": (lambda run, cell: f"{cell}\n{run}\n", 1, "cell before any run line"),
     "unknown status": (lambda run, cell: f"{run}\n" + cell.replace('"ok"', '"fine"') + "\n", 2, "'fine'"),
@@ -348,3 +349,35 @@ def test_cell_with_an_unknown_status(tmp_path):
 
 def test_results_file_error_is_a_value_error():
     assert issubclass(ResultsFileError, ValueError)
+
+
+#: A results file as attnbench wrote it before schema 2 (commit 78e696e): fixed sampling, no
+#: calibration, no load record.
+SCHEMA_1 = Path(__file__).with_name("schema-1.jsonl")
+
+
+def test_schema_1_files_are_upgraded_as_they_are_read(tmp_path):
+    """An old file still loads (with the rel_ci of its samples, no stability verdict, no calibration),
+    reports and compares; a run resumed into it appends schema 2 lines that read alongside."""
+    from harness.compare import compare
+    from harness.report import build_report
+    from harness.results import load, read_records
+    from harness.stats import median_rel_ci
+
+    old = tmp_path / "old.jsonl"
+    old.write_text(SCHEMA_1.read_text())
+    records = read_records(old)
+    assert {record["schema"] for record in records} == {2} and records[0]["machine"]["calibration"] is None
+    assert records[1]["metrics"]["rel_ci"] == median_rel_ci([0.00059, 0.00054, 0.00472, 0.00061, 0.00055])
+    assert "unstable" not in records[1]["metrics"] and "rel_ci" not in records[2]["metrics"]
+    frame = load(old)
+    assert list(frame["status"]) == ["ok", "error"] and frame["metrics.rel_ci"].notna().sum() == 1
+    assert build_report([old], tmp_path / "report").is_file()
+    lines = [json.loads(line) for line in SCHEMA_1.read_text().splitlines()]
+    lines[1]["metrics"]["samples_s"] = [3 * sample for sample in lines[1]["metrics"]["samples_s"]]
+    new = tmp_path / "new.jsonl"
+    new.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    result = compare(old, new)
+    assert result.table.set_index("variant").loc["softmax", "mark"] == "worse" and result.exit_code == 1
+    ResultsWriter(old).write_cell({**records[2], "cell_id": "c3", "status": "skipped", "error": "later"})
+    assert [record["schema"] for record in read_records(old)] == [2, 2, 2, 2] and len(load(old)) == 3

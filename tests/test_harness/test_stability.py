@@ -199,7 +199,7 @@ def test_a_run_beside_a_busy_process_says_so(tmp_path):
         process.wait()
     assert done.returncode == 0, done.stderr
     line = done.stdout.strip().splitlines()[-1]
-    found = re.fullmatch(r"tiny: (\d+) of 2 cells unstable.*; other processes used ([\d.]+) of (\d+) cores during the run", line)
+    found = re.fullmatch(r"tiny: (\d+) of 2 timed cells unstable.*; other processes used ([\d.]+) of (\d+) cores during the run", line)
     assert found and float(found[2]) >= 0.5, done.stdout
     from harness.results import load
 
