@@ -302,9 +302,11 @@ def test_load_and_compare_refuse_impossible_timings_with_file_and_line(tmp_path,
 @pytest.mark.slow
 def test_a_full_disk_stops_the_run_and_leaves_a_file_that_loads_and_resumes(tmp_path):
     """A file-size limit (as a full disk) hit at the second cell line: the run stops with one
-    line, the file holds the run line and the first cell whole, and --resume completes it."""
+    line, the file holds the run line and the first cell whole, and --resume completes it.
+    Fixed sampling, so that the cell lines of the two runs hold equally many samples."""
     tiny = _scenario(tmp_path, "tiny", "softmax: {}", "[16, 24, 32]")
-    assert attnbench("run", tiny, "--out", str(tmp_path / "sizes"), "--no-progress").returncode == 0
+    fixed = ("--set", "measure.target_rel_ci=null")
+    assert attnbench("run", tiny, *fixed, "--out", str(tmp_path / "sizes"), "--no-progress").returncode == 0
     lines = next((tmp_path / "sizes").glob("*.jsonl")).read_bytes().splitlines(keepends=True)
     limit = len(lines[0]) + len(lines[1]) + len(lines[2]) // 2
 
@@ -313,11 +315,11 @@ def test_a_full_disk_stops_the_run_and_leaves_a_file_that_loads_and_resumes(tmp_
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
 
     out = tmp_path / "out"
-    command = [sys.executable, "-m", "harness.cli", "run", tiny, "--out", str(out), "--no-progress"]
+    command = [sys.executable, "-m", "harness.cli", "run", tiny, *fixed, "--out", str(out), "--no-progress"]
     done = subprocess.run(command, capture_output=True, text=True, preexec_fn=limited, timeout=300)
     _refused(done, "cannot append", "--resume")
     assert len(_cells(out)) == 1
-    resumed = attnbench("run", tiny, "--out", str(out), "--resume", "--no-progress")
+    resumed = attnbench("run", tiny, *fixed, "--out", str(out), "--resume", "--no-progress")
     assert resumed.returncode == 0, resumed.stderr
     assert sorted(cell["axes"]["seq_len"] for cell in _cells(out)) == [16, 24, 32]
 
