@@ -8,7 +8,7 @@ and the per-token inputs the core declares, ``TokenInput``); ``token_slice`` and
 """
 
 # Importing the families registers them.
-from . import delta_rule, rwkv, softmax, sum_rule  # noqa: E402,F401
+from . import delta_rule, lsh, rwkv, softmax, sum_rule  # noqa: E402,F401
 from .base import (
     ActivatedLinear,
     AttentionCore,

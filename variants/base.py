@@ -198,6 +198,8 @@ class AttentionCore(nn.Module):
     token_shift = False
     supports_noncausal = True
     d_value_is_d_key = False
+    #: the layer computes keys from the queries, k = q / ‖q‖ (the Reformer's shared-QK attention)
+    shared_qk = False
     #: example_inputs draws unit-norm q and k (plain rules without φ, stable only for bounded keys)
     example_unit_keys = False
 

@@ -51,7 +51,7 @@ class AttentionLayer(nn.Module):
         self.short_conv = ShortConv(d_model, short_conv) if short_conv is not None else None
         self.token_shift = TokenShift(d_model) if self.core.token_shift else None
         self.query = nn.Linear(d_model, n_heads * self.d_key, bias=bias)
-        self.key = nn.Linear(d_model, n_heads * self.d_key, bias=bias)
+        self.key = None if self.core.shared_qk else nn.Linear(d_model, n_heads * self.d_key, bias=bias)
         self.value = nn.Linear(d_model, n_heads * self.d_value, bias=bias)
         for spec in self.core.token_inputs:
             if hasattr(self, spec.layer_attribute) or spec.layer_attribute == "out":  # registered before out: the parameter order stays
@@ -70,7 +70,7 @@ class AttentionLayer(nn.Module):
         as the input of each projection."""
         heads = x.shape[:-1] + (self.n_heads, -1)
         q = self.query(x if x_q is None else x_q).view(heads)
-        k = self.key(x if x_k is None else x_k).view(heads)
+        k = F.normalize(q, dim=-1) if self.key is None else self.key(x if x_k is None else x_k).view(heads)
         v = self.value(x if x_v is None else x_v).view(heads)
         per_token = {spec.name: getattr(self, spec.layer_attribute)(x) for spec in self.core.token_inputs}
         return q, k, v, per_token
@@ -136,6 +136,8 @@ class AttentionLayer(nn.Module):
         zero-padded), each block a batch row that attends to the same S keys and values."""
         if self._buffered:
             raise VariantError("AttentionLayer.cross: a layer with short_conv or token shift mixes neighbouring inputs; memory keys have no order")
+        if self.key is None:
+            raise VariantError("AttentionLayer.cross: this core computes its keys from its queries (shared_qk); memory needs keys of its own")
         if isinstance(memory, torch.Tensor):
             heads = memory.shape[:-1] + (self.n_heads, -1)
             memory = self.key(memory).view(heads).transpose(1, 2), self.value(memory).view(heads).transpose(1, 2)
