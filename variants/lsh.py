@@ -20,8 +20,8 @@ Three faces:
   (no bucket holds more than ``chunk_size`` tokens), and approximates it otherwise;
 - ``step``: the exact definition for one new token over the cached keys of its buckets.
 
-A non-finite key or value at position p makes every output from p on NaN and no earlier one
-(the forms attend to the finite parts; a NaN never travels back through a masked zero weight).
+A non-finite key or value at position p makes outputs from p on NaN and no earlier one
+(``causal_read``, as in softmax; a NaN never travels back through a masked zero weight).
 """
 
 from __future__ import annotations
@@ -32,11 +32,12 @@ from typing import NamedTuple
 import torch
 
 from .base import AttentionCore, VariantError, register
+from .chunked import causal_read
 
 
 class LSHCache(NamedTuple):
-    """The decoding state: every past token's key ``[B, H, T, Dk]`` and value ``[B, H, T, Dv]``
-    (non-finite entries zeroed), bucket per round ``[B, H, R, T]``, and ``poison`` ``[B, H]``: 0,
+    """The decoding state: every past token's key ``[B, H, T, Dk]`` and value ``[B, H, T, Dv]``,
+    bucket per round ``[B, H, R, T]``, and ``poison`` ``[B, H]``: 0,
     or NaN once a past token's key or value was not finite."""
 
     keys: torch.Tensor
@@ -50,14 +51,16 @@ def _combine(outputs: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     return (torch.softmax(lse, dim=2).unsqueeze(-1) * outputs).sum(2)
 
 
-def _finite_part(x: torch.Tensor) -> torch.Tensor:
-    return torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
-
-
 def _poison(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Per token ``[..., T]``: 0, or NaN from the first token whose key or value is not finite on
-    (the forms attend to the finite parts and add this, so a NaN reaches no earlier output)."""
+    (the decoding state carries it, so a step after such a token is NaN as the parallel form is)."""
     return ((k - k).sum(-1) + (v - v).sum(-1)).detach().cumsum(-1)
+
+
+def _causal(read, k, v):
+    """``read(keys, values)`` through ``causal_read``, as softmax does: a non-finite key (every
+    channel) or value (its channel) at p makes the outputs from p on NaN and no earlier one."""
+    return causal_read(lambda keys: causal_read(lambda values: read(keys, values), v), k, every_channel=True)
 
 
 def _attend(scores, allowed, values):
@@ -107,14 +110,17 @@ class LSHAttention(AttentionCore):
         earlier = positions[None, :] < positions[:, None]
         is_self = positions[None, :] == positions[:, None]
         allowed = _with_self_fallback((buckets[..., :, None] == buckets[..., None, :]) & earlier, is_self)
-        scores = (q @ _finite_part(k).transpose(-1, -2) * self.scale).unsqueeze(2)
-        out, lse = _attend(scores, allowed, _finite_part(v).unsqueeze(2))
-        return _combine(out, lse) + _poison(k, v).unsqueeze(-1)
+
+        def read(keys, values):
+            return _combine(*_attend((q @ keys.transpose(-1, -2) * self.scale).unsqueeze(2), allowed, values.unsqueeze(2)))
+
+        return _causal(read, k, v)
 
     def _parallel(self, q, k, v, causal):
-        return self._chunked(q, k, v, self.buckets(q))
+        buckets = self.buckets(q)
+        return _causal(lambda keys, values: self._sorted_chunks(q, keys, values, buckets), k, v)
 
-    def _chunked(self, q, k, v, buckets):
+    def _sorted_chunks(self, q, k, v, buckets):
         """The sorted-chunk algorithm (Reformer §2, Figure 2), every round at once: each round's
         tokens sorted by (bucket, position), cut into chunks of C, each chunk's queries against
         the keys of its own and the previous chunk under the reference's mask."""
@@ -140,7 +146,7 @@ class LSHAttention(AttentionCore):
             before = torch.cat([torch.full_like(x[:, :, :, :1], fill), x[:, :, :, :-1]], dim=3)
             return torch.cat([before, x], dim=4)
 
-        q_s, k_s, v_s, pos_s = sort(q, 0.0), sort(_finite_part(k), 0.0), sort(_finite_part(v), 0.0), sort(positions, T)
+        q_s, k_s, v_s, pos_s = sort(q, 0.0), sort(k, 0.0), sort(v, 0.0), sort(positions, T)
         bucket_s = torch.cat([buckets.gather(3, order), buckets.new_full((B, H, R, pad), -1)], dim=3).view(B, H, R, n_chunks, C)
         k_w, v_w, pos_w, bucket_w = window(k_s, 0.0), window(v_s, 0.0), window(pos_s, T), window(bucket_s, -1)
         same = bucket_s.unsqueeze(-1) == bucket_w.unsqueeze(-2)
@@ -149,7 +155,7 @@ class LSHAttention(AttentionCore):
         out, lse = out.reshape(B, H, R, n_chunks * C, -1)[:, :, :, :T], lse.reshape(B, H, R, n_chunks * C)[:, :, :, :T]
         unsort = torch.argsort(order, dim=-1)
         out = out.gather(3, unsort.unsqueeze(-1).expand(*unsort.shape, out.shape[-1]))
-        return _combine(out, lse.gather(3, unsort)) + _poison(k, v).unsqueeze(-1)
+        return _combine(out, lse.gather(3, unsort))
 
     def init_state(self, batch, heads, d_value, *, device=None, dtype=None) -> LSHCache:
         return LSHCache(
@@ -163,9 +169,7 @@ class LSHAttention(AttentionCore):
         """The parallel form over the prompt (from an empty cache) or, after a cache, the step
         form token by token; the cache then holds the prompt."""
         if state is None or state.keys.shape[2] == 0:
-            buckets = self.buckets(q)
-            state = LSHCache(_finite_part(k), _finite_part(v), buckets, _poison(k, v)[:, :, -1])
-            return self._chunked(q, k, v, buckets), state
+            return self._parallel(q, k, v, True), LSHCache(k, v, self.buckets(q), _poison(k, v)[:, :, -1])
         outputs = []
         for t in range(q.shape[2]):
             out, state = self._step(q[:, :, t], k[:, :, t], v[:, :, t], state)
@@ -175,8 +179,8 @@ class LSHAttention(AttentionCore):
     def _step(self, q_t, k_t, v_t, state: LSHCache):
         """Query t over the cached tokens of its bucket in each round, itself as the fallback."""
         bucket_t = self.buckets(q_t.unsqueeze(2))  # [B, H, R, 1]
-        keys = torch.cat([state.keys, _finite_part(k_t).unsqueeze(2)], 2)
-        values = torch.cat([state.values, _finite_part(v_t).unsqueeze(2)], 2)
+        keys = torch.cat([state.keys, k_t.unsqueeze(2)], 2)
+        values = torch.cat([state.values, v_t.unsqueeze(2)], 2)
         buckets = torch.cat([state.buckets, bucket_t], 3)
         poison = state.poison + _poison(k_t.unsqueeze(2), v_t.unsqueeze(2))[:, :, 0]
         T = keys.shape[2]
