@@ -21,8 +21,7 @@ import variants
 from . import tasks
 from .load import LoadMeter
 from .measure import Clock, PeakMemory, sample_until_stable, synchronize, time_callable, usual_allocator
-
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
+from .roofline import DTYPES
 
 
 class CellError(ValueError):
