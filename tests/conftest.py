@@ -1,5 +1,5 @@
 """Fixtures of every test: the interpreter for Triton kernels without a GPU, a fresh seed per
-test, the thread count restored. Helpers the tests import live in tests/helpers.py."""
+test, the thread count restored, a runs directory of its own. Helpers the tests import live in tests/helpers.py."""
 
 from __future__ import annotations
 
@@ -29,3 +29,11 @@ def seed(request) -> int:
     value = int(os.environ.get("ATTNBENCH_TEST_SEED", random.randrange(2**31)))
     request.node.user_properties.append(("seed", value))
     return value
+
+
+@pytest.fixture(autouse=True)
+def own_runs_directory(tmp_path_factory, monkeypatch):
+    """Runs started by a test announce themselves in a directory of the test's own
+    (``ATTNBENCH_RUNS_DIR``), so a test's output never depends on other attnbench runs on the
+    machine (another suite, a benchmark beside it)."""
+    monkeypatch.setenv("ATTNBENCH_RUNS_DIR", str(tmp_path_factory.mktemp("runs")))
