@@ -28,7 +28,9 @@ from . import tasks
 from .compare import CELL_KEY, CompareResult, identify, latest
 from .figures import FAILURE_MARK, Figures, Plot, Table, natural, natural_columns, new_figure, table
 from .formatting import MIB, flag, format_ratio, format_seconds, fraction, gib, mib, percent, present, si, text
+from .frontier import cell_flags, frontier_plot
 from .results import FAILED, load, read_records
+from .seeds import seed_table
 
 #: Axes that can be the x axis of a plot, in order of preference (after a task's own axes).
 X_CANDIDATES = ("seq_len", "batch", "heads", "d_key", "d_value", "new_tokens")
@@ -529,13 +531,21 @@ def _statuses(cells: pd.DataFrame) -> str:
 def _scenario_section(name: str, cells: pd.DataFrame, figures: Figures) -> ScenarioSection:
     slug = _slug(name)
     plots = [_metric_plot(cells, metric, figures, slug) for metric in METRICS] + [_latency_plot(cells, figures, slug)]
-    task_sections = [part for task in _tasks_of(cells) if task.report for part in task.report(cells[cells["target"] == task.name], figures, slug)]
+    task_sections = []
+    for task in _tasks_of(cells):
+        own = cells[cells["target"] == task.name]
+        task_sections += [*(task.report(own, figures, slug) if task.report else []), *(_score_sections(own, task.score, figures, slug) if task.score else [])]
     plots += [part for part in task_sections if isinstance(part, Plot)]
     tables = [_model_table(cells), *(part for part in task_sections if isinstance(part, Table)), _quality_table(cells), _failures_table(cells),
               _timing_table(cells)]
     targets = ", ".join(cells["target"].dropna().unique())
     return ScenarioSection(name, targets, cells["x_axis"].iloc[0], _statuses(cells),
                            [p for p in plots if p is not None], [t for t in tables if t is not None])
+
+
+def _score_sections(cells: pd.DataFrame, score: tasks.Score, figures: Figures, slug: str) -> list:
+    """A task's headline metric over seeds (``harness.seeds``) and against speed (``harness.frontier``)."""
+    return [seed_table(cells, score), frontier_plot(cells, score, figures, slug)]
 
 
 def _compare_table(result: CompareResult) -> Table:
@@ -552,8 +562,14 @@ def _csv_value(value):
     return json.dumps(value) if isinstance(value, (list, dict)) else value
 
 
-def write_cells_csv(frame: pd.DataFrame, path: Path) -> None:
-    """Every cell of ``load``, one row each; list values (raw samples, latencies) as JSON."""
+def write_cells_csv(frame: pd.DataFrame, path: Path, cells: pd.DataFrame | None = None) -> None:
+    """Every cell of ``load``, one row each; list values (raw samples, latencies) as JSON. Given
+    the report's ``cells`` (``prepare``), a quality cell also says whether its variant is on its
+    task's quality–speed frontier (``quality_frontier``, ``harness.frontier``)."""
+    if cells is not None:
+        flags = [cell_flags(cells[cells["target"] == task.name], task.score) for task in _tasks_of(cells) if task.score]
+        if flags:
+            frame = frame.assign(quality_frontier=pd.concat(flags).reindex(frame.index))
     frame.map(_csv_value).to_csv(path, index=False)
 
 
@@ -570,8 +586,8 @@ def build_report(paths, out_dir, *, title: str | None = None, compare_base: Comp
     frame = load(paths)
     if frame.empty:
         raise ValueError("the results files hold no cells: nothing to report")
-    write_cells_csv(frame, out_dir / "cells.csv")
     cells = prepare(frame)
+    write_cells_csv(frame, out_dir / "cells.csv", cells)
     runs = _runs(frame["file"].unique())
     figures = Figures(out_dir, palette(cells), _machine_styles(cells))
     scenarios = [_scenario_section(name, group, figures) for name, group in cells.groupby("scenario", sort=True)]

@@ -32,6 +32,8 @@ BACKENDS = ("torch", "triton")
 AXES = ("seq_len", "batch", "heads", "d_key", "d_value", "dtype", "device")
 #: The targets every scenario can measure; each registered task (harness.tasks) adds its name.
 SPEED_TARGETS = ("core", "layer", "model")
+#: The axis that sweeps a quality task's ``seed`` (its cells then carry it in ``axes`` and ``task``).
+SEED_AXIS = "seed"
 
 
 class ScenarioError(ValueError):
@@ -211,9 +213,13 @@ class Scenario(Strict):
 
     @model_validator(mode="after")
     def _task_axes(self):
-        """Extra axes are a task's own: only those its task declares, each positive integers."""
+        """Extra axes are a task's own: only those its task declares, each positive integers, and
+        ``seed`` (integers ≥ 0) for a task whose config has a seed."""
         declared = tasks.get(self.task.name).axes if self.task is not None else ()
         for axis, value in (self.axes.model_extra or {}).items():
+            if axis == SEED_AXIS:
+                _check_seeds(self.task, value)
+                continue
             if axis not in declared:
                 own = ", ".join(f"{task.name}: {', '.join(a for a in task.axes if a not in Axes.model_fields) or '-'}" for task in tasks.tasks())
                 raise ValueError(f"axes.{axis}: not an axis of this scenario (got {value!r}; speed axes: {', '.join(Axes.model_fields)}; task axes: {own})")
@@ -221,6 +227,18 @@ class Scenario(Strict):
             if not items or not all(isinstance(item, int) and not isinstance(item, bool) and item >= 1 for item in items):
                 raise ValueError(f"axes.{axis}: expected positive integers, got {value!r}")
         return self
+
+
+def _check_seeds(task_config, value) -> None:
+    """``axes.seed``: integers ≥ 0, in a scenario whose task config has a ``seed`` field."""
+    if task_config is None or "seed" not in type(task_config).model_fields:
+        where = "a speed scenario" if task_config is None else f"the {task_config.name} task, whose config has no seed field"
+        raise ValueError(f"axes.seed: seeds sweep a quality task's seed; {where} has none")
+    items = value if isinstance(value, list) else [value]
+    if not items or not all(isinstance(item, int) and not isinstance(item, bool) and item >= 0 for item in items):
+        raise ValueError(f"axes.seed: expected integers >= 0, got {value!r}")
+    if len(set(items)) != len(items):
+        raise ValueError(f"axes.seed: a seed is listed twice in {value!r}")
 
 
 _MODELS: dict[tuple, type[Scenario]] = {}
@@ -279,7 +297,7 @@ def _apply_set(raw: dict, assignment: str, path: str) -> dict:
     if not sep or not key:
         raise ScenarioError(f"{path}: --set {assignment!r}: expected KEY=VALUE, e.g. seq_len=1024 or measure.repeats=3")
     parts = key.split(".")
-    if len(parts) == 1 and parts[0] in AXES + ("d_dot",) + tuple(axis for task in tasks.tasks() for axis in task.axes):
+    if len(parts) == 1 and parts[0] in AXES + ("d_dot", SEED_AXIS) + tuple(axis for task in tasks.tasks() for axis in task.axes):
         parts = ["axes", parts[0]]
     try:
         override: dict = yaml.safe_load(text)
@@ -412,7 +430,8 @@ def expand(scenario: Scenario, path: str = "<scenario>") -> list[dict]:
     before anything is measured."""
     axes = scenario.axes
     task = tasks.get(scenario.task.name) if scenario.task else None
-    names = (*task.axes, "dtype", "device") if task else AXES
+    seeds = (axes.model_extra or {}).get(SEED_AXIS)
+    names = (*task.axes, "dtype", "device", *([SEED_AXIS] if seeds is not None else [])) if task else AXES
     axis_values = {name: _sweep(getattr(axes, name)) for name in names}
     d_dots = _sweep(axes.d_dot)
     cells, seen = [], set()
@@ -451,7 +470,7 @@ def expand(scenario: Scenario, path: str = "<scenario>") -> list[dict]:
                         "target": scenario.target,
                         "decode": scenario.decode.model_dump(),
                         "model": scenario.model.model_dump() if scenario.target == "model" else None,
-                        "task": scenario.task.model_dump() if scenario.task else None,
+                        "task": _task_section(scenario.task, cell_axes),
                         "measure": scenario.measure.model_dump(),
                         "skip": unsupported.get(backend),
                     }
@@ -460,6 +479,16 @@ def expand(scenario: Scenario, path: str = "<scenario>") -> list[dict]:
                         seen.add(cell["cell_id"])
                         cells.append(cell)
     return cells
+
+
+def _task_section(task_config, cell_axes: dict) -> dict | None:
+    """The cell's ``task`` section: the scenario's, with the cell's seed where seeds are swept."""
+    if task_config is None:
+        return None
+    section = task_config.model_dump()
+    if SEED_AXIS in cell_axes:
+        section["seed"] = cell_axes[SEED_AXIS]
+    return section
 
 
 def _unsupported_backends(name: str, d_key: int, params: dict, backends: list[str], field: str, path: str) -> dict:

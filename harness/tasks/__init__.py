@@ -25,6 +25,27 @@ def _d_key_axis(config, axes: dict) -> list[int]:
 
 
 @dataclass(frozen=True)
+class Score:
+    """A task's headline quality metric: which way is better and, optionally, the value a cell
+    must reach to count as having learnt the task (MQAR: accuracy ≥ 0.9). The report aggregates
+    it over seeds (seeds that passed) and puts it against speed (the quality–speed frontier)."""
+
+    metric: str
+    higher_is_better: bool
+    threshold: float | None = None
+
+    def passed(self, value: float) -> bool:
+        """Whether ``value`` reaches the threshold (never, without one)."""
+        if self.threshold is None:
+            return False
+        return value >= self.threshold if self.higher_is_better else value <= self.threshold
+
+    def describe(self) -> str:
+        """``accuracy ≥ 0.9``, ``valid_ppl ≤ 100``."""
+        return f"{self.metric} {'≥' if self.higher_is_better else '≤'} {self.threshold:g}"
+
+
+@dataclass(frozen=True)
 class Task:
     """One kind of quality cell.
 
@@ -44,6 +65,10 @@ class Task:
     - ``metrics``: the columns it fills in the report's quality table, in order.
     - ``report(cells, figures, name) -> [Plot | Table]``: its own plots and tables, given the
       report's cells of this task (``harness.figures``); ``name`` prefixes plot file names.
+    - ``score``: its headline metric (``Score``), aggregated over seeds and set against speed
+      in the report; none: the report shows no seed summary or frontier for it.
+
+    Every task whose config has a ``seed`` field can sweep it: ``axes: {seed: [0, 1, 2]}``.
     """
 
     name: str
@@ -54,6 +79,7 @@ class Task:
     any_device: bool = False
     metrics: tuple[str, ...] = ()
     report: Callable[..., list] | None = None
+    score: Score | None = None
 
 
 def register(task: Task) -> Task:

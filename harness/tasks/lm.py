@@ -41,7 +41,7 @@ from variants import VariantError
 
 from ..files import write_json_atomic
 from ..models import LM_PRESETS, DecoderConfig, DecoderLM, SegmentConfig, lm_config
-from . import Task, register
+from . import Score, Task, register
 from .command_line import CommandLine, command_line, parse_command_line
 from .download import DataError
 from .training import CheckpointError, Distributed, TrainConfig, train, training_metrics
@@ -398,6 +398,7 @@ def _segment_evaluation(model, corpus, length, autocast, eval_tokens) -> dict:
 register(Task(
     name="lm", config=LMConfig, axes=("seq_len",), run=run_cell, d_keys=lambda config, axes: [config.head_width], any_device=True,
     metrics=("valid_ppl", "test_ppl", "valid_ppl_sliding", "valid_ppl_carry", "valid_ppl_segment", "test_ppl_segment"),
+    score=Score("valid_ppl", higher_is_better=False),
 ))
 
 

@@ -29,7 +29,7 @@ from torch import nn
 import variants
 from variants.conv import ShortConv
 
-from . import Task, register
+from . import Score, Task, register
 
 IGNORE = -100
 SCHEDULES = ("cosine", "none")
@@ -46,6 +46,8 @@ class MQARResult:
     wall_s: float = 0.0
     seed: int = 0
     evaluations: list[tuple[int, float]] = field(default_factory=list)
+    tokens: int = 0  # the training tokens seen
+    train_s: float = 0.0  # the training steps' seconds, evaluations left out
 
 
 # --- data ------------------------------------------------------------------------------
@@ -258,8 +260,10 @@ def train(
     )
     evaluations: list[tuple[int, float]] = []
     start = time.perf_counter()
+    tokens, train_s = 0, 0.0
     model.train()
     for step in range(1, steps + 1):
+        step_start = time.perf_counter()
         inputs, targets = make_batch(seq_len, num_pairs, vocab_size, batch, data)
         loss = mqar_loss(model(inputs), targets)
         optimizer.zero_grad(set_to_none=True)
@@ -267,12 +271,14 @@ def train(
         optimizer.step()
         if scheduler is not None:
             scheduler.step()
+        train_s += time.perf_counter() - step_start
+        tokens += inputs.numel()
         if step % eval_every and step != steps:
             continue
         accuracy = evaluate(model, seq_len, num_pairs, vocab_size, batch=batch, batches=eval_batches, seed=seed)
         evaluations.append((step, accuracy))
     best = max(accuracy for _, accuracy in evaluations)
-    return MQARResult(best, evaluations[-1][1], loss.item(), steps, time.perf_counter() - start, seed, evaluations)
+    return MQARResult(best, evaluations[-1][1], loss.item(), steps, time.perf_counter() - start, seed, evaluations, tokens, train_s)
 
 
 def run_mqar(
@@ -305,6 +311,7 @@ def run_mqar(
         "loss": result.loss,
         "steps": result.steps,
         "wall_s": result.wall_s,
+        "words_per_s": result.tokens / result.train_s,
         "seed": result.seed,
         "evaluations": [list(e) for e in result.evaluations],
     }
@@ -341,16 +348,19 @@ def _accuracy_plot(cells, figures, name: str):
     if ok.empty:
         return None
     from ..figures import new_figure
+    from ..seeds import draw_over_seeds
 
     widths = sorted(ok["axes.d_model"].unique())
     figure, axes = new_figure(len(widths))
     for ax, width in zip(axes, widths):
-        for series, group in ok[ok["axes.d_model"] == width].sort_values("axes.seq_len").groupby("series"):
-            ax.plot(group["axes.seq_len"], group["metrics.accuracy"], color=figures.colours[series], marker="o")
+        for series, group in ok[ok["axes.d_model"] == width].groupby("series"):
+            draw_over_seeds(ax, group, "axes.seq_len", "metrics.accuracy", figures.colours[series])
         ax.set(title=f"d_model {int(width)}", xlabel="sequence length", ylabel="accuracy", ylim=(0, 1.02))
     figures.legend(figure, ok, False)
     title = "MQAR accuracy against sequence length"
-    return figures.save(figure, f"{name}-mqar", title, f"{title}: best evaluation accuracy on the queried values; one panel per model width.")
+    caption = (f"{title}: best evaluation accuracy on the queried values (the mean over seeds, a band from the lowest to the highest "
+               "where several were run); one panel per model width.")
+    return figures.save(figure, f"{name}-mqar", title, caption)
 
 
 def report_sections(cells, figures, name: str) -> list:
@@ -360,5 +370,5 @@ def report_sections(cells, figures, name: str) -> list:
 
 register(Task(
     name="mqar", config=MQARConfig, axes=("seq_len", "d_model"), run=run_cell, d_keys=lambda config, axes: axes["d_model"],
-    metrics=("accuracy",), report=report_sections,
+    metrics=("accuracy",), report=report_sections, score=Score("accuracy", higher_is_better=True, threshold=0.9),
 ))

@@ -40,7 +40,7 @@ import variants
 from ..files import write_json_atomic
 from ..measure import synchronize
 from ..models import config_from_preset
-from . import Task, register
+from . import Score, Task, register
 from .command_line import CommandLine, command_line, parse_command_line
 from .mt_model import POSITIONS, Seq2Seq, Seq2SeqConfig
 from .parallel_text import BOS, EOS, PAD, dataset_dir, read_parallel, train_vocabulary
@@ -520,7 +520,7 @@ def run_cell(cell: dict) -> dict:
 
 register(Task(
     name="mt", config=MTConfig, axes=(), run=run_cell, d_keys=lambda config, axes: [config.head_width], any_device=True,
-    metrics=("bleu", "valid_loss", "sentences_per_s"),
+    metrics=("bleu", "valid_loss", "sentences_per_s"), score=Score("bleu", higher_is_better=True),
 ))
 
 

@@ -24,7 +24,7 @@ from torch import nn
 
 import variants
 
-from . import Task, register
+from . import Score, Task, register
 
 SETTINGS = (1, 2)
 
@@ -50,6 +50,8 @@ class RetrievalResult:
     wall_s: float = 0.0
     stopped: str = "max_steps"
     seed: int = 0
+    tokens: int = 0  # the training tokens (key-value pairs) seen
+    train_s: float = 0.0  # the training steps' seconds, evaluations left out
 
 
 # --- data ------------------------------------------------------------------------------
@@ -234,13 +236,17 @@ def train(
     evaluations: list[tuple[int, float]] = []
     best, since_best, stopped = float("inf"), 0, "max_steps"
     start = time.perf_counter()
+    tokens, train_s = 0, 0.0
     model.train()
     for step in range(1, max_steps + 1):
+        step_start = time.perf_counter()
         train_batch = make_batch(setting, S, batch, data)
         loss = retrieval_loss(model(train_batch), train_batch.answer)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
+        train_s += time.perf_counter() - step_start
+        tokens += train_batch.keys.numel()
         if step % eval_every and step != max_steps:
             continue
         eval_loss = evaluate(model, make_eval_batch(setting, S, generator=_eval_generator(seed, len(evaluations))))
@@ -252,7 +258,7 @@ def train(
             stopped = "patience"
         if stopped != "max_steps":
             break
-    return RetrievalResult(best, evaluations[-1][1], step, evaluations, time.perf_counter() - start, stopped, seed)
+    return RetrievalResult(best, evaluations[-1][1], step, evaluations, time.perf_counter() - start, stopped, seed, tokens, train_s)
 
 
 def run_retrieval(variant: str, params: dict, *, setting: int, S: int, d_key: int = 64, max_steps: int, seed: int = 0, **train_kwargs) -> dict:
@@ -267,6 +273,7 @@ def run_retrieval(variant: str, params: dict, *, setting: int, S: int, d_key: in
         "steps": result.steps,
         "wall_s": result.wall_s,
         "stopped": result.stopped,
+        "words_per_s": result.tokens / result.train_s,
         "seed": result.seed,
         "evaluations": [list(e) for e in result.evaluations],
     }
@@ -312,20 +319,22 @@ def _capacity_plot(cells, figures, name: str):
     """Setting 1: the best evaluation loss against the number of keys S, one line per variant,
     each variant's d_dot marked on the axis in its colour (Schlag et al. 2021, Fig. 2)."""
     from ..figures import new_figure
+    from ..seeds import draw_over_seeds
 
     ok = cells[(cells["status"] == "ok") & cells["metrics.loss"].notna() & (_setting(cells) == 1)]
     if ok.empty:
         return None
     figure, (ax,) = new_figure(1)
-    for series, group in ok.sort_values("axes.S").groupby("series"):
+    for series, group in ok.groupby("series"):
         colour = figures.colours[series]
-        ax.plot(group["axes.S"], group["metrics.loss"], color=colour, marker="o")
+        draw_over_seeds(ax, group, "axes.S", "metrics.loss", colour)
         if "metrics.d_dot" in group and group["metrics.d_dot"].notna().any():
             ax.axvline(group["metrics.d_dot"].dropna().iloc[0], color=colour, linestyle=":", linewidth=1)
     ax.set(xlabel="number of keys S", ylabel="best evaluation loss", title="retrieval")
     figures.legend(figure, ok, False)
     title = "Retrieval loss against the number of keys"
-    caption = f"{title}: one line per variant; the dotted line in a variant's colour marks its d_dot (its memory's capacity)."
+    caption = (f"{title}: one line per variant (the mean over seeds, a band from the lowest to the highest where several were run); "
+               "the dotted line in a variant's colour marks its d_dot (its memory's capacity).")
     return figures.save(figure, f"{name}-capacity", title, caption)
 
 
@@ -354,4 +363,5 @@ def report_sections(cells, figures, name: str) -> list:
 
 register(Task(
     name="retrieval", config=RetrievalConfig, axes=("S", "d_key"), run=run_cell, metrics=("loss",), report=report_sections,
+    score=Score("loss", higher_is_better=False),
 ))
