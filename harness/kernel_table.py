@@ -266,8 +266,9 @@ def write_json(rows: list[Row], path: Path) -> None:
     path.write_text(json.dumps([row.as_dict() for row in rows], indent=1) + "\n")
 
 
-def command(arch: str, json_path: Path | None = None, rules: str | None = None, dtypes: str | None = None, head_dims: str | None = None,
-            workers: int | None = None) -> int:
+def command(
+    arch: str, json_path: Path | None = None, rules: str | None = None, dtypes: str | None = None, head_dims: str | None = None, workers: int | None = None
+) -> int:
     """``attnbench kernels``: print the table (and write ``json_path``); 1 when a row failed, 2 when
     the table cannot be made. ``rules``, ``dtypes``, ``head_dims``: comma-separated filters, as typed."""
     try:

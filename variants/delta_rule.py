@@ -78,13 +78,16 @@ LOG_GATE = TokenInput(
 
 @register("delta")
 class DeltaRule(FastWeightCore):
-    """The delta rule with any φ (default elu+1), sum normalisation on by default."""
+    """The delta rule with any φ (default elu+1), sum normalisation on by default. ``precision``
+    ('ieee' or 'tf32', backend='triton' only): the dots of float32 inputs in the Triton kernels."""
 
     token_inputs = (BETA,)
     supports_noncausal = False
 
-    def __init__(self, d_key, *, phi="elu1", sum_norm=True, normalize=False, **options):
+    def __init__(self, d_key, *, phi="elu1", sum_norm=True, normalize=False, precision="ieee", **options):
         super().__init__(d_key, phi=phi, sum_norm=sum_norm, normalize=normalize, **options)
+        kernels.check_precision(self.variant_name, self.backend, precision)
+        self.precision = precision
         if self.backend == "triton" and normalize:
             raise kernels.UnsupportedBackend(
                 "delta: backend='triton' implements the delta rule without attention normalisation; use normalize=False or backend='torch'"
@@ -93,7 +96,8 @@ class DeltaRule(FastWeightCore):
     def _run(self, q, k, v, state, causal, beta, log_gate=None):
         if self.backend == "triton":
             kernel = self._kernel("delta_rule", q).delta_rule_triton
-            read, weights = kernel(self.phi.for_queries(q), self.phi.for_keys(k), v, beta, state.weights)
+            features_q, features_k = self.phi.for_queries(q), self.phi.for_keys(k)
+            read, weights = kernel(features_q, features_k, v, beta, state.weights, log_gate=log_gate, precision=self.precision)
             return read, FastWeightState(weights.to(v.dtype), None)
         read, weights, normaliser = delta_rule_chunked(
             q, k, v, beta, *state, self.chunk_size, phi=self.phi.for_queries, phi_k=self.phi.for_keys, log_gate=log_gate
@@ -152,12 +156,11 @@ class GatedDeltaRule(DeltaRule):
     write; g = ``log_gate`` ``[B, H, T]`` (≤ 0) comes with the input like β (``AttentionLayer``
     computes it with the paper's ``DecayGate``). φ defaults to the paper's L2
     normalisation ('l2', d_dot = d_key); any φ of the delta rule works. No attention
-    normaliser, and PyTorch only (the Triton delta kernel has no gate)."""
+    normaliser. ``backend='triton'`` runs the delta rule's kernels with their gate on."""
 
     token_inputs = (BETA, LOG_GATE)
 
-    def __init__(self, d_key, *, phi="l2", sum_norm=False, normalize=False, backend="torch", **options):
-        kernels.check_backend("gated_delta", backend, supported=("torch",))
+    def __init__(self, d_key, *, phi="l2", sum_norm=False, normalize=False, **options):
         if normalize:
             raise VariantError("gated_delta: normalize=True is not defined for the gated rule (the decay has no normaliser counterpart)")
         super().__init__(d_key, phi=phi, sum_norm=sum_norm, **options)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from . import kernels
 from .base import register
 from .chunked import causal_read, sum_rule_chunked
 from .fast_weights import FastWeightCore, FastWeightState
@@ -20,15 +21,19 @@ from .feature_maps import EPS
 @register("linear")
 class SumRule(FastWeightCore):
     """Linear attention: the sum rule with any φ (default elu+1) and, by default,
-    Katharopoulos' normalisation. ``sum_norm`` (off by default) is Schlag's φ / Σφ."""
+    Katharopoulos' normalisation. ``sum_norm`` (off by default) is Schlag's φ / Σφ. ``precision``
+    ('ieee' or 'tf32', backend='triton' only): the dots of float32 inputs in the Triton kernels."""
 
-    def __init__(self, d_key, *, phi="elu1", normalize=True, sum_norm=False, **options):
+    def __init__(self, d_key, *, phi="elu1", normalize=True, sum_norm=False, precision="ieee", **options):
         super().__init__(d_key, phi=phi, sum_norm=sum_norm, normalize=normalize, **options)
+        kernels.check_precision(self.variant_name, self.backend, precision)
+        self.precision = precision
 
     def _run(self, q, k, v, state, causal):
         if causal and self.backend == "triton":
             kernel = self._kernel("sum_rule", q).sum_rule_triton
-            read, weights, normaliser = kernel(self.phi.for_queries(q), self.phi.for_keys(k), v, *state, normalize=self.normalize)
+            features_q, features_k = self.phi.for_queries(q), self.phi.for_keys(k)
+            read, weights, normaliser = kernel(features_q, features_k, v, *state, normalize=self.normalize, precision=self.precision)
             return read, FastWeightState(weights.to(v.dtype), None if normaliser is None else normaliser.to(v.dtype))
         if causal:
             read, weights, normaliser = sum_rule_chunked(q, k, v, *state, self.chunk_size, phi=self.phi.for_queries, phi_k=self.phi.for_keys)

@@ -1,10 +1,15 @@
-"""The Triton delta-rule kernel (variants/kernels/delta_rule.py) against the float64 chunked
-reference ``variants.chunked.delta_rule_chunked``: forward, final state and every gradient.
+"""The chunk-parallel Triton delta-rule kernels (variants/kernels/delta_rule.py), ungated and gated, against
+the float64 chunked reference ``variants.chunked.delta_rule_chunked``: forward, final state and every gradient.
 
-Without a CUDA GPU the kernels run through Triton's interpreter on the CPU (TRITON_INTERPRET=1
-must be set before triton is imported, hence the top of this file); with one, natively on
-"cuda". Every test runs with the kernels' POISON flag set, so an output element a
-kernel forgets to write is NaN and fails the finiteness checks.
+The device is ``ATTNBENCH_TEST_DEVICE`` (tests/test_kernels/conftest.py): "cpu" (default) runs the kernels
+through Triton's interpreter, where 16-bit dots are emulated with the same rounded operands
+(``_common.operand_precision``); "cuda" runs them natively. Every test runs with the kernels' POISON flag
+set, so an output element a kernel forgets to write is NaN and fails the checks.
+
+Tolerances (``TOLERANCE``): max |error| ≤ tol · max(1, max |reference|) per output, against the float64
+reference on the inputs rounded to the dtype. float32 1e-4 (IEEE dots: errors ~1e-7 measured); fp16 and bf16
+four times the dtype's resolution (eps; measured up to ~2.6 eps in bf16): the 16-bit dots round their fp32
+operands (T, the chunk states, U', dU') once to the input dtype, and W, U' are stored in it.
 """
 
 from __future__ import annotations
@@ -14,9 +19,6 @@ import os
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
 triton = pytest.importorskip("triton")
 
 import variants  # noqa: E402
@@ -24,13 +26,11 @@ from variants.chunked import delta_rule_chunked  # noqa: E402
 from variants.kernels import _common  # noqa: E402
 from variants.kernels import delta_rule as kernel  # noqa: E402
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("no CUDA GPU and TRITON_INTERPRET is not 1: the kernels cannot run", allow_module_level=True)
-
-#: float32 kernel against the float64 reference: max |error| ≤ TOL · max(1, max |reference|).
-TOL_FP32 = 1e-4
+DEVICE = os.environ.get("ATTNBENCH_TEST_DEVICE", "cpu")
+F64 = torch.float64
+TOLERANCE = {torch.float32: 1e-4, torch.float16: 4 * torch.finfo(torch.float16).eps, torch.bfloat16: 4 * torch.finfo(torch.bfloat16).eps}
+DTYPES = list(TOLERANCE)
+NAMES = ["y", "S_T", "dq", "dk", "dv", "dbeta", "dlog_gate", "dS0"]
 
 
 @pytest.fixture(autouse=True)
@@ -39,173 +39,210 @@ def poison(monkeypatch):
     monkeypatch.setattr(_common, "POISON", True)
 
 
-def make_inputs(batch, heads, length, d_dot, d_value, *, initial_state, features, seed):
-    """float64 q, k, v, β, S_0 (or None) on the CPU. ``features``: 'unit' (keys and queries of unit
-    L2 norm) or 'sumnorm' (positive elu+1 features divided by their sum, as the delta variant feeds)."""
+def make_inputs(batch, heads, length, d_dot, d_value, *, initial_state, gated, seed, features="unit"):
+    """float64 {q, k, v, beta, log_gate (None ungated), weights (None without S_0)} on the CPU. ``features``:
+    'unit' (keys and queries of unit L2 norm) or 'sumnorm' (positive elu+1 features over their sum, as ``delta`` feeds)."""
     gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(batch, heads, length, d_dot, generator=gen, dtype=torch.float64)
-    k = torch.randn(batch, heads, length, d_dot, generator=gen, dtype=torch.float64)
+    q = torch.randn(batch, heads, length, d_dot, generator=gen, dtype=F64)
+    k = torch.randn(batch, heads, length, d_dot, generator=gen, dtype=F64)
     if features == "unit":
         q, k = (x / x.norm(dim=-1, keepdim=True) for x in (q, k))
     else:
         q, k = (torch.nn.functional.elu(x) + 1 for x in (q, k))
         q, k = (x / x.sum(-1, keepdim=True) for x in (q, k))
-    v = torch.randn(batch, heads, length, d_value, generator=gen, dtype=torch.float64)
-    beta = torch.rand(batch, heads, length, generator=gen, dtype=torch.float64) * 0.98 + 0.01
-    weights = 0.5 * torch.randn(batch, heads, d_dot, d_value, generator=gen, dtype=torch.float64) if initial_state else None
-    return q, k, v, beta, weights
+    v = torch.randn(batch, heads, length, d_value, generator=gen, dtype=F64)
+    beta = torch.rand(batch, heads, length, generator=gen, dtype=F64) * 0.98 + 0.01
+    log_gate = -3 * torch.rand(batch, heads, length, generator=gen, dtype=F64) ** 2 if gated else None  # as LOG_GATE draws it
+    weights = 0.5 * torch.randn(batch, heads, d_dot, d_value, generator=gen, dtype=F64) if initial_state else None
+    return {"q": q, "k": k, "v": v, "beta": beta, "log_gate": log_gate, "weights": weights}
 
 
-def reference(q, k, v, beta, weights, dy, ds_final):
-    """[y, S_T, dq, dk, dv, dβ, (dS_0)]: float64 forward and gradients of <y, dy> + <S_T, ds_final> (None cotangents count as zero)."""
-    leaves = [t.detach().double().cpu().requires_grad_() for t in (q, k, v, beta)]
-    state = weights.detach().double().cpu().requires_grad_() if weights is not None else None
-    start = state if state is not None else leaves[0].new_zeros(q.shape[0], q.shape[1], q.shape[-1], v.shape[-1])
-    y, s_final, _ = delta_rule_chunked(*leaves, start, None, 16)
-    loss = 0.0
-    if dy is not None:
-        loss = loss + (y * dy.double().cpu()).sum()
-    if ds_final is not None:
-        loss = loss + (s_final * ds_final.double().cpu()).sum()
-    inputs = leaves + ([state] if state is not None else [])
-    grads = torch.autograd.grad(loss, inputs, allow_unused=True, materialize_grads=True)  # S_T does not depend on q
-    return [y.detach(), s_final.detach(), *grads]
+def _rounded(inputs, dtype):
+    """The inputs as the kernels see them in ``dtype`` (S_0 stays float32), back in float64."""
+    return {n: None if t is None else t.to(torch.float32 if n == "weights" else dtype).double() for n, t in inputs.items()}
 
 
-def run_kernel(q, k, v, beta, weights, dy, ds_final, *, dtype=torch.float32, chunk_size=None):
-    """Kernel forward on DEVICE and the gradients of the same loss as ``reference``, same layout."""
-    leaves = [t.detach().to(DEVICE, dtype).requires_grad_() for t in (q, k, v, beta)]
-    state = weights.detach().to(DEVICE, torch.float32).requires_grad_() if weights is not None else None
-    y, s_final = kernel.delta_rule_triton(*leaves, state, chunk_size=chunk_size)
-    assert y.dtype == dtype and y.shape == v.shape
-    assert s_final.dtype == torch.float32 and s_final.shape == (q.shape[0], q.shape[1], q.shape[-1], v.shape[-1])
-    outputs, cotangents = [], []
-    if dy is not None:
-        outputs.append(y)
-        cotangents.append(dy.to(DEVICE, dtype))
-    if ds_final is not None:
-        outputs.append(s_final)
-        cotangents.append(ds_final.to(DEVICE, torch.float32))
-    inputs = leaves + ([state] if state is not None else [])
-    grads = torch.autograd.grad(outputs, inputs, cotangents)
-    for name, tensor in zip(["y", "S_T", "dq", "dk", "dv", "dbeta", "dS0"], [y, s_final, *grads]):
-        assert torch.isfinite(tensor).all(), f"{name} has NaN/inf (an element the kernel did not write?)"
-    return [y.detach(), s_final.detach(), *grads]
+def reference(inputs, dy, ds_final):
+    """{name: float64 value} of y, S_T and the gradients of <y, dy> + <S_T, ds_final> (None cotangents count as zero)."""
+    leaves = {n: t.detach().clone().requires_grad_() for n, t in inputs.items() if t is not None}
+    q = leaves["q"]
+    start = leaves.get("weights", q.new_zeros(q.shape[0], q.shape[1], q.shape[-1], leaves["v"].shape[-1]))
+    y, s_final, _ = delta_rule_chunked(q, leaves["k"], leaves["v"], leaves["beta"], start, None, 16, log_gate=leaves.get("log_gate"))
+    loss = sum((out * c).sum() for out, c in ((y, dy), (s_final, ds_final)) if c is not None)
+    grads = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True, materialize_grads=True)  # S_T does not depend on q
+    return {"y": y.detach(), "S_T": s_final.detach(), **{"d" + n.replace("weights", "S0"): g for n, g in zip(leaves, grads)}}
 
 
-def max_errors(actual, expected):
-    """{name: (max |error|, max |reference|)}."""
-    names = ["y", "S_T", "dq", "dk", "dv", "dbeta", "dS0"]
-    return {
-        name: ((a.double().cpu() - e).abs().max().item(), e.abs().max().item())
-        for name, a, e in zip(names, actual, expected)
-    }
+def run_kernel(inputs, dy, ds_final, *, dtype=torch.float32, chunk_size=None, precision="ieee"):
+    """The kernels' forward on DEVICE in ``dtype`` and the gradients of the same loss as ``reference``."""
+    leaves = {n: t.detach().to(DEVICE, torch.float32 if n == "weights" else dtype).requires_grad_() for n, t in inputs.items() if t is not None}
+    y, s_final = kernel.delta_rule_triton(
+        leaves["q"], leaves["k"], leaves["v"], leaves["beta"], leaves.get("weights"),
+        log_gate=leaves.get("log_gate"), chunk_size=chunk_size, precision=precision,
+    )  # fmt: skip
+    assert y.dtype == dtype and y.shape == inputs["v"].shape
+    assert s_final.dtype == torch.float32 and s_final.shape == (*inputs["q"].shape[:2], inputs["q"].shape[-1], inputs["v"].shape[-1])
+    outputs = [(out, c.to(DEVICE, out.dtype)) for out, c in ((y, dy), (s_final, ds_final)) if c is not None]
+    grads = torch.autograd.grad([o for o, _ in outputs], list(leaves.values()), [c for _, c in outputs])
+    result = {"y": y.detach(), "S_T": s_final.detach(), **{"d" + n.replace("weights", "S0"): g for n, g in zip(leaves, grads)}}
+    for name, tensor in result.items():
+        assert not torch.isnan(tensor).any(), f"{name} has NaN (an element the kernel did not write?)"
+    for name, tensor in inputs.items():
+        if tensor is not None and name != "weights":
+            assert result["d" + name].dtype == dtype, name
+    return result
 
 
 def assert_close(actual, expected, tol, label=""):
-    errors = max_errors(actual, expected)
+    errors = {name: ((actual[name].double().cpu() - e).abs().max().item(), e.abs().max().item()) for name, e in expected.items()}
     print(f"\n{label} max errors: " + ", ".join(f"{name} {err:.1e} (of {scale:.1g})" for name, (err, scale) in errors.items()))
     bad = {name: err for name, (err, scale) in errors.items() if not err <= tol * max(1.0, scale)}
-    assert not bad, f"{label}: errors above {tol} (relative to max(1, max|ref|)): {bad}"
+    assert not bad, f"{', '.join(bad)}: errors above {tol:.1e} (relative to max(1, max|ref|)) in {label}: {bad}"
+
+
+def check(case, seed, *, dtype=torch.float32, gated=False, cotangents=("y", "S_T"), precision="ieee", tol=None):
+    batch, heads, length, d_dot, d_value, chunk_size, initial_state, features = case
+    inputs = _rounded(make_inputs(batch, heads, length, d_dot, d_value, initial_state=initial_state, gated=gated, seed=seed, features=features), dtype)
+    gen = torch.Generator().manual_seed(seed + 1)
+    dy = torch.randn(inputs["v"].shape, generator=gen, dtype=F64).to(dtype).double() if "y" in cotangents else None
+    ds_final = torch.randn(batch, heads, d_dot, d_value, generator=gen, dtype=F64).float().double() if "S_T" in cotangents else None
+    expected = reference(inputs, dy, ds_final)
+    actual = run_kernel(inputs, dy, ds_final, dtype=dtype, chunk_size=chunk_size, precision=precision)
+    assert_close(actual, expected, TOLERANCE[dtype] if tol is None else tol, f"{case} {dtype} gated={gated}")
 
 
 CASES = [
     # batch, heads, T, d_dot, d_value, chunk_size, initial state, features
-    pytest.param(1, 1, 1, 16, 16, None, False, "unit", id="T1"),
-    pytest.param(2, 3, 17, 16, 8, 16, True, "unit", id="T17-bh6-F16-Dv8-c16-s0"),
-    pytest.param(1, 1, 63, 5, 7, None, True, "unit", id="T63-F5-Dv7-s0"),
-    pytest.param(1, 1, 63, 16, 8, 20, False, "sumnorm", id="T63-c20-sumnorm"),
-    pytest.param(2, 3, 130, 16, 8, None, True, "sumnorm", id="T130-bh6-sumnorm-s0"),
-    pytest.param(1, 1, 130, 32, 48, 48, False, "unit", id="T130-F32-Dv48-c48"),
-    pytest.param(1, 1, 40, 256, 100, None, True, "unit", id="T40-F256-Dv100-s0"),
+    pytest.param((1, 1, 1, 16, 16, None, False, "unit"), id="T1"),
+    pytest.param((1, 1, 1, 8, 8, None, True, "unit"), id="T1-s0"),
+    pytest.param((2, 3, 17, 16, 8, 16, True, "unit"), id="T17-bh6-F16-Dv8-c16-s0"),
+    pytest.param((1, 1, 63, 5, 7, None, True, "unit"), id="T63-F5-Dv7-s0"),
+    pytest.param((1, 1, 63, 16, 8, 20, False, "sumnorm"), id="T63-c20-sumnorm"),
+    pytest.param((1, 2, 130, 32, 48, 48, True, "unit"), id="T130-F32-Dv48-c48-s0"),
 ]
 
 
-@pytest.mark.parametrize("batch, heads, length, d_dot, d_value, chunk_size, initial_state, features", CASES)
-def test_matches_reference(batch, heads, length, d_dot, d_value, chunk_size, initial_state, features, seed):
-    q, k, v, beta, weights = make_inputs(batch, heads, length, d_dot, d_value, initial_state=initial_state, features=features, seed=seed)
-    gen = torch.Generator().manual_seed(seed + 1)
-    dy = torch.randn(v.shape, generator=gen, dtype=torch.float64)
-    ds_final = torch.randn(batch, heads, d_dot, d_value, generator=gen, dtype=torch.float64)
-    expected = reference(q, k, v, beta, weights, dy, ds_final)
-    actual = run_kernel(q, k, v, beta, weights, dy, ds_final, chunk_size=chunk_size)
-    assert_close(actual, expected, TOL_FP32, f"T={length} F={d_dot} Dv={d_value} C={chunk_size}")
+@pytest.mark.parametrize("gated", [False, True], ids=["delta", "gated"])
+@pytest.mark.parametrize("case", CASES)
+def test_float32_matches_reference(case, gated, seed):
+    check(case, seed, gated=gated)
 
 
-@pytest.mark.parametrize("cotangent", ["y only", "S_T only"])
+@pytest.mark.parametrize("gated", [False, True], ids=["delta", "gated"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", [CASES[0], CASES[3], CASES[5]])
+def test_16_bit_matches_reference(case, dtype, gated, seed):
+    """fp16 / bf16 inputs: 16-bit dots with fp32 accumulation, S_T in float32, y and gradients in the input dtype."""
+    check(case, seed, dtype=dtype, gated=gated)
+
+
+@pytest.mark.parametrize("gated", [False, True], ids=["delta", "gated"])
+def test_blocks_of_the_head_dims(monkeypatch, gated, seed):
+    """[C, 16] tiles: loops over F and Dv blocks in the chunk kernels, ragged last blocks, and the passes over
+    several Dv blocks; d_dot = 256 (the largest) with its default chunk of 16."""
+    monkeypatch.setattr(kernel, "TILE", 16)
+    check((1, 1, 40, 40, 24, 16, True, "unit"), seed, gated=gated)
+    monkeypatch.undo()
+    check((1, 1, 20, 256, 20, None, True, "unit"), seed, gated=gated)
+
+
+@pytest.mark.parametrize("cotangent", ["y", "S_T"])
 def test_gradient_from_one_output(cotangent, seed):
     """A loss on y alone (no gradient arrives on S_T) or on S_T alone (none on y)."""
-    q, k, v, beta, weights = make_inputs(1, 2, 33, 16, 16, initial_state=True, features="unit", seed=seed)
+    check((1, 2, 33, 16, 16, 16, True, "unit"), seed, gated=True, cotangents=(cotangent,))
+
+
+def test_tf32_is_asked_for_float32(seed):
+    """``precision="tf32"`` reaches the kernels' dots (the interpreter multiplies in fp32, a GPU in TF32:
+    checked at TF32's resolution there)."""
+    launches = kernel.record_launches(dict(dtype=torch.float32, d_dot=64, d_value=64, chunk_size=None, gated=True), 80)
+    assert {launch.constexprs["PRECISION"] for launch in launches} == {"ieee"}
+    with _common.recording(80) as launches:
+        q = _common.meta_tensor(1, 1, 64, 16)
+        kernel.delta_rule_triton(q, q, q, _common.meta_tensor(1, 1, 64), precision="tf32")
+    assert {launch.constexprs["PRECISION"] for launch in launches} == {"tf32"}
+    check((1, 1, 40, 16, 16, 16, True, "unit"), seed, gated=True, precision="tf32", tol=1e-4 if DEVICE == "cpu" else 1e-2)
+
+
+@pytest.mark.parametrize("gated", [False, True], ids=["delta", "gated"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_chaining_through_the_state(gated, dtype, seed):
+    """Two calls, the second starting from the first's S_T (split inside a chunk), equal the float64 reference over
+    the whole sequence: outputs, final state and every gradient, including through the carried state."""
+    length, split = 45, 23
+    inputs = _rounded(make_inputs(1, 2, length, 16, 8, initial_state=True, gated=gated, seed=seed), dtype)
     gen = torch.Generator().manual_seed(seed + 1)
-    dy = torch.randn(v.shape, generator=gen, dtype=torch.float64) if cotangent == "y only" else None
-    ds_final = torch.randn(1, 2, 16, 16, generator=gen, dtype=torch.float64) if cotangent == "S_T only" else None
-    expected = reference(q, k, v, beta, weights, dy, ds_final)
-    actual = run_kernel(q, k, v, beta, weights, dy, ds_final, chunk_size=16)
-    assert_close(actual, expected, TOL_FP32, cotangent)
+    dy = torch.randn(inputs["v"].shape, generator=gen, dtype=F64).to(dtype).double()
+    ds_final = torch.randn(1, 2, 16, 8, generator=gen, dtype=F64).float().double()
+    expected = reference(inputs, dy, ds_final)
 
+    leaves = {n: t.to(DEVICE, torch.float32 if n == "weights" else dtype).requires_grad_() for n, t in inputs.items() if t is not None}
+    tokens = ("q", "k", "v", "beta", "log_gate")
 
-def test_chaining_through_the_state(seed):
-    """Two calls, the second starting from the first's S_T, equal one call over the whole
-    sequence: outputs, final state and every gradient (including through the carried state)."""
-    length, split = 63, 40
-    q, k, v, beta, weights = make_inputs(1, 2, length, 16, 8, initial_state=True, features="unit", seed=seed)
-    gen = torch.Generator().manual_seed(seed + 1)
-    dy = torch.randn(v.shape, generator=gen, dtype=torch.float64).to(DEVICE, torch.float32)
-    ds_final = torch.randn(1, 2, 16, 8, generator=gen, dtype=torch.float64).to(DEVICE, torch.float32)
+    def call(start, stop, weights):
+        part = {n: leaves[n][:, :, start:stop] for n in tokens if n in leaves}
+        return kernel.delta_rule_triton(part["q"], part["k"], part["v"], part["beta"], weights, log_gate=part.get("log_gate"), chunk_size=16)
 
-    def leaves():
-        return [t.to(DEVICE, torch.float32).requires_grad_() for t in (q, k, v, beta, weights)]
-
-    whole = leaves()
-    y, s_final = kernel.delta_rule_triton(*whole, chunk_size=16)
-    grads_whole = torch.autograd.grad([y, s_final], whole, [dy, ds_final])
-
-    pieces = leaves()
-    first = [t[:, :, :split] for t in pieces[:4]]
-    second = [t[:, :, split:] for t in pieces[:4]]
-    y1, s_mid = kernel.delta_rule_triton(*first, pieces[4], chunk_size=16)
-    y2, s_final2 = kernel.delta_rule_triton(*second, s_mid, chunk_size=16)
-    y_chained = torch.cat([y1, y2], dim=2)
-    grads_chained = torch.autograd.grad([y_chained, s_final2], pieces, [dy, ds_final])
-
-    expected = reference(q, k, v, beta, weights, dy, ds_final)
-    assert_close([y.detach(), s_final.detach(), *grads_whole], expected, TOL_FP32, "whole")
-    assert_close([y_chained.detach(), s_final2.detach(), *grads_chained], expected, TOL_FP32, "chained")
-    for name, a, b in zip(["y", "S_T", "dq", "dk", "dv", "dbeta", "dS0"], [y, s_final, *grads_whole], [y_chained, s_final2, *grads_chained]):
-        assert torch.isfinite(b).all(), name
-        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5, msg=lambda m, name=name: f"{name}: chained != whole: {m}")
+    y1, s_mid = call(0, split, leaves["weights"])
+    y2, s_final = call(split, length, s_mid)
+    y = torch.cat([y1, y2], dim=2)
+    grads = torch.autograd.grad([y, s_final], list(leaves.values()), [dy.to(DEVICE, dtype), ds_final.to(DEVICE, torch.float32)])
+    actual = {"y": y, "S_T": s_final, **{"d" + n.replace("weights", "S0"): g for n, g in zip(leaves, grads)}}
+    assert_close(actual, expected, TOLERANCE[dtype], "chained")
 
 
 def test_forward_without_autograd(seed):
-    """Under no_grad (nothing saved for a backward) the forward is the same."""
-    q, k, v, beta, weights = make_inputs(2, 1, 45, 16, 24, initial_state=True, features="sumnorm", seed=seed)
-    y_ref, s_ref, *_ = reference(q, k, v, beta, weights, torch.zeros_like(v), None)
+    """Under no_grad (nothing kept for a backward) the forward is the same."""
+    inputs = make_inputs(2, 1, 45, 16, 24, initial_state=True, gated=True, seed=seed, features="sumnorm")
+    expected = reference(inputs, torch.zeros_like(inputs["v"]), None)
     with torch.no_grad():
-        y, s_final = kernel.delta_rule_triton(*(t.to(DEVICE, torch.float32) for t in (q, k, v, beta, weights)), chunk_size=16)
-    assert torch.isfinite(y).all() and torch.isfinite(s_final).all()
-    assert_close([y, s_final], [y_ref, s_ref], TOL_FP32, "no_grad")
+        run = {n: t.to(DEVICE, torch.float32) for n, t in inputs.items()}
+        y, s_final = kernel.delta_rule_triton(run["q"], run["k"], run["v"], run["beta"], run["weights"], log_gate=run["log_gate"], chunk_size=16)
+    assert_close({"y": y, "S_T": s_final}, {"y": expected["y"], "S_T": expected["S_T"]}, TOLERANCE[torch.float32], "no_grad")
 
 
-HALF = [torch.float16, torch.bfloat16]
+@pytest.mark.parametrize(("skipped", "message"), [("state_pass", "^y has NaN"), ("backward_pass", "^dk has NaN"), ("backward_local", "^dk has NaN")])
+def test_a_wrong_kernel_fails_the_check(monkeypatch, skipped, message, seed):
+    """The check can fail: without the state pass (chunk states stay poisoned), the backward pass, or the
+    local part of dU', the comparison with the reference fails."""
+    real_launch = kernel.launch
+
+    def launch(fn, grid, *args, name=None, **kwargs):
+        if name != skipped:
+            real_launch(fn, grid, *args, name=name, **kwargs)
+
+    monkeypatch.setattr(kernel, "launch", launch)
+    with pytest.raises(AssertionError, match=message):
+        check((1, 1, 40, 8, 8, 16, True, "unit"), seed, gated=True, cotangents=("y",))
 
 
-@pytest.mark.parametrize("dtype", HALF, ids=str)
-def test_half_precision_inputs(dtype, seed):
-    """fp16 / bf16 inputs accumulate in fp32 (S_T is float32); compared with the float64
-    reference on the same rounded inputs, within the output dtype's rounding."""
-    q, k, v, beta, weights = make_inputs(1, 2, 70, 32, 16, initial_state=True, features="unit", seed=seed)
-    q, k, v, beta = (t.to(dtype).double() for t in (q, k, v, beta))
-    gen = torch.Generator().manual_seed(seed + 1)
-    dy = torch.randn(v.shape, generator=gen, dtype=torch.float64).to(dtype).double()
-    ds_final = torch.randn(1, 2, 32, 16, generator=gen, dtype=torch.float64)
-    expected = reference(q, k, v, beta, weights, dy, ds_final)
-    try:
-        actual = run_kernel(q, k, v, beta, weights, dy, ds_final, dtype=dtype)
-    except Exception as exc:  # pragma: no cover - depends on the interpreter's dtype support
-        if DEVICE == "cpu":
-            pytest.skip(f"Triton's interpreter cannot run {dtype} here: {exc!r}")
-        raise
-    assert_close(actual, expected, 3e-2 if dtype == torch.bfloat16 else 1e-2, str(dtype))
+def test_gated_delta_variant_runs_the_kernels(seed):
+    """``create('gated_delta', backend='triton')`` (and float32 TF32 asked through ``precision``) computes the
+    torch backend's function, forward and backward, and records the precision it was asked for."""
+    torch_core = variants.create("gated_delta", 8).double()
+    triton_core = variants.create("gated_delta", 8, backend="triton").to(DEVICE)
+    gen = torch.Generator().manual_seed(seed)
+    shape = (2, 3, 37)
+    inputs = {
+        "q": torch.randn(*shape, 8, generator=gen, dtype=F64), "k": torch.randn(*shape, 8, generator=gen, dtype=F64),
+        "v": torch.randn(*shape, 6, generator=gen, dtype=F64), "beta": torch.rand(*shape, generator=gen, dtype=F64),
+        "log_gate": -3 * torch.rand(*shape, generator=gen, dtype=F64) ** 2,
+    }  # fmt: skip
+    leaves = {n: t.clone().requires_grad_() for n, t in inputs.items()}
+    expected = torch_core(**leaves)
+    want = torch.autograd.grad(expected.sum(), list(leaves.values()))
+    run = {n: t.to(DEVICE, torch.float32).requires_grad_() for n, t in inputs.items()}
+    out = triton_core(**run)
+    got = torch.autograd.grad(out.sum(), list(run.values()))
+    for label, actual, target in zip(["out", *inputs], [out, *got], [expected, *want]):
+        torch.testing.assert_close(
+            actual.double().cpu(), target, rtol=1e-4, atol=1e-4 * max(1.0, target.abs().max().item()), msg=lambda m, label=label: f"{label}: {m}"
+        )
+    assert variants.create("gated_delta", 8, backend="triton", precision="tf32").precision == "tf32"
+    with pytest.raises(variants.UnsupportedBackend, match="precision='tf32' is a Triton kernel option"):
+        variants.create("gated_delta", 8, precision="tf32")
+    with pytest.raises(variants.VariantError, match="precision must be one of 'ieee', 'tf32'"):
+        variants.create("delta", 8, backend="triton", precision="fp16")
 
 
 @pytest.mark.parametrize(
@@ -223,19 +260,19 @@ def test_head_dims_above_256_are_refused(d_dot, d_value, message):
         kernel.delta_rule_triton(q, q, v, beta)
 
 
-@pytest.mark.parametrize("chunk_size", [0, 129, 16.0])
-def test_bad_chunk_size_is_refused(chunk_size):
+def test_bad_arguments_are_refused():
     q = torch.zeros(1, 1, 4, 16, device=DEVICE)
-    with pytest.raises(variants.VariantError, match="chunk_size"):
-        kernel.delta_rule_triton(q, q, q, torch.zeros(1, 1, 4, device=DEVICE), chunk_size=chunk_size)
+    beta = torch.zeros(1, 1, 4, device=DEVICE)
+    for chunk_size in (0, 129, 16.0):
+        with pytest.raises(variants.VariantError, match="chunk_size"):
+            kernel.delta_rule_triton(q, q, q, beta, chunk_size=chunk_size)
+    with pytest.raises(variants.VariantError, match=r"log_gate must be \[B, H, T\] = \(1, 1, 4\)"):
+        kernel.delta_rule_triton(q, q, q, beta, log_gate=torch.zeros(1, 1, 5, device=DEVICE))
+    with pytest.raises(variants.VariantError, match="precision must be one of 'ieee', 'tf32'"):
+        kernel.delta_rule_triton(q, q, q, beta, precision="tf16")
+    with pytest.raises(variants.UnsupportedBackend, match="float64: use backend='torch'"):
+        kernel.delta_rule_triton(q.double(), q.double(), q.double(), beta.double())
 
 
 def test_default_chunk_sizes():
     assert [kernel.default_chunk_size(d) for d in (5, 64, 65, 128, 129, 256)] == [64, 64, 32, 32, 16, 16]
-
-
-def test_float64_is_refused():
-    """The kernels compute in float32 (as the sum rule's do): float64 inputs go to backend='torch'."""
-    q = torch.zeros(1, 1, 4, 16, device=DEVICE, dtype=torch.float64)
-    with pytest.raises(variants.UnsupportedBackend, match="float64: use backend='torch'"):
-        kernel.delta_rule_triton(q, q, q, torch.zeros(1, 1, 4, device=DEVICE, dtype=torch.float64))

@@ -1,9 +1,9 @@
 """The chunk-parallel Triton sum-rule kernels (variants/kernels/sum_rule.py) against the float64
 PyTorch form, forward and the gradient of every input.
 
-Without a CUDA GPU the kernels run on the CPU through Triton's interpreter (TRITON_INTERPRET=1,
-set before triton is imported), where 16-bit dots are emulated with the same rounded operands
-(``_common.operand_precision``); with one, the same tests run natively on "cuda". Every test
+The device is ``ATTNBENCH_TEST_DEVICE`` (tests/test_kernels/conftest.py): "cpu" (default) runs the kernels
+through Triton's interpreter, where 16-bit dots are emulated with the same rounded operands
+(``_common.operand_precision``); "cuda" runs the same tests natively. Every test
 runs with ``POISON`` on, so outputs and gradients start as NaN and any element a kernel
 fails to write shows up as a NaN.
 
@@ -21,8 +21,6 @@ import os
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
 import variants  # noqa: E402
@@ -31,7 +29,7 @@ from variants.kernels import _common  # noqa: E402
 from variants.kernels import sum_rule as kernel_module  # noqa: E402
 from variants.kernels.sum_rule import sum_rule_triton  # noqa: E402
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DEVICE = os.environ.get("ATTNBENCH_TEST_DEVICE", "cpu")
 F64 = torch.float64
 
 
@@ -235,6 +233,25 @@ def test_chaining_through_the_state(normalize, dtype, seed):
         _assert_close(a, c, f"chained d{name}", tol, tol)
         if dtype == torch.float32:
             _assert_close(a, b.detach().double().cpu(), f"chained d{name} (one call)", rtol=1e-5, atol=1e-5)
+
+
+def test_tf32_is_asked_for_float32(seed):
+    """``precision="tf32"`` reaches the dots of float32 inputs (not on sm_70, which has no TF32; not 16-bit
+    inputs); the interpreter multiplies in fp32, a GPU in TF32 (checked at TF32's resolution there)."""
+    config = dict(dtype=torch.float32, d_dot=64, d_value=64, chunk_size=None, normalize=True)
+    assert {launch.constexprs.get("PRECISION") for launch in kernel_module.record_launches(config, 80)} == {"ieee", None}
+    for capability, dtype, expected in ((80, torch.float32, "tf32"), (70, torch.float32, "ieee"), (90, torch.bfloat16, "input")):
+        with _common.recording(capability) as launches:
+            q = _common.meta_tensor(1, 1, 64, 16, dtype=dtype)
+            sum_rule_triton(q, q, q, normalize=False, precision="tf32")
+        assert {launch.constexprs.get("PRECISION") for launch in launches} == {expected, None}, capability
+    with pytest.raises(variants.VariantError, match="precision must be one of 'ieee', 'tf32'"):
+        sum_rule_triton(q, q, q, normalize=False, precision="fp16")
+    drawn = _inputs(1, 1, 40, 16, 8, normalize=True, initial=True, seed=seed)
+    run_in = _leaves(drawn)
+    y, _, _ = sum_rule_triton(**run_in, normalize=True, chunk_size=16, precision="tf32")
+    tolerance = 1e-4 if DEVICE == "cpu" else 1e-2
+    _assert_close(y, _reference(**_rounded(drawn, torch.float32), normalize=True)[0], "y (tf32)", tolerance, tolerance)
 
 
 def test_poison_marks_unwritten_elements():

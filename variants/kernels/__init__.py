@@ -22,6 +22,8 @@ BACKENDS = ("torch", "triton")
 RULES = ("sum_rule", "delta_rule")
 #: The largest d_dot and d_value the Triton kernels take.
 MAX_HEAD_DIM = 256
+#: ``precision`` of the Triton backend: the dots of float32 inputs, IEEE fp32 (default) or TF32 (sm_80 on).
+PRECISIONS = ("ieee", "tf32")
 
 
 def check_backend(variant: str, backend: str, supported=BACKENDS) -> None:
@@ -31,6 +33,14 @@ def check_backend(variant: str, backend: str, supported=BACKENDS) -> None:
         raise kind(f"{variant}: backend must be one of {', '.join(supported)}, got {backend!r}")
     if backend == "triton" and importlib.util.find_spec("triton") is None:
         raise VariantError(f"{variant}: backend='triton' needs the triton package: pip install 'attnbench[triton]'")
+
+
+def check_precision(variant: str, backend: str, precision) -> None:
+    """``precision`` is one of ``PRECISIONS``; "tf32" only with ``backend='triton'`` (the torch forms follow torch's own matmul settings)."""
+    if precision not in PRECISIONS:
+        raise VariantError(f"{variant}: precision must be one of {', '.join(map(repr, PRECISIONS))}, got {precision!r}")
+    if precision != "ieee" and backend != "triton":
+        raise UnsupportedBackend(f"{variant}: precision={precision!r} is a Triton kernel option; use backend='triton' or precision='ieee'")
 
 
 def require_device(variant: str, device) -> None:

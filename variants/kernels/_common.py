@@ -5,8 +5,7 @@ checks, the launch, @triton.jit tile helpers, and the recording of launches that
 Constexpr names, the same in every kernel: ``BLOCK_C`` the chunk padded to a power of two ≥ 16,
 ``BLOCK_F`` / ``BLOCK_V`` the rows (d_dot side) / columns (d_value side) of the state one program
 holds, ``PAD_V`` d_value padded (the row stride of padded internal buffers), ``PRECISION`` the
-``tl.dot`` input precision (``dot_precision``; for kernels that multiply through ``dot``,
-``operand_precision``, which adds 16-bit operands). Runtime sizes: ``seq_len, d_dot, d_value, chunk_size, num_chunks``.
+precision of ``dot`` (``operand_precision``: IEEE or TF32 fp32, or 16-bit operands). Runtime sizes: ``seq_len, d_dot, d_value, chunk_size, num_chunks``.
 """
 
 from __future__ import annotations
@@ -20,11 +19,12 @@ import triton
 import triton.language as tl
 
 from ..base import UnsupportedBackend, VariantError
-from . import MAX_HEAD_DIM
+from . import MAX_HEAD_DIM, PRECISIONS
 
 #: Tests set this: new outputs and gradients start as NaN, so an element no kernel writes shows.
 POISON = False
-#: tl.dot precision for float32 inputs ("ieee": true fp32; "tf32" is faster and ~1e-3 relative).
+#: tl.dot precision for float32 inputs by default ("ieee": true fp32; "tf32", asked with
+#: ``precision="tf32"`` (one of ``PRECISIONS``), is faster and ~1e-3 relative).
 FP32_DOT_PRECISION = "ieee"
 #: The first compute capability (×10) with TF32 tensor cores (A100, sm_80).
 TF32_CAPABILITY = 80
@@ -64,37 +64,32 @@ def capability(device: torch.device) -> int | None:
     return _recording_capability if device.type == "meta" else None
 
 
-def dot_precision(dtype: torch.dtype, capability: int | None) -> str:
-    """``tl.dot`` precision: ``FP32_DOT_PRECISION`` for float32; TF32 for 16-bit inputs (exact on them)
-    where TF32 tensor cores exist (sm_80 on, and the interpreter), else IEEE fp32 FMAs (sm_70)."""
-    if dtype == torch.float32:
-        return FP32_DOT_PRECISION
-    return "ieee" if capability is not None and capability < TF32_CAPABILITY else "tf32"
-
-
-def operand_precision(dtype: torch.dtype, capability: int | None) -> str:
-    """``PRECISION`` of the chunk-parallel kernels (``dot``): ``FP32_DOT_PRECISION`` for float32; for
+def operand_precision(dtype: torch.dtype, capability: int | None, fp32: str | None = None) -> str:
+    """``PRECISION`` of the chunk-parallel kernels (``dot``): for float32 ``fp32`` (default
+    ``FP32_DOT_PRECISION``; "tf32" falls back to "ieee" on sm_70, which has no TF32 tensor cores); for
     fp16/bf16 "input" (16-bit operands straight into the tensor cores, fp32 accumulation) from sm_80 on,
     "input_emulated" in the interpreter (CPU tensors: the same rounded operands, exact fp32 products,
     since the interpreter's matmul does not take bf16), IEEE fp32 on sm_70 (no bf16 tensor cores)."""
     if dtype == torch.float32:
-        return FP32_DOT_PRECISION
+        fp32 = FP32_DOT_PRECISION if fp32 is None else fp32
+        return "ieee" if capability is not None and capability < TF32_CAPABILITY else fp32
     if capability is None:
         return "input_emulated"
     return "ieee" if capability < TF32_CAPABILITY else "input"
 
 
 class Tiles:
-    """Sizes of one call and what every kernel of a rule launches with (no autotuning). Each rule's
+    """Sizes of one call and what every kernel of a rule launches with: ``precision`` the ``dot``
+    precision (``operand_precision``; ``precision`` the one asked for float32). Each rule's
     subclass sets ``block_f``, ``block_v`` (the state block of one program), ``num_warps`` and ``num_stages``."""
 
-    def __init__(self, batch, heads, seq_len, d_dot, d_value, chunk_size, dtype, device):
+    def __init__(self, batch, heads, seq_len, d_dot, d_value, chunk_size, dtype, device, precision=None):
         self.batch, self.heads, self.seq_len, self.d_dot, self.d_value = batch, heads, seq_len, d_dot, d_value
         self.bh = batch * heads
         self.chunk_size = chunk_size
         self.num_chunks = triton.cdiv(seq_len, chunk_size)
         self.block_c, self.pad_f, self.pad_v = pad(chunk_size), pad(d_dot), pad(d_value)
-        self.precision = dot_precision(dtype, capability(device))
+        self.precision = operand_precision(dtype, capability(device), precision)
 
     def sizes(self) -> tuple[int, ...]:
         """The runtime size arguments every kernel takes: ``seq_len, d_dot, d_value, chunk_size, num_chunks``."""
@@ -113,9 +108,7 @@ def check_inputs(name: str, kernel, q, k, v, *others) -> None:
         raise VariantError(f"{name} expects q, k: [B, H, T, F] and v: [B, H, T, Dv], got {shapes}")
     d_dot, d_value = q.shape[-1], v.shape[-1]
     if d_dot > MAX_HEAD_DIM or d_value > MAX_HEAD_DIM:
-        raise UnsupportedBackend(
-            f"{name} supports d_dot and d_value up to {MAX_HEAD_DIM}, got d_dot={d_dot}, d_value={d_value}: use backend='torch'"
-        )
+        raise UnsupportedBackend(f"{name} supports d_dot and d_value up to {MAX_HEAD_DIM}, got d_dot={d_dot}, d_value={d_value}: use backend='torch'")
     if not (q.dtype == k.dtype == v.dtype) or q.dtype not in SUPPORTED_DTYPES:
         raise UnsupportedBackend(
             f"{name} takes q, k, v of one dtype among float32, float16, bfloat16, got {q.dtype}, {k.dtype}, {v.dtype}: use backend='torch'"
@@ -128,6 +121,12 @@ def check_inputs(name: str, kernel, q, k, v, *others) -> None:
         raise UnsupportedBackend(f"{name} on CPU tensors needs Triton's interpreter: set TRITON_INTERPRET=1 before triton is imported")
     if device.type not in ("cpu", "cuda") and not (device.type == "meta" and _recording is not None):
         raise VariantError(f"{name} runs on CUDA devices (or the CPU interpreter), got {device.type}")
+
+
+def check_precision(name: str, precision) -> None:
+    """``precision`` is one of ``PRECISIONS``."""
+    if precision not in PRECISIONS:
+        raise VariantError(f"{name}: precision must be one of {', '.join(map(repr, PRECISIONS))} (the dots of float32 inputs), got {precision!r}")
 
 
 def check_chunk_size(name: str, chunk_size, maximum: int | None = None) -> None:
@@ -232,6 +231,14 @@ def load_tokens(ptr, bh, chunk, seq_len, width, chunk_size, col_start, BLOCK_C: 
     tokens, token_ok = chunk_rows(chunk, seq_len, chunk_size, BLOCK_C)
     offs, mask = token_tile(bh, seq_len, tokens, token_ok, col_start + tl.arange(0, BLOCK), width)
     return tl.load(ptr + offs, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def load_chunk(ptr, bh, chunk, seq_len, width, chunk_size, col_start, BLOCK_C: tl.constexpr, BLOCK: tl.constexpr):
+    """``load_tokens`` in the tensor's own dtype (16-bit tiles go into ``dot`` as they are)."""
+    tokens, token_ok = chunk_rows(chunk, seq_len, chunk_size, BLOCK_C)
+    offs, mask = token_tile(bh, seq_len, tokens, token_ok, col_start + tl.arange(0, BLOCK), width)
+    return tl.load(ptr + offs, mask=mask, other=0.0)
 
 
 @triton.jit

@@ -58,7 +58,7 @@ q·z is small).
 Precision: states and every accumulation are float32. fp16/bf16 inputs go into 16-bit tensor-core
 dots as they are; the fp32 tiles they meet (A, P, diag(r) A, G in (a), the states) are rounded to the
 input dtype as dot operands (``_common.dot``; sm_70, without bf16 tensor cores, multiplies in fp32).
-fp32 inputs use IEEE fp32 dots (``_common.FP32_DOT_PRECISION``). y is written in the input dtype,
+fp32 inputs use IEEE fp32 dots (``_common.FP32_DOT_PRECISION``), TF32 ones with ``precision="tf32"``. y is written in the input dtype,
 S_T and z_T in float32. F and Dv are padded to powers of two (≥ 16, for tl.dot) with masks, at most
 256 each; the chunk kernels loop over F (or Dv) in blocks of ``STATE_BLOCK``, so their tiles stay
 [C, 64] ([C, 32] with fp32 operands) whatever d. Memory: one fp32 state row per chunk and b·h,
@@ -127,7 +127,7 @@ def _chunk_sums_kernel(
     seq_len, d_dot, d_value, chunk_size, num_chunks, width,
     NORMALIZE: tl.constexpr, COTANGENT: tl.constexpr,
     BLOCK_C: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_V: tl.constexpr, PRECISION: tl.constexpr,
-):
+):  # fmt: skip
     """(a) Program (chunk c, bh, tile (i, j)): rows block i, columns block j of ΔS_c = K_cᵀ V_c and,
     with NORMALIZE (j = 0), block i of Δz_c = K_cᵀ 1. With COTANGENT the backward's Q_cᵀ G_c and Q_cᵀ dden_c."""
     chunk = tl.program_id(0)
@@ -162,7 +162,7 @@ def _chunk_prefix_kernel(
     states_ptr, initial_ptr, final_ptr,
     width, num_chunks,
     HAS_INITIAL: tl.constexpr, REVERSE: tl.constexpr, BLOCK: tl.constexpr,
-):
+):  # fmt: skip
     """(b) Program (bh, block): in place over chunks, ΔS_c -> S_c = S_0 + Σ_{c'<c} ΔS_c' (with REVERSE
     dS_c = dS_T + Σ_{c'>c} ΔS_c'), for ``BLOCK`` entries of a state row; the sum over all chunks
     (S_T, or dS_0 with REVERSE) goes to ``final``. ``initial`` and ``final`` are [B·H, width]."""
@@ -188,7 +188,7 @@ def _chunk_output_kernel(
     NORMALIZE: tl.constexpr, DELTA_ONLY: tl.constexpr,
     BLOCK_C: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_V: tl.constexpr,
     PRECISION: tl.constexpr, EPSILON: tl.constexpr,
-):
+):  # fmt: skip
     """(c) Program (chunk c, bh, j): y_c[:, block j] = (A V + Q S_c) r with A = tril(Q Kᵀ) and, with
     NORMALIZE, r = 1 / (A 1 + Q z_c + ε) (block 0 stores r). A and the reads of S_c, z_c sum over F
     in blocks of BLOCK_F.
@@ -241,7 +241,7 @@ def _backward_dqk_kernel(
     dq_ptr, dk_ptr,  # outputs
     seq_len, d_dot, d_value, chunk_size, num_chunks, width,
     NORMALIZE: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_V: tl.constexpr, PRECISION: tl.constexpr,
-):
+):  # fmt: skip
     """Program (chunk c, bh, i): dq, dk [:, block i of F] = P K + G S_cᵀ + dden z_cᵀ and Pᵀ Q + V dS_cᵀ + 1 dz_cᵀ,
     summed over Dv in blocks of BLOCK_V. G = diag(r) dY enters as r (dY Vᵀ − δ 1ᵀ) = P (before tril) and
     r (dY S_cᵀ − δ z_cᵀ), so dY reaches the dots as it is (16-bit: not rounded again) and the near-cancelling
@@ -287,7 +287,7 @@ def _backward_dv_kernel(
     dv_ptr,  # output
     seq_len, d_dot, d_value, chunk_size, num_chunks, width,
     NORMALIZE: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_V: tl.constexpr, PRECISION: tl.constexpr,
-):
+):  # fmt: skip
     """Program (chunk c, bh, j): dv[:, block j of Dv] = Aᵀ G + K dS_c = (diag(r) A)ᵀ dY + K dS_c, A = tril(Q Kᵀ)
     summed over F in blocks of BLOCK_F (dY reaches the dot as it is)."""
     chunk = tl.program_id(0)
@@ -324,11 +324,11 @@ class _Tiles(_common.Tiles):
     the prefix pass: ``PREFIX_BLOCK`` state entries a program. ``width`` is a state row (S, then z). Chosen by
     compiling (docs/performance.md, "Compiled kernels"): these spill nothing at d ≤ 128 in 16-bit on sm_80, sm_90."""
 
-    def __init__(self, q: torch.Tensor, v: torch.Tensor, chunk_size: int | None, normalize: bool):
+    def __init__(self, q: torch.Tensor, v: torch.Tensor, chunk_size: int | None, normalize: bool, precision: str):
         batch, heads, seq_len, d_dot = q.shape
         d_value = v.shape[-1]
-        super().__init__(batch, heads, seq_len, d_dot, d_value, CHUNK_SIZE if chunk_size is None else chunk_size, q.dtype, q.device)
-        self.precision = _common.operand_precision(q.dtype, _common.capability(q.device))
+        chunk_size = CHUNK_SIZE if chunk_size is None else chunk_size
+        super().__init__(batch, heads, seq_len, d_dot, d_value, chunk_size, q.dtype, q.device, precision)
         self.device, self.normalize = q.device, normalize
         self.width = d_dot * d_value + (d_dot if normalize else 0)
         sixteen_bit = self.precision.startswith("input")
@@ -410,8 +410,8 @@ def _output(q, k, v, states, tiles: _Tiles, *, dy=None, name="forward_output"):
 
 class _SumRuleFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, weights, normaliser, normalize, chunk_size):
-        tiles = _Tiles(q, v, chunk_size, normalize)
+    def forward(ctx, q, k, v, weights, normaliser, normalize, chunk_size, precision):
+        tiles = _Tiles(q, v, chunk_size, normalize, precision)
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         initial = _state_row(weights, normaliser, tiles)
         states, final = _chunk_states(k, v, initial, tiles, name="forward")
@@ -460,11 +460,12 @@ class _SumRuleFunction(torch.autograd.Function):
         weights_dtype, normaliser_dtype = ctx.state_dtypes
         grad_s0 = ds0.to(weights_dtype) if need_s0 and weights_dtype is not None else None
         grad_z0 = dz0.to(normaliser_dtype) if need_z0 and normaliser_dtype is not None else None
-        return dq if need_q else None, dk if need_k else None, dv, grad_s0, grad_z0, None, None
+        return dq if need_q else None, dk if need_k else None, dv, grad_s0, grad_z0, None, None, None
 
 
-def _check(q, k, v, weights, normaliser, normalize, chunk_size):
+def _check(q, k, v, weights, normaliser, normalize, chunk_size, precision):
     name = "sum_rule_triton"
+    _common.check_precision(name, precision)
     _common.check_inputs(name, _chunk_output_kernel, q, k, v, weights, normaliser)
     batch, heads, _, d_dot = q.shape
     d_value = v.shape[-1]
@@ -488,20 +489,22 @@ def sum_rule_triton(
     *,
     normalize: bool,
     chunk_size: int | None = None,
+    precision: str = _common.FP32_DOT_PRECISION,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Chunked causal sum rule on feature-mapped inputs (see the module docstring for the math).
 
     ``q, k: [B, H, T, F]``, ``v: [B, H, T, Dv]`` (one dtype: float32, float16 or bfloat16),
     ``weights`` S_0 ``[B, H, F, Dv]`` and ``normaliser`` z_0 ``[B, H, F]`` (only with
     ``normalize=True``), each zero when None. F and Dv at most 256. ``chunk_size`` defaults
-    to 64; any positive int works, powers of two ≥ 16 waste nothing.
+    to 64; any positive int works, powers of two ≥ 16 waste nothing. ``precision``: the dots of
+    float32 inputs, "ieee" (default) or "tf32" (sm_80 on; 16-bit inputs always use 16-bit dots).
 
     Returns ``(y [B, H, T, Dv] in the input dtype, S_T [B, H, F, Dv] float32,
     z_T [B, H, F] float32 or None)``. Differentiable in q, k, v, weights and normaliser, with
     gradients flowing into S_T and z_T too (so calls can be chained through the state).
     """
-    _check(q, k, v, weights, normaliser, normalize, chunk_size)
-    y, s_final, z_final = _SumRuleFunction.apply(q, k, v, weights, normaliser, bool(normalize), chunk_size)
+    _check(q, k, v, weights, normaliser, normalize, chunk_size, precision)
+    y, s_final, z_final = _SumRuleFunction.apply(q, k, v, weights, normaliser, bool(normalize), chunk_size, precision)
     return y, s_final, z_final
 
 
@@ -532,6 +535,4 @@ def record_launches(config: dict, capability: int) -> list[_common.Launch]:
     dtype = config["dtype"]
     q, k = (_common.meta_tensor(*shape, config["d_dot"], dtype=dtype) for _ in range(2))
     v = _common.meta_tensor(*shape, config["d_value"], dtype=dtype)
-    return _common.record_training_step(
-        sum_rule_triton, capability, [q, k, v], normalize=config["normalize"], chunk_size=config["chunk_size"]
-    )
+    return _common.record_training_step(sum_rule_triton, capability, [q, k, v], normalize=config["normalize"], chunk_size=config["chunk_size"])
