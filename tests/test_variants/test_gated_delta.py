@@ -73,7 +73,5 @@ def test_errors():
         core.step(q[:, :, 0], q[:, :, 0], q[:, :, 0], state, beta_t=beta[:, :, 0])
     with pytest.raises(variants.VariantError, match=r"^delta: this variant takes no log_gate \(only the gated delta rule does\); it takes beta$"):
         variants.create("delta", 4).double()(q, q, q, beta=beta, log_gate=torch.zeros_like(beta))
-    with pytest.raises(variants.UnsupportedBackend, match=r"gated_delta: backend must be one of torch, got 'triton'"):
-        variants.create("gated_delta", 4, backend="triton")
     with pytest.raises(variants.VariantError, match=r"gated_delta: normalize=True is not defined"):
         variants.create("gated_delta", 4, normalize=True)
