@@ -50,11 +50,16 @@ def _table(dtype: str, d: int, archs=ARCHS, rules=None, heaviest=False) -> list[
     return kt.build_table(archs, selected, workers=2)
 
 
+def _kernel(row: kt.Row) -> str:
+    """The kernel of a row without its autotuning candidate ("state_pass[BLOCK_V=32,w=8]" -> "state_pass")."""
+    return row.kernel.split("[")[0]
+
+
 def _check_rows(rows: list[kt.Row], dtype: str, archs=ARCHS) -> None:
     """No row fails, every kernel is there for every arch, and the figures are plausible."""
     assert not kt.problems(rows), kt.problems(rows)
     for arch in archs:
-        kernels = {row.kernel for row in rows if row.arch == arch.name}
+        kernels = {_kernel(row) for row in rows if row.arch == arch.name}
         expected = SUM_RULE_KERNELS | DELTA_RULE_KERNELS
         assert kernels == (expected if dtype != "fp32" else expected - {"recompute_dy_dot_y"}), arch.name
     for row in rows:
@@ -63,7 +68,7 @@ def _check_rows(rows: list[kt.Row], dtype: str, archs=ARCHS) -> None:
 
 
 def _rule(row: kt.Row) -> str:
-    return "sum_rule" if row.kernel in SUM_RULE_KERNELS else "delta_rule"
+    return "sum_rule" if _kernel(row) in SUM_RULE_KERNELS else "delta_rule"
 
 
 def _expected_mma(row: kt.Row, dtype: str) -> set[str]:
@@ -81,10 +86,11 @@ def test_bf16_every_kernel_every_arch_at_d64():
     chunks = 16384 // 64 * 8  # (chunk, b·h) pairs at the reference shape
     for row in rows:
         assert row.mma in _expected_mma(row, "bf16"), row
-        if row.arch != "sm_70" and row.kernel in FORWARD_KERNELS:
+        if row.arch != "sm_70" and _kernel(row) in FORWARD_KERNELS:
             assert row.spill_bytes == 0, row
-        if row.kernel in ("state_pass", "backward_pass"):  # b·h × Dv blocks of 32 (16 in fp32, on sm_70)
-            assert row.programs == 8 * (4 if row.arch == "sm_70" else 2), row
+        if _kernel(row) in ("state_pass", "backward_pass"):  # b·h × Dv blocks of the candidate (16 on sm_70: fp32 operands)
+            block = int(row.kernel.split("BLOCK_V=")[1].split(",")[0])
+            assert row.programs == 8 * 64 // block and (block == 16 or row.arch != "sm_70"), row
         elif row.kernel in SUM_RULE_PREFIX:  # b·h × blocks of 256 state entries (S: 64·64, and z: 64 when normalised)
             assert row.programs == 8 * (17 if row.config.endswith("norm") else 16), row
         elif row.kernel in ("ut_transform", "backward_chunk"):
@@ -111,7 +117,7 @@ def test_largest_d_fits_every_arch(dtype):
     rows = _table(dtype, 256, heaviest=True)
     _check_rows(rows, dtype)
     if dtype == "bf16":
-        assert not [row for row in rows if row.arch != "sm_70" and row.kernel in FORWARD_KERNELS and _rule(row) == "delta_rule" and row.spill_bytes], rows
+        assert not [row for row in rows if row.arch != "sm_70" and _kernel(row) in FORWARD_KERNELS and _rule(row) == "delta_rule" and row.spill_bytes], rows
 
 
 def test_16_bit_on_sm70_takes_the_fp32_path():
@@ -141,11 +147,15 @@ def test_recorded_launches_are_a_training_step():
     assert launches[0].constexprs["BLOCK_C"] == 64 and launches[0].args[0].dtype == torch.float16
     assert {launch.options["num_warps"] for launch in launches if "prefix" not in launch.name and launch.name != "backward_dqk"} == {4}
     launches = delta_rule.record_launches(dict(dtype=torch.float32, d_dot=64, d_value=64, chunk_size=32, gated=True), 90)
-    assert [(launch.name, launch.grid) for launch in launches] == [
-        ("ut_transform", (512, 8)), ("state_pass", (4, 8)), ("output", (512, 8, 2)),
-        ("backward_local", (512, 8, 2)), ("backward_pass", (4, 8)), ("backward_chunk", (512, 8)),
-    ]  # fmt: skip  # 512 chunks of 32; fp32 tiles of 32 columns, the passes 16 columns each
+    assert [(launch.name, launch.grid, launch.options["num_warps"]) for launch in launches] == [
+        ("ut_transform", (512, 8), 4), ("state_pass[BLOCK_V=16,w=4]", (4, 8), 4), ("state_pass[BLOCK_V=16,w=8]", (4, 8), 8), ("output", (512, 8, 2), 4),
+        ("backward_local", (512, 8, 2), 4), ("backward_pass[BLOCK_V=16,w=4]", (4, 8), 4), ("backward_pass[BLOCK_V=16,w=8]", (4, 8), 8),
+        ("backward_chunk", (512, 8), 8),
+    ]  # fmt: skip  # 512 chunks of 32; fp32 tiles of 32 columns; the passes' autotuning candidates, 16 columns each in fp32
     assert {launch.constexprs["GATED"] for launch in launches} == {True}
+    assert launches[1].kernel is delta_rule._state_pass_kernel.fn and launches[1].constexprs["BLOCK_V"] == 16
+    names = [launch.name for launch in delta_rule.record_launches(dict(dtype=torch.bfloat16, d_dot=64, d_value=64, chunk_size=None), 80)]
+    assert [name for name in names if name.startswith("state_pass")] == [f"state_pass[BLOCK_V={b},w={w}]" for b in (16, 32) for w in (4, 8)]
 
 
 @pytest.mark.parametrize("capability", [70, 80, 90])
@@ -166,7 +176,8 @@ def test_signature_specialised_as_triton_launches():
     from triton.backends.compiler import BaseBackend
     from triton.runtime.jit import native_specialize_impl
 
-    launch = delta_rule.record_launches(dict(dtype=torch.bfloat16, d_dot=16, d_value=16, chunk_size=None), 80)[2]
+    launches = delta_rule.record_launches(dict(dtype=torch.bfloat16, d_dot=16, d_value=16, chunk_size=None), 80)
+    launch = next(launch for launch in launches if launch.name == "output")
     signature, constexprs, attrs = kt._signature(launch)
     assert signature["q_ptr"] == "*bf16" and signature["states_ptr"] == "*fp32" and constexprs["BLOCK_F"] == 16
     for index, (name, arg) in enumerate(zip(launch.kernel.arg_names, launch.args)):
@@ -198,8 +209,8 @@ def test_limit_exceeded_names_kernel_config_and_arch():
     small = dataclasses.replace(kt.ARCHS["sm_80"], max_shared_per_block=1024)
     rows = _table("bf16", 64, [small], ["delta_rule"])
     lines = kt.problems(rows)
-    assert len(lines) == 12 and all("F64 Dv64 C64" in line and "on sm_80 (A100): shared memory" in line and "> 1024 B per block" in line for line in lines)
-    assert {line.split(" ")[0] for line in lines} == DELTA_RULE_KERNELS
+    assert len(lines) == 2 * 12 and all("F64 Dv64 C64" in line and "on sm_80 (A100): shared memory" in line and "> 1024 B per block" in line for line in lines)
+    assert {line.split(" ")[0].split("[")[0] for line in lines} == DELTA_RULE_KERNELS  # the passes: 4 candidates each
 
 
 def _attnbench(*args):
@@ -213,7 +224,15 @@ def test_command_writes_the_json_fields(tmp_path):
     done = _attnbench("--arch", "sm_90", "--rule", "delta_rule", "--dtype", "bf16", "--d", "64", "--json", str(out), "--jobs", "1")
     assert done.returncode == 0, done.stderr
     rows = json.loads(out.read_text())
-    kernels = ["ut_transform", "state_pass", "output", "backward_local", "backward_pass", "backward_chunk"]
+    candidates = [f"[BLOCK_V={b},w={w}]" for b in (16, 32) for w in (4, 8)]
+    kernels = [
+        "ut_transform",
+        *("state_pass" + c for c in candidates),
+        "output",
+        "backward_local",
+        *("backward_pass" + c for c in candidates),
+        "backward_chunk",
+    ]
     assert [row["kernel"] for row in rows] == kernels * 2  # ungated, gated
     assert list(rows[0]) == [*kt.FIELDS, "problem"] and rows[0]["arch"] == "sm_90" and rows[0]["problem"] is None
     assert "backward_chunk" in done.stdout and {row["mma"] for row in rows} <= MMA_BF16["sm_90"]

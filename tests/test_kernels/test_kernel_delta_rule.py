@@ -146,6 +146,17 @@ def test_blocks_of_the_head_dims(monkeypatch, gated, seed):
     check((1, 1, 20, 256, 20, None, True, "unit"), seed, gated=gated)
 
 
+@pytest.mark.parametrize("block_v", [16, 32])
+def test_every_pass_candidate(monkeypatch, block_v, seed):
+    """Each autotuning candidate of the two passes (its Dv columns; the interpreter ignores warps) computes the
+    same thing: the interpreter keeps one (``_pass_candidates``), so the test forces each in turn."""
+    for pass_kernel in (kernel._state_pass_kernel, kernel._backward_pass_kernel):
+        chosen = next(config for config in pass_kernel.configs if config.kwargs["BLOCK_V"] == block_v)
+        monkeypatch.setattr(pass_kernel, "early_config_prune", lambda configs, args, chosen=chosen, **constexprs: [chosen])
+        monkeypatch.setattr(pass_kernel, "cache", {})
+    check((1, 1, 40, 24, 40, 16, True, "unit"), seed, gated=True)
+
+
 @pytest.mark.parametrize("cotangent", ["y", "S_T"])
 def test_gradient_from_one_output(cotangent, seed):
     """A loss on y alone (no gradient arrives on S_T) or on S_T alone (none on y)."""

@@ -138,9 +138,20 @@ def check_chunk_size(name: str, chunk_size, maximum: int | None = None) -> None:
 
 def launch(kernel, grid, *args, options: dict, name: str | None = None, **constexprs) -> None:
     """``kernel[grid](*args, **constexprs, **options)`` on the device of the first tensor argument;
-    while ``recording``, the launch is kept as a :class:`Launch` instead (``name`` labels it)."""
+    while ``recording``, the launch is kept as a :class:`Launch` instead (``name`` labels it). An
+    ``@triton.autotune`` kernel takes ``grid`` as a function of its config's constexprs and no ``options``
+    (its configs carry them); recording keeps one launch per candidate its ``early_config_prune`` leaves,
+    named ``name[constexpr=value,w=warps]``, so that ``attnbench kernels`` compiles every candidate."""
     if _recording is not None:
-        _recording.append(Launch(name or kernel.__name__.strip("_").removesuffix("_kernel"), kernel, tuple(grid), args, constexprs, options))
+        name = name or kernel.__name__.strip("_").removesuffix("_kernel")
+        if isinstance(kernel, triton.runtime.Autotuner):
+            for config in kernel.early_config_prune(kernel.configs, dict(zip(kernel.arg_names, args)), **constexprs):
+                meta = {**constexprs, **config.kwargs}
+                label = ",".join([*(f"{key}={value}" for key, value in config.kwargs.items()), f"w={config.num_warps}"])
+                options = dict(num_warps=config.num_warps, num_stages=config.num_stages)
+                _recording.append(Launch(f"{name}[{label}]", kernel.fn, tuple(grid(meta)), args, meta, options))
+        else:
+            _recording.append(Launch(name, kernel, tuple(grid), args, constexprs, options))
         return
     device = next(a.device for a in args if isinstance(a, torch.Tensor))
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():

@@ -185,6 +185,33 @@ def _ut_transform_kernel(
         _store_chunk(u_ptr, u, bh, chunk, seq_len, d_value, chunk_size, v_start, BLOCK_C, BLOCK_V)
 
 
+#: The two passes' autotuning candidates (``_pass_candidates`` keeps those worth timing): the Dv columns of the
+#: state one program carries (the grid is b·h × d_value / BLOCK_V) and the warps.
+PASS_CONFIGS = [triton.Config({"BLOCK_V": block}, num_warps=warps, num_stages=1) for block in (16, 32) for warps in (4, 8)]
+
+
+def _pass_candidates(configs, args, **constexprs):
+    """The pass configurations to time: at most 32 columns with 16-bit operands and F ≤ 128, else 16 (wider
+    ones spilled 0.4-7 KB a thread: docs/performance.md), none wider than d_value needs. Through the
+    interpreter (CPU tensors: nothing to time) only the widest of them with 8 warps."""
+    widest = 32 if constexprs["PRECISION"].startswith("input") and constexprs["PAD_F"] <= 128 else 16
+    widest = min(widest, _common.pad(args["d_value"]))
+    kept = [config for config in configs if config.kwargs["BLOCK_V"] <= widest]
+    if args["k_ptr"].device.type == "cpu":
+        kept = [config for config in kept if config.kwargs["BLOCK_V"] == widest and config.num_warps == 8]
+    return kept
+
+
+def _autotune_pass(restore: str):
+    """``@triton.autotune`` of a pass, keyed on the sizes that decide its tiles (and, as Triton adds, the
+    dtypes), restoring ``restore`` (which the pass overwrites) after each timed candidate. Tuning runs at the
+    first call of each key: in attnbench's warm-up call, never a timed one."""
+    return triton.autotune(
+        PASS_CONFIGS, key=["d_dot", "d_value", "chunk_size"], prune_configs_by={"early_config_prune": _pass_candidates}, restore_value=[restore]
+    )
+
+
+@_autotune_pass("u_ptr")
 @triton.jit
 def _state_pass_kernel(
     k_ptr, g_ptr, w_ptr, u_ptr,  # inputs; u (U) is overwritten with U'
@@ -281,6 +308,7 @@ def _backward_local_kernel(
     _store_chunk(du_ptr, local, bh, chunk, seq_len, d_value, chunk_size, v_start, BLOCK_C, BLOCK_V)
 
 
+@_autotune_pass("du_ptr")
 @triton.jit
 def _backward_pass_kernel(
     q_ptr, k_ptr, g_ptr, w_ptr, dy_ptr,  # inputs
@@ -428,10 +456,8 @@ def default_chunk_size(d_dot: int) -> int:
 
 class _Tiles(_common.Tiles):
     """Chunk kernels: [C, ``block_f``] / [C, ``block_v``] tiles (``TILE`` with 16-bit operands, half with fp32
-    ones), 4 warps (8 for the backward's chunk kernel); the two passes hold the whole padded F and
-    ``pass_block_v`` columns of the state (32 with 16-bit operands up to F = 128, else 16), 8 warps. Chosen by
-    compiling (docs/performance.md, "Compiled kernels"): with 16-bit inputs nothing spills at F ≤ 128 on
-    sm_80 and sm_90; fp32 passes with 4 warps or 32 columns kept 0.9-7 KB of stack per thread."""
+    ones), 4 warps (8 for the backward's chunk kernel), chosen by compiling (docs/performance.md, "Compiled
+    kernels"); the two passes hold the whole padded F and a block of Dv columns, autotuned (``PASS_CONFIGS``)."""
 
     def __init__(self, q, v, chunk_size, precision):
         batch, heads, seq_len, d_dot = q.shape
@@ -439,7 +465,6 @@ class _Tiles(_common.Tiles):
         sixteen_bit = self.precision.startswith("input")
         tile = TILE if sixteen_bit else max(16, TILE // 2)
         self.block_f, self.block_v = min(self.pad_f, tile), min(self.pad_v, tile)
-        self.pass_block_v = min(self.pad_v, 32 if sixteen_bit and self.pad_f <= 128 else 16)
         self.num_warps, self.num_stages = 4, 2
 
     def options(self, warps: int | None = None) -> dict:
@@ -448,11 +473,12 @@ class _Tiles(_common.Tiles):
     def chunk_grid(self, per_value_block: bool = False) -> tuple[int, ...]:
         return (self.num_chunks, self.bh) + ((triton.cdiv(self.d_value, self.block_v),) if per_value_block else ())
 
-    def pass_grid(self) -> tuple[int, int]:
-        return (triton.cdiv(self.d_value, self.pass_block_v), self.bh)
+    def pass_grid(self):
+        """The grid of a pass, from the candidate's ``BLOCK_V``."""
+        return lambda meta: (triton.cdiv(self.d_value, meta["BLOCK_V"]), self.bh)
 
     def constexprs(self, gated: bool, sequential: bool = False) -> dict:
-        blocks = dict(PAD_F=self.pad_f, BLOCK_V=self.pass_block_v) if sequential else dict(BLOCK_F=self.block_f, BLOCK_V=self.block_v)
+        blocks = dict(PAD_F=self.pad_f) if sequential else dict(BLOCK_F=self.block_f, BLOCK_V=self.block_v)
         return dict(GATED=gated, BLOCK_C=self.block_c, **blocks, PRECISION=self.precision)
 
 
@@ -470,7 +496,7 @@ def _forward(q, k, v, beta, log_gate, weights, tiles: _Tiles):
     )  # fmt: skip
     launch(
         _state_pass_kernel, tiles.pass_grid(), k, gate, w, new_values, s_final if weights is None else weights, states, s_final,
-        *tiles.sizes(), HAS_S0=weights is not None, **tiles.constexprs(gated, sequential=True), options=tiles.options(8), name="state_pass",
+        *tiles.sizes(), HAS_S0=weights is not None, **tiles.constexprs(gated, sequential=True), options={}, name="state_pass",
     )  # fmt: skip
     launch(
         _output_kernel, tiles.chunk_grid(True), q, k, gate, new_values, states, y, *tiles.sizes(),
@@ -492,7 +518,7 @@ def _backward(q, k, v, beta, log_gate, saved, dy, ds_final, tiles: _Tiles):
     )  # fmt: skip
     launch(
         _backward_pass_kernel, tiles.pass_grid(), q, k, gate, w, dy, dnew_values, ds0 if ds_final is None else ds_final, dstates, ds0,
-        *tiles.sizes(), HAS_DS_FINAL=ds_final is not None, **tiles.constexprs(gated, sequential=True), options=tiles.options(8), name="backward_pass",
+        *tiles.sizes(), HAS_DS_FINAL=ds_final is not None, **tiles.constexprs(gated, sequential=True), options={}, name="backward_pass",
     )  # fmt: skip
     dq, dk, dv, dbeta = new_output(q.shape, q), new_output(k.shape, k), new_output(v.shape, v), new_output(beta.shape, beta)
     dgate = new_output(log_gate.shape, log_gate) if gated else dbeta
