@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 #: The shipped task modules, imported (and so registered) the first time the registry is read.
-BUILTIN = ("harness.tasks.retrieval", "harness.tasks.mqar", "harness.tasks.lm", "harness.tasks.mt")
+BUILTIN = ("harness.tasks.retrieval", "harness.tasks.mqar", "harness.tasks.lm", "harness.tasks.mt", "harness.tasks.copy", "harness.tasks.image_gen")
 _TASKS: dict[str, Task] = {}
 _builtin_loaded = False
 

@@ -1,0 +1,244 @@
+"""The copy task, the convergence experiment of Katharopoulos et al. 2020 (§4.1, Figure 2).
+
+A sequence of T = ``seq_len`` positions holds a separator, L symbols drawn uniformly from
+``n_symbols`` (10 in the paper), the separator again and the same L symbols, then padding:
+
+    inputs   SEP x1 .. xL SEP x1 .. xL PAD ..        (T tokens)
+    targets  x1 .. xL SEP x1 .. xL PAD ..             (the inputs shifted by one)
+
+The copy length L is drawn per sequence uniformly from [1, (T − 1) // 2], so the separators and
+both copies fit in the T + 1 tokens the inputs and targets cover. T is the model's whole
+context: "sequences of up to 128 symbols" is read as T = 128, at most 63 symbols copied. Only
+the second copy's predictions are scored (the first is random: nothing can predict it); every
+other target is ignored. Tokens: 0 the separator, 1 .. n_symbols the symbols, n_symbols + 1 padding.
+
+The model is ``harness.models.DecoderLM`` (pre-LayerNorm, learned positions; 4 layers and 8
+heads in the paper), trained with RAdam at 1e-3, then 1e-4 after 3000 updates
+(``harness.tasks.loss_curve``). A cell records the training-loss curve (nats per copied
+symbol, chance ln(n_symbols)), the steps it took to reach ``loss_threshold``, and the
+accuracy of the copied half on fresh sequences (teacher-forced argmax; ``exact``: the share
+of sequences copied without a mistake).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..models import DecoderConfig, DecoderLM
+from . import Score, Task, register
+from .loss_curve import loss_at, steps_to_threshold, train
+
+SEPARATOR = 0
+IGNORE = -100
+
+
+def padding(n_symbols: int) -> int:
+    """The padding token after the symbols 1 .. n_symbols."""
+    return n_symbols + 1
+
+
+def max_copy(seq_len: int) -> int:
+    """The longest copy that fits: 2L + 2 tokens in the T + 1 that inputs and targets cover."""
+    return (seq_len - 1) // 2
+
+
+def make_batch(seq_len: int, n_symbols: int, batch: int, generator: torch.Generator):
+    """``(inputs, targets)``, both ``[batch, seq_len]`` long (see the module docstring): targets
+    are −100 except where they are the second copy's symbols."""
+    if seq_len < 3 or n_symbols < 1 or batch < 1:
+        raise ValueError(f"copy task needs seq_len >= 3, n_symbols >= 1, batch >= 1; got {seq_len}, {n_symbols}, {batch}")
+    longest = max_copy(seq_len)
+    lengths = torch.randint(1, longest + 1, (batch, 1), generator=generator)
+    symbols = torch.randint(1, n_symbols + 1, (batch, longest), generator=generator)
+    position = torch.arange(seq_len + 1)
+    offset = position - lengths - 2  # index into the second copy
+    first = (position >= 1) & (position <= lengths)
+    second = (offset >= 0) & (offset < lengths)
+    sequence = torch.full((batch, seq_len + 1), padding(n_symbols), dtype=torch.long)
+    sequence[(position == 0) | (position == lengths + 1)] = SEPARATOR
+    sequence[first] = symbols.gather(1, (position - 1).clamp(0, longest - 1).expand(batch, -1))[first]
+    sequence[second] = symbols.gather(1, offset.clamp(0, longest - 1))[second]
+    targets = torch.where(second[:, 1:], sequence[:, 1:], IGNORE)
+    return sequence[:, :-1], targets
+
+
+def copy_loss(model: DecoderLM, batch) -> tuple[torch.Tensor, int]:
+    """Mean cross-entropy over the second copy's symbols, and how many there are."""
+    inputs, targets = batch
+    logits = model(inputs)
+    scored = int((targets != IGNORE).sum())
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE), scored
+
+
+@torch.no_grad()
+def evaluate(model: DecoderLM, seq_len: int, n_symbols: int, *, batch: int, batches: int, seed: int) -> dict:
+    """Teacher-forced argmax ``accuracy`` over the copied symbols of ``batches`` fresh batches,
+    and ``exact``, the share of sequences whose whole copy is right."""
+    generator = torch.Generator().manual_seed((seed + 1) * 1_000_003)
+    correct = total = exact = sequences = 0
+    for _ in range(batches):
+        inputs, targets = make_batch(seq_len, n_symbols, batch, generator)
+        scored = targets != IGNORE
+        right = (model(inputs).argmax(-1) == targets) | ~scored
+        correct += int((right & scored).sum())
+        total += int(scored.sum())
+        exact += int(right.all(1).sum())
+        sequences += batch
+    return {"accuracy": correct / total, "exact": exact / sequences}
+
+
+class CopyConfig(BaseModel):
+    """A scenario's ``task:`` section for the copy task (Katharopoulos et al. 2020, §4.1)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: Literal["copy"]
+    n_symbols: int = Field(10, ge=1)
+    n_layers: int = Field(4, ge=1)
+    n_heads: int = Field(8, ge=1)
+    d_model: int = Field(128, ge=1)
+    d_ff: int | None = Field(None, ge=1, description="default 4 d_model")
+    batch: int = Field(64, ge=1)
+    steps: int = Field(10000, ge=1)
+    lr: float = Field(1e-3, gt=0)
+    lr_drop_step: int | None = Field(3000, ge=1, description="the learning rate drops tenfold after this many updates")
+    log_every: int = Field(50, ge=1, description="one point of the loss curve: the mean training loss of this many steps")
+    loss_threshold: float = Field(0.1, gt=0, description="steps_to_threshold: the first curve point at or below this loss (nats)")
+    eval_batches: int = Field(8, ge=1)
+    seed: int = 0
+
+
+def run_copy(variant: str, params: dict, config: CopyConfig, *, seq_len: int, device="cpu") -> dict:
+    """One cell: build the model under ``torch.manual_seed(seed)``, train it, evaluate it."""
+    if seq_len < 3:
+        raise ValueError(f"copy task: seq_len must be >= 3 (two separators and a symbol), got {seq_len}")
+    torch.manual_seed(config.seed)
+    model_config = DecoderConfig(
+        vocab_size=config.n_symbols + 2,
+        n_layers=config.n_layers,
+        d_model=config.d_model,
+        n_heads=config.n_heads,
+        d_ff=config.d_ff or 4 * config.d_model,
+        context=seq_len,
+        variant=variant,
+        variant_params=params,
+    )
+    model = DecoderLM(model_config).to(device)
+    data = torch.Generator().manual_seed(config.seed)
+
+    def next_batch():
+        return tuple(t.to(device) for t in make_batch(seq_len, config.n_symbols, config.batch, data))
+
+    curve = train(model, copy_loss, next_batch, steps=config.steps, lr=config.lr, lr_drop_step=config.lr_drop_step, log_every=config.log_every)
+    final = curve.losses[-1][1]
+    evaluation = evaluate(model, seq_len, config.n_symbols, batch=config.batch, batches=config.eval_batches, seed=config.seed) if math.isfinite(final) else {}
+    return {
+        "loss": final,
+        "losses": curve.losses,
+        "steps_to_threshold": steps_to_threshold(curve.losses, config.loss_threshold),
+        "loss_threshold": config.loss_threshold,
+        **evaluation,
+        "steps": int(curve.losses[-1][0]),
+        "train_s": curve.train_s,
+        "words_per_s": curve.units / curve.train_s,
+        "seed": config.seed,
+        "num_parameters": model.num_parameters(),
+    }
+
+
+def run_cell(cell: dict) -> dict:
+    """Train and evaluate one cell (axis seq_len)."""
+    config = CopyConfig.model_validate(cell["task"])
+    params = dict(cell["params"], backend=cell["backend"])
+    return run_copy(cell["variant"], params, config, seq_len=cell["axes"]["seq_len"], device=cell["axes"]["device"])
+
+
+# --- report --------------------------------------------------------------------------------
+
+
+def _ok(cells):
+    return cells[(cells["status"] == "ok") & cells["metrics.losses"].notna()] if "metrics.losses" in cells else cells.iloc[:0]
+
+
+def _curve_plot(cells, figures, name: str):
+    """Training loss against gradient steps, one panel per sequence length (as Figure 2)."""
+    ok = _ok(cells)
+    if ok.empty:
+        return None
+    from ..figures import new_figure
+
+    lengths = sorted(ok["axes.seq_len"].unique())
+    figure, axes = new_figure(len(lengths))
+    for ax, length in zip(axes, lengths):
+        for record in ok[ok["axes.seq_len"] == length].to_dict("records"):
+            steps, losses = zip(*record["metrics.losses"])
+            ax.plot(steps, losses, color=figures.colours[record["series"]], linewidth=1.2)
+        threshold = ok["metrics.loss_threshold"].iloc[0]
+        ax.axhline(threshold, color="grey", linestyle=":", linewidth=1)
+        ax.set(title=f"T = {int(length)}", xlabel="gradient steps", ylabel="training loss (nats per copied symbol)", yscale="log")
+    figures.legend(figure, ok, False)
+    title = "Copy task: training loss against gradient steps"
+    caption = (
+        f"{title} (Katharopoulos et al. 2020, Figure 2): each point the mean loss of the steps since the previous one; "
+        "the dotted line is the loss threshold of 'steps to threshold'; chance is ln(symbols)."
+    )
+    return figures.save(figure, f"{name}-copy-loss", title, caption)
+
+
+def _curve_table(cells):
+    """Loss at a quarter, half and all of the steps, steps to the threshold and accuracy."""
+    ok = _ok(cells)
+    if ok.empty:
+        return None
+    from ..figures import natural_columns, table
+    from ..formatting import text
+
+    def at(record, share):
+        losses = record["metrics.losses"]
+        step = losses[-1][0] * share
+        nearest = min(losses, key=lambda point: abs(point[0] - step))
+        return f"{loss_at(losses, nearest[0]):.3g} @ {int(nearest[0])}"
+
+    rows = ok.sort_values(["axes.seq_len", "series"], key=natural_columns).assign(
+        quarter=lambda f: [at(r, 0.25) for r in f.to_dict("records")],
+        half=lambda f: [at(r, 0.5) for r in f.to_dict("records")],
+        end=lambda f: [at(r, 1.0) for r in f.to_dict("records")],
+    )
+    columns = [
+        ("variant", "series", text),
+        ("T", "axes.seq_len", text),
+        ("loss @ ¼", "quarter", text),
+        ("loss @ ½", "half", text),
+        ("loss @ end", "end", text),
+        ("steps to threshold", "metrics.steps_to_threshold", text),
+        ("accuracy", "metrics.accuracy", text),
+        ("exact copies", "metrics.exact", text),
+    ]
+    threshold = ok["metrics.loss_threshold"].iloc[0]
+    caption = f"Training loss (mean of the logged steps) at the step shown; steps to reach loss ≤ {threshold:g} ('-': never); accuracy of the copied half."
+    return table("Copy task", rows, columns, caption)
+
+
+def report_sections(cells, figures, name: str) -> list:
+    """The loss curves and their table."""
+    return [_curve_plot(cells, figures, name), _curve_table(cells)]
+
+
+register(
+    Task(
+        name="copy",
+        config=CopyConfig,
+        axes=("seq_len",),
+        run=run_cell,
+        d_keys=lambda config, axes: [config.d_model // config.n_heads],
+        any_device=True,
+        metrics=("loss", "steps_to_threshold", "accuracy"),
+        report=report_sections,
+        score=Score("loss", higher_is_better=False),
+    )
+)

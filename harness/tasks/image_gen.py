@@ -1,0 +1,278 @@
+"""Autoregressive image generation, Katharopoulos et al. 2020 (§4.2, Tables 2 and 3).
+
+Pixels are predicted one by one in raster order (``harness.tasks.images``): a categorical
+distribution over 256 intensity levels per pixel (not the paper's mixture of logistics). The
+model is ``harness.models.DecoderLM`` over the 257 tokens of the levels and a start token: the
+input is [START, p_1 .. p_{P−1}], the targets p_1 .. p_P, and the start token's logit is
+dropped from every prediction (``levels``). Training: RAdam with a tenfold learning-rate drop
+(``harness.tasks.loss_curve``). Metrics:
+
+- ``bits_per_dim``: the mean negative log₂-likelihood per pixel of the test images (a uniform
+  model scores exactly 8);
+- generation through each variant's recurrent step (``DecoderLM.step``: softmax and LSH with
+  their cache of every past key, the linear-time rules with their fixed-size state), one
+  batch of ``gen_batch`` images sampled pixel by pixel: ``images_per_s`` and
+  ``s_per_image`` (median over ``gen_repeats`` timed generations, after a short warm-up), at
+  the data's length with the trained weights, and at each of ``speed_pixels`` (784 and 3,072,
+  the MNIST and CIFAR-10 lengths) with an untrained model of the same shape: the time of a
+  step does not depend on the weights' values, only on the shapes.
+
+Sampling is Gumbel-max with noise drawn up front (``gumbel``): pixel t is
+argmax(logits_t + g_t), the same draw a parallel forward over the generated image gives, so
+the step and the parallel form can be checked against each other exactly.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from typing import Literal
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..models import DecoderConfig, DecoderLM
+from . import Score, Task, register
+from .images import DATASETS, load, pixels
+from .loss_curve import train
+
+LEVELS = 256
+START = LEVELS  # the start token's id
+
+
+def levels(logits: torch.Tensor) -> torch.Tensor:
+    """The logits of the 256 intensity levels (the start token's dropped)."""
+    return logits[..., :LEVELS]
+
+
+def shifted(images: torch.Tensor) -> torch.Tensor:
+    """The model's inputs for ``images [B, P]`` (long): [START, p_1 .. p_{P−1}]."""
+    return torch.cat([torch.full_like(images[:, :1], START), images[:, :-1]], 1)
+
+
+def bits_per_dim(logits: torch.Tensor, images: torch.Tensor) -> torch.Tensor:
+    """Mean −log₂ p(pixel) over ``images [B, P]`` under ``logits [B, P, ≥256]``."""
+    return F.cross_entropy(levels(logits).flatten(0, 1).float(), images.flatten()) / math.log(2)
+
+
+def image_loss(model: DecoderLM, images: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Training loss (nats per pixel) of a batch and its number of pixels."""
+    return bits_per_dim(model(shifted(images)), images) * math.log(2), images.numel()
+
+
+@torch.no_grad()
+def test_bits_per_dim(model: DecoderLM, images: torch.Tensor, batch: int) -> float:
+    """Bits per dimension over all of ``images`` (every pixel weighs the same)."""
+    total = 0.0
+    for start in range(0, len(images), batch):
+        chunk = images[start : start + batch]
+        total += bits_per_dim(model(shifted(chunk)), chunk).item() * chunk.numel()
+    return total / images.numel()
+
+
+def gumbel(shape, generator: torch.Generator, device=None, dtype=torch.float32) -> torch.Tensor:
+    """Standard Gumbel noise −log(−log U) of ``shape``."""
+    uniform = torch.rand(shape, generator=generator, dtype=torch.float64).clamp_(1e-12, 1 - 1e-12)
+    return (-torch.log(-torch.log(uniform))).to(device=device, dtype=dtype)
+
+
+@torch.no_grad()
+def generate(model: DecoderLM, n_pixels: int, noise: torch.Tensor | None, batch: int | None = None) -> torch.Tensor:
+    """``[B, n_pixels]`` images sampled through ``model.step``: pixel t is argmax(levels(logits_t) +
+    noise[:, t]) (``noise [B, P, 256]``, Gumbel: a sample; None: the greedy argmax, ``batch`` rows)."""
+    rows = noise.shape[0] if noise is not None else batch
+    device = model.embed.weight.device
+    states = model.init_state(rows)
+    token = torch.full((rows,), START, dtype=torch.long, device=device)
+    image = torch.empty(rows, n_pixels, dtype=torch.long, device=device)
+    for t in range(n_pixels):
+        logits, states = model.step(token, t, states)
+        scores = levels(logits) if noise is None else levels(logits) + noise[:, t]
+        token = image[:, t] = scores.argmax(-1)
+    return image
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def generation_speed(model: DecoderLM, n_pixels: int, batch: int, repeats: int, seed: int) -> dict:
+    """Seconds to sample ``batch`` images of ``n_pixels`` through the step (median, min, max of
+    ``repeats`` generations after a warm-up of min(16, n_pixels) pixels): ``images_per_s``, ``s_per_image``."""
+    device = model.embed.weight.device
+    noise = gumbel((batch, n_pixels, LEVELS), torch.Generator().manual_seed(seed), device=device, dtype=model.embed.weight.dtype)
+    generate(model, min(16, n_pixels), noise[:, : min(16, n_pixels)])
+    times = []
+    for _ in range(repeats):
+        _synchronize(device)
+        started = time.perf_counter()
+        generate(model, n_pixels, noise)
+        _synchronize(device)
+        times.append(time.perf_counter() - started)
+    median = statistics.median(times)
+    return {
+        "pixels": n_pixels,
+        "batch": batch,
+        "median_s": median,
+        "min_s": min(times),
+        "max_s": max(times),
+        "repeats": repeats,
+        "images_per_s": batch / median,
+        "s_per_image": median / batch,
+    }
+
+
+class ImageGenConfig(BaseModel):
+    """A scenario's ``task:`` section for autoregressive image generation (§4.2)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: Literal["image-gen"]
+    dataset: Literal[DATASETS] = "digits"
+    data_dir: str | None = Field(None, description="the directory of the MNIST IDX or CIFAR-10 binary files")
+    n_layers: int = Field(8, ge=1)
+    n_heads: int = Field(8, ge=1)
+    d_ff: int | None = Field(None, ge=1, description="default 4 d_model")
+    batch: int = Field(32, ge=1)
+    steps: int = Field(10000, ge=1)
+    lr: float = Field(1e-4, gt=0)
+    lr_drop_step: int | None = Field(None, ge=1)
+    log_every: int = Field(50, ge=1)
+    test_images: int | None = Field(None, ge=1, description="score the first this many test images (default all)")
+    gen_batch: int = Field(16, ge=1, description="images generated at once when timing generation")
+    gen_repeats: int = Field(3, ge=1)
+    speed_pixels: list[int] = Field([784, 3072], description="lengths also timed with untrained weights")
+    seed: int = 0
+
+
+def _model(variant: str, params: dict, config: ImageGenConfig, d_model: int, context: int, device) -> DecoderLM:
+    return DecoderLM(
+        DecoderConfig(
+            vocab_size=LEVELS + 1,
+            n_layers=config.n_layers,
+            d_model=d_model,
+            n_heads=config.n_heads,
+            d_ff=config.d_ff or 4 * d_model,
+            context=context,
+            variant=variant,
+            variant_params=params,
+            tie_embeddings=False,
+        )
+    ).to(device)
+
+
+def run_image_gen(variant: str, params: dict, config: ImageGenConfig, *, d_model: int, device="cpu") -> dict:
+    """One cell: train on the data set's training images, score the test images, time generation."""
+    train_images = torch.from_numpy(load(config.dataset, "train", config.data_dir).astype(np.int64))
+    test_images = torch.from_numpy(load(config.dataset, "test", config.data_dir)[: config.test_images].astype(np.int64))
+    n_pixels = pixels(config.dataset)
+    torch.manual_seed(config.seed)
+    model = _model(variant, params, config, d_model, n_pixels, device)
+    data = torch.Generator().manual_seed(config.seed)
+
+    def next_batch():
+        return train_images[torch.randint(len(train_images), (config.batch,), generator=data)].to(device)
+
+    curve = train(model, image_loss, next_batch, steps=config.steps, lr=config.lr, lr_drop_step=config.lr_drop_step, log_every=config.log_every)
+    metrics = {
+        "loss": curve.losses[-1][1],
+        "losses": curve.losses,
+        "steps": int(curve.losses[-1][0]),
+        "train_s": curve.train_s,
+        "words_per_s": curve.units / curve.train_s,
+        "seed": config.seed,
+        "num_parameters": model.num_parameters(),
+    }
+    if not math.isfinite(metrics["loss"]):
+        return metrics
+    metrics["bits_per_dim"] = test_bits_per_dim(model, test_images.to(device), config.batch)
+    own = generation_speed(model, n_pixels, config.gen_batch, config.gen_repeats, config.seed)
+    metrics.update(images_per_s=own["images_per_s"], s_per_image=own["s_per_image"], generation=own)
+    speed = {}
+    for length in config.speed_pixels:
+        torch.manual_seed(config.seed)
+        untrained = _model(variant, params, config, d_model, length, device).eval()
+        speed[str(length)] = generation_speed(untrained, length, config.gen_batch, config.gen_repeats, config.seed)
+    metrics["speed"] = speed
+    return metrics
+
+
+def run_cell(cell: dict) -> dict:
+    """Train, score and time one cell (axis d_model)."""
+    config = ImageGenConfig.model_validate(cell["task"])
+    params = dict(cell["params"], backend=cell["backend"])
+    return run_image_gen(cell["variant"], params, config, d_model=cell["axes"]["d_model"], device=cell["axes"]["device"])
+
+
+# --- report --------------------------------------------------------------------------------
+
+
+def speed_columns(cells) -> list[str]:
+    """The lengths timed with untrained weights, as the ``metrics.speed.<P>.images_per_s`` columns hold them."""
+    found = {column.split(".")[2] for column in cells.columns if column.startswith("metrics.speed.") and column.endswith(".images_per_s")}
+    return sorted(found, key=int)
+
+
+def _speed_table(cells):
+    """Bits/dim, images/s and s/image per variant; images/s at each timed length with the
+    speed-up over softmax of the same run (machine, scenario, axes)."""
+    ok = cells[(cells["status"] == "ok")] if "metrics.bits_per_dim" in cells else cells.iloc[:0]
+    ok = ok[ok["metrics.bits_per_dim"].notna()] if not ok.empty else ok
+    if ok.empty:
+        return None
+    from ..figures import natural_columns, table
+    from ..formatting import si, text
+
+    lengths = speed_columns(ok)
+    rows = []
+    for _, group in ok.groupby(["machine_key", "scenario", "axes.d_model"], sort=False):
+        softmax = group[group["variant"] == "softmax"]
+        for record in group.sort_values("series", key=natural_columns).to_dict("records"):
+            row = dict(record)
+            for length in lengths:
+                column = f"metrics.speed.{length}.images_per_s"
+                reference = softmax[column].iloc[0] if not softmax.empty else math.nan
+                row[f"speedup_{length}"] = f"{record[column] / reference:.3g}×" if reference > 0 else "-"
+            rows.append(row)
+    import pandas as pd
+
+    frame = pd.DataFrame(rows)
+    columns = [
+        ("variant", "series", text),
+        ("d_model", "axes.d_model", text),
+        ("bits/dim", "metrics.bits_per_dim", text),
+        ("images/s", "metrics.images_per_s", si),
+        ("s/image", "metrics.s_per_image", si),
+    ]
+    for length in lengths:
+        columns += [(f"images/s @ {length} px", f"metrics.speed.{length}.images_per_s", si), (f"× softmax @ {length}", f"speedup_{length}", text)]
+    caption = (
+        "Bits per dimension on the test images (256 levels); generation through the recurrent step of a batch of images, "
+        "median of the timed repeats, at the data's length (trained) and at each length shown with untrained weights "
+        "(a step's time depends on the shapes, not the weights); '× softmax': images/s over softmax's in the same run."
+    )
+    return table("Image generation", frame, columns, caption)
+
+
+def report_sections(cells, figures, name: str) -> list:
+    """The bits/dim and generation-speed table."""
+    return [_speed_table(cells)]
+
+
+register(
+    Task(
+        name="image-gen",
+        config=ImageGenConfig,
+        axes=("d_model",),
+        run=run_cell,
+        d_keys=lambda config, axes: [d // config.n_heads for d in axes["d_model"]],
+        any_device=True,
+        metrics=("bits_per_dim", "images_per_s"),
+        report=report_sections,
+        score=Score("bits_per_dim", higher_is_better=False),
+    )
+)
