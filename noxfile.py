@@ -39,7 +39,7 @@ def install(session, extras: str = "test,triton") -> None:
 @nox.session
 def tests(session):
     """The test suite."""
-    install(session)
+    install(session, "test,triton,images")
     session.run("pytest", "-q", "--benchmark-disable", *session.posargs)
 
 

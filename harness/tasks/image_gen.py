@@ -55,7 +55,8 @@ def shifted(images: torch.Tensor) -> torch.Tensor:
 
 def bits_per_dim(logits: torch.Tensor, images: torch.Tensor) -> torch.Tensor:
     """Mean −log₂ p(pixel) over ``images [B, P]`` under ``logits [B, P, ≥256]``."""
-    return F.cross_entropy(levels(logits).flatten(0, 1).float(), images.flatten()) / math.log(2)
+    scores = levels(logits).flatten(0, 1)
+    return F.cross_entropy(scores.to(torch.promote_types(scores.dtype, torch.float32)), images.flatten()) / math.log(2)
 
 
 def image_loss(model: DecoderLM, images: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -64,7 +65,7 @@ def image_loss(model: DecoderLM, images: torch.Tensor) -> tuple[torch.Tensor, in
 
 
 @torch.no_grad()
-def test_bits_per_dim(model: DecoderLM, images: torch.Tensor, batch: int) -> float:
+def score_bits_per_dim(model: DecoderLM, images: torch.Tensor, batch: int) -> float:
     """Bits per dimension over all of ``images`` (every pixel weighs the same)."""
     total = 0.0
     for start in range(0, len(images), batch):
@@ -189,7 +190,7 @@ def run_image_gen(variant: str, params: dict, config: ImageGenConfig, *, d_model
     }
     if not math.isfinite(metrics["loss"]):
         return metrics
-    metrics["bits_per_dim"] = test_bits_per_dim(model, test_images.to(device), config.batch)
+    metrics["bits_per_dim"] = score_bits_per_dim(model, test_images.to(device), config.batch)
     own = generation_speed(model, n_pixels, config.gen_batch, config.gen_repeats, config.seed)
     metrics.update(images_per_s=own["images_per_s"], s_per_image=own["s_per_image"], generation=own)
     speed = {}

@@ -6,21 +6,20 @@ from __future__ import annotations
 
 import csv
 import re
-from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import pandas as pd
 import pytest
 from helpers import attnbench
+from pydantic import BaseModel
 
 from harness import tasks
 from harness.figures import Figures
 from harness.frontier import cell_flags, frontier_plot, frontier_points, on_frontier
-from harness.plugins import load_plugins
 from harness.scenario import ScenarioError, load_scenario
 from harness.seeds import over_seeds, seed_table, swept
 
-PLUGIN = str(Path(__file__).with_name("toy_plugin.py"))
 ACCURACY = tasks.Score("accuracy", higher_is_better=True, threshold=0.9)
 
 
@@ -67,12 +66,20 @@ def test_bad_seed_axes_are_refused_naming_the_field(spec, override, message):
         load_scenario(spec, overrides=[override])
 
 
-def test_a_task_without_a_seed_field_cannot_sweep_seeds(tmp_path):
-    load_plugins([PLUGIN])
+class UnseededConfig(BaseModel):
+    name: Literal["unseeded"]
+
+
+def test_a_task_without_a_seed_field_cannot_sweep_seeds(tmp_path, monkeypatch):
+    """The task joins the registry for this test only (a plugin loaded here would stay registered
+    for every later test of the session)."""
+    tasks.names()
+    unseeded = tasks.Task(name="unseeded", config=UnseededConfig, axes=("width",), run=dict, d_keys=lambda config, axes: axes["width"])
+    monkeypatch.setitem(tasks._TASKS, "unseeded", unseeded)
     path = tmp_path / "spread.yaml"
-    path.write_text("name: spread\nvariants: {softmax: {}}\ntask: {name: toy_spread}\ntarget: toy_spread\nmodes: [quality]\n"
+    path.write_text("name: spread\nvariants: {softmax: {}}\ntask: {name: unseeded}\ntarget: unseeded\nmodes: [quality]\n"
                     "axes: {width: [8], seed: [0, 1]}\n")
-    with pytest.raises(ScenarioError, match="the toy_spread task, whose config has no seed field"):
+    with pytest.raises(ScenarioError, match="the unseeded task, whose config has no seed field"):
         load_scenario(str(path))
 
 

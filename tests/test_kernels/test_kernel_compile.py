@@ -148,10 +148,10 @@ def test_recorded_launches_are_a_training_step():
     assert {launch.options["num_warps"] for launch in launches if "prefix" not in launch.name and launch.name != "backward_dqk"} == {4}
     launches = delta_rule.record_launches(dict(dtype=torch.float32, d_dot=64, d_value=64, chunk_size=32, gated=True), 90)
     assert [(launch.name, launch.grid, launch.options["num_warps"]) for launch in launches] == [
-        ("ut_transform", (512, 8), 4), ("state_pass[BLOCK_V=16,w=4]", (4, 8), 4), ("state_pass[BLOCK_V=16,w=8]", (4, 8), 8), ("output", (512, 8, 2), 4),
-        ("backward_local", (512, 8, 2), 4), ("backward_pass[BLOCK_V=16,w=4]", (4, 8), 4), ("backward_pass[BLOCK_V=16,w=8]", (4, 8), 8),
+        ("ut_transform", (512, 8), 8), ("state_pass[BLOCK_V=16,w=4]", (4, 8), 4), ("state_pass[BLOCK_V=16,w=8]", (4, 8), 8), ("output", (512, 8, 2), 8),
+        ("backward_local", (512, 8, 2), 8), ("backward_pass[BLOCK_V=16,w=4]", (4, 8), 4), ("backward_pass[BLOCK_V=16,w=8]", (4, 8), 8),
         ("backward_chunk", (512, 8), 8),
-    ]  # fmt: skip  # 512 chunks of 32; fp32 tiles of 32 columns; the passes' autotuning candidates, 16 columns each in fp32
+    ]  # fmt: skip  # 512 chunks of 32; fp32 tiles of 32 columns, 8 warps; the passes' autotuning candidates, 16 columns each in fp32
     assert {launch.constexprs["GATED"] for launch in launches} == {True}
     assert launches[1].kernel is delta_rule._state_pass_kernel.fn and launches[1].constexprs["BLOCK_V"] == 16
     names = [launch.name for launch in delta_rule.record_launches(dict(dtype=torch.bfloat16, d_dot=64, d_value=64, chunk_size=None), 80)]

@@ -23,7 +23,8 @@ tests tie this file to. The gate is a constexpr (``GATED``) of the same kernels.
 Forward, three launches:
   1. ``_ut_transform_kernel``, one program per (chunk, b·h): T (stored, fp32, for the backward),
      W and U (stored in the input dtype, ``[B·H, T, F]`` and ``[B·H, T, Dv]``).
-  2. ``_state_pass_kernel``, one program per (Dv block, b·h): the only sequential part, light:
+  2. ``_state_pass_kernel``, one program per (Dv block, b·h; the block and the warps autotuned,
+     ``PASS_CONFIGS``): the only sequential part, light:
      per chunk U' = U − W S (overwrites U), S ← γ_C S + K̃ᵀ U'; the state entering every chunk goes
      to ``states [B·H, n_chunks, F, Dv]`` (fp32), the last one is S_T.
   3. ``_output_kernel``, one program per (chunk, b·h, Dv block): O from S_c and U', in parallel.
@@ -35,7 +36,7 @@ Backward, with dO and dS' (the gradient of the state leaving a chunk), M = tril(
   6. ``_backward_chunk_kernel`` (chunk, b·h), in parallel:
         dVb = Tᵀ dU',   dA = −tril(dVb U'ᵀ, −1),   dM = (dO U'ᵀ) ⊙ D (causal),   P = diag(β) (dA ⊙ D)
         dQ = diag(γ) dO Sᵀ + dM K
-        dK = dMᵀ Q + K̃-side diag(γ_C/γ) U' dS'ᵀ − diag(β γ) dVb Sᵀ + P K + Pᵀ K
+        dK = dMᵀ Q + diag(γ_C/γ) U' dS'ᵀ − diag(β γ) dVb Sᵀ + P K + Pᵀ K
         dV = diag(β) dVb
         dβ = rowsum(dVb ⊙ (V − diag(γ) K S)) + rowsum(dA ⊙ K Kᵀ ⊙ D)
      (the solve [U | W] = T [diag(β) V | diag(βγ) K] gives d[βV | βγK] = Tᵀ d[U | W] with dW = −dU' Sᵀ, and
@@ -456,7 +457,8 @@ def default_chunk_size(d_dot: int) -> int:
 
 class _Tiles(_common.Tiles):
     """Chunk kernels: [C, ``block_f``] / [C, ``block_v``] tiles (``TILE`` with 16-bit operands, half with fp32
-    ones), 4 warps (8 for the backward's chunk kernel), chosen by compiling (docs/performance.md, "Compiled
+    ones), 4 warps with 16-bit operands, else 8 (and 8 for the backward's chunk kernel: with 4, fp32's
+    ``ut_transform`` kept its [C, C] inverse on a 2.3 KB stack a thread on sm_80), chosen by compiling (docs/performance.md, "Compiled
     kernels"); the two passes hold the whole padded F and a block of Dv columns, autotuned (``PASS_CONFIGS``)."""
 
     def __init__(self, q, v, chunk_size, precision):
@@ -465,7 +467,7 @@ class _Tiles(_common.Tiles):
         sixteen_bit = self.precision.startswith("input")
         tile = TILE if sixteen_bit else max(16, TILE // 2)
         self.block_f, self.block_v = min(self.pad_f, tile), min(self.pad_v, tile)
-        self.num_warps, self.num_stages = 4, 2
+        self.num_warps, self.num_stages = (4 if sixteen_bit else 8), 2
 
     def options(self, warps: int | None = None) -> dict:
         return dict(num_warps=warps or self.num_warps, num_stages=self.num_stages)
