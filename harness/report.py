@@ -11,6 +11,7 @@ read it is in docs/reports.md.
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
 import importlib.resources
 import json
 import re
@@ -364,6 +365,56 @@ def _timing_table(cells: pd.DataFrame) -> Table | None:
     return table("Every timed cell", ok, columns, caption, classes="stability")
 
 
+# --- backends side by side ----------------------------------------------------------------
+
+
+def backend_ratios(cells: pd.DataFrame, baseline: str) -> pd.DataFrame:
+    """Every timed cell of a backend other than ``baseline`` with the baseline backend's cell of the
+    same measurement (scenario, variant, params, axes, mode, target, machine): ``baseline_s`` (its
+    median time) and ``ratio`` (the cell's median over it; missing where either cell failed).
+    ``cells`` from ``prepare``; the rows carry ``variant_label`` (the line label without the backend)."""
+    timed = cells[cells["mode"].isin(TIMED_MODES)]
+    timed = timed.assign(variant_label=[_base_label(record, False) for record in timed.to_dict("records")])
+    key = [column for column in CELL_KEY if column != "backend"] + ["machine_key"]
+    base = timed[(timed["backend"] == baseline) & (timed["status"] == "ok")]
+    pairs = timed[timed["backend"] != baseline].merge(base[key + ["metrics.median_s"]].rename(columns={"metrics.median_s": "baseline_s"}), on=key)
+    return pairs.assign(ratio=(pairs["metrics.median_s"] / pairs["baseline_s"]).where(pairs["status"] == "ok"))
+
+
+def _backend_table(cells: pd.DataFrame, baseline: str | None) -> Table | None:
+    """Per variant, mode and axes: the baseline backend's median time and each other backend's
+    ratio to it (its status where it has no time: skipped, error, ...); None with one backend."""
+    if baseline is None or cells["backend"].nunique() < 2:
+        return None
+    pairs = backend_ratios(cells, baseline)
+    if pairs.empty:
+        return None
+    backends = [backend for backend in dict.fromkeys(cells["backend"]) if backend != baseline]
+    rows = []
+    for _, group in pairs.groupby(["variant_label", "machine", "mode", "axes_text"], sort=False):
+        first = group.iloc[0]
+        row = {"variant_label": first["variant_label"], "machine": first["machine"], "mode": first["mode"], "axes_text": first["axes_text"],
+               "baseline_s": first["baseline_s"]}
+        for record in group.to_dict("records"):
+            row[record["backend"]] = format_ratio(record["ratio"]) if present(record["ratio"]) else record["status"]
+            if present(record.get("metrics.compile_s")):
+                row[f"{record['backend']}_compile_s"] = record["metrics.compile_s"]
+        rows.append(row)
+    frame = pd.DataFrame(rows).sort_values(["mode", "variant_label", "axes_text"], key=natural_columns)
+    machine = [("machine", "machine", text)] if cells["machine"].nunique() > 1 else []
+    columns = [("variant", "variant_label", text), *machine, ("mode", "mode", text), ("axes", "axes_text", text),
+               (f"{baseline} (median)", "baseline_s", format_seconds), *((f"{b} / {baseline}", b, text) for b in backends)]
+    notes = []
+    if "compile_compile_s" in frame:
+        columns.append(("compile time", "compile_compile_s", format_seconds))
+        notes.append("compile time: backend 'compile''s untimed first call (tracing, compiling, one run: metrics.compile_s).")
+    ratios = pairs.dropna(subset="ratio")
+    means = "; ".join(f"{backend} {np.exp(np.log(group['ratio']).mean()):.3f} over {len(group)} cells" for backend, group in ratios.groupby("backend"))
+    caption = " ".join([f"Each backend's median time over {baseline}'s on the same cell (report.baseline_backend); below 1 is faster.",
+                        f"Geometric means: {means or 'none'}.", *notes])
+    return table(f"Backends against {baseline}", frame, columns, caption)
+
+
 # --- machines side by side ----------------------------------------------------------------
 
 
@@ -528,7 +579,27 @@ def _statuses(cells: pd.DataFrame) -> str:
     return f"{len(cells)} cells: " + ", ".join(f"{count} {status}" for status, count in counts.items()) + f"; {unstable} unstable" + load
 
 
-def _scenario_section(name: str, cells: pd.DataFrame, figures: Figures) -> ScenarioSection:
+def baseline_backend(runs: list[dict], cells: pd.DataFrame) -> str | None:
+    """The backend a scenario's report divides the others by (``report.baseline_backend``): as its
+    latest run line records it, else as its scenario file says while that file is still the one
+    measured (same sha256, preset and overrides reloaded), else 'torch' when the cells have it."""
+    if not runs:
+        return "torch" if "torch" in set(cells["backend"]) else None
+    run = max(runs, key=lambda run: run["started_at"])
+    if "report" in run:
+        return (run["report"] or {}).get("baseline_backend")
+    path = Path(run.get("scenario_file") or "")
+    if path.is_file() and hashlib.sha256(path.read_bytes()).hexdigest() == run.get("scenario_sha256"):
+        from .scenario import ScenarioError, load_scenario
+
+        try:
+            return load_scenario(str(path), preset=run.get("preset"), overrides=run.get("overrides") or []).scenario.report.baseline_backend
+        except ScenarioError:
+            pass
+    return "torch" if "torch" in set(cells["backend"]) else None
+
+
+def _scenario_section(name: str, cells: pd.DataFrame, figures: Figures, baseline: str | None = None) -> ScenarioSection:
     slug = _slug(name)
     plots = [_metric_plot(cells, metric, figures, slug) for metric in METRICS] + [_latency_plot(cells, figures, slug)]
     task_sections = []
@@ -536,8 +607,8 @@ def _scenario_section(name: str, cells: pd.DataFrame, figures: Figures) -> Scena
         own = cells[cells["target"] == task.name]
         task_sections += [*(task.report(own, figures, slug) if task.report else []), *(_score_sections(own, task.score, figures, slug) if task.score else [])]
     plots += [part for part in task_sections if isinstance(part, Plot)]
-    tables = [_model_table(cells), *(part for part in task_sections if isinstance(part, Table)), _quality_table(cells), _failures_table(cells),
-              _timing_table(cells)]
+    tables = [_model_table(cells), _backend_table(cells, baseline), *(part for part in task_sections if isinstance(part, Table)),
+              _quality_table(cells), _failures_table(cells), _timing_table(cells)]
     targets = ", ".join(cells["target"].dropna().unique())
     return ScenarioSection(name, targets, cells["x_axis"].iloc[0], _statuses(cells),
                            [p for p in plots if p is not None], [t for t in tables if t is not None])
@@ -590,7 +661,10 @@ def build_report(paths, out_dir, *, title: str | None = None, compare_base: Comp
     write_cells_csv(frame, out_dir / "cells.csv", cells)
     runs = _runs(frame["file"].unique())
     figures = Figures(out_dir, palette(cells), _machine_styles(cells))
-    scenarios = [_scenario_section(name, group, figures) for name, group in cells.groupby("scenario", sort=True)]
+    scenarios = [
+        _scenario_section(name, group, figures, baseline_backend([run for run in runs if run["scenario"] == name], group))
+        for name, group in cells.groupby("scenario", sort=True)
+    ]
     page = _template().render(
         title=title or "attnbench report: " + ", ".join(section.name for section in scenarios),
         generated=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),

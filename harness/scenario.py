@@ -28,7 +28,7 @@ from . import tasks
 SCENARIO_DIR = Path(__file__).resolve().parent.parent / "scenarios"
 DTYPES = ("float32", "float16", "bfloat16", "float64")
 MODES = ("forward", "train", "decode")
-BACKENDS = ("torch", "triton")
+BACKENDS = variants.BACKENDS
 AXES = ("seq_len", "batch", "heads", "d_key", "d_value", "dtype", "device")
 #: The targets every scenario can measure; each registered task (harness.tasks) adds its name.
 SPEED_TARGETS = ("core", "layer", "model")
@@ -123,6 +123,10 @@ class Rules(Strict):
     tokens_per_batch: int | None = Field(None, ge=1, description="batch = max(1, tokens_per_batch // seq_len)")
 
 
+class ReportSpec(Strict):
+    baseline_backend: str | None = Field(None, description="the report shows each backend's time as a ratio to this backend's, per variant")
+
+
 class ModelSpec(Strict):
     preset: str = "small"
     vocab_size: int = Field(32000, ge=2)
@@ -137,6 +141,7 @@ class Scenario(Strict):
     description: str = ""
     variants: dict[str, dict[str, Sweep] | list[dict[str, Sweep]] | None]
     backends: list[str] = Field(["torch"], min_length=1)
+    backend_options: dict[str, Any] = Field({}, description="options of the backends that take any: compile's mode and dynamic")
     axes: Axes
     modes: list[Literal["forward", "train", "decode", "quality"]] = Field(["forward"], min_length=1)
     target: str = "core"
@@ -146,6 +151,7 @@ class Scenario(Strict):
     rules: Rules = Rules()
     model: ModelSpec | None = None
     presets: dict[str, dict[str, Any]] = {}
+    report: ReportSpec = ReportSpec()
 
     @model_validator(mode="before")
     @classmethod
@@ -181,6 +187,26 @@ class Scenario(Strict):
             if backend not in BACKENDS:
                 raise ValueError(f"expected backends among {', '.join(BACKENDS)}, got {backend!r}")
         return value
+
+    @field_validator("backend_options")
+    @classmethod
+    def _backend_options(cls, value):
+        owners = variants.backend_option_owners()
+        for option, setting in value.items():
+            if option not in owners:
+                raise ValueError(f"unknown option {option!r}; backend options: {', '.join(f'{name} ({backend})' for name, backend in owners.items())}")
+            try:
+                variants.check_backend_options(owners[option], {option: setting})
+            except variants.VariantError as exc:
+                raise ValueError(str(exc)) from None
+        return value
+
+    @model_validator(mode="after")
+    def _baseline_backend(self):
+        baseline = self.report.baseline_backend
+        if baseline is not None and baseline not in self.backends:
+            raise ValueError(f"report.baseline_backend: expected one of the scenario's backends ({', '.join(self.backends)}), got {baseline!r}")
+        return self
 
     @field_validator("target")
     @classmethod
@@ -419,6 +445,8 @@ def _variant_configs(scenario: Scenario) -> list[tuple[str, dict, str]]:
 def cell_id(cell: dict) -> str:
     """A stable id of what a cell measures (not how often): used to resume."""
     identity = {key: cell[key] for key in ("scenario", "variant", "backend", "params", "axes", "mode", "target", "model")}
+    if cell.get("backend_options"):
+        identity["backend_options"] = cell["backend_options"]
     if cell["task"]:
         identity["task"] = cell["task"]
     return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:16]
@@ -446,7 +474,7 @@ def expand(scenario: Scenario, path: str = "<scenario>") -> list[dict]:
             unsupported = {}
             d_keys = task.d_keys(scenario.task, axis_values) if task else axis_values["d_key"]
             for d_key in [own_d_key] if own_d_key is not None else d_keys:
-                unsupported.update(_unsupported_backends(name, d_key, core_params_at, scenario.backends, field, path))
+                unsupported.update(_unsupported_backends(name, d_key, core_params_at, scenario, field, path))
             for backend, mode in itertools.product(scenario.backends, scenario.modes):
                 for combo in itertools.product(*(axis_values[axis] for axis in names)):
                     cell_axes = dict(zip(names, combo))
@@ -464,6 +492,7 @@ def expand(scenario: Scenario, path: str = "<scenario>") -> list[dict]:
                         "scenario": scenario.name,
                         "variant": name,
                         "backend": backend,
+                        "backend_options": _options_of(scenario, backend),
                         "params": full_params,
                         "axes": cell_axes,
                         "mode": mode,
@@ -491,13 +520,19 @@ def _task_section(task_config, cell_axes: dict) -> dict | None:
     return section
 
 
-def _unsupported_backends(name: str, d_key: int, params: dict, backends: list[str], field: str, path: str) -> dict:
+def _options_of(scenario: Scenario, backend: str) -> dict:
+    """The scenario's ``backend_options`` that belong to ``backend``."""
+    owners = variants.backend_option_owners()
+    return {option: value for option, value in scenario.backend_options.items() if owners[option] == backend}
+
+
+def _unsupported_backends(name: str, d_key: int, params: dict, scenario: Scenario, field: str, path: str) -> dict:
     """Build the variant once per backend: ``{backend: reason}`` for the backends it has no
     implementation for (their cells are recorded as skipped); any other problem is an error."""
     unsupported = {}
-    for backend in backends:
+    for backend in scenario.backends:
         try:
-            variants.create(name, d_key, backend=backend, **params)
+            variants.create(name, d_key, backend=backend, backend_options=_options_of(scenario, backend), **params)
         except variants.UnsupportedBackend as exc:
             unsupported[backend] = str(exc)
         except variants.VariantError as exc:

@@ -8,6 +8,7 @@ projections, or a decoder-only LM ``model``) and its ``mode`` what one iteration
 
 from __future__ import annotations
 
+import functools
 import gc
 import os
 from collections.abc import Callable
@@ -17,6 +18,7 @@ import numpy as np
 import torch
 
 import variants
+from variants.compiled import compiled_frames
 
 from . import tasks
 from .load import LoadMeter
@@ -52,8 +54,13 @@ def _generator(device):
     return torch.Generator(device=device).manual_seed(0)
 
 
+def _backend(cell) -> dict:
+    """The cell's backend and its options (``backend_options``), as ``variants.create`` takes them."""
+    return {"backend": cell["backend"], "backend_options": cell.get("backend_options") or {}}
+
+
 def _core(cell):
-    return variants.create(cell["variant"], cell["axes"]["d_key"], backend=cell["backend"], **cell["params"])
+    return variants.create(cell["variant"], cell["axes"]["d_key"], **_backend(cell), **cell["params"])
 
 
 def _attention_inputs(core, axes, device, dtype, requires_grad) -> dict:
@@ -95,7 +102,7 @@ def _layer(cell, device, dtype):
         cell["variant"],
         d_key=axes["d_key"],
         d_value=axes["d_value"],
-        backend=cell["backend"],
+        **_backend(cell),
         **cell["params"],
     )
     return layer.to(device=device, dtype=dtype)
@@ -133,7 +140,7 @@ def _model_workload(cell, device, dtype) -> Workload:
     from .models import DecoderLM, lm_config
 
     axes, spec = cell["axes"], cell["model"]
-    variant_params = dict(cell["params"], backend=cell["backend"])
+    variant_params = dict(cell["params"], **_backend(cell))
     config = lm_config(spec["preset"], spec["vocab_size"], variant=cell["variant"], variant_params=variant_params, **spec["overrides"])
     d_head = config.d_model // config.n_heads
     if (axes["heads"], axes["d_key"]) != (config.n_heads, d_head):
@@ -176,15 +183,19 @@ def _finite(output) -> bool:
 
 def measure_cell(cell: dict) -> dict:
     """Build, check and time one cell: ``{"status", "error", "metrics"}``, with the machine's
-    load meanwhile in ``metrics.load``. Exceptions (and out-of-memory errors) propagate to the
-    caller, which records them."""
+    load meanwhile in ``metrics.load``. A backend that turns out not to run the cell
+    (``variants.UnsupportedBackend``) makes it skipped with the reason; other exceptions (and
+    out-of-memory errors) propagate to the caller, which records them."""
     axes = cell["axes"]
     device, dtype = torch.device(axes["device"]), DTYPES[axes["dtype"]]
     if device.type == "cuda" and not torch.cuda.is_available():
         return {"status": "skipped", "error": "CUDA is not available on this machine", "metrics": {}}
     pin(cell["measure"].get("cpus"))
     with LoadMeter(device) as load:
-        result = _measure(cell, device, dtype)
+        try:
+            result = _measure(cell, device, dtype)
+        except variants.UnsupportedBackend as exc:  # found only when it runs: fla without Triton's interpreter on a CPU, or decoding Based
+            return {"status": "skipped", "error": str(exc), "metrics": {}}
     result["metrics"]["load"] = load.record
     return result
 
@@ -213,9 +224,10 @@ def _measure(cell, device, dtype) -> dict:
     if cell["mode"] == "quality":
         return _measure_quality(cell, device, dtype)
     torch.manual_seed(0)
-    _warm_up_libraries(cell, device, dtype)
+    first_call_s = _warm_up_libraries(cell, device, dtype)
+    compiled_before = compiled_frames() if cell["backend"] == "compile" else 0
     if cell["mode"] == "decode":
-        return _measure_decode(cell, device, dtype)
+        return _compile_record(cell, _measure_decode(cell, device, dtype), first_call_s, compiled_before)
     with PeakMemory(device) as peak:
         workload = BUILDERS[cell["target"]](cell, device, dtype)
         finite = _finite(workload.run())
@@ -234,7 +246,20 @@ def _measure(cell, device, dtype) -> dict:
     }
     if cell["target"] == "model":
         metrics["words_per_s"] = metrics["tokens_per_s"]
-    return _result(finite, metrics)
+    return _compile_record(cell, _result(finite, metrics), first_call_s, compiled_before)
+
+
+def _compile_record(cell, result: dict, first_call_s: float, compiled_before: int) -> dict:
+    """For a 'compile' cell: ``metrics.compile_s`` (the warm-up's first call: tracing, compiling
+    and one run) and ``metrics.backend_options``; a CellError if anything compiled after the
+    warm-up (a recompilation would have been timed)."""
+    if cell["backend"] != "compile":
+        return result
+    again = compiled_frames() - compiled_before
+    if again:
+        raise CellError(f"torch.compile compiled {again} frame(s) again after the warm-up (a guard failed); the timings would include compilation")
+    result["metrics"].update(compile_s=first_call_s, backend_options=cell.get("backend_options") or {})
+    return result
 
 
 def _measure_quality(cell, device, dtype) -> dict:
@@ -247,18 +272,41 @@ def _measure_quality(cell, device, dtype) -> dict:
     return _result(bool(np.isfinite(metrics.get("loss", 0.0))), metrics)
 
 
-def _warm_up_libraries(cell, device, dtype) -> None:
+def _warm_up_libraries(cell, device, dtype) -> float:
     """Build and run the cell once and throw it away, so that one-time costs of the process
-    (thread pools, library initialisation, kernel selection) stay out of the measured
-    peak memory of the fresh build that follows."""
-    if cell["mode"] == "decode":
-        with torch.no_grad():
-            _, prefill, step, _ = _decoder(cell, device, dtype, cell["axes"]["seq_len"], 1)
-            step(0, prefill()[1])
-    else:
-        BUILDERS[cell["target"]](cell, device, dtype).run()
+    (thread pools, library initialisation, kernel selection, torch.compile's compilation of
+    every form the cell calls: backend 'compile') stay out of the measured peak memory of the
+    fresh build that follows and out of every timed call. Returns the seconds that first call
+    took (``metrics.compile_s`` of a 'compile' cell); a compilation failure is a CellError."""
+    clock = Clock(device, flush_l2=False)
+    try:
+        if cell["mode"] == "decode":
+            with torch.no_grad():  # the decoder of the measurement (same shapes and strides), two steps: a growing KV cache recompiles once
+                new_tokens = cell["decode"]["new_tokens"]
+                _, prefill, step, _ = _decoder(cell, device, dtype, cell["axes"]["seq_len"], new_tokens)
+                _, seconds = clock(lambda: functools.reduce(lambda state, i: step(i, state)[1], range(min(2, new_tokens)), prefill()[1]))
+        else:
+            _, seconds = clock(BUILDERS[cell["target"]](cell, device, dtype).run)
+    except Exception as exc:
+        if cell["backend"] == "compile" and _compile_failure(exc):
+            raise CellError(f"torch.compile failed: {type(exc).__name__}: {_first_paragraph(exc)}") from None
+        raise
     gc.collect()
     synchronize(device)
+    return seconds
+
+
+def _compile_failure(exc: Exception) -> bool:
+    """Whether ``exc`` comes from torch.compile (TorchDynamo or Inductor: BackendCompilerFailed, Unsupported, ...)."""
+    from torch._dynamo.exc import TorchDynamoException
+
+    return isinstance(exc, TorchDynamoException) or type(exc).__module__.startswith(("torch._dynamo", "torch._inductor"))
+
+
+def _first_paragraph(exc: Exception) -> str:
+    """The message of ``exc`` up to its first blank line, on one line (torch.compile's errors go on
+    with pages of advice): ``backend='inductor' raised: RuntimeError: ...``."""
+    return " ".join(str(exc).strip().split("\n\n")[0].split())
 
 
 def _measure_decode(cell, device, dtype) -> dict:

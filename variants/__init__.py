@@ -1,6 +1,6 @@
 """attnbench's variant library: one interface for every attention variant.
 
-``names()`` lists the registered variants, ``create(name, d_key, **params)`` builds an
+``names()`` lists the registered variants, ``create(name, d_key, backend=..., **params)`` builds an
 attention core (parallel form, recurrent ``step``, ``reference``), and ``AttentionLayer``
 wraps a core with its projections. ``core.example_inputs(...)`` draws valid inputs (q, k, v
 and the per-token inputs the core declares, ``TokenInput``); ``token_slice`` and
@@ -10,12 +10,15 @@ and the per-token inputs the core declares, ``TokenInput``); ``token_slice`` and
 # Importing the families registers them.
 from . import delta_rule, lsh, rwkv, softmax, sum_rule  # noqa: E402,F401
 from .base import (
+    BACKENDS,
     ActivatedLinear,
     AttentionCore,
     TokenInput,
     UnsupportedBackend,
     VariantError,
     activated_linear,
+    backend_option_owners,
+    check_backend_options,
     create,
     debug_checks,
     names,
@@ -29,6 +32,7 @@ from .layer import AttentionLayer
 from .softmax import KVCache
 
 __all__ = [
+    "BACKENDS",
     "BETA",
     "LOG_GATE",
     "ActivatedLinear",
@@ -41,6 +45,8 @@ __all__ = [
     "UnsupportedBackend",
     "VariantError",
     "activated_linear",
+    "backend_option_owners",
+    "check_backend_options",
     "create",
     "debug_checks",
     "names",

@@ -63,16 +63,59 @@ def names() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def create(name: str, d_key: int, *, backend: str = "torch", **params: Any) -> AttentionCore:
+#: The backends ``create`` knows. 'torch' and 'triton' are implementations of the core classes
+#: (their ``backend`` parameter); 'compile' and 'fla' wrap the torch core: ``variants.compiled``
+#: (torch.compile of its PyTorch forms) and ``variants.fla_backend`` (flash-linear-attention's kernels).
+BACKENDS = ("torch", "triton", "compile", "fla")
+
+
+def _wrapper(backend: str):
+    """The module that wraps a torch core for ``backend`` ('compile', 'fla'), or None."""
+    if backend == "compile":
+        from . import compiled
+
+        return compiled
+    if backend == "fla":
+        from . import fla_backend
+
+        return fla_backend
+    return None
+
+
+def check_backend_options(backend: str, options: dict | None) -> dict:
+    """The options of ``backend`` (``backend_options`` of a scenario), checked: only the
+    wrapping backends take any ('compile': mode, dynamic)."""
+    options = dict(options or {})
+    wrapper = _wrapper(backend)
+    if wrapper is None:
+        if options:
+            raise VariantError(f"backend {backend!r} takes no options, got {', '.join(options)}")
+        return options
+    return wrapper.check_options(options)
+
+
+def backend_option_owners() -> dict[str, str]:
+    """Every backend option's name -> the backend that takes it (``{'mode': 'compile', ...}``)."""
+    return {option: backend for backend in BACKENDS if (wrapper := _wrapper(backend)) for option in wrapper.OPTIONS}
+
+
+def create(name: str, d_key: int, *, backend: str = "torch", backend_options: dict | None = None, **params: Any) -> AttentionCore:
     """Build the attention core registered as ``name`` for head dimension ``d_key``.
 
-    ``backend`` picks the implementation of the parallel form: 'torch' (every variant) or
-    'triton' (the linear-time rules); a core class that takes no ``backend`` is torch only."""
+    ``backend`` picks the implementation: 'torch' (every variant), 'triton' (the linear-time
+    rules; a core class that takes no ``backend`` is torch only), 'compile' (the torch core
+    through torch.compile, ``backend_options`` mode and dynamic) or 'fla' (flash-linear-attention's
+    kernels where they compute the same function; ``UnsupportedBackend`` naming the difference
+    elsewhere)."""
     if name not in _REGISTRY:
         raise VariantError(f"unknown variant {name!r}; known variants: {', '.join(names())}")
     if not isinstance(d_key, int) or d_key < 1:
         raise VariantError(f"{name}: d_key must be a positive int, got {d_key!r}")
-    if backend != "torch":
+    if backend not in BACKENDS:
+        raise VariantError(f"{name}: backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    options = check_backend_options(backend, backend_options)
+    wrapper = _wrapper(backend)
+    if backend != "torch" and wrapper is None:
         params["backend"] = backend
     try:
         core = _REGISTRY[name](d_key, **params)
@@ -81,7 +124,7 @@ def create(name: str, d_key: int, *, backend: str = "torch", **params: Any) -> A
             raise UnsupportedBackend(f"{name}: has only the 'torch' backend, got backend={backend!r}") from None
         raise VariantError(f"{name}: {exc}") from None
     core.variant_name = name
-    return core
+    return core if wrapper is None else wrapper.wrap(core, **options)
 
 
 #: Set by ``debug_checks`` (or ATTNBENCH_DEBUG_CHECKS=1 in the environment): check token input

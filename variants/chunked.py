@@ -80,8 +80,9 @@ def causal_read(read, values: torch.Tensor, dim: int = 2, *, every_channel: bool
     first non-finite value on; a forward-only scan) puts NaN back into the output at or after one:
     into its channel, or with ``every_channel`` (keys, whose channels are not the output's) into all.
     Outputs that are fewer than the values are the last positions (a prefill after a cache).
-    On the CPU, where reading a sum costs no device sync, finite values (a finite sum) skip all that."""
-    if values.device.type == "cpu" and math.isfinite(values.detach().sum()):
+    On the CPU, where reading a sum costs no device sync, finite values (a finite sum) skip all that,
+    except under ``torch.compile`` (backend='compile'), whose graph would break at that data-dependent test."""
+    if values.device.type == "cpu" and not torch.compiler.is_compiling() and math.isfinite(values.detach().sum()):
         return read(values)
     poison = values - values
     poison = (poison.sum(-1, keepdim=True) if every_channel else poison).detach().cumsum(dim)
