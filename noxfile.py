@@ -39,7 +39,7 @@ def install(session, extras: str = "test,triton") -> None:
 @nox.session
 def tests(session):
     """The test suite."""
-    install(session, "test,triton,images")
+    install(session, "test,triton,images,fla")
     session.run("pytest", "-q", "--benchmark-disable", *session.posargs)
 
 
