@@ -63,6 +63,7 @@ def wrap(core):
 def _mapping(core):
     """The fla mapping of ``core``'s family, after checking that its definition matches fla's."""
     from .delta_rule import DeltaRule, GatedDeltaRule
+    from .rwkv import RWKV
     from .sum_rule import SumRule
 
     name = core.variant_name
@@ -83,6 +84,11 @@ def _mapping(core):
                 raise UnsupportedBackend(f"{name}: fla's parallel Based/ReBased kernels apply the map themselves and have no sum normalisation (sum_norm=True)")
             return _QuadraticMapping(core)
         return _LinearMapping(core)
+    if isinstance(core, RWKV):
+        raise UnsupportedBackend(
+            f"{name}: fla's fused_recurrent_rwkv4 (RWKV-4's WKV over [B, T, channels]) is not mapped yet "
+            "(mapped: linear, performer, dpfp, based, rebased, delta, deltanet, gated_delta)"
+        )
     raise UnsupportedBackend(
         f"{name}: flash-linear-attention has no kernel computing this variant's function "
         "(mapped: linear, performer, dpfp, based, rebased, delta, deltanet, gated_delta)"

@@ -117,7 +117,7 @@ def test_fla_prefill_state_continues_into_steps(config, seed):
     ("name", "params", "message"),
     [
         ("softmax", {}, "flash-linear-attention has no kernel computing this variant's function"),
-        ("rwkv", {}, "flash-linear-attention has no kernel computing this variant's function"),
+        ("rwkv", {}, "fla's fused_recurrent_rwkv4 .* is not mapped yet"),
         ("lsh", {}, "flash-linear-attention has no kernel computing this variant's function"),
         ("delta", {"normalize": True}, "fla's delta rule has no attention normaliser"),
         ("based", {"sum_norm": True}, "no sum normalisation"),
