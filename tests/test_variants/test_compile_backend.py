@@ -9,6 +9,9 @@ per variant, each compiling one core's forms once and checking everything throug
 
 from __future__ import annotations
 
+import hashlib
+
+import pandas as pd
 import pytest
 import torch
 import torch._dynamo
@@ -149,28 +152,44 @@ def test_a_compiled_cell_records_its_compile_time_and_times_no_compilation(tmp_p
     assert compiled_frames() > before
 
 
+def test_the_reports_baseline_backend(tmp_path):
+    """The run line's report.baseline_backend, else the scenario file's while it is the one measured, else torch."""
+    cells = pd.DataFrame({"backend": ["torch", "compile"]})
+    assert baseline_backend([], cells) == "torch"
+    assert baseline_backend([], cells.iloc[1:]) is None
+    assert baseline_backend([{"started_at": "1", "report": {"baseline_backend": "compile"}}], cells) == "compile"
+    path = tmp_path / "s.yaml"
+    path.write_text(BASE + "backends: [torch, compile]\nreport: {baseline_backend: compile}\n")
+    run = {"started_at": "2", "scenario_file": str(path), "scenario_sha256": hashlib.sha256(path.read_bytes()).hexdigest(), "preset": None, "overrides": []}
+    gone = {"started_at": "1", "scenario_file": str(tmp_path / "gone.yaml"), "scenario_sha256": "0"}
+    assert baseline_backend([gone], cells) == "torch"
+    assert baseline_backend([gone, run], cells) == "compile"
+    path.write_text(BASE + "backends: [torch, compile]\n")
+    assert baseline_backend([run], cells) == "torch", "a scenario file changed since the run is not the one measured"
+
+
 @pytest.mark.slow
 def test_the_report_divides_each_backend_by_the_baseline(tmp_path):
-    """A run of torch, compile and fla through the command line: the report's backend table holds
-    compile's median over torch's per cell, fla's reason where it did not run, and the decode
-    latency plot has a line per backend."""
+    """A run of torch, compile and fla through the command line, compile the scenario's baseline:
+    the report's backend table holds torch's median over compile's per cell, fla's reason where it
+    did not run, and the decode latency plot has a line per backend."""
     scenario = tmp_path / "b.yaml"
     scenario.write_text(
-        "name: tiny-backends\nvariants: {linear: {}}\nbackends: [compile, torch, fla]\nreport: {baseline_backend: torch}\n"
+        "name: tiny-backends\nvariants: {linear: {}}\nbackends: [torch, compile, fla]\nreport: {baseline_backend: compile}\n"
         "axes: {seq_len: 16, batch: 1, heads: 2, d_key: 8}\nmodes: [decode]\ndecode: {new_tokens: 3}\n"
         "measure: {warmup: 1, repeats: 2, max_time_s: 0}\n"
     )
     done = attnbench("run", str(scenario), "--out", str(tmp_path / "out"), "--no-progress", env={"TRITON_INTERPRET": "0"})
     assert done.returncode == 0, done.stderr
     cells = prepare(load([tmp_path / "out"]))
-    assert baseline_backend(_runs(cells["file"].unique()), cells) == "torch"
-    ratios = backend_ratios(cells, "torch")
-    compiled = ratios[ratios["backend"] == "compile"]
-    assert len(compiled) == 1 and (compiled["ratio"] == compiled["metrics.median_s"] / compiled["baseline_s"]).all()
+    assert baseline_backend(_runs(cells["file"].unique()), cells) == "compile", "the scenario's report.baseline_backend"
+    ratios = backend_ratios(cells, "compile")
+    eager = ratios[ratios["backend"] == "torch"]
+    assert len(eager) == 1 and (eager["ratio"] == eager["metrics.median_s"] / eager["baseline_s"]).all()
     fla = ratios[ratios["backend"] == "fla"]
-    assert (fla["status"] == "skipped").all() and fla["ratio"].isna().all()
+    assert len(fla) == 1 and (fla["status"] == "skipped").all() and fla["ratio"].isna().all()
     assert fla["error"].str.contains("TRITON_INTERPRET=1|attnbench\\[fla\\]").all(), list(fla["error"])
     page = build_report([tmp_path / "out"], tmp_path / "report").read_text()
-    assert "Backends against torch" in page and "compile / torch" in page and "fla / torch" in page and "skipped" in page
+    assert "Backends against compile" in page and "torch / compile" in page and "fla / compile" in page and "skipped" in page
     assert {"linear[torch]", "linear[compile]"} <= set(cells.loc[cells["status"] == "ok", "series"])
     assert (tmp_path / "report" / "plots" / "tiny-backends-decode-latency.png").is_file()
