@@ -9,6 +9,7 @@ import torch
 from helpers import attnbench
 from torch import nn
 
+from harness.scenario import load_scenario
 from harness.tasks.copy import IGNORE, SEPARATOR, evaluate, make_batch, max_copy, padding
 from harness.tasks.loss_curve import LR_DROP, lr_multiplier, steps_to_threshold, train
 
@@ -101,3 +102,10 @@ def test_ci_preset_runs_through_attnbench_run(tmp_path):
         assert [step for step, _ in losses] == [2, 4, 6] and all(0 < loss < 10 for _, loss in losses)
     assert table["metrics.accuracy"].between(0, 1).all() and (table["metrics.loss_threshold"] == 0.1).all()
     assert "Copy task" in (tmp_path / "report" / "index.html").read_text()
+
+
+def test_the_cpu_preset_trains_the_papers_four_kinds_of_attention():
+    """A preset's ``variants`` replace the scenario's: the cpu preset must list softmax, linear and delta beside lsh."""
+    cells = load_scenario("quality/copy", preset="cpu").cells()
+    assert {cell["variant"] for cell in cells} == {"softmax", "linear", "lsh", "delta"}
+    assert sorted(cell["params"]["n_rounds"] for cell in cells if cell["variant"] == "lsh") == [1, 4]

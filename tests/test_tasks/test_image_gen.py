@@ -12,6 +12,7 @@ import torch
 from helpers import attnbench
 
 from harness.models import DecoderConfig, DecoderLM
+from harness.scenario import load_scenario
 from harness.tasks.image_gen import LEVELS, START, bits_per_dim, generate, generation_speed, gumbel, levels, score_bits_per_dim, shifted
 from harness.tasks.images import ImageFileError, load, read_cifar_binary, read_idx_images
 
@@ -152,3 +153,8 @@ def test_ci_preset_runs_through_attnbench_run(tmp_path):
     assert (table["metrics.speed.16.pixels"] == 16).all() and (table["metrics.generation.pixels"] == 64).all()
     page = (tmp_path / "report" / "index.html").read_text()
     assert "Image generation" in page and "× softmax @ 16" in page
+
+
+def test_the_cpu_preset_compares_softmax_linear_lsh_and_delta():
+    """A preset's ``variants`` replace the scenario's: the cpu preset must list every compared variant."""
+    assert {cell["variant"] for cell in load_scenario("quality/image-gen", preset="cpu").cells()} == {"softmax", "linear", "lsh", "delta"}
