@@ -42,7 +42,7 @@ def install(session, extras: str = "test,triton") -> None:
 @nox.session
 def tests(session):
     """The test suite."""
-    install(session, "test,triton,images,fla")
+    install(session, "test,triton,images,ray,fla")
     session.run("pytest", "-q", "--benchmark-disable", *session.posargs)
 
 

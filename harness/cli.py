@@ -58,7 +58,7 @@ def _run(args) -> int:
     for scenario in loaded:
         summary = runner.run(
             scenario, args.out, resume=args.resume or False, retry_failed=args.retry_failed, plugins=plugins, command=command,
-            progress=not args.no_progress,
+            progress=not args.no_progress, executor=_executor(args, plugins),
         )
         counts = ", ".join(f"{count} {status}" for status, count in sorted(summary.statuses.items())) or "nothing new"
         done = f", {summary.skipped_as_done} already done" if summary.skipped_as_done else ""
@@ -73,6 +73,19 @@ def _run(args) -> int:
                   file=sys.stderr)
             return EXIT_ERROR
     return _report_of_run(written, args.report) if args.report else 0
+
+
+def _executor(args, plugins: list[str]):
+    """The executor ``--executor`` names: the local worker, or Ray (harness.ray_executor)."""
+    from . import runner
+
+    if args.executor == "local":
+        if args.address or args.cells_per_node != 1:
+            raise runner.RunError("--address and --cells-per-node are options of --executor ray")
+        return runner.LocalExecutor(plugins)
+    from .ray_executor import RayExecutor
+
+    return RayExecutor(plugins, address=args.address, cells_per_node=args.cells_per_node)
 
 
 def _report_of_run(paths: list[Path], out: Path) -> int:
@@ -219,6 +232,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--plugin", action="append", help="module or .py file registering extra variants or tasks (also ATTNBENCH_PLUGINS)")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
     run.add_argument("--report", type=Path, metavar="DIR", help="then write the HTML report of the results files of this run into DIR")
+    run.add_argument("--executor", choices=["local", "ray"], default="local",
+                     help="local: one worker on this machine (default); ray: each cell a Ray task on a Ray cluster (docs/scale-out.md)")
+    run.add_argument("--address", help="with --executor ray: the cluster (auto, HOST:PORT or ray://HOST:PORT; default: start Ray on this machine)")
+    run.add_argument("--cells-per-node", type=int, default=1, metavar="N",
+                     help="with --executor ray: CPU speed cells run side by side on one node, each on 1/N of its CPUs (default 1)")
     run.set_defaults(handler=_run)
 
     report = commands.add_parser("report", help="write an HTML report (plots, tables, machines) from results files")

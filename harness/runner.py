@@ -338,9 +338,10 @@ def scenario_identity(loaded: LoadedScenario) -> dict:
     return {"scenario": loaded.name, "scenario_sha256": loaded.sha256, "preset": loaded.preset}
 
 
-def _resume_state(path: Path, loaded: LoadedScenario, fingerprint: dict, retry_failed: bool) -> tuple[str, set]:
+def _resume_state(path: Path, loaded: LoadedScenario, fingerprint: dict, retry_failed: bool, *, same_machine: bool = True) -> tuple[str, set]:
     """(the run_id resumed, the cell_ids not to measure again) of a results file this run may
-    continue: the same scenario, file and preset, measured on this machine."""
+    continue: the same scenario, file and preset, measured on this machine (``same_machine``;
+    a Ray run's cells record each its own machine, so any machine may continue it)."""
     if repair_tail(path):
         print(f"warning: {path}: dropped an incomplete last line left by an interrupted write", file=sys.stderr)
     runs = [record for record in read_records(path) if record["kind"] == "run"]
@@ -351,7 +352,7 @@ def _resume_state(path: Path, loaded: LoadedScenario, fingerprint: dict, retry_f
             f"--resume: {path} was measured for another scenario: {'; '.join(differ)}. Results of two scenarios (or two "
             "versions of one scenario file) do not mix in one file: start a new run (a report reads several files)"
         )
-    if runs[-1]["machine"]["machine_id"] != fingerprint["machine_id"]:
+    if same_machine and runs[-1]["machine"]["machine_id"] != fingerprint["machine_id"]:
         raise RunError(
             f"--resume: {path} was measured on machine {runs[-1]['machine']['machine_id']} "
             f"({runs[-1]['machine'].get('hostname')}); this is {fingerprint['machine_id']}. "
@@ -364,50 +365,101 @@ def _device_of(cells) -> str:
     return "cuda" if any(cell["axes"]["device"].startswith("cuda") for cell in cells) else "cpu"
 
 
+class LocalExecutor:
+    """Today's way to measure: one worker process on this machine measures the cells one after
+    another (a new one after each CPU speed cell, ``needs_fresh_worker``). An executor gives the
+    runner ``(cell, observation)`` pairs as cells finish; the runner alone writes the results file.
+    The Ray executor (harness.ray_executor) has the same methods."""
+
+    #: every cell is measured on the runner's machine, so a resumed file must come from this machine
+    same_machine = True
+
+    def __init__(self, plugins=()):
+        self.plugins = list(plugins)
+        self.worker = None
+        self.fingerprint = None
+
+    def start(self, todo: list[dict], fingerprint: dict) -> list[dict]:
+        """Start the worker and calibrate this machine; the fingerprints to write run lines for now."""
+        self.worker = Worker(self.plugins, tune_malloc=any(cell["mode"] != "quality" for cell in todo))
+        self.fingerprint = {**fingerprint, "calibration": calibration(self.worker, todo, fingerprint)}
+        return [self.fingerprint]
+
+    def measure(self, todo: list[dict], starting):
+        """Measure ``todo`` in order, calling ``starting(cell)`` before each; yield ``(cell, observation)``."""
+        for cell in todo:
+            starting(cell)
+            yield cell, {**observe(self.worker, cell), "machine": self.fingerprint, "node_id": None}
+            if needs_fresh_worker(cell):
+                self.worker.restart()
+
+    def run_fields(self, node_id) -> dict:
+        """What a run line adds for a node of this executor (nothing: the run line is as it always was)."""
+        return {}
+
+    def close(self) -> None:
+        if self.worker is not None:
+            self.worker.close()
+
+
 def run(loaded: LoadedScenario, out_dir, *, resume=False, retry_failed: bool = False, plugins=(), command: str = "",
-        progress: bool = True) -> RunSummary:
+        progress: bool = True, executor=None) -> RunSummary:
     """Measure every cell of ``loaded`` not yet in the results file; return a summary. One run
     at a time writes into a directory (``ResultsDirectoryLock``); other runs measuring on the
-    machine meanwhile are warned about and recorded with each cell they overlap."""
+    machine meanwhile are warned about and recorded with each cell they overlap. ``executor``
+    measures the cells (default: a ``LocalExecutor``; harness.ray_executor spreads them over a
+    Ray cluster)."""
     out_dir = Path(out_dir)
     directory = Path(resume).parent if resume not in (False, True, None) else out_dir
     holder = {"pid": os.getpid(), "scenario": loaded.name, "started_at": utc_now(), "out": str(directory)}
+    executor = executor or LocalExecutor(plugins)
     with ResultsDirectoryLock(directory, holder), MachineRuns(holder) as machine_runs:
-        return _run_locked(loaded, out_dir, resume, retry_failed, plugins, command, progress, machine_runs)
+        return _run_locked(loaded, out_dir, resume, retry_failed, executor, command, progress, machine_runs)
 
 
-def _run_locked(loaded, out_dir, resume, retry_failed, plugins, command, progress, machine_runs) -> RunSummary:
+def _run_locked(loaded, out_dir, resume, retry_failed, executor, command, progress, machine_runs) -> RunSummary:
     cells = loaded.cells()
     path = results_path(out_dir, loaded.name, resume)
     fingerprint = machine.fingerprint(_device_of(cells))
     resumed_from, done = None, set()
     if resume:
-        resumed_from, done = _resume_state(path, loaded, fingerprint, retry_failed)
+        resumed_from, done = _resume_state(path, loaded, fingerprint, retry_failed, same_machine=executor.same_machine)
     writer = ResultsWriter(path)
-    run_id = uuid.uuid4().hex
     todo = [cell for cell in cells if cell["cell_id"] not in done]
     summary = RunSummary(path=path, total=len(cells), skipped_as_done=len(cells) - len(todo))
     start = time.perf_counter()
-    worker, bar, warned = None, None, set()
+    run_ids, overlapping, warned, bar = {}, {}, set(), None
+
+    def run_id_of(fp: dict, node_id) -> str:
+        """The run line of the machine (and node) that measured a cell, written before its first cell."""
+        key = (node_id, fp["machine_id"])
+        if key not in run_ids:
+            run_ids[key] = uuid.uuid4().hex
+            writer.write_run(run_header(loaded, run_ids[key], command, fp, resumed_from=resumed_from, **executor.run_fields(node_id)))
+        return run_ids[key]
+
+    def starting(cell: dict) -> None:
+        bar.set_description(describe(cell))
+        others = machine_runs.others()
+        if others and not warned.issuperset(o.get("pid") for o in others):
+            warned.update(o.get("pid") for o in others)
+            tqdm.write(f"warning: other attnbench runs are measuring on this machine ({describe_runs(others)}); "
+                       "cells measured meanwhile record them in concurrent_runs", file=sys.stderr)
+        overlapping[cell["cell_id"]] = others
+
     try:
-        worker = Worker(plugins, tune_malloc=any(cell["mode"] != "quality" for cell in todo))
-        fingerprint = {**fingerprint, "calibration": calibration(worker, todo, fingerprint)}
-        writer.write_run(run_header(loaded, run_id, command, fingerprint, resumed_from=resumed_from))
-        bar = tqdm(todo, total=len(cells), initial=summary.skipped_as_done, unit="cell", disable=not progress, dynamic_ncols=True)
-        for cell in bar:
-            bar.set_description(describe(cell))
-            others = machine_runs.others()
-            if others and not warned.issuperset(o.get("pid") for o in others):
-                warned.update(o.get("pid") for o in others)
-                tqdm.write(f"warning: other attnbench runs are measuring on this machine ({describe_runs(others)}); "
-                           "cells measured meanwhile record them in concurrent_runs", file=sys.stderr)
-            record = measure_record(worker, cell, run_id, fingerprint)
-            if others:
+        for fp in executor.start(todo, fingerprint):
+            run_id_of(fp, None)
+        bar = tqdm(total=len(cells), initial=summary.skipped_as_done, unit="cell", disable=not progress, dynamic_ncols=True)
+        for cell, observation in executor.measure(todo, starting):
+            node_fp = observation["machine"]
+            record = cell_record(cell, observation, run_id_of(node_fp, observation["node_id"]), node_fp)
+            others = overlapping.pop(cell["cell_id"], None)
+            if others and node_fp["machine_id"] == fingerprint["machine_id"]:
                 record["concurrent_runs"] = others
             writer.write_cell(record)
             summary.count(cell, record)
-            if needs_fresh_worker(cell):
-                worker.restart()
+            bar.update()
     except KeyboardInterrupt:
         summary.interrupted = True
     except ResultsWriteError as exc:
@@ -415,8 +467,7 @@ def _run_locked(loaded, out_dir, resume, retry_failed, plugins, command, progres
     finally:
         if bar is not None:
             bar.close()
-        if worker is not None:
-            worker.close()
+        executor.close()
         summary.seconds = time.perf_counter() - start
     return summary
 
@@ -454,9 +505,9 @@ def run_header(loaded: LoadedScenario, run_id: str, command: str, fingerprint: d
     }
 
 
-def measure_record(worker: Worker, cell: dict, run_id: str, fingerprint: dict) -> dict:
-    """Measure ``cell`` in ``worker`` (or record it as skipped): its results record, with the
-    GPU's throttle state before and after, the machine and the commit of ``fingerprint``."""
+def observe(worker: Worker | None, cell: dict) -> dict:
+    """Measure ``cell`` in ``worker`` (or skip it), where it runs: its result, the GPU's throttle
+    state before and after, when it started and how long it took."""
     device = cell["axes"]["device"]
     before = machine.throttle_state(device)
     started, clock = utc_now(), time.perf_counter()
@@ -465,6 +516,19 @@ def measure_record(worker: Worker, cell: dict, run_id: str, fingerprint: dict) -
     else:
         result = worker.measure(cell, cell["measure"]["timeout_s"])
     after = machine.throttle_state(device)
+    return {"result": result, "throttle_before": before, "throttle_after": after, "started_at": started, "duration_s": time.perf_counter() - clock}
+
+
+def measure_record(worker: Worker, cell: dict, run_id: str, fingerprint: dict) -> dict:
+    """Measure ``cell`` in ``worker`` (or record it as skipped): its results record."""
+    return cell_record(cell, observe(worker, cell), run_id, fingerprint)
+
+
+def cell_record(cell: dict, observation: dict, run_id: str, fingerprint: dict) -> dict:
+    """The results record of ``cell`` from its ``observe``-ation: with the GPU's throttle state,
+    the roofline fraction and the machine and the commit of ``fingerprint`` (the machine that
+    measured it) and, for a Ray executor's cell, the ``node_id`` of the Ray node."""
+    result, before, after = observation["result"], observation["throttle_before"], observation["throttle_after"]
     metrics = dict(result["metrics"])
     if cell["mode"] != "quality":
         metrics.update(roofline(metrics, fingerprint.get("calibration"), cell["axes"]["dtype"]))
@@ -475,6 +539,7 @@ def measure_record(worker: Worker, cell: dict, run_id: str, fingerprint: dict) -
             throttled=bool((before or {}).get("throttled") or (after or {}).get("throttled")),
         )
     task = {"task": cell["task"]} if cell.get("task") else {}
+    node = {"node_id": observation["node_id"]} if observation.get("node_id") else {}
     return {
         "run_id": run_id,
         "cell_id": cell["cell_id"],
@@ -490,7 +555,8 @@ def measure_record(worker: Worker, cell: dict, run_id: str, fingerprint: dict) -
         "error": result["error"],
         "metrics": metrics,
         "machine_id": fingerprint["machine_id"],
+        **node,
         "commit": fingerprint["git"]["commit"],
-        "started_at": started,
-        "duration_s": time.perf_counter() - clock,
+        "started_at": observation["started_at"],
+        "duration_s": observation["duration_s"],
     }
