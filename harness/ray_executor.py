@@ -1,11 +1,12 @@
 """Measure a sweep's cells as Ray tasks on the nodes of a Ray cluster (``attnbench run --executor ray``).
 
-Each cell is one Ray task, which measures it in a fresh ``harness.runner.Worker`` process on its
-node, so a timeout, an out-of-memory kill or a crash maps to the same status as locally. The
-task asks Ray for what the cell needs: one GPU for a CUDA cell; for a CPU speed cell a share of
-its node's CPUs (all of them, or 1/``cells_per_node``), pinned to that node, so no other cell
-runs beside it; for a CPU quality cell its task's ``threads`` (default 1). The cell's torch
-threads equal the CPUs it holds (``OMP_NUM_THREADS``). A Ray worker or node that dies marks its
+Each cell is one Ray task, which measures it in a ``harness.runner.Worker`` process on its node
+(a fresh one where the local executor would start one, ``needs_fresh_worker``), so a timeout,
+an out-of-memory kill or a crash maps to the same status as locally. The task asks Ray for what
+the cell needs: one GPU for a CUDA cell; for a CPU speed cell a share of its node's CPUs (all of
+them, or 1/``cells_per_node``), pinned to that node, so no other cell runs beside it; for a CPU
+quality cell its task's ``threads`` (default 1). The cell's torch threads equal the CPUs it
+holds (``OMP_NUM_THREADS``). A Ray worker or node that dies marks its
 cell ``crashed``; the sweep goes on.
 
 The runner stays the only writer of the results file: this executor yields each cell as it
@@ -19,7 +20,7 @@ import os
 import sys
 
 from . import machine
-from .runner import RunError, Worker, calibration, observe, utc_now
+from .runner import RunError, Worker, calibration, needs_fresh_worker, observe, utc_now
 
 INSTALL = "--executor ray needs Ray, which is not installed: pip install 'attnbench[ray]'"
 #: Seconds between checks for Ctrl-C while waiting for cells.
@@ -48,22 +49,44 @@ def _cpus(cell: dict) -> int:
     return (cell.get("task") or {}).get("threads") or 1
 
 
+#: The workers a Ray worker process keeps between its tasks, as the local executor keeps its
+#: worker between cells that need no fresh one (``runner.needs_fresh_worker``): by plugins,
+#: threads, malloc tuning and the GPU Ray gave the task. They die with the Ray worker process.
+_KEPT: dict[tuple, Worker] = {}
+
+
+def _worker(plugins: list[str], threads: int, tune_malloc: bool) -> tuple[tuple, Worker]:
+    """(its key, a worker with ``threads`` torch threads): the one this process kept, or a new one."""
+    key = (tuple(plugins), threads, tune_malloc, os.environ.get("CUDA_VISIBLE_DEVICES"))
+    worker = _KEPT.pop(key, None)
+    if worker is None or not worker.process.is_alive():
+        worker = Worker(plugins, tune_malloc=tune_malloc, env={"OMP_NUM_THREADS": str(threads)})
+    return key, worker
+
+
 def _on_node(cell: dict, plugins: list[str], threads: int, calibrate: list[dict] | None) -> dict:
-    """The body of a Ray task, on its node: a fresh worker measures ``cell`` with ``threads``
-    torch threads (or, given ``calibrate``, calibrates the node for those cells); the
-    observation, with the node's fingerprint and id. A CUDA cell runs on the GPU Ray gave the
-    task (CUDA_VISIBLE_DEVICES), device index 0."""
+    """The body of a Ray task, on its node: a worker measures ``cell`` with ``threads`` torch
+    threads (or, given ``calibrate``, calibrates the node for those cells); the observation,
+    with the node's fingerprint and id. A CUDA cell runs on the GPU Ray gave the task
+    (CUDA_VISIBLE_DEVICES), device index 0. The worker is kept for the next task unless the
+    cell needs a fresh one."""
     import ray
 
     device = "cuda" if _is_cuda(cell) else "cpu"
     node = {"node_id": ray.get_runtime_context().get_node_id(), "machine": machine.fingerprint(device)}
-    worker = Worker(plugins, tune_malloc=cell["mode"] != "quality", env={"OMP_NUM_THREADS": str(threads)})
+    key, worker = _worker(plugins, threads, cell["mode"] != "quality")
+    keep = False
     try:
         if calibrate is not None:
             return {**node, "calibration": calibration(worker, calibrate, node["machine"])}
-        return {**observe(worker, {**cell, "axes": {**cell["axes"], "device": device}}), **node}
+        observation = {**observe(worker, {**cell, "axes": {**cell["axes"], "device": device}}), **node}
+        keep = not needs_fresh_worker(cell)
+        return observation
     finally:
-        worker.close()
+        if keep:
+            _KEPT[key] = worker
+        else:
+            worker.close()
 
 
 class RayExecutor:
