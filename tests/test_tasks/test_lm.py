@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -195,6 +198,29 @@ def test_command_line_writes_metrics_and_a_rerun_resumes(tmp_path, capsys):
     assert again["valid_ppl"] == first["valid_ppl"] and again["test_ppl"] == first["test_ppl"]
     assert main(["--variant", "nope", "--out", str(tmp_path / "x")]) == 2
     assert "unknown variant 'nope'" in capsys.readouterr().err
+
+
+@needs_shared
+@pytest.mark.slow
+def test_the_command_line_under_torchrun_trains_as_one_process(tmp_path):
+    """The documented way to give one LM run several devices (docs/scale-out.md): two gloo ranks
+    under torchrun, each on its shard of the same global batch, train and score as one process
+    (without dropout, whose masks depend on the rank)."""
+    args = ["--variant", "linear", "--context", "16", "--steps", "3", "--batch", "4", "--warmup", "1", "--eval-tokens", "300", "--dropout", "0",
+            "--sliding-tokens", "40", "--threads", "1"]
+    runs = {}
+    for ranks in (1, 2):
+        out = tmp_path / f"ranks{ranks}"
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
+        command = [*launcher, "-m", "harness.tasks.lm", *args, "--out", str(out)]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=Path(__file__).resolve().parents[2])
+        assert done.returncode == 0, done.stderr[-3000:]
+        runs[ranks] = json.loads((out / "metrics.json").read_text())
+    one, two = runs[1], runs[2]
+    assert two["words"] == one["words"] == 3 * 4 * 16
+    for (step_1, loss_1), (step_2, loss_2) in zip(one["losses"], two["losses"], strict=True):
+        assert step_1 == step_2 and loss_2 == pytest.approx(loss_1, rel=1e-4)
+    assert two["valid_ppl"] == pytest.approx(one["valid_ppl"], rel=1e-4) and two["test_ppl"] == pytest.approx(one["test_ppl"], rel=1e-4)
 
 
 # --- settings and the command line -----------------------------------------------------
