@@ -407,7 +407,7 @@ def _backend_table(cells: pd.DataFrame, baseline: str | None) -> Table | None:
     notes = []
     if "compile_compile_s" in frame:
         columns.append(("compile time", "compile_compile_s", format_seconds))
-        notes.append("compile time: backend 'compile''s untimed first call (tracing, compiling, one run: metrics.compile_s).")
+        notes.append("compile time: the untimed first call of the compile backend (tracing, compiling, one run: metrics.compile_s).")
     ratios = pairs.dropna(subset="ratio")
     means = "; ".join(f"{backend} {np.exp(np.log(group['ratio']).mean()):.3f} over {len(group)} cells" for backend, group in ratios.groupby("backend"))
     caption = " ".join([f"Each backend's median time over {baseline}'s on the same cell (report.baseline_backend); below 1 is faster.",
