@@ -496,6 +496,7 @@ def run_header(loaded: LoadedScenario, run_id: str, command: str, fingerprint: d
         "scenario_sha256": loaded.sha256,
         "preset": loaded.preset,
         "overrides": loaded.overrides,
+        "report": loaded.scenario.report.model_dump(),
         "command": command,
         "machine": fingerprint,
         "commit": fingerprint["git"]["commit"] if commit is None else commit,
