@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from harness.compare import compare
+from harness.compare import UNDECIDED, compare
 from harness.report import build_report, machine_ratios, prepare
 from harness.results import load, read_records
 
@@ -238,7 +238,9 @@ def test_a_comparison_becomes_a_section(results, tmp_path):
     page = Page(index.read_text(encoding="utf-8"))
     table = next(table for table in page.tables if table and "mark" in table[0])
     marks = Counter(row[table[0].index("mark")] for row in table[1:])
-    assert marks["unchanged"] == sum(cell["status"] == "ok" for cell in cells_of(results["core"]))
+    # A file against itself: no cell changed. Whether the interval is narrow enough to say
+    # "unchanged" depends on how noisy the machine was while the fixture measured it.
+    assert marks["unchanged"] + marks[UNDECIDED] == sum(cell["status"] == "ok" for cell in cells_of(results["core"])), marks
     assert "Comparison of two commits" in page.all_text and page.all_text.startswith("with a comparison")
 
 
