@@ -136,6 +136,13 @@ def _cells(out) -> list[dict]:
     return [record for record in read_records(path) if record["kind"] == "cell"]
 
 
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+    except OSError:
+        return ""
+
+
 def _children(pid: int) -> list[int]:
     """The processes whose parent is ``pid`` (from /proc)."""
     found = []
@@ -332,8 +339,10 @@ def test_ctrl_c_to_the_process_group_exits_130_without_a_traceback(tmp_path, aft
     try:
         if after_cells:
             _wait_for(lambda: list(out.glob("*.jsonl")) and len(_cells(out)) >= after_cells, "a finished cell")
-        else:
-            time.sleep(1.0)
+        else:  # the runner has started its worker, which is still importing (not a fixed sleep: on a
+            # loaded machine the interpreter itself may take a second to start, before any handler)
+            _wait_for(lambda: any("spawn_main" in _cmdline(pid) for pid in _children(runner.pid)), "the worker process")
+            time.sleep(0.3)
         os.killpg(runner.pid, signal.SIGINT)
         _, stderr = runner.communicate(timeout=60)
     finally:
