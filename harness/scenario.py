@@ -34,6 +34,8 @@ AXES = ("seq_len", "batch", "heads", "d_key", "d_value", "dtype", "device")
 SPEED_TARGETS = ("core", "layer", "model")
 #: The axis that sweeps a quality task's ``seed`` (its cells then carry it in ``axes`` and ``task``).
 SEED_AXIS = "seed"
+#: The key of a variant configuration that holds its own axes (``variants.linear.axes.S``).
+VARIANT_AXES = "axes"
 
 
 class ScenarioError(ValueError):
@@ -110,9 +112,7 @@ class Measure(Strict):
     cpus: list[Annotated[int, Field(ge=0)]] | None = Field(None, min_length=1, description="pin the worker to these CPUs (os.sched_setaffinity)")
     timeout_s: float = Field(900.0, gt=0, description="a cell running longer is stopped and recorded as an error")
     flush_l2: bool = True
-    fresh_worker: bool | None = Field(
-        None, description="a new worker process for each cell; default: for CPU speed cells (exact peak RSS), not on a GPU"
-    )
+    fresh_worker: bool | None = Field(None, description="a new worker process for each cell; default: for CPU speed cells (exact peak RSS), not on a GPU")
 
 
 class Decode(Strict):
@@ -139,7 +139,7 @@ class Scenario(Strict):
 
     name: str
     description: str = ""
-    variants: dict[str, dict[str, Sweep] | list[dict[str, Sweep]] | None]
+    variants: dict[str, dict[str, Sweep | dict[str, Any]] | list[dict[str, Sweep | dict[str, Any]]] | None]
     backends: list[str] = Field(["torch"], min_length=1)
     backend_options: dict[str, Any] = Field({}, description="options of the backends that take any: compile's mode and dynamic")
     axes: Axes
@@ -241,30 +241,73 @@ class Scenario(Strict):
     def _task_axes(self):
         """Extra axes are a task's own: only those its task declares, each positive integers, and
         ``seed`` (integers ≥ 0) for a task whose config has a seed."""
-        declared = tasks.get(self.task.name).axes if self.task is not None else ()
-        for axis, value in (self.axes.model_extra or {}).items():
-            if axis == SEED_AXIS:
-                _check_seeds(self.task, value)
-                continue
-            if axis not in declared:
-                own = ", ".join(f"{task.name}: {', '.join(a for a in task.axes if a not in Axes.model_fields) or '-'}" for task in tasks.tasks())
-                raise ValueError(f"axes.{axis}: not an axis of this scenario (got {value!r}; speed axes: {', '.join(Axes.model_fields)}; task axes: {own})")
-            items = value if isinstance(value, list) else [value]
-            if not items or not all(isinstance(item, int) and not isinstance(item, bool) and item >= 1 for item in items):
-                raise ValueError(f"axes.{axis}: expected positive integers, got {value!r}")
+        _check_extra_axes(self.task, self.axes.model_extra or {}, "axes")
+        return self
+
+    @model_validator(mode="after")
+    def _variant_axes(self):
+        """A variant configuration's own ``axes`` replace those of the scenario for its cells
+        (retrieval's S placed around each variant's capacity); each is an axis the scenario
+        has, valid as the scenario's own would be."""
+        for name, spec in self.variants.items():
+            for field, params in _configurations(name, spec):
+                for key, value in params.items():
+                    if isinstance(value, dict) and key != VARIANT_AXES:
+                        raise ValueError(f"{field}.{key}: expected a value or a list of values, got a mapping (only '{VARIANT_AXES}' holds one)")
+                if VARIANT_AXES in params:
+                    variant_axes(self, params[VARIANT_AXES], f"{field}.{VARIANT_AXES}")
         return self
 
 
-def _check_seeds(task_config, value) -> None:
+def _check_extra_axes(task_config, extra: dict, prefix: str) -> None:
+    """A scenario's extra axes (at ``prefix``) are its task's own, positive integers, or ``seed``."""
+    declared = tasks.get(task_config.name).axes if task_config is not None else ()
+    for axis, value in extra.items():
+        if axis == SEED_AXIS:
+            _check_seeds(task_config, value, f"{prefix}.{axis}")
+            continue
+        if axis not in declared:
+            own = ", ".join(f"{task.name}: {', '.join(a for a in task.axes if a not in Axes.model_fields) or '-'}" for task in tasks.tasks())
+            raise ValueError(f"{prefix}.{axis}: not an axis of this scenario (got {value!r}; speed axes: {', '.join(Axes.model_fields)}; task axes: {own})")
+        items = value if isinstance(value, list) else [value]
+        if not items or not all(isinstance(item, int) and not isinstance(item, bool) and item >= 1 for item in items):
+            raise ValueError(f"{prefix}.{axis}: expected positive integers, got {value!r}")
+
+
+def variant_axes(scenario: Scenario, override: dict | None, field: str) -> Axes:
+    """The axes of one variant configuration: the scenario's, with the configuration's own
+    ``axes`` (at ``field``) in place of those it names."""
+    if not override:
+        return scenario.axes
+    if not isinstance(override, dict):
+        raise ValueError(f"{field}: expected a mapping of axis names to values, got {override!r}")
+    current = scenario.axes.model_dump()
+    task = tasks.get(scenario.task.name) if scenario.task else None
+    own = _axis_names(task, scenario.axes) + (() if task else ("d_dot",))
+    unknown = [axis for axis in override if axis not in own]
+    if unknown:
+        raise ValueError(f"{field}.{unknown[0]}: the scenario has no such axis to replace (its axes: {', '.join(own)})")
+    try:
+        merged = Axes.model_validate({**current, **override})
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        message = error["msg"].removeprefix("Value error, ")
+        shown = "" if "got" in message else f" (got {error.get('input')!r})"
+        raise ValueError(f"{field}.{'.'.join(str(part) for part in error['loc'])}: {message}{shown}") from None
+    _check_extra_axes(scenario.task, {axis: value for axis, value in override.items() if axis not in Axes.model_fields}, field)
+    return merged
+
+
+def _check_seeds(task_config, value, field: str = f"axes.{SEED_AXIS}") -> None:
     """``axes.seed``: integers ≥ 0, in a scenario whose task config has a ``seed`` field."""
     if task_config is None or "seed" not in type(task_config).model_fields:
         where = "a speed scenario" if task_config is None else f"the {task_config.name} task, whose config has no seed field"
-        raise ValueError(f"axes.seed: seeds sweep a quality task's seed; {where} has none")
+        raise ValueError(f"{field}: seeds sweep a quality task's seed; {where} has none")
     items = value if isinstance(value, list) else [value]
     if not items or not all(isinstance(item, int) and not isinstance(item, bool) and item >= 0 for item in items):
-        raise ValueError(f"axes.seed: expected integers >= 0, got {value!r}")
+        raise ValueError(f"{field}: expected integers >= 0, got {value!r}")
     if len(set(items)) != len(items):
-        raise ValueError(f"axes.seed: a seed is listed twice in {value!r}")
+        raise ValueError(f"{field}: a seed is listed twice in {value!r}")
 
 
 _MODELS: dict[tuple, type[Scenario]] = {}
@@ -431,15 +474,28 @@ def _param_grid(params: dict) -> list[dict]:
     return [dict(zip(keys, combo)) for combo in itertools.product(*(_sweep(params[key]) for key in keys))]
 
 
-def _variant_configs(scenario: Scenario) -> list[tuple[str, dict, str]]:
-    """(name, params, field path) for every variant configuration the scenario sweeps."""
+def _configurations(name: str, spec) -> list[tuple[str, dict]]:
+    """(field path, parameters) of each configuration written under ``variants.<name>``."""
+    specs = spec if isinstance(spec, list) else [spec or {}]
+    return [(f"variants.{name}" + (f"[{index}]" if isinstance(spec, list) else ""), params or {}) for index, params in enumerate(specs)]
+
+
+def _variant_configs(scenario: Scenario) -> list[tuple[str, dict, str, Axes]]:
+    """(name, params, field path, axes) for every variant configuration the scenario sweeps."""
     configs = []
     for name, spec in scenario.variants.items():
-        specs = spec if isinstance(spec, list) else [spec or {}]
-        for index, params in enumerate(specs):
-            field = f"variants.{name}" + (f"[{index}]" if isinstance(spec, list) else "")
-            configs.extend((name, grid, field) for grid in _param_grid(params or {}))
+        for field, params in _configurations(name, spec):
+            axes = variant_axes(scenario, params.get(VARIANT_AXES), f"{field}.{VARIANT_AXES}")
+            swept = {key: value for key, value in params.items() if key != VARIANT_AXES}
+            configs.extend((name, grid, field, axes) for grid in _param_grid(swept))
     return configs
+
+
+def _axis_names(task, axes: Axes) -> tuple[str, ...]:
+    """The axes a scenario's cells carry: a task's own (with dtype, device and any seeds), or the speed axes."""
+    if task is None:
+        return AXES
+    return (*task.axes, "dtype", "device", *([SEED_AXIS] if (axes.model_extra or {}).get(SEED_AXIS) is not None else []))
 
 
 def cell_id(cell: dict) -> str:
@@ -456,14 +512,12 @@ def expand(scenario: Scenario, path: str = "<scenario>") -> list[dict]:
     """Every cell of the sweep, in a deterministic order. Each variant configuration is built
     once here, so an impossible parameter (a ν or m that cannot give the asked d_dot) fails
     before anything is measured."""
-    axes = scenario.axes
     task = tasks.get(scenario.task.name) if scenario.task else None
-    seeds = (axes.model_extra or {}).get(SEED_AXIS)
-    names = (*task.axes, "dtype", "device", *([SEED_AXIS] if seeds is not None else [])) if task else AXES
-    axis_values = {name: _sweep(getattr(axes, name)) for name in names}
-    d_dots = _sweep(axes.d_dot)
     cells, seen = [], set()
-    for name, params, field in _variant_configs(scenario):
+    for name, params, field, axes in _variant_configs(scenario):
+        names = _axis_names(task, axes)
+        axis_values = {axis: _sweep(getattr(axes, axis)) for axis in names}
+        d_dots = _sweep(axes.d_dot)
         # A variant's own d_key (Based's and ReBased's 16-dimensional keys) replaces the d_key
         # axis where there is one (values keep the axis width); a task's model gives it to the layer.
         own_d_key = params.get("d_key")

@@ -61,7 +61,10 @@ def test_list_of_parameter_sets_and_d_dot_axis(tmp_path):
     data = dict(BASE, variants={"performer": {}, "dpfp": {}}, axes={"seq_len": 32, "d_key": 8, "d_dot": [16, 32]})
     cells = load_scenario(write(tmp_path, data)).cells()
     assert sorted((c["variant"], c["params"]["d_dot"]) for c in cells if c["mode"] == "forward") == [
-        ("dpfp", 16), ("dpfp", 32), ("performer", 16), ("performer", 32)
+        ("dpfp", 16),
+        ("dpfp", 32),
+        ("performer", 16),
+        ("performer", 32),
     ]
     data["variants"] = {"delta": [{}, {"phi": "dpfp", "nu": [1, 2]}]}
     data["axes"] = {"seq_len": 32, "d_key": 8}
@@ -189,6 +192,56 @@ def test_mqar_task_scenario(tmp_path):
     assert "axes.d_model" in message
 
 
+def test_a_variant_configuration_with_its_own_axes(tmp_path):
+    """``axes`` inside a configuration replace the scenario's for its cells only (S placed
+    around each variant's capacity); the other configurations keep the scenario's."""
+    data = {
+        **TASK,
+        "axes": {"S": [4, 300], "d_key": 8, "seed": [0, 1]},
+        "variants": {"softmax": {}, "linear": {"axes": {"S": [4, 8]}}, "dpfp": [{"nu": 1, "axes": {"S": 16}}, {"nu": 2, "axes": {"S": [32, 48], "seed": 7}}]},
+    }
+    cells = load_scenario(write(tmp_path, data)).cells()
+    grid = {(c["variant"], c["params"].get("nu"), c["axes"]["S"], c["axes"]["seed"]) for c in cells}
+    assert grid == {("softmax", None, S, seed) for S in (4, 300) for seed in (0, 1)} | {("linear", None, S, seed) for S in (4, 8) for seed in (0, 1)} | {
+        ("dpfp", 1, 16, 0),
+        ("dpfp", 1, 16, 1),
+        ("dpfp", 2, 32, 7),
+        ("dpfp", 2, 48, 7),
+    }
+    assert len(cells) == len(grid)
+    assert all("axes" not in c["params"] for c in cells)
+    assert {c["task"]["seed"] for c in cells if c["params"].get("nu") == 2} == {7}
+    # the cells of a configuration without its own axes keep their ids
+    plain = {**data, "variants": {"softmax": {}}}
+    softmax_ids = {c["cell_id"] for c in cells if c["variant"] == "softmax"}
+    assert {c["cell_id"] for c in load_scenario(write(tmp_path, plain, "p.yaml")).cells()} == softmax_ids
+
+
+@pytest.mark.parametrize(
+    "variant_spec, expected",
+    [
+        ({"axes": {"T": 4}}, "variants.linear.axes.T: the scenario has no such axis to replace (its axes: S, d_key, dtype, device, seed)"),
+        ({"axes": {"S": [0]}}, "variants.linear.axes.S: expected positive integers"),
+        ({"axes": {"seed": [1, 1]}}, "variants.linear.axes.seed: a seed is listed twice"),
+        ({"axes": {"dtype": "float8"}}, "variants.linear.axes.dtype: expected one of float32"),
+        ({"axes": 3}, "variants.linear.axes: expected a mapping of axis names to values, got 3"),
+        ({"nu": {"a": 1}}, "variants.linear.nu: expected a value or a list of values, got a mapping"),
+    ],
+)
+def test_a_configurations_axes_are_checked_like_the_scenarios(tmp_path, variant_spec, expected):
+    data = {**TASK, "axes": {"S": 4, "d_key": 8, "seed": 0}, "variants": {"linear": variant_spec}}
+    message = error_of(tmp_path, data)
+    assert expected in message, message
+
+
+def test_a_speed_scenario_configuration_may_have_its_own_lengths(tmp_path):
+    data = dict(BASE, variants={"softmax": {"axes": {"seq_len": 32}}, "linear": {}})
+    lengths = {(c["variant"], c["axes"]["seq_len"]) for c in load_scenario(write(tmp_path, data)).cells()}
+    assert lengths == {("softmax", 32), ("linear", 64), ("linear", 128)}
+    message = error_of(tmp_path, dict(BASE, variants={"linear": {"axes": {"S": 4}}}))
+    assert "variants.linear.axes.S: the scenario has no such axis" in message and "seq_len" in message
+
+
 def test_a_variant_of_its_own_d_key(tmp_path):
     """Based's 16-dimensional keys beside 64-dimensional heads: the core's d_key axis is the
     variant's, values keep the axis width; a task's layer receives d_key as a parameter."""
@@ -196,8 +249,7 @@ def test_a_variant_of_its_own_d_key(tmp_path):
     cells = [c for c in load_scenario(write(tmp_path, data)).cells() if c["mode"] == "forward"]
     shapes = {c["variant"]: (c["axes"]["d_key"], c["axes"]["d_value"], c["params"]) for c in cells}
     assert shapes == {"linear": (64, 64, {}), "based": (16, 64, {})}
-    mqar = {**TASK, "task": {"name": "mqar", "steps": 5}, "target": "mqar", "axes": {"seq_len": 32, "d_model": 64},
-            "variants": {"rebased": {"d_key": 16}}}
+    mqar = {**TASK, "task": {"name": "mqar", "steps": 5}, "target": "mqar", "axes": {"seq_len": 32, "d_model": 64}, "variants": {"rebased": {"d_key": 16}}}
     (cell,) = load_scenario(write(tmp_path, mqar, "m.yaml")).cells()
     assert cell["params"] == {"d_key": 16} and cell["axes"]["d_model"] == 64
     message = error_of(tmp_path, dict(data, variants={"based": {"d_key": 0}}))
@@ -208,8 +260,15 @@ def test_a_variant_of_its_own_d_key(tmp_path):
 def test_cells_of_a_variant_with_its_own_d_key_measure(tmp_path, target):
     from harness.workloads import measure_cell
 
-    data = dict(BASE, variants={"rebased": {"d_key": 4}}, axes={"seq_len": 16, "batch": 1, "heads": 2, "d_key": 8},
-                target=target, modes=["forward", "train", "decode"], decode={"new_tokens": 2}, measure={"warmup": 0, "repeats": 1})
+    data = dict(
+        BASE,
+        variants={"rebased": {"d_key": 4}},
+        axes={"seq_len": 16, "batch": 1, "heads": 2, "d_key": 8},
+        target=target,
+        modes=["forward", "train", "decode"],
+        decode={"new_tokens": 2},
+        measure={"warmup": 0, "repeats": 1},
+    )
     for cell in load_scenario(write(tmp_path, data)).cells():
         result = measure_cell(cell)
         assert result["status"] == "ok", (cell["mode"], result)
