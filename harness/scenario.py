@@ -247,7 +247,7 @@ class Scenario(Strict):
     @model_validator(mode="after")
     def _variant_axes(self):
         """A variant configuration's own ``axes`` replace those of the scenario for its cells
-        (retrieval's S placed around each variant's capacity); each is an axis the scenario
+        (a task's axis placed around each variant's capacity); each is an axis the scenario
         has, valid as the scenario's own would be."""
         for name, spec in self.variants.items():
             for field, params in _configurations(name, spec):
