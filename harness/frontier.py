@@ -17,6 +17,8 @@ from .seeds import axes_without_seed, over_seeds
 from .tasks import Score
 
 PANEL = ["machine_key", "machine", "scenario", "mode", "target", "axes_rest"]
+#: Speeds spanning more than this ratio get a log axis.
+WIDE_SPAN = 3
 MAX_PANELS = 12
 
 
@@ -77,7 +79,8 @@ def frontier_plot(cells: pd.DataFrame, score: Score, figures: Figures, name: str
         for record in best.to_dict("records"):
             ax.annotate(record["series"], (record["words_per_s"], record["mean"]), textcoords="offset points", xytext=(4, 4), fontsize="x-small")
         title = panel["axes_text"].iloc[0] + (f"\n{panel['machine'].iloc[0]}" if several_machines else "")
-        ax.set(title=title, xlabel="training words/s", ylabel=f"{score.metric} ({'higher' if score.higher_is_better else 'lower'} is better)", xscale="log")
+        ax.set(title=title, xlabel="training words/s", ylabel=f"{score.metric} ({'higher' if score.higher_is_better else 'lower'} is better)")
+        _speed_axis(ax, panel["words_per_s"])
     figures.legend(figure, cells[cells["series"].isin(points["series"])], False)
     title = f"Quality against speed: {score.metric} and training words/s"
     caption = (
@@ -86,3 +89,15 @@ def frontier_plot(cells: pd.DataFrame, score: Score, figures: Figures, name: str
         f"Speed is the quality run's own training throughput. Panels: {len(panels)} of {points.groupby(PANEL).ngroups}."
     )
     return figures.save(figure, f"{name}-frontier", title, caption)
+
+
+def _speed_axis(ax, speeds) -> None:
+    """A log axis where the speeds span more than WIDE_SPAN; a linear one with a few plain ticks
+    where they lie close together (a log axis then labels every minor tick on top of the next)."""
+    from matplotlib.ticker import EngFormatter, MaxNLocator
+
+    if speeds.max() > WIDE_SPAN * speeds.min():
+        ax.set_xscale("log")
+        return
+    ax.xaxis.set_major_locator(MaxNLocator(4))
+    ax.xaxis.set_major_formatter(EngFormatter(places=1))
