@@ -36,8 +36,10 @@ def on_frontier(speed: np.ndarray, quality: np.ndarray, higher_is_better: bool) 
 
 
 def frontier_points(cells: pd.DataFrame, score: Score) -> pd.DataFrame:
-    """The seed-averaged points of ``over_seeds`` with ``on_frontier`` per panel."""
-    points = over_seeds(cells, score)
+    """The seed-averaged points of ``over_seeds`` with ``on_frontier`` per panel, each cell's
+    metric taken as ``score.compared`` gives it (past a task's stopping threshold: ties)."""
+    column = f"metrics.{score.metric}"
+    points = over_seeds(cells.assign(**{column: score.compared(cells)}) if column in cells else cells, score)
     flags = pd.Series(False, index=points.index)
     for _, panel in points.groupby(PANEL, sort=False, dropna=False):
         flags[panel.index] = on_frontier(panel["words_per_s"], panel["mean"], score.higher_is_better)
@@ -88,6 +90,11 @@ def frontier_plot(cells: pd.DataFrame, score: Score, figures: Figures, name: str
         "Pareto frontier, those no other variant beats in both speed and quality on this machine; they are named. "
         f"Speed is the quality run's own training throughput. Panels: {len(panels)} of {points.groupby(PANEL).ngroups}."
     )
+    if score.stop_field is not None:
+        caption += (
+            f" Training stops once {score.metric} reaches the task's {score.stop_field}; a {score.metric} past it is drawn at it, "
+            "since how far past it lands is chance, so the variants that reached it tie and speed alone ranks them."
+        )
     return figures.save(figure, f"{name}-frontier", title, caption)
 
 

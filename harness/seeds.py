@@ -36,13 +36,13 @@ def axes_without_seed(cells: pd.DataFrame) -> pd.Series:
 def over_seeds(cells: pd.DataFrame, score: Score) -> pd.DataFrame:
     """One row per group of ok cells that differ only in their seed: ``mean``, ``low``, ``high``
     of ``metrics.<score.metric>``, ``seeds`` (how many), ``passed`` (how many reached
-    ``score.threshold``), the mean training ``words_per_s``, and the axes as ``axes_rest``
+    its threshold, ``score.passed``), the mean training ``words_per_s``, and the axes as ``axes_rest``
     (JSON) and ``axes_text``. Cells without the metric are left out; a group of one seed is a row too."""
     column = f"metrics.{score.metric}"
     if column not in cells:
         return pd.DataFrame(columns=[*GROUP, *SUMMARY, "axes_text"])
     ok = cells[(cells["status"] == "ok") & cells[column].notna()]
-    ok = ok.assign(axes_rest=axes_without_seed(ok), _passed=ok[column].map(score.passed))
+    ok = ok.assign(axes_rest=axes_without_seed(ok), _passed=score.passed(ok))
     speed = ok["metrics.words_per_s"] if "metrics.words_per_s" in ok else pd.Series(float("nan"), index=ok.index)
     ok = ok.assign(_speed=pd.to_numeric(speed, errors="coerce"))
     rows = [
@@ -86,12 +86,12 @@ def seed_table(cells: pd.DataFrame, score: Score) -> Table | None:
         ("min – max", "range", text),
         ("seeds", "seeds", text),
     ]
-    if score.threshold is not None:
+    if score.has_threshold():
         columns.append((f"passed ({score.describe()})", "passed_text", text))
     columns.append(("words/s (mean)", "words_per_s", si))
     caption = (
         f"{score.metric} over the seeds of each cell (axes.seed): mean, lowest and highest"
-        + (f", and the seeds that reached {score.describe()}" if score.threshold is not None else "")
+        + (f", and the seeds that reached {score.describe()}" if score.has_threshold() else "")
         + "."
     )
     return table(f"{score.metric} over seeds", spread, columns, caption)

@@ -28,21 +28,55 @@ def _d_key_axis(config, axes: dict) -> list[int]:
 class Score:
     """A task's headline quality metric: which way is better and, optionally, the value a cell
     must reach to count as having learnt the task (MQAR: accuracy ≥ 0.9). The report aggregates
-    it over seeds (seeds that passed) and puts it against speed (the quality–speed frontier)."""
+    it over seeds (seeds that passed) and puts it against speed (the quality–speed frontier).
+
+    ``stop_field`` names a field of the task's config at which training stops (retrieval:
+    ``target_loss``). It is then each cell's threshold, and values past it tie: how far past
+    the target the last evaluation landed is chance, not quality, so the frontier compares
+    such cells by speed alone."""
 
     metric: str
     higher_is_better: bool
     threshold: float | None = None
+    stop_field: str | None = None
 
-    def passed(self, value: float) -> bool:
-        """Whether ``value`` reaches the threshold (never, without one)."""
-        if self.threshold is None:
-            return False
-        return value >= self.threshold if self.higher_is_better else value <= self.threshold
+    def values(self, cells):
+        """Each cell's metric (``metrics.<metric>``) as floats, NaN where missing."""
+        import pandas as pd
+
+        return pd.to_numeric(cells[f"metrics.{self.metric}"], errors="coerce")
+
+    def thresholds(self, cells):
+        """Each cell's threshold: ``task.<stop_field>``, else ``threshold``; NaN where there is none."""
+        import pandas as pd
+
+        column = f"task.{self.stop_field}"
+        if self.stop_field is not None and column in cells:
+            return pd.to_numeric(cells[column], errors="coerce")
+        return pd.Series(float("nan") if self.threshold is None else self.threshold, index=cells.index, dtype=float)
+
+    def passed(self, cells):
+        """Whether each cell's metric reaches its threshold (never, without one)."""
+        values, thresholds = self.values(cells), self.thresholds(cells)
+        return values >= thresholds if self.higher_is_better else values <= thresholds
+
+    def compared(self, cells):
+        """Each cell's metric as the frontier compares it: past a ``stop_field`` threshold, the
+        threshold itself (a tie); everywhere else the metric unchanged."""
+        values = self.values(cells)
+        if self.stop_field is None:
+            return values
+        past = self.passed(cells)
+        return values.where(~past, self.thresholds(cells))
+
+    def has_threshold(self) -> bool:
+        """Whether a cell can pass: a fixed ``threshold`` or a ``stop_field``."""
+        return self.threshold is not None or self.stop_field is not None
 
     def describe(self) -> str:
-        """``accuracy ≥ 0.9``, ``valid_ppl ≤ 100``."""
-        return f"{self.metric} {'≥' if self.higher_is_better else '≤'} {self.threshold:g}"
+        """``accuracy ≥ 0.9``, ``valid_ppl ≤ 100``, ``loss ≤ target_loss``."""
+        bound = self.stop_field if self.stop_field is not None else f"{self.threshold:g}"
+        return f"{self.metric} {'≥' if self.higher_is_better else '≤'} {bound}"
 
 
 @dataclass(frozen=True)

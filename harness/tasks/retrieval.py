@@ -363,5 +363,5 @@ def report_sections(cells, figures, name: str) -> list:
 
 register(Task(
     name="retrieval", config=RetrievalConfig, axes=("S", "d_key"), run=run_cell, metrics=("loss",), report=report_sections,
-    score=Score("loss", higher_is_better=False),
+    score=Score("loss", higher_is_better=False, stop_field="target_loss"),
 ))

@@ -119,9 +119,20 @@ def test_the_seed_table_appears_only_where_seeds_were_swept():
 
 def test_a_score_passes_in_its_direction():
     perplexity = tasks.Score("valid_ppl", higher_is_better=False, threshold=100.0)
-    assert perplexity.passed(99.0) and perplexity.passed(100.0) and not perplexity.passed(101.0)
-    assert ACCURACY.passed(0.9) and not ACCURACY.passed(0.89)
-    assert not tasks.Score("bleu", higher_is_better=True).passed(99.0)
+    ppl = pd.DataFrame({"metrics.valid_ppl": [99.0, 100.0, 101.0, np.nan]})
+    assert perplexity.passed(ppl).tolist() == [True, True, False, False]
+    assert ACCURACY.passed(pd.DataFrame({"metrics.accuracy": [0.9, 0.89]})).tolist() == [True, False]
+    assert not tasks.Score("bleu", higher_is_better=True).passed(pd.DataFrame({"metrics.bleu": [99.0]})).any()
+
+
+def test_a_score_that_stops_training_takes_each_cells_own_threshold_and_ties_past_it():
+    """Retrieval stops at the task's target_loss: that is each cell's threshold, and a loss below it is compared as the target."""
+    score = tasks.get("retrieval").score
+    cells = pd.DataFrame({"metrics.loss": [0.0002, 0.0009, 0.002, 0.0002], "task.target_loss": [0.001, 0.001, 0.001, 0.0001]})
+    assert score.passed(cells).tolist() == [True, True, False, False]
+    assert score.compared(cells).tolist() == [0.001, 0.001, 0.002, 0.0002]
+    assert score.describe() == "loss ≤ target_loss"
+    assert ACCURACY.compared(pd.DataFrame({"metrics.accuracy": [0.95, 1.0]})).tolist() == [0.95, 1.0]
 
 
 # --- the frontier ---------------------------------------------------------------------------------
@@ -148,6 +159,16 @@ def test_frontier_points_compare_only_within_one_panel():
     }
     flags = cell_flags(cells, ACCURACY)
     assert flags.reindex(cells.index).tolist() == [True, True, False, True]
+
+
+def test_cells_that_reached_the_target_where_training_stops_tie_and_the_fastest_wins():
+    """Retrieval at S = 40: both reached the target loss; the smaller loss of the slower one is chance, not a better memory."""
+    cells = cells_of([("performer", 40, 0, np.nan, 10.0), ("linear", 40, 0, np.nan, 30.0), ("softmax", 40, 0, np.nan, 5.0)])
+    cells = cells.assign(**{"metrics.loss": [0.00014, 0.00021, 0.0004], "task.target_loss": 0.001}).drop(columns="metrics.accuracy")
+    score = tasks.get("retrieval").score
+    assert frontier_points(cells, score).set_index("series")["on_frontier"].to_dict() == {"performer": False, "linear": True, "softmax": False}
+    without_ties = tasks.Score("loss", higher_is_better=False)
+    assert frontier_points(cells, without_ties).set_index("series")["on_frontier"].to_dict() == {"performer": True, "linear": True, "softmax": False}
 
 
 def test_the_frontier_plot_names_its_panels(tmp_path):
