@@ -82,6 +82,7 @@ def frontier_plot(cells: pd.DataFrame, score: Score, figures: Figures, name: str
             ax.annotate(record["series"], (record["words_per_s"], record["mean"]), textcoords="offset points", xytext=(4, 4), fontsize="x-small")
         title = panel["axes_text"].iloc[0] + (f"\n{panel['machine'].iloc[0]}" if several_machines else "")
         ax.set(title=title, xlabel="training words/s", ylabel=f"{score.metric} ({'higher' if score.higher_is_better else 'lower'} is better)")
+        ax.ticklabel_format(axis="y", useOffset=False)  # losses that differ in the fifth digit read as themselves
         _speed_axis(ax, panel["words_per_s"])
     figures.legend(figure, cells[cells["series"].isin(points["series"])], False)
     title = f"Quality against speed: {score.metric} and training words/s"
