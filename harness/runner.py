@@ -9,12 +9,14 @@ measures only what is missing.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import datetime as dt
 import gc
 import multiprocessing
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -425,7 +427,7 @@ def _run_locked(loaded, out_dir, resume, retry_failed, executor, command, progre
     if resume:
         resumed_from, done = _resume_state(path, loaded, fingerprint, retry_failed, same_machine=executor.same_machine)
     writer = ResultsWriter(path)
-    todo = [cell for cell in cells if cell["cell_id"] not in done]
+    todo = [with_checkpoint_dir(cell, path) for cell in cells if cell["cell_id"] not in done]
     summary = RunSummary(path=path, total=len(cells), skipped_as_done=len(cells) - len(todo))
     start = time.perf_counter()
     run_ids, overlapping, warned, bar = {}, {}, set(), None
@@ -458,6 +460,8 @@ def _run_locked(loaded, out_dir, resume, retry_failed, executor, command, progre
             if others and node_fp["machine_id"] == fingerprint["machine_id"]:
                 record["concurrent_runs"] = others
             writer.write_cell(record)
+            if record["status"] == "ok" and cell.get("checkpoint_dir"):
+                remove_checkpoints(Path(cell["checkpoint_dir"]))
             summary.count(cell, record)
             bar.update()
     except KeyboardInterrupt:
@@ -470,6 +474,23 @@ def _run_locked(loaded, out_dir, resume, retry_failed, executor, command, progre
         executor.close()
         summary.seconds = time.perf_counter() - start
     return summary
+
+
+def with_checkpoint_dir(cell: dict, results: Path) -> dict:
+    """A quality cell with its own ``checkpoint_dir`` beside the results file
+    (``<results>.checkpoints/<cell_id>``): its training saves its state there and continues
+    from it when the cell is measured again (``--resume``); the runner removes it once the cell
+    is recorded as ok. A speed cell as it is."""
+    if cell["mode"] != "quality":
+        return cell
+    return dict(cell, checkpoint_dir=str(results.with_suffix(".checkpoints") / cell["cell_id"]))
+
+
+def remove_checkpoints(directory: Path) -> None:
+    """Remove a recorded cell's checkpoint directory, and the results file's once it is empty."""
+    shutil.rmtree(directory, ignore_errors=True)
+    with contextlib.suppress(OSError):
+        directory.parent.rmdir()
 
 
 def needs_fresh_worker(cell: dict) -> bool:

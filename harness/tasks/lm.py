@@ -357,11 +357,13 @@ def run_lm(variant: str, params: dict, config: LMConfig, *, context: int | None 
 def run_cell(cell: dict) -> dict:
     """The metrics of a scenario cell of this task: ``cell["task"]`` validated as an LMConfig,
     the cell's variant with its parameters and backend, ``axes.seq_len`` as the context, on
-    ``axes.device`` in ``axes.dtype``."""
+    ``axes.device`` in ``axes.dtype``; a checkpoint at every evaluation into the cell's
+    ``checkpoint_dir``, from which the cell continues when it is measured again."""
     axes = cell["axes"]
     params = dict(cell["params"], backend=cell["backend"])
-    return run_lm(cell["variant"], params, LMConfig.model_validate(cell["task"]), context=axes["seq_len"], device=axes["device"],
-                  dtype=axes["dtype"])
+    config = LMConfig.model_validate(cell["task"])
+    return run_lm(cell["variant"], params, config, context=axes["seq_len"], device=axes["device"], dtype=axes["dtype"],
+                  out_dir=cell.get("checkpoint_dir"), checkpoint_every=config.eval_every)
 
 
 def _final_evaluation(model, corpus, context, autocast, eval_tokens, sliding_tokens, carry) -> dict:

@@ -30,6 +30,7 @@ import variants
 from variants.conv import ShortConv
 
 from . import Score, Task, register
+from .loop_checkpoint import LoopCheckpoint
 
 IGNORE = -100
 SCHEDULES = ("cosine", "none")
@@ -48,6 +49,7 @@ class MQARResult:
     evaluations: list[tuple[int, float]] = field(default_factory=list)
     tokens: int = 0  # the training tokens seen
     train_s: float = 0.0  # the training steps' seconds, evaluations left out
+    resumed_from: int | None = None  # the step this run continued from a checkpoint at
 
 
 # --- data ------------------------------------------------------------------------------
@@ -245,10 +247,13 @@ def train(
     eval_every: int | None = None,
     eval_batches: int = 4,
     seed: int,
+    checkpoint_dir=None,
 ) -> MQARResult:
     """Adam on fresh batches for ``steps`` steps (cosine decay to 0 or a constant ``lr``);
     evaluate every ``eval_every`` steps (default: steps // 4) and at the last step on a fixed
-    evaluation set of ``eval_batches`` batches. ``loss`` is the last training loss."""
+    evaluation set of ``eval_batches`` batches. ``loss`` is the last training loss. With
+    ``checkpoint_dir`` the state is saved there after every evaluation and a later call resumes
+    from it (``LoopCheckpoint``)."""
     eval_every = max(1, steps // 4) if eval_every is None and isinstance(steps, int) and steps > 0 else eval_every
     num_pairs = _check_train_args(model, seq_len, num_pairs, vocab_size, steps, batch, lr, eval_every, eval_batches, schedule)
     data = torch.Generator().manual_seed(seed)
@@ -258,11 +263,12 @@ def train(
         if schedule == "cosine"
         else None
     )
-    evaluations: list[tuple[int, float]] = []
-    start = time.perf_counter()
-    tokens, train_s = 0, 0.0
+    config = dict(seq_len=seq_len, num_pairs=num_pairs, vocab_size=vocab_size, steps=steps, batch=batch, lr=lr, schedule=schedule,
+                  eval_every=eval_every, eval_batches=eval_batches, seed=seed)
+    checkpoint = LoopCheckpoint(checkpoint_dir, config, model, optimizer, data, scheduler)
+    progress = checkpoint.restore()
     model.train()
-    for step in range(1, steps + 1):
+    for step in range(progress.step + 1, steps + 1):
         step_start = time.perf_counter()
         inputs, targets = make_batch(seq_len, num_pairs, vocab_size, batch, data)
         loss = mqar_loss(model(inputs), targets)
@@ -271,14 +277,17 @@ def train(
         optimizer.step()
         if scheduler is not None:
             scheduler.step()
-        train_s += time.perf_counter() - step_start
-        tokens += inputs.numel()
+        progress.train_s += time.perf_counter() - step_start
+        progress.tokens += inputs.numel()
         if step % eval_every and step != steps:
             continue
         accuracy = evaluate(model, seq_len, num_pairs, vocab_size, batch=batch, batches=eval_batches, seed=seed)
-        evaluations.append((step, accuracy))
-    best = max(accuracy for _, accuracy in evaluations)
-    return MQARResult(best, evaluations[-1][1], loss.item(), steps, time.perf_counter() - start, seed, evaluations, tokens, train_s)
+        progress.evaluations.append((step, accuracy))
+        progress.step, progress.loss = step, loss.item()
+        checkpoint.save(progress)
+    evaluations = progress.evaluations
+    return MQARResult(max(accuracy for _, accuracy in evaluations), evaluations[-1][1], progress.loss, steps, progress.wall_s, seed,
+                      evaluations, progress.tokens, progress.train_s, progress.resumed_from)
 
 
 def run_mqar(
@@ -296,8 +305,8 @@ def run_mqar(
     conv_size: int = 3,
     **train_kwargs,
 ) -> dict:
-    """One harness cell: build the model under ``torch.manual_seed(seed)``, train it, and
-    return the result as a JSON-ready dict."""
+    """One harness cell: build the model under ``torch.manual_seed(seed)``, train it (resuming
+    from ``checkpoint_dir`` where a checkpoint is), and return the result as a JSON-ready dict."""
     _check_task(seq_len, num_pairs, vocab_size)
     torch.manual_seed(seed)
     model = MQARModel(
@@ -314,6 +323,7 @@ def run_mqar(
         "words_per_s": result.tokens / result.train_s,
         "seed": result.seed,
         "evaluations": [list(e) for e in result.evaluations],
+        "resumed_from": result.resumed_from,
     }
 
 
@@ -339,7 +349,8 @@ def run_cell(cell: dict) -> dict:
     """Train and evaluate one cell (axes seq_len and d_model)."""
     config = MQARConfig.model_validate(cell["task"]).model_dump(exclude={"name"})
     params = dict(cell["params"], backend=cell["backend"])
-    return run_mqar(cell["variant"], params, seq_len=cell["axes"]["seq_len"], d_model=cell["axes"]["d_model"], **config)
+    return run_mqar(cell["variant"], params, seq_len=cell["axes"]["seq_len"], d_model=cell["axes"]["d_model"],
+                    checkpoint_dir=cell.get("checkpoint_dir"), **config)
 
 
 def _accuracy_plot(cells, figures, name: str):

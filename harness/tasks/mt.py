@@ -513,9 +513,13 @@ def run_mt(variant: str, params: dict, config: MTConfig, *, device="cpu", out_di
 
 def run_cell(cell: dict) -> dict:
     """The metrics of a scenario cell of this task: ``cell["task"]`` validated as an MTConfig,
-    the cell's variant with its parameters and backend, on ``axes.device``."""
+    the cell's variant with its parameters and backend, on ``axes.device``; a checkpoint at every
+    evaluation into the cell's ``checkpoint_dir``, from which the cell continues when it is
+    measured again."""
     params = dict(cell["params"], backend=cell["backend"])
-    return run_mt(cell["variant"], params, MTConfig.model_validate(cell["task"]), device=cell["axes"]["device"])
+    config = MTConfig.model_validate(cell["task"])
+    return run_mt(cell["variant"], params, config, device=cell["axes"]["device"], out_dir=cell.get("checkpoint_dir"),
+                  checkpoint_every=config.resolved().eval_every)
 
 
 register(Task(

@@ -25,6 +25,7 @@ from torch import nn
 import variants
 
 from . import Score, Task, register
+from .loop_checkpoint import LoopCheckpoint
 
 SETTINGS = (1, 2)
 
@@ -52,6 +53,7 @@ class RetrievalResult:
     seed: int = 0
     tokens: int = 0  # the training tokens (key-value pairs) seen
     train_s: float = 0.0  # the training steps' seconds, evaluations left out
+    resumed_from: int | None = None  # the step this run continued from a checkpoint at
 
 
 # --- data ------------------------------------------------------------------------------
@@ -214,6 +216,21 @@ def _check_train_args(model, setting, S, lr, batch, eval_every, max_steps, patie
         raise ValueError(f"target_loss must be a number >= 0, got {target_loss!r}")
 
 
+def _stop_reason(evaluations: list[tuple[int, float]], max_steps: int, patience: int, target_loss: float) -> str | None:
+    """Why training stops after ``evaluations`` ([step, loss]): ``target`` (the last loss is at
+    most ``target_loss``), ``patience`` (that many evaluations since the first best one),
+    ``max_steps``, or None (go on)."""
+    if not evaluations:
+        return None
+    last_step, last_loss = evaluations[-1]
+    first_best = min(range(len(evaluations)), key=lambda i: evaluations[i][1])
+    if last_loss <= target_loss:
+        return "target"
+    if len(evaluations) - 1 - first_best >= patience:
+        return "patience"
+    return "max_steps" if last_step >= max_steps else None
+
+
 def train(
     model: RetrievalModel,
     setting: int,
@@ -226,44 +243,48 @@ def train(
     patience: int = 10,
     target_loss: float = 1e-3,
     seed: int,
+    checkpoint_dir=None,
 ) -> RetrievalResult:
     """Adam on fresh batches; evaluate every ``eval_every`` steps (and at the last step) on a
     fresh evaluation set; stop at ``target_loss``, after ``patience`` evaluations without a
-    new best, or at ``max_steps`` (Schlag et al. 2021, §6.1)."""
+    new best, or at ``max_steps`` (Schlag et al. 2021, §6.1). With ``checkpoint_dir`` the state
+    is saved there after every evaluation and a later call resumes from it (``LoopCheckpoint``)."""
     _check_train_args(model, setting, S, lr, batch, eval_every, max_steps, patience, target_loss)
     data = torch.Generator().manual_seed(seed)
     optimizer = torch.optim.Adam(model.parameters(), lr=lr)
-    evaluations: list[tuple[int, float]] = []
-    best, since_best, stopped = float("inf"), 0, "max_steps"
-    start = time.perf_counter()
-    tokens, train_s = 0, 0.0
+    config = dict(setting=setting, S=S, lr=lr, batch=batch, eval_every=eval_every, max_steps=max_steps, patience=patience,
+                  target_loss=target_loss, seed=seed)
+    checkpoint = LoopCheckpoint(checkpoint_dir, config, model, optimizer, data)
+    progress = checkpoint.restore()
+    stopped = _stop_reason(progress.evaluations, max_steps, patience, target_loss)
+    step = progress.step
     model.train()
-    for step in range(1, max_steps + 1):
+    while stopped is None:
+        step += 1
         step_start = time.perf_counter()
         train_batch = make_batch(setting, S, batch, data)
         loss = retrieval_loss(model(train_batch), train_batch.answer)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
-        train_s += time.perf_counter() - step_start
-        tokens += train_batch.keys.numel()
+        progress.train_s += time.perf_counter() - step_start
+        progress.tokens += train_batch.keys.numel()
         if step % eval_every and step != max_steps:
             continue
-        eval_loss = evaluate(model, make_eval_batch(setting, S, generator=_eval_generator(seed, len(evaluations))))
-        evaluations.append((step, eval_loss))
-        best, since_best = (eval_loss, 0) if eval_loss < best else (best, since_best + 1)
-        if eval_loss <= target_loss:
-            stopped = "target"
-        elif since_best >= patience:
-            stopped = "patience"
-        if stopped != "max_steps":
-            break
-    return RetrievalResult(best, evaluations[-1][1], step, evaluations, time.perf_counter() - start, stopped, seed, tokens, train_s)
+        eval_batch = make_eval_batch(setting, S, generator=_eval_generator(seed, len(progress.evaluations)))
+        progress.evaluations.append((step, evaluate(model, eval_batch)))
+        progress.step, progress.loss = step, loss.item()
+        stopped = _stop_reason(progress.evaluations, max_steps, patience, target_loss)
+        checkpoint.save(progress)
+    evaluations = progress.evaluations
+    return RetrievalResult(min(value for _, value in evaluations), evaluations[-1][1], progress.step, evaluations, progress.wall_s,
+                           stopped, seed, progress.tokens, progress.train_s, progress.resumed_from)
 
 
 def run_retrieval(variant: str, params: dict, *, setting: int, S: int, d_key: int = 64, max_steps: int, seed: int = 0, **train_kwargs) -> dict:
-    """One harness cell: build the model under ``torch.manual_seed(seed)``, train it, and
-    return the result as a JSON-ready dict (Schlag et al. 2021, §6.1)."""
+    """One harness cell: build the model under ``torch.manual_seed(seed)``, train it (resuming
+    from ``checkpoint_dir`` where a checkpoint is), and return the result as a JSON-ready dict
+    (Schlag et al. 2021, §6.1)."""
     torch.manual_seed(seed)
     model = RetrievalModel(S, variant, d_key=d_key, **params)
     result = train(model, setting, S, max_steps=max_steps, seed=seed, **train_kwargs)
@@ -276,6 +297,7 @@ def run_retrieval(variant: str, params: dict, *, setting: int, S: int, d_key: in
         "words_per_s": result.tokens / result.train_s,
         "seed": result.seed,
         "evaluations": [list(e) for e in result.evaluations],
+        "resumed_from": result.resumed_from,
     }
 
 
@@ -303,7 +325,8 @@ def run_cell(cell: dict) -> dict:
     the capacity its loss is read against."""
     config = RetrievalConfig.model_validate(cell["task"]).model_dump(exclude={"name"})
     axes = cell["axes"]
-    metrics = run_retrieval(cell["variant"], dict(cell["params"], backend=cell["backend"]), S=axes["S"], d_key=axes["d_key"], **config)
+    metrics = run_retrieval(cell["variant"], dict(cell["params"], backend=cell["backend"]), S=axes["S"], d_key=axes["d_key"],
+                            checkpoint_dir=cell.get("checkpoint_dir"), **config)
     metrics["d_dot"] = variants.create(cell["variant"], axes["d_key"], backend=cell["backend"], **cell["params"]).d_dot
     return metrics
 

@@ -248,11 +248,12 @@ CHECKPOINT_FIELDS = {
 }
 
 
-def load_checkpoint(path, device) -> dict:
+def load_checkpoint(path, device, fields: dict = CHECKPOINT_FIELDS) -> dict:
     """The payload of the checkpoint ``path``, read as data only: ``torch.load(weights_only=True)``
     admits tensors and plain containers and never runs code from the file (a pickle that asks
-    for any other object is refused). A file that does not unpickle that way, or lacks a field
-    of ``CHECKPOINT_FIELDS``, raises ``CheckpointError`` naming the path and what is wrong."""
+    for any other object is refused). A file that does not unpickle that way, or lacks one of
+    ``fields`` (name: type; default this engine's ``CHECKPOINT_FIELDS``), raises
+    ``CheckpointError`` naming the path and what is wrong."""
     try:
         saved = torch.load(path, map_location=device, weights_only=True)
     except Exception as exc:  # noqa: BLE001 - every way a foreign file fails to load is the same answer
@@ -262,8 +263,8 @@ def load_checkpoint(path, device) -> dict:
             "remove it or use another checkpoint directory"
         ) from None
     if not isinstance(saved, dict):
-        raise CheckpointError(f"{path}: expected a checkpoint (a dict of {', '.join(CHECKPOINT_FIELDS)}), got {type(saved).__name__}")
-    for name, kind in CHECKPOINT_FIELDS.items():
+        raise CheckpointError(f"{path}: expected a checkpoint (a dict of {', '.join(fields)}), got {type(saved).__name__}")
+    for name, kind in fields.items():
         value = saved.get(name)
         if not isinstance(value, kind) or isinstance(value, bool):
             expected = " or ".join(k.__name__ for k in kind) if isinstance(kind, tuple) else kind.__name__
@@ -272,7 +273,7 @@ def load_checkpoint(path, device) -> dict:
     return saved
 
 
-def _save_checkpoint(directory: Path, step: int, payload: dict) -> None:
+def save_checkpoint(directory: Path, step: int, payload: dict) -> None:
     """Write ``step-XXXXXXXX.pt`` atomically (a temporary file, then ``os.replace``) and remove
     older checkpoints."""
     directory.mkdir(parents=True, exist_ok=True)
@@ -344,7 +345,7 @@ def train(
                 "units": units + total_units, "train_s": train_s + segment_train_s,
                 "wall_s": previous_wall_s + time.perf_counter() - started, "config": vars(config),
             }
-            _save_checkpoint(Path(config.checkpoint_dir), step, payload)
+            save_checkpoint(Path(config.checkpoint_dir), step, payload)
         dist.barrier()
 
     model.train()

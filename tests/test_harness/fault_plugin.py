@@ -2,6 +2,9 @@
 
 fault_oom raises an out-of-memory error, fault_error an exception, fault_crash exits its
 worker process, fault_kill kills it with SIGKILL, fault_nan returns NaN, fault_slow sleeps (to be interrupted mid-sweep).
+fault_kill_once is linear attention that kills its worker with SIGKILL at its FAULT_KILL_AT-th
+forward call while the file FAULT_KILL_MARKER exists (removing it first): a training cell dies
+once, mid-training.
 """
 
 import os
@@ -12,6 +15,7 @@ import torch
 
 import variants
 from variants.base import AttentionCore
+from variants.sum_rule import SumRule
 
 
 class _Fault(AttentionCore):
@@ -60,3 +64,16 @@ def _killed(v):
 
 
 _fault("fault_kill", _killed)
+
+
+@variants.register("fault_kill_once")
+class _KillOnce(SumRule):
+    calls = 0
+
+    def forward(self, q, k, v, **kwargs):
+        _KillOnce.calls += 1
+        marker = os.environ.get("FAULT_KILL_MARKER")
+        if marker and os.path.exists(marker) and _KillOnce.calls == int(os.environ["FAULT_KILL_AT"]):
+            os.unlink(marker)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return super().forward(q, k, v, **kwargs)

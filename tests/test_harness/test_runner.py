@@ -107,6 +107,44 @@ def test_resume_after_a_crash_loses_and_repeats_nothing(tmp_path, sig):
 
 
 @pytest.mark.slow
+def test_a_training_cell_killed_midway_continues_from_its_checkpoint(tmp_path):
+    """A retrieval cell whose worker dies at training step 5 is recorded as crashed, with its
+    checkpoint of step 4 kept beside the results file; ``--resume --retry-failed`` continues it
+    from there to the result of an uninterrupted run and removes the checkpoints."""
+    scenario = tmp_path / "killed.yaml"
+    scenario.write_text(textwrap.dedent("""\
+        name: killed
+        variants: {fault_kill_once: {}}
+        task: {name: retrieval, setting: 1, max_steps: 10, eval_every: 2, patience: 50, target_loss: 1.0e-9}
+        target: retrieval
+        modes: [quality]
+        axes: {S: 6, d_key: 8}
+    """))
+    marker = tmp_path / "kill-once"
+    marker.touch()
+    # forward calls: steps 1-2, the evaluation at 2, steps 3-4, the evaluation at 4, then step 5
+    env = {"FAULT_KILL_MARKER": str(marker), "FAULT_KILL_AT": "7"}
+    run = ["run", str(scenario), "--plugin", PLUGIN, "--out", str(tmp_path / "out"), "--no-progress"]
+    first = attnbench(*run, env=env)
+    assert first.returncode == 0, first.stderr
+    (crashed,) = cells_of(tmp_path / "out")
+    assert crashed["status"] == "crashed" and not marker.exists()
+    (results,) = (tmp_path / "out").glob("*.jsonl")
+    checkpoints = results.with_suffix(".checkpoints")
+    assert [p.name for p in (checkpoints / crashed["cell_id"]).iterdir()] == ["step-000000004.pt"]
+    resumed = attnbench(*run, "--resume", "--retry-failed", env=env)
+    assert resumed.returncode == 0, resumed.stderr
+    cell = cells_of(tmp_path / "out")[-1]
+    assert cell["status"] == "ok" and cell["metrics"]["resumed_from"] == 4 and cell["metrics"]["steps"] == 10
+    assert not checkpoints.exists(), "the checkpoints of a recorded cell were left behind"
+    whole = attnbench("run", str(scenario), "--plugin", PLUGIN, "--out", str(tmp_path / "whole"), "--no-progress")
+    assert whole.returncode == 0, whole.stderr
+    (uninterrupted,) = cells_of(tmp_path / "whole")
+    assert uninterrupted["metrics"]["resumed_from"] is None
+    assert cell["metrics"]["evaluations"] == uninterrupted["metrics"]["evaluations"]
+
+
+@pytest.mark.slow
 def test_dry_run_lists_cells_and_measures_nothing(tmp_path):
     scenario = write_scenario(tmp_path, "softmax: {}\ndpfp: {nu: [1, 2]}", seq_len="[16, 32]", modes="[forward, train]")
     done = attnbench("run", str(scenario), "--dry-run", "--out", str(tmp_path / "out"))

@@ -22,6 +22,7 @@ from harness.tasks.lm import (
     evaluate_sliding,
     evaluate_windows,
     main,
+    run_cell,
     run_lm,
 )
 
@@ -198,6 +199,22 @@ def test_command_line_writes_metrics_and_a_rerun_resumes(tmp_path, capsys):
     assert again["valid_ppl"] == first["valid_ppl"] and again["test_ppl"] == first["test_ppl"]
     assert main(["--variant", "nope", "--out", str(tmp_path / "x")]) == 2
     assert "unknown variant 'nope'" in capsys.readouterr().err
+
+
+@needs_shared
+@pytest.mark.slow
+def test_a_harness_cell_checkpoints_at_its_evaluations_and_continues(tmp_path):
+    """The runner's ``checkpoint_dir``: a checkpoint at every evaluation; measured again, the cell
+    continues from the last one to the same result."""
+    cell = {"variant": "linear", "params": {}, "backend": "torch", "axes": {"seq_len": 16, "device": "cpu", "dtype": "float32"},
+            "task": {"name": "lm", "steps": 4, "batch": 4, "warmup": 1, "eval_every": 2, "eval_tokens": 300, "sliding_tokens": 40,
+                     "threads": 1},
+            "checkpoint_dir": str(tmp_path / "cell")}
+    first = run_cell(cell)
+    assert first["resumed_from"] is None
+    assert [p.name for p in (tmp_path / "cell" / "checkpoints").iterdir()] == ["step-000000004.pt"]
+    again = run_cell(cell)
+    assert again["resumed_from"] == 4 and again["losses"] == first["losses"] and again["test_ppl"] == first["test_ppl"]
 
 
 @needs_shared

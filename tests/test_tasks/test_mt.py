@@ -31,6 +31,7 @@ from harness.tasks.mt import (
     main,
     mt_config,
     position_variants,
+    run_cell,
     run_mt,
 )
 from harness.tasks.mt_model import Seq2Seq, source_lengths
@@ -334,6 +335,22 @@ def test_command_line_writes_metrics(tmp_path, monkeypatch, capsys):
     assert sorted(path.name for path in out.iterdir()) == ["metrics.json", "newstest2014.hyp.de"], "no temporary file left"
     assert main([*argv[:-2], "--batch-tokens", "2", "--out", str(tmp_path / "x")]) == 2
     assert "batch_tokens=2 is below the longest sentence" in capsys.readouterr().err
+
+
+def test_a_harness_cell_checkpoints_at_its_evaluations_and_continues(tmp_path, monkeypatch):
+    """The runner's ``checkpoint_dir``: a checkpoint at every evaluation; measured again, the cell
+    continues from the last one to the same translations."""
+    monkeypatch.setenv("ATTNBENCH_CACHE", str(tmp_path / "cache"))
+    fake_wmt(tmp_path, torch.Generator().manual_seed(0))
+    task = {"name": "mt", "preset": "ci", "dataset": "wmt14", "data": str(tmp_path), "steps": 6, "warmup": 2, "eval_every": 3,
+            "vocab_size": 300, "beam": 1, "threads": 1}
+    cell = {"variant": "delta", "params": {}, "backend": "torch", "axes": {"device": "cpu"}, "task": task,
+            "checkpoint_dir": str(tmp_path / "cell")}
+    first = run_cell(cell)
+    assert first["resumed_from"] is None
+    assert [p.name for p in (tmp_path / "cell" / "checkpoints").iterdir()] == ["step-000000006.pt"]
+    again = run_cell(cell)
+    assert again["resumed_from"] == 6 and again["losses"] == first["losses"] and again["bleu"] == first["bleu"]
 
 
 @needs_shared

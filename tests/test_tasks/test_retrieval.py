@@ -176,7 +176,8 @@ def test_softmax_learns_setting1(seed):
     assert result["stopped"] in ("target", "patience", "max_steps"), f"seed={seed}"
     assert result["evaluations"][-1] == [result["steps"], result["final_loss"]], f"seed={seed}"
     assert result["loss"] == min(loss for _, loss in result["evaluations"]), f"seed={seed}"
-    assert set(result) == {"loss", "final_loss", "steps", "wall_s", "stopped", "words_per_s", "seed", "evaluations"}
+    assert set(result) == {"loss", "final_loss", "steps", "wall_s", "stopped", "words_per_s", "seed", "evaluations", "resumed_from"}
+    assert result["resumed_from"] is None
     assert result["words_per_s"] > 0
     json.dumps(result)
 
