@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +38,17 @@ class RetrievalBatch:
     values: torch.Tensor
     query: torch.Tensor
     answer: torch.Tensor
+
+
+class RetrievalMemory(NamedTuple):
+    """Sequences written but for their last pair: the core's decoding ``state`` ``[N, ...]``
+    and the last pair's ``last_k [N, 1, d_key]``, ``last_v [N, 1, S]``, ``last_beta [N, 1]``
+    (None unless the core needs it)."""
+
+    state: tuple
+    last_k: torch.Tensor
+    last_v: torch.Tensor
+    last_beta: torch.Tensor | None
 
 
 @dataclass
@@ -139,6 +150,9 @@ class RetrievalModel(nn.Module):
     Every form's output at position t includes token t (softmax attends to keys ≤ t, the
     fast weight rules write token t before reading with q_t), so the output at L − 1 is the
     read with q after the L writes; outputs at earlier positions are computed and discarded.
+    Evaluation asks many queries of each sequence: ``memory`` then writes a sequence once (the
+    first L − 1 pairs through ``prefill``) and ``read`` answers each query with one recurrent
+    ``step`` that writes the last pair, the same read by the forms' equivalence.
     """
 
     def __init__(self, S: int, variant: str, *, d_key: int = 64, d_emb: int | None = None, **variant_params):
@@ -154,21 +168,49 @@ class RetrievalModel(nn.Module):
         self.core = variants.create(variant, d_key, **variant_params)
         self.W_beta = nn.Linear(d_emb + S, 1) if variants.BETA in self.core.token_inputs else None
 
+    def writes(self, keys: torch.Tensor, values: torch.Tensor):
+        """What the pairs ``keys, values [B, L]`` write: ``k [B, 1, L, d_key]`` = W_K [e(k); v],
+        the one-hot ``v [B, 1, L, S]`` and ``beta [B, 1, L]`` = σ(W_β [e(k); v]) (None unless
+        the core needs it)."""
+        v = F.one_hot(values, self.S).to(self.embed.weight.dtype)  # [B, L, S]
+        written = torch.cat([self.embed(keys), v], dim=-1)  # [e(k); v]
+        beta = torch.sigmoid(self.W_beta(written)).squeeze(-1)[:, None] if self.W_beta is not None else None
+        return self.W_K(written)[:, None], v[:, None], beta
+
     def sequences(self, batch: RetrievalBatch):
         """The core's inputs ``q, k: [B, 1, L, d_key]``, ``v: [B, 1, L, S]`` and ``beta:
         [B, 1, L]`` (None unless the core needs it); q is zero but at the last position."""
-        v = F.one_hot(batch.values, self.S).to(self.embed.weight.dtype)  # [B, L, S]
-        written = torch.cat([self.embed(batch.keys), v], dim=-1)  # [e(k); v]
-        k = self.W_K(written)
-        q_last = self.W_Q(self.embed(batch.query))[:, None]
-        q = torch.cat([q_last.new_zeros(k.shape[0], k.shape[1] - 1, k.shape[2]), q_last], dim=1)
-        beta = torch.sigmoid(self.W_beta(written)).squeeze(-1)[:, None] if self.W_beta is not None else None
-        return q[:, None], k[:, None], v[:, None], beta
+        k, v, beta = self.writes(batch.keys, batch.values)
+        q_last = self.W_Q(self.embed(batch.query))[:, None, None]
+        q = torch.cat([q_last.new_zeros(*k.shape[:2], k.shape[2] - 1, k.shape[3]), q_last], dim=2)
+        return q, k, v, beta
 
     def forward(self, batch: RetrievalBatch) -> torch.Tensor:
         """v̂ ``[batch, S]``: the read with the query key after writing the L pairs."""
         q, k, v, beta = self.sequences(batch)
         return self.core(q, k, v, beta=beta)[:, 0, -1]
+
+    def memory(self, keys: torch.Tensor, values: torch.Tensor) -> RetrievalMemory:
+        """The core's state after the first L − 1 of the pairs ``keys, values [N, L]`` (its
+        ``prefill``), and the last pair's write, which ``read`` makes with each query."""
+        k, v, beta = self.writes(keys, values)
+        betas = {} if beta is None else {"beta": beta[..., :-1]}
+        if k.shape[2] == 1:
+            state = self.core.init_state(k.shape[0], 1, self.S, device=k.device, dtype=k.dtype)
+        else:
+            _, state = self.core.prefill(torch.zeros_like(k[:, :, :-1]), k[:, :, :-1], v[:, :, :-1], **betas)
+        return RetrievalMemory(state, k[:, :, -1], v[:, :, -1], None if beta is None else beta[..., -1])
+
+    def read(self, memory: RetrievalMemory, query: torch.Tensor, sequence: torch.Tensor) -> torch.Tensor:
+        """v̂ ``[R, S]`` for the query keys ``query [R]``, the r-th asked of sequence
+        ``sequence[r]`` of ``memory``: one ``step`` of the core that writes the sequence's last
+        pair and reads with q = W_Q e(query) (the output at t includes token t)."""
+        rows = lambda x: x.index_select(0, sequence) if torch.is_tensor(x) else x  # noqa: E731
+        state = type(memory.state)(*map(rows, memory.state))
+        betas = {} if memory.last_beta is None else {"beta_t": rows(memory.last_beta)}
+        q = self.W_Q(self.embed(query))[:, None]
+        read, _ = self.core.step(q, rows(memory.last_k), rows(memory.last_v), state, **betas)
+        return read[:, 0]
 
 
 def retrieval_loss(v_hat: torch.Tensor, answer: torch.Tensor) -> torch.Tensor:
@@ -185,20 +227,23 @@ def _eval_generator(seed: int, index: int) -> torch.Generator:
     return torch.Generator().manual_seed((seed + 1) * 1_000_003 + index)
 
 
-def _subset(batch: RetrievalBatch, rows: slice) -> RetrievalBatch:
-    return RetrievalBatch(batch.keys[rows], batch.values[rows], batch.query[rows], batch.answer[rows])
-
-
 @torch.no_grad()
 def evaluate(model: RetrievalModel, batch: RetrievalBatch, *, chunk: int = 256) -> float:
-    """Mean loss over ``batch``, run ``chunk`` queries at a time to bound memory."""
+    """Mean loss over ``batch``. Each distinct sequence is written once (``model.memory``) and
+    the queries asked of it read that memory, ``chunk`` queries at a time to bound memory: an
+    evaluation set of N sequences and all their keys (``make_eval_batch``) costs N sequences'
+    writes, not one per query."""
     was_training = model.training
     model.eval()
+    length = batch.keys.shape[1]
+    distinct, sequence = torch.unique(torch.cat([batch.keys, batch.values], dim=1), dim=0, return_inverse=True)
+    memory = model.memory(distinct[:, :length], distinct[:, length:])
     total = 0.0
     n = batch.query.shape[0]
     for start in range(0, n, chunk):
-        part = _subset(batch, slice(start, start + chunk))
-        total += retrieval_loss(model(part), part.answer).item() * part.query.shape[0]
+        rows = slice(start, start + chunk)
+        v_hat = model.read(memory, batch.query[rows], sequence[rows])
+        total += retrieval_loss(v_hat, batch.answer[rows]).item() * v_hat.shape[0]
     model.train(was_training)
     return total / n
 
