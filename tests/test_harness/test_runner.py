@@ -122,8 +122,9 @@ def test_a_training_cell_killed_midway_continues_from_its_checkpoint(tmp_path):
     """))
     marker = tmp_path / "kill-once"
     marker.touch()
-    # forward calls: steps 1-2, the evaluation at 2, steps 3-4, the evaluation at 4, then step 5
-    env = {"FAULT_KILL_MARKER": str(marker), "FAULT_KILL_AT": "7"}
+    # the parallel form runs once per training step (evaluations read through prefill and step):
+    # killed at step 5, after the checkpoints of the evaluations at steps 2 and 4
+    env = {"FAULT_KILL_MARKER": str(marker), "FAULT_KILL_AT": "5"}
     run = ["run", str(scenario), "--plugin", PLUGIN, "--out", str(tmp_path / "out"), "--no-progress"]
     first = attnbench(*run, env=env)
     assert first.returncode == 0, first.stderr
