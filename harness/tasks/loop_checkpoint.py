@@ -3,7 +3,7 @@
 The runner gives each quality cell a directory of its own (``cell["checkpoint_dir"]``, beside
 the results file). A loop saves its state there after every evaluation and, when it starts,
 restores the latest one: the model, the optimiser (and scheduler), the training data
-generator's position, torch's RNG, and the evaluations, tokens and seconds so far. A cell
+generator's position, the RNG states (torch, Python, CUDA), and the evaluations, tokens and seconds so far. A cell
 stopped by Ctrl-C, a crash or its timeout therefore continues where it stopped when the run is
 resumed, on the same trajectory as an uninterrupted run. Files are written atomically and read
 as data only (``harness.tasks.training``: ``save_checkpoint``, ``load_checkpoint``).
@@ -17,11 +17,11 @@ from pathlib import Path
 
 import torch
 
-from .training import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
+from .training import CheckpointError, latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
 
 #: What every loop checkpoint holds, with its type (checked on load).
 FIELDS = {
-    "step": int, "model": dict, "optimizer": dict, "scheduler": (dict, type(None)), "data": torch.Tensor, "rng": torch.Tensor,
+    "step": int, "model": dict, "optimizer": dict, "scheduler": (dict, type(None)), "data": torch.Tensor, "rng": dict,
     "evaluations": list, "loss": (float, type(None)), "tokens": int, "train_s": (int, float), "wall_s": (int, float), "config": dict,
 }
 
@@ -71,7 +71,7 @@ class LoopCheckpoint:
         if self.scheduler is not None:
             self.scheduler.load_state_dict(saved["scheduler"])
         self.data.set_state(saved["data"])
-        torch.set_rng_state(saved["rng"])
+        set_rng_state(saved["rng"])
         return Progress(step=saved["step"], evaluations=[tuple(e) for e in saved["evaluations"]], loss=saved["loss"], tokens=saved["tokens"],
                         train_s=saved["train_s"], earlier_wall_s=saved["wall_s"], resumed_from=saved["step"])
 
@@ -82,6 +82,6 @@ class LoopCheckpoint:
         save_checkpoint(self.directory, progress.step, {
             "step": progress.step, "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None, "data": self.data.get_state(),
-            "rng": torch.get_rng_state(), "evaluations": [list(e) for e in progress.evaluations], "loss": progress.loss,
+            "rng": rng_state(), "evaluations": [list(e) for e in progress.evaluations], "loss": progress.loss,
             "tokens": progress.tokens, "train_s": progress.train_s, "wall_s": progress.wall_s, "config": self.config,
         })

@@ -216,14 +216,16 @@ def training_metrics(result: TrainResult, dist: Distributed, model: nn.Module) -
     }
 
 
-def _rng_state() -> dict:
+def rng_state() -> dict:
+    """The states of torch's, Python's ``random`` and (where there is a GPU) CUDA's generators."""
     state = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
 
-def _set_rng_state(state: dict) -> None:
+def set_rng_state(state: dict) -> None:
+    """Restore what ``rng_state`` returned."""
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
     if "cuda" in state and torch.cuda.is_available():
@@ -317,7 +319,7 @@ def train(
         optimizer.load_state_dict(saved["optimizer"])
         scheduler.load_state_dict(saved["scheduler"])
         batches.load_state_dict(saved["batches"][dist.rank])
-        _set_rng_state(saved["rng"][dist.rank])
+        set_rng_state(saved["rng"][dist.rank])
         start_step = resumed_from = saved["step"]
         losses, evaluations = saved["losses"], saved["evaluations"]
         units, train_s, previous_wall_s = saved["units"], saved["train_s"], saved["wall_s"]
@@ -335,7 +337,7 @@ def train(
         dist.barrier()
 
     def write_checkpoint(step: int) -> None:
-        batch_states, rng_states = dist.all_gather(batches.state_dict()), dist.all_gather(_rng_state())
+        batch_states, rng_states = dist.all_gather(batches.state_dict()), dist.all_gather(rng_state())
         total_units = int(dist.all_reduce_sum(local_units))
         if dist.is_main:
             payload = {
