@@ -152,13 +152,15 @@ def test_read_ignores_queries_before_the_last_position(seed, variant, params):
 
 @pytest.mark.parametrize("variant, params", [*VARIANTS, ("performer", {"m": 8}), ("dpfp", {"nu": 2})])
 @pytest.mark.parametrize("setting", [1, 2])
-def test_evaluation_reads_each_sequence_once_and_matches_the_forward(seed, variant, params, setting):
+@pytest.mark.parametrize("S", [1, 7])
+def test_evaluation_reads_each_sequence_once_and_matches_the_forward(seed, variant, params, setting, S):
     """``evaluate`` writes each distinct sequence once and answers its queries with one recurrent
     step: the same loss as the training forward run on every (sequence, query) row, in float64 to
-    rounding, over chunks that split a sequence's queries; and on a batch of distinct sequences."""
+    rounding, over chunks that split a sequence's queries; and on a batch of distinct sequences.
+    S = 1 in setting 1 is a one-pair sequence: nothing to prefill, the step writes it."""
     torch.manual_seed(seed)
-    model = RetrievalModel(7, variant, d_key=8, **params).double()
-    for batch in (make_eval_batch(setting, 7, sequences=5, generator=gen(seed)), make_batch(setting, 7, 9, gen(seed))):
+    model = RetrievalModel(S, variant, d_key=8, **params).double()
+    for batch in (make_eval_batch(setting, S, sequences=5, generator=gen(seed)), make_batch(setting, S, 9, gen(seed))):
         with torch.no_grad():
             rows = retrieval_loss(model(batch), batch.answer).item()
         assert evaluate(model, batch, chunk=4) == pytest.approx(rows, rel=1e-12, abs=1e-15), f"seed={seed}"
