@@ -3,9 +3,9 @@
 The runner gives each quality cell a directory of its own (``cell["checkpoint_dir"]``, beside
 the results file). A loop saves its state there after every evaluation and, when it starts,
 restores the latest one: the model, the optimiser (and scheduler), the training data
-generator's position, the RNG states (torch, Python, CUDA), and the evaluations, tokens and seconds so far. A cell
-stopped by Ctrl-C, a crash or its timeout therefore continues where it stopped when the run is
-resumed, on the same trajectory as an uninterrupted run. Files are written atomically and read
+generator's position, the RNG states (torch, Python, CUDA), and the evaluations, tokens and
+seconds so far. A cell stopped by Ctrl-C, a crash or its timeout therefore continues where it
+stopped when the run is resumed, on the same trajectory as an uninterrupted run. Files are written atomically and read
 as data only (``harness.tasks.training``: ``save_checkpoint``, ``load_checkpoint``).
 """
 
