@@ -22,7 +22,8 @@ from variants.compiled import compiled_frames
 
 from . import tasks
 from .load import LoadMeter
-from .measure import Clock, PeakMemory, sample_until_stable, synchronize, time_callable, usual_allocator
+from .machine import missing_tensor_cores
+from .measure import Clock, PeakMemory, on_device, sample_until_stable, synchronize, time_callable, usual_allocator
 from .roofline import DTYPES
 
 
@@ -185,13 +186,17 @@ def measure_cell(cell: dict) -> dict:
     """Build, check and time one cell: ``{"status", "error", "metrics"}``, with the machine's
     load meanwhile in ``metrics.load``. A backend that turns out not to run the cell
     (``variants.UnsupportedBackend``) makes it skipped with the reason; other exceptions (and
-    out-of-memory errors) propagate to the caller, which records them."""
+    out-of-memory errors) propagate to the caller, which records them. A CUDA cell runs with its
+    GPU as the current device (``on_device``); a 16-bit cell on a GPU without tensor cores for
+    its dtype is skipped before anything is built (``machine.missing_tensor_cores``)."""
     axes = cell["axes"]
     device, dtype = torch.device(axes["device"]), DTYPES[axes["dtype"]]
     if device.type == "cuda" and not torch.cuda.is_available():
         return {"status": "skipped", "error": "CUDA is not available on this machine", "metrics": {}}
+    if refusal := missing_tensor_cores(device, axes["dtype"]):
+        return {"status": "skipped", "error": refusal, "metrics": {}}
     pin(cell["measure"].get("cpus"))
-    with LoadMeter(device) as load:
+    with on_device(device), LoadMeter(device) as load:
         try:
             result = _measure(cell, device, dtype)
         except variants.UnsupportedBackend as exc:  # found only when it runs: fla without Triton's interpreter on a CPU, or decoding Based
