@@ -11,6 +11,10 @@ from pathlib import Path
 #: What ``attnbench run`` measures when no scenario is named.
 CPU_DEFAULT = [("smoke-cpu", None)]
 GPU_DEFAULT = [("seq-sweep", "gpu"), ("d-dot-sweep", "gpu"), ("decode", "gpu"), ("paper-small-lm", "gpu")]
+#: Exit codes of ``attnbench run``, as pytest's: every cell ok, skipped or oom; a cell error,
+#: crashed or nan; bad usage or input; interrupted.
+EXIT_OK = 0
+EXIT_CELLS_FAILED = 1
 EXIT_ERROR = 2
 EXIT_INTERRUPTED = 130
 
@@ -54,7 +58,7 @@ def _run(args) -> int:
         print("error: --retry-failed re-runs the failed cells of a results file: use it with --resume", file=sys.stderr)
         return 2
     command = "attnbench " + " ".join(shlex.quote(arg) for arg in sys.argv[1:])
-    written = []
+    written, failed = [], False
     for scenario in loaded:
         summary = runner.run(
             scenario, args.out, resume=args.resume or False, retry_failed=args.retry_failed, plugins=plugins, command=command,
@@ -64,7 +68,10 @@ def _run(args) -> int:
         done = f", {summary.skipped_as_done} already done" if summary.skipped_as_done else ""
         print(f"{scenario.name}: {summary.total} cells ({counts}{done}) in {summary.seconds:.1f} s -> {summary.path}")
         print(f"{scenario.name}: {summary.stability()}")
+        for line in summary.failure_lines():
+            print(f"{scenario.name}: {line}", file=sys.stderr)
         written.append(summary.path)
+        failed = failed or summary.failed
         if summary.interrupted:
             print(f"interrupted: every finished cell is in {summary.path}; continue with the same command and --resume", file=sys.stderr)
             return EXIT_INTERRUPTED
@@ -72,7 +79,10 @@ def _run(args) -> int:
             print(f"error: {summary.write_error}; the run stopped. Free space, then continue with the same command and --resume",
                   file=sys.stderr)
             return EXIT_ERROR
-    return _report_of_run(written, args.report) if args.report else 0
+    outcome = EXIT_CELLS_FAILED if failed else EXIT_OK
+    if args.report and _report_of_run(written, args.report) != 0:
+        return EXIT_ERROR
+    return outcome
 
 
 def _executor(args, plugins: list[str]):

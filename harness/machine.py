@@ -217,6 +217,25 @@ def _machine_id(fp: dict) -> str:
 
 # --- GPU ----------------------------------------------------------------------------------
 
+#: The lowest CUDA compute capability with tensor cores for each 16-bit dtype: float16 from
+#: Volta (7.0), bfloat16 from Ampere (8.0). Below it the dtype runs emulated or on the CUDA
+#: cores (bfloat16 on a V100), so a timing describes neither the dtype's fast path nor float32.
+TENSOR_CORE_CAPABILITY = {"float16": (7, 0), "bfloat16": (8, 0)}
+
+
+def missing_tensor_cores(device: str | torch.device, dtype: str) -> str | None:
+    """Why a cell in ``dtype`` is not measured on CUDA ``device``: a GPU without tensor cores for
+    that dtype (``TENSOR_CORE_CAPABILITY``); None when it has them, for other dtypes and devices."""
+    needed = TENSOR_CORE_CAPABILITY.get(dtype)
+    index = _cuda_index(device)
+    if needed is None or index is None:
+        return None
+    props = torch.cuda.get_device_properties(index)
+    if (props.major, props.minor) >= needed:
+        return None
+    return (f"{dtype} needs tensor cores of compute capability {needed[0]}.{needed[1]} or newer; "
+            f"cuda:{index} ({props.name}) is {props.major}.{props.minor} and would run it emulated")
+
 
 def _cuda_index(device: str | torch.device) -> int | None:
     """The CUDA device index ``device`` names; None for other devices or when CUDA is unavailable."""

@@ -13,7 +13,7 @@ import ctypes
 import ctypes.util
 import os
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -98,9 +98,19 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def on_device(device):
+    """``with on_device(device):`` makes a CUDA ``device`` the current one for the block, so that
+    what takes the current device rather than a tensor's (Triton's launcher, CUDA events, the
+    allocator's statistics of ``cuda``) works on GPU N of ``cuda:N``, not on GPU 0; a no-op on
+    the CPU."""
+    device = torch.device(device)
+    return torch.cuda.device(device) if device.type == "cuda" else nullcontext()
+
+
 class Clock:
     """Times one call, ``clock(fn) -> (result, seconds)``: CUDA events on a GPU (after an L2
-    flush when ``flush_l2``), perf_counter on the CPU."""
+    flush when ``flush_l2``), recorded on the current stream of the clock's device (not of
+    the current device: ``cuda:1`` is timed on GPU 1), perf_counter on the CPU."""
 
     def __init__(self, device, flush_l2: bool):
         self.device = torch.device(device)
@@ -115,10 +125,11 @@ class Clock:
             return result, time.perf_counter() - start
         if self.flush is not None:
             self.flush.zero_()
+        stream = torch.cuda.current_stream(self.device)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+        start.record(stream)
         result = fn()
-        end.record()
+        end.record(stream)
         end.synchronize()
         return result, start.elapsed_time(end) / 1e3
 

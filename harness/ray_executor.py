@@ -1,8 +1,9 @@
 """Measure a sweep's cells as Ray tasks on the nodes of a Ray cluster (``attnbench run --executor ray``).
 
 Each cell is one Ray task, which measures it in a ``harness.runner.Worker`` process on its node
-(a fresh one where the local executor would start one, ``needs_fresh_worker``), so a timeout,
-an out-of-memory kill or a crash maps to the same status as locally. The task asks Ray for what
+(a fresh one where the local executor would start one, ``needs_fresh_worker``: after a CPU speed
+cell or a failed cell), so a timeout, an out-of-memory kill or a crash maps to the same status
+as locally. The task asks Ray for what
 the cell needs: one GPU for a CUDA cell; for a CPU speed cell a share of its node's CPUs (all of
 them, or 1/``cells_per_node``), pinned to that node, so no other cell runs beside it; for a CPU
 quality cell its task's ``threads`` (default 1). The cell's torch threads equal the CPUs it
@@ -44,6 +45,12 @@ def _is_cpu_timing(cell: dict) -> bool:
     return cell["mode"] != "quality" and not _is_cuda(cell)
 
 
+def _on_task_device(cell: dict) -> dict:
+    """``cell`` as its Ray task measures it: a CUDA cell on ``cuda``, the one GPU Ray made visible
+    to the task (CUDA_VISIBLE_DEVICES), whatever GPU index the scenario named."""
+    return {**cell, "axes": {**cell["axes"], "device": "cuda" if _is_cuda(cell) else "cpu"}}
+
+
 def _cpus(cell: dict) -> int:
     """The CPUs (and torch threads) of a quality or CUDA cell: its task's ``threads``, else 1."""
     return (cell.get("task") or {}).get("threads") or 1
@@ -72,15 +79,14 @@ def _on_node(cell: dict, plugins: list[str], threads: int, calibrate: list[dict]
     cell needs a fresh one."""
     import ray
 
-    device = "cuda" if _is_cuda(cell) else "cpu"
-    node = {"node_id": ray.get_runtime_context().get_node_id(), "machine": machine.fingerprint(device)}
+    node = {"node_id": ray.get_runtime_context().get_node_id(), "machine": machine.fingerprint(_on_task_device(cell)["axes"]["device"])}
     key, worker = _worker(plugins, threads, cell["mode"] != "quality")
     keep = False
     try:
         if calibrate is not None:
-            return {**node, "calibration": calibration(worker, calibrate, node["machine"])}
-        observation = {**observe(worker, {**cell, "axes": {**cell["axes"], "device": device}}), **node}
-        keep = not needs_fresh_worker(cell)
+            return {**node, "calibration": calibration(worker, [_on_task_device(timed) for timed in calibrate], node["machine"])}
+        observation = {**observe(worker, _on_task_device(cell)), **node}
+        keep = not (worker.measured and needs_fresh_worker(cell, observation["result"]["status"]))
         return observation
     finally:
         if keep:

@@ -153,7 +153,7 @@ def calibrate(machine_id: str, dtypes: list[str], device: str = "cpu", gpu_name:
     cache[key] = {**known, **best}
     _write_cache(cache)
     return {
-        "device": device.type,
+        "device": str(device),
         "torch_threads": threads,
         "cpus": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
         "matmul_flops_per_s": {dtype: best[f"matmul_flops_per_s.{dtype}"] for dtype in dtypes},

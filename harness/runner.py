@@ -31,7 +31,7 @@ from tqdm import tqdm
 from . import machine
 from .locking import MachineRuns, ResultsDirectoryLock, describe_runs
 from .plugins import load_plugins
-from .results import ResultsWriteError, ResultsWriter, completed_cell_ids, read_records, repair_tail
+from .results import FAILED, ResultsWriteError, ResultsWriter, completed_cell_ids, read_records, repair_tail
 from .roofline import roofline
 from .scenario import LoadedScenario, describe
 
@@ -49,6 +49,9 @@ CHECKOUT_WORKER = (
     "import sys; from multiprocessing.connection import Connection; from harness.runner import _serve; "
     "_serve(Connection(int(sys.argv[1])), sys.argv[2:])"
 )
+#: The statuses of a cell that make a run fail (exit code 1, ``RunSummary.failures``): every
+#: failed status but ``oom``, which a sweep to the memory limit expects.
+FAILING = tuple(status for status in FAILED if status != "oom")
 
 
 def die_with_parent() -> None:
@@ -86,18 +89,20 @@ def _serve(conn, plugins, parent_pid=None) -> None:
 
 
 def _calibrate(request: dict) -> dict:
-    """The worker's side of ``calibration``: pinned as its cells will be, then measured."""
+    """The worker's side of ``calibration``: pinned as its cells will be, then measured on their device."""
+    from .measure import on_device
     from .roofline import calibrate
     from .workloads import pin
 
     pin(request.pop("cpus"))
-    return {"status": "ok", "error": None, "metrics": calibrate(**request)}
+    with on_device(request["device"]):
+        return {"status": "ok", "error": None, "metrics": calibrate(**request)}
 
 
 def calibration(worker, cells: list[dict], fingerprint: dict) -> dict | None:
     """``machine.calibration`` for ``cells``, measured in ``worker`` (its threads, the cells'
-    ``measure.cpus``): None when no cell is timed, when ``ATTNBENCH_CALIBRATE=0``, or when it
-    failed (with a warning)."""
+    ``measure.cpus``) on their device (``cuda:N``: GPU N, with its SM clock): None when no cell
+    is timed, when ``ATTNBENCH_CALIBRATE=0``, or when it failed (with a warning)."""
     timed = [cell for cell in cells if cell["mode"] != "quality" and not cell["skip"]]
     if not timed or os.environ.get("ATTNBENCH_CALIBRATE", "1") == "0":
         return None
@@ -182,6 +187,7 @@ class Worker:
         self._start()
 
     def _start(self) -> None:
+        self.measured = 0  #: cells sent to this process since it started
         context = multiprocessing.get_context("spawn")
         self.conn, child = context.Pipe()
         if self.code_root is not None:
@@ -224,6 +230,7 @@ class Worker:
 
     def measure(self, cell: dict, timeout_s: float) -> dict:
         oom_before = oom_kills()
+        self.measured += 1
         self.conn.send(cell)
         if not self.conn.poll(timeout_s):
             self.restart()
@@ -286,10 +293,14 @@ class RunSummary:
     other_cpu_s: float = 0.0  #: CPU seconds other processes used during the cells
     load_wall_s: float = 0.0  #: wall seconds of the cells those were counted over
     cores: int | None = None
+    failures: list = field(default_factory=list)  #: (describe(cell), status, message) of each cell measured FAILING
+    earlier_failures: list = field(default_factory=list)  #: the same of the cells a resumed file holds FAILING and this run left alone
 
     def count(self, cell: dict, record: dict) -> None:
         """Add a finished cell: its status, whether it was unstable, the load it saw."""
         self.statuses[record["status"]] = self.statuses.get(record["status"], 0) + 1
+        if record["status"] in FAILING:
+            self.failures.append((describe(cell), record["status"], record["error"]))
         metrics = record["metrics"]
         if metrics.get("unstable") is not None:
             self.timed += 1
@@ -308,6 +319,26 @@ class RunSummary:
         if self.load_wall_s > 0:
             text += f"; other processes used {self.other_cpu_s / self.load_wall_s:.1f} of {self.cores} cores during the run"
         return text
+
+    @property
+    def failed(self) -> bool:
+        """Whether a cell of the file ends this run ``FAILING``: measured so now, or earlier and not retried."""
+        return bool(self.failures or self.earlier_failures)
+
+    def failure_lines(self, names: int = 3) -> list[str]:
+        """"2 cells failed: fault_error[torch] forward/core ... (error: RuntimeError: injected failure); ..." and,
+        after a resume, the same of the cells failed earlier; empty when none failed."""
+        lines = []
+        for failures, what in ((self.failures, "failed"), (self.earlier_failures, "failed in an earlier run (--retry-failed runs them again)")):
+            if failures:
+                listed = "; ".join(f"{name} ({status}: {_first_line(message)})" for name, status, message in failures[:names])
+                more = f"; and {len(failures) - names} more" if len(failures) > names else ""
+                lines.append(f"{len(failures)} {'cell' if len(failures) == 1 else 'cells'} {what}: {listed}{more}")
+        return lines
+
+
+def _first_line(text: str | None) -> str:
+    return (text or "").strip().splitlines()[0] if (text or "").strip() else "no message"
 
 
 def utc_now() -> str:
@@ -342,8 +373,9 @@ def scenario_identity(loaded: LoadedScenario) -> dict:
 
 def _resume_state(path: Path, loaded: LoadedScenario, fingerprint: dict, retry_failed: bool, *, same_machine: bool = True) -> tuple[str, set]:
     """(the run_id resumed, the cell_ids not to measure again) of a results file this run may
-    continue: the same scenario, file and preset, measured on this machine (``same_machine``;
-    a Ray run's cells record each its own machine, so any machine may continue it)."""
+    continue: the same scenario, file and preset, measured on this machine (``same_machine``: one
+    of its run lines has this machine's id; a run on several devices writes one per device, and a
+    Ray run's cells record each its own machine, so any machine may continue it)."""
     if repair_tail(path):
         print(f"warning: {path}: dropped an incomplete last line left by an interrupted write", file=sys.stderr)
     runs = [record for record in read_records(path) if record["kind"] == "run"]
@@ -354,7 +386,7 @@ def _resume_state(path: Path, loaded: LoadedScenario, fingerprint: dict, retry_f
             f"--resume: {path} was measured for another scenario: {'; '.join(differ)}. Results of two scenarios (or two "
             "versions of one scenario file) do not mix in one file: start a new run (a report reads several files)"
         )
-    if same_machine and runs[-1]["machine"]["machine_id"] != fingerprint["machine_id"]:
+    if same_machine and fingerprint["machine_id"] not in {run["machine"]["machine_id"] for run in runs}:
         raise RunError(
             f"--resume: {path} was measured on machine {runs[-1]['machine']['machine_id']} "
             f"({runs[-1]['machine'].get('hostname')}); this is {fingerprint['machine_id']}. "
@@ -364,14 +396,22 @@ def _resume_state(path: Path, loaded: LoadedScenario, fingerprint: dict, retry_f
 
 
 def _device_of(cells) -> str:
-    return "cuda" if any(cell["axes"]["device"].startswith("cuda") for cell in cells) else "cpu"
+    """The main device of ``cells``: the first CUDA device they name (``cuda:1`` stays GPU 1), else the CPU."""
+    return next((cell["axes"]["device"] for cell in cells if cell["axes"]["device"].startswith("cuda")), "cpu")
+
+
+def _failures_in(path: Path, cells: list[dict], cell_ids: set) -> list[tuple]:
+    """(describe(cell), status, message) of each of ``cells`` in ``cell_ids`` whose latest record in ``path`` is ``FAILING``."""
+    latest = {record["cell_id"]: record for record in read_records(path) if record["kind"] == "cell"}
+    return [(describe(cell), latest[cell["cell_id"]]["status"], latest[cell["cell_id"]]["error"])
+            for cell in cells if cell["cell_id"] in cell_ids and latest[cell["cell_id"]]["status"] in FAILING]
 
 
 class LocalExecutor:
     """Today's way to measure: one worker process on this machine measures the cells one after
-    another (a new one after each CPU speed cell, ``needs_fresh_worker``). An executor gives the
-    runner ``(cell, observation)`` pairs as cells finish; the runner alone writes the results file.
-    The Ray executor (harness.ray_executor) has the same methods."""
+    another (a new one after each CPU speed cell and each failed cell, ``needs_fresh_worker``). An
+    executor gives the runner ``(cell, observation)`` pairs as cells finish; the runner alone writes
+    the results file. The Ray executor (harness.ray_executor) has the same methods."""
 
     #: every cell is measured on the runner's machine, so a resumed file must come from this machine
     same_machine = True
@@ -379,20 +419,27 @@ class LocalExecutor:
     def __init__(self, plugins=()):
         self.plugins = list(plugins)
         self.worker = None
-        self.fingerprint = None
+        self.fingerprints = {}  # device -> its fingerprint with its calibration
 
     def start(self, todo: list[dict], fingerprint: dict) -> list[dict]:
-        """Start the worker and calibrate this machine; the fingerprints to write run lines for now."""
+        """Start the worker; fingerprint and calibrate each device the cells run on (``cuda:1``:
+        GPU 1), so that each cell is recorded with its own device's machine and roofline; the
+        fingerprints to write run lines for now (``fingerprint``, the main device's, when no
+        cell is left to measure)."""
         self.worker = Worker(self.plugins, tune_malloc=any(cell["mode"] != "quality" for cell in todo))
-        self.fingerprint = {**fingerprint, "calibration": calibration(self.worker, todo, fingerprint)}
-        return [self.fingerprint]
+        for device in dict.fromkeys(cell["axes"]["device"] for cell in todo):
+            fp = machine.fingerprint(device)
+            on_device = [cell for cell in todo if cell["axes"]["device"] == device]
+            self.fingerprints[device] = {**fp, "calibration": calibration(self.worker, on_device, fp)}
+        return list(self.fingerprints.values()) or [{**fingerprint, "calibration": None}]
 
     def measure(self, todo: list[dict], starting):
         """Measure ``todo`` in order, calling ``starting(cell)`` before each; yield ``(cell, observation)``."""
         for cell in todo:
             starting(cell)
-            yield cell, {**observe(self.worker, cell), "machine": self.fingerprint, "node_id": None}
-            if needs_fresh_worker(cell):
+            observation = observe(self.worker, cell)
+            yield cell, {**observation, "machine": self.fingerprints[cell["axes"]["device"]], "node_id": None}
+            if self.worker.measured and needs_fresh_worker(cell, observation["result"]["status"]):
                 self.worker.restart()
 
     def run_fields(self, node_id) -> dict:
@@ -429,6 +476,8 @@ def _run_locked(loaded, out_dir, resume, retry_failed, executor, command, progre
     writer = ResultsWriter(path)
     todo = [with_checkpoint_dir(cell, path) for cell in cells if cell["cell_id"] not in done]
     summary = RunSummary(path=path, total=len(cells), skipped_as_done=len(cells) - len(todo))
+    if done:
+        summary.earlier_failures = _failures_in(path, cells, done)
     start = time.perf_counter()
     run_ids, overlapping, warned, bar = {}, {}, set(), None
 
@@ -493,12 +542,21 @@ def remove_checkpoints(directory: Path) -> None:
         directory.parent.rmdir()
 
 
-def needs_fresh_worker(cell: dict) -> bool:
-    """``measure.fresh_worker``, by default true for a CPU speed cell: in a worker shared with
-    earlier cells glibc serves the cell's allocations from heap pages they left resident, and
-    its peak RSS read 2-3x too low (a delta-rule forward, B=8 H=8 T=512: 15-25 MiB against 49 MiB
-    in a fresh worker; its inputs alone are 24 MiB). GPU memory is counted by PyTorch's
-    allocator, exact in a shared worker."""
+def needs_fresh_worker(cell: dict, status: str) -> bool:
+    """Whether the worker that measured ``cell``, which ended ``status``, is replaced before the
+    next cell. Always after a ``FAILING`` cell (``error``, a timeout included; ``crashed``; ``nan``):
+    a sticky CUDA error (an illegal address, a device-side assert) leaves the process's CUDA
+    context unusable, so every later cell in it would fail, and a NaN may come from a kernel that
+    wrote out of bounds; a new process costs seconds, once per failed cell. Not after ``oom``:
+    PyTorch's allocator raises before the kernel runs, the context stays usable and the worker
+    frees its cache after every cell, while a sweep past the memory limit would pay a restart per
+    cell. Otherwise ``measure.fresh_worker``, by default true for a CPU speed cell: in a worker
+    shared with earlier cells glibc serves the cell's allocations from heap pages they left
+    resident, and its peak RSS read 2-3x too low (a delta-rule forward, B=8 H=8 T=512: 15-25 MiB
+    against 49 MiB in a fresh worker; its inputs alone are 24 MiB). GPU memory is counted by
+    PyTorch's allocator, exact in a shared worker."""
+    if status in FAILING:
+        return True
     choice = cell["measure"].get("fresh_worker")
     if choice is None:
         return cell["mode"] != "quality" and str(cell["axes"].get("device", "cpu")).startswith("cpu")

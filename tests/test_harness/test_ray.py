@@ -94,7 +94,7 @@ def test_a_killed_ray_worker_and_a_killed_cell_process_are_crashed_and_the_sweep
     scenario = _scenario(tmp_path, "fault_kill_ray_worker: {}, fault_kill: {}, softmax: {}", "[16]")
     done = attnbench("run", scenario, "--plugin", str(plugin), "--executor", "ray", "--out", str(tmp_path / "out"), "--no-progress",
                      env={"ATTNBENCH_CALIBRATE": "0"})
-    assert done.returncode == 0, done.stderr
+    assert done.returncode == 1 and "2 cells failed" in done.stderr, done.stderr
     _, cells = _records(tmp_path / "out")
     status = {cell["variant"]: (cell["status"], cell["error"]) for cell in cells}
     assert status.keys() == {"fault_kill_ray_worker", "fault_kill", "softmax"}
