@@ -38,10 +38,10 @@ measure: {warmup: 1, repeats: 15, timeout_s: 60}
 BASE_SLEEP = "0.02"
 
 
-def attnbench_run(*args: str, sleep: str) -> None:
+def attnbench_run(*args: str, sleep: str, exit_code: int = 0) -> None:
     command = [sys.executable, "-m", "harness.cli", "run", *args, "--plugin", PLUGIN, "--no-progress"]
     done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "FAULT_SLOW_S": sleep}, timeout=300)
-    assert done.returncode == 0, done.stderr
+    assert done.returncode == exit_code, done.stderr
 
 
 def fresh_run(scenario: Path, out: Path, sleep: str) -> Path:
@@ -50,14 +50,14 @@ def fresh_run(scenario: Path, out: Path, sleep: str) -> Path:
     return path
 
 
-def rerun_one_cell(scenario: Path, base: Path, target: Path, seq_len: int, sleep: str, *extra: str) -> Path:
+def rerun_one_cell(scenario: Path, base: Path, target: Path, seq_len: int, sleep: str, *extra: str, exit_code: int = 0) -> Path:
     """``base`` without its fault_slow cell at ``seq_len``, completed by ``--resume`` with FAULT_SLOW_S=``sleep``."""
     target.parent.mkdir(parents=True)
     lines = base.read_text().splitlines(keepends=True)
     dropped = [line for line in lines if '"variant": "fault_slow"' in line and f'"seq_len": {seq_len},' in line]
     assert len(dropped) == 1
     target.write_text("".join(line for line in lines if line not in dropped))
-    attnbench_run(str(scenario), "--resume", str(target), *extra, sleep=sleep)
+    attnbench_run(str(scenario), "--resume", str(target), *extra, sleep=sleep, exit_code=exit_code)
     return target
 
 
@@ -83,7 +83,8 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     with ThreadPoolExecutor(2) as pool:
         base, again = pool.map(lambda name: fresh_run(scenario, root / name, BASE_SLEEP), ["base", "again"])
         slower = pool.submit(rerun_one_cell, scenario, base, root / "slower" / "head.jsonl", 32, "0.1")
-        failing = pool.submit(rerun_one_cell, scenario, base, root / "failing" / "head.jsonl", 16, "not-a-number", "--set", "seq_len=[16, 32, 64]")
+        failing = pool.submit(rerun_one_cell, scenario, base, root / "failing" / "head.jsonl", 16, "not-a-number", "--set", "seq_len=[16, 32, 64]",
+                              exit_code=1)
         return {"base": base, "again": again, "slower": slower.result(), "failing": failing.result()}
 
 
