@@ -373,8 +373,7 @@ def _say_checks(result: RegressResult, say) -> None:
 
 def _measure_and_compare(revisions, cells, checks, loaded, rounds, out_dir, factor, alpha, command, progress, say):
     """Measure the correct sides of ``cells`` in rounds, write base.jsonl and head.jsonl, compare."""
-    device = "cuda" if any(cell["axes"]["device"].startswith("cuda") for cell in cells) else "cpu"
-    common = machine.fingerprint(device)
+    common = machine.fingerprint(runner.main_device(cells))
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     folder = out_dir / f"regress-{loaded.name}-{stamp}"
     fingerprints, run_ids, paths, timed = {}, {}, {}, {}

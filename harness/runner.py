@@ -106,7 +106,7 @@ def calibration(worker, cells: list[dict], fingerprint: dict) -> dict | None:
     timed = [cell for cell in cells if cell["mode"] != "quality" and not cell["skip"]]
     if not timed or os.environ.get("ATTNBENCH_CALIBRATE", "1") == "0":
         return None
-    device = _device_of(timed)
+    device = main_device(timed)
     clock = (machine.throttle_state(device) or {}).get("sm_clock_mhz")
     request = {
         "machine_id": fingerprint["machine_id"], "dtypes": sorted({cell["axes"]["dtype"] for cell in timed}), "device": device,
@@ -395,7 +395,7 @@ def _resume_state(path: Path, loaded: LoadedScenario, fingerprint: dict, retry_f
     return runs[-1]["run_id"], completed_cell_ids(path, retry_failed=retry_failed)
 
 
-def _device_of(cells) -> str:
+def main_device(cells) -> str:
     """The main device of ``cells``: the first CUDA device they name (``cuda:1`` stays GPU 1), else the CPU."""
     return next((cell["axes"]["device"] for cell in cells if cell["axes"]["device"].startswith("cuda")), "cpu")
 
@@ -469,7 +469,7 @@ def run(loaded: LoadedScenario, out_dir, *, resume=False, retry_failed: bool = F
 def _run_locked(loaded, out_dir, resume, retry_failed, executor, command, progress, machine_runs) -> RunSummary:
     cells = loaded.cells()
     path = results_path(out_dir, loaded.name, resume)
-    fingerprint = machine.fingerprint(_device_of(cells))
+    fingerprint = machine.fingerprint(main_device(cells))
     resumed_from, done = None, set()
     if resume:
         resumed_from, done = _resume_state(path, loaded, fingerprint, retry_failed, same_machine=executor.same_machine)

@@ -78,6 +78,16 @@ def test_the_clock_records_its_events_on_its_own_gpu(monkeypatch):
     assert recorded == [("stream of GPU", 1)] * 2, "the start and end events must go on GPU 1's stream, not the current device's"
 
 
+def test_peak_memory_is_that_of_its_own_gpu(monkeypatch):
+    asked = []
+    for name, value in [("synchronize", None), ("reset_peak_memory_stats", None), ("memory_allocated", 100), ("max_memory_allocated", 300)]:
+        monkeypatch.setattr(torch.cuda, name, lambda device, name=name, value=value: asked.append((name, torch.device(device).index)) or value)
+    with measure.PeakMemory("cuda:1") as peak:
+        pass
+    assert (peak.bytes, peak.kind) == (200, "cuda_max_allocated")
+    assert {index for _, index in asked} == {1} and len(asked) == 5
+
+
 def test_a_cell_runs_with_its_gpu_as_the_current_device(monkeypatch, current_device, two_gpus):
     seen = []
     monkeypatch.setattr(workloads, "_measure", lambda cell, device, dtype: seen.append((device, list(current_device))) or
@@ -145,7 +155,7 @@ def test_the_fingerprint_and_throttle_state_of_cuda_1_describe_gpu_1(monkeypatch
         gpu = machine.fingerprint("cuda:1")["gpu"]
         assert (gpu["name"], gpu["uuid"], gpu["pci_bus_id"]) == ("GPU one", "GPU-gpu-b", NVML_BUS_IDS["gpu-b"])
         assert machine.throttle_state("cuda:1")["sm_clock_mhz"] == 200 and machine.throttle_state("cuda:0")["sm_clock_mhz"] == 100
-        assert runner._device_of([_cell("cpu"), _cell("cuda:1")]) == "cuda:1"
+        assert runner.main_device([_cell("cpu"), _cell("cuda:1")]) == "cuda:1"
     finally:
         machine._nvml.cache_clear()
 
