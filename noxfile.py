@@ -4,8 +4,8 @@
 - ``run``: the main job, ``attnbench run`` on the default set (smoke-cpu on a CPU machine,
   the GPU set where CUDA is present); posargs go to ``attnbench run``.
 - ``bench-cpu`` / ``bench-gpu``: every shipped speed scenario on the CPU / on a CUDA GPU.
-- ``gpu-check``: the first command on a GPU machine: the Triton kernels checked natively and
-  timed, then the speed and LM ``ci`` presets on CUDA, results and report in one directory.
+- ``gpu-check``: ``attnbench gpu-check`` (the first command on a GPU machine) in its own virtual
+  environment; on the GPU machine itself ``attnbench gpu-check`` needs neither nox nor internet.
 - ``report``: an HTML report from results files (default: results/ -> reports/latest/).
 - ``regress``: ``attnbench regress`` (posargs: ``--base REV [--head REV] [SCENARIO] ...``),
   two git revisions checked and benchmarked in one interleaved run.
@@ -18,7 +18,6 @@ to take the CPU build, and a CUDA machine can name its own build there.
 
 import os
 import shutil
-import time
 
 import nox
 
@@ -73,21 +72,11 @@ def bench_gpu(session):
 
 @nox.session(name="gpu-check")
 def gpu_check(session):
-    """The one-shot GPU check (under 8 minutes on one GPU; posargs: its directory, default
-    results/gpu-check-TIME): every Triton kernel compiled natively and checked against float64,
-    forward and backward, in every dtype (tests/test_kernels on CUDA; a failure stops the check:
-    wrong kernels are not worth timing); the kernels timed against SDPA, the PyTorch chunked forms
-    and flash-linear-attention's chunk kernels (scenario gpu-check); the speed scenarios' and the
-    LM's ci presets on CUDA; then the HTML report of it all in DIR/report."""
-    if shutil.which("nvidia-smi") is None:
-        session.error("gpu-check needs a CUDA GPU and its driver (nvidia-smi not found); on this machine use nox -s tests")
+    """``attnbench gpu-check`` in a fresh virtual environment with torch from ATTNBENCH_TORCH (posargs go
+    to it: its directory, --dry-run, ...). The primary way is ``attnbench gpu-check`` itself, with the
+    machine's own torch and triton, offline (README, "First contact with a GPU")."""
     install(session, "test,triton,fla")
-    session.run("python", "-c", CUDA_CHECK.replace("bench-gpu", "gpu-check"))
-    out = session.posargs[0] if session.posargs else f"results/gpu-check-{time.strftime('%Y%m%dT%H%M%S')}"
-    session.run("pytest", "-q", "tests/test_kernels", f"--junitxml={out}/kernel-tests.xml", env={"ATTNBENCH_TEST_DEVICE": "cuda"})
-    session.run("attnbench", "run", "gpu-check", "--out", out)
-    session.run("attnbench", "run", *SPEED_SCENARIOS, "quality/lm-wikitext", "--preset", "ci", "--set", "device=cuda", "--out", out)
-    session.run("attnbench", "report", out, "-o", f"{out}/report")
+    session.run("attnbench", "gpu-check", *session.posargs)
 
 
 @nox.session
