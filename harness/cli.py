@@ -226,6 +226,27 @@ def _kernels(args) -> int:
     return command(args.arch, args.json, rules=args.rule, dtypes=args.dtype, head_dims=args.d, workers=args.jobs)
 
 
+def _gpu_check(args) -> int:
+    from . import gpu_check
+
+    if args.dry_run:
+        print(gpu_check.format_plan(gpu_check.plan(kernel_tests=not args.no_kernel_tests)))
+        return 0
+    return gpu_check.run_check(args.dir or gpu_check.default_dir(), kernel_tests=not args.no_kernel_tests, progress=not args.no_progress)
+
+
+def _kit(args) -> int:
+    from .kit import DEFAULT_PLATFORMS, KitError, gather
+
+    try:
+        readme = gather(args.dir, python=args.python, platforms=args.platform or DEFAULT_PLATFORMS)
+    except KitError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    print(f"kit: {args.dir.resolve()} (wheels/, data/); how to carry and install it: {readme.resolve()}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="attnbench", description="Benchmark attention variants across hardware.")
     parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
@@ -320,6 +341,22 @@ def build_parser() -> argparse.ArgumentParser:
     kernels.add_argument("--d", help="only d_dot = d_value in this list, default chunk, e.g. 64,256 (default: every shipped shape)")
     kernels.add_argument("--jobs", type=int, help="compiler processes (default: one per CPU)")
     kernels.set_defaults(handler=_kernels)
+
+    check = commands.add_parser(
+        "gpu-check", help="the first command on a GPU machine, offline: kernel tests on CUDA, kernels timed, an LM cell, report (exit 0: all passed)"
+    )
+    check.add_argument("dir", nargs="?", type=Path, help="where results, report and summary.json go (default: results/gpu-check-TIME)")
+    check.add_argument("--dry-run", action="store_true", help="print the plan (cells and estimated seconds per phase) and run nothing")
+    check.add_argument("--no-kernel-tests", action="store_true", help="skip the kernel tests (where attnbench is installed without its tests)")
+    check.add_argument("--no-progress", action="store_true", help="no progress bars")
+    check.set_defaults(handler=_gpu_check)
+
+    kit = commands.add_parser("kit", help="gather the wheels and data an offline GPU machine needs for gpu-check (needs internet)")
+    kit.add_argument("dir", type=Path, help="the kit's directory: wheels/, data/, README.txt")
+    kit.add_argument("--python", default="3.12", help="the offline machine's Python version (default 3.12)")
+    kit.add_argument("--platform", action="append", metavar="TAG",
+                     help="a wheel platform tag of the offline machine, repeatable (default: manylinux glibc 2.28 x86-64 and older tags)")
+    kit.set_defaults(handler=_kit)
     for leaf in (*commands.choices.values(), fetch):
         leaf.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show the traceback of an error")
     return parser
