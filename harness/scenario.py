@@ -141,7 +141,7 @@ class Scenario(Strict):
     description: str = ""
     variants: dict[str, dict[str, Sweep | dict[str, Any]] | list[dict[str, Sweep | dict[str, Any]]] | None]
     backends: list[str] = Field(["torch"], min_length=1)
-    backend_options: dict[str, Any] = Field({}, description="options of the backends that take any: compile's mode and dynamic")
+    backend_options: dict[str, Any] = Field({}, description="backend options: compile's mode and dynamic, softmax's sdpa (torch, compile)")
     axes: Axes
     modes: list[Literal["forward", "train", "decode", "quality"]] = Field(["forward"], min_length=1)
     target: str = "core"
@@ -194,9 +194,10 @@ class Scenario(Strict):
         owners = variants.backend_option_owners()
         for option, setting in value.items():
             if option not in owners:
-                raise ValueError(f"unknown option {option!r}; backend options: {', '.join(f'{name} ({backend})' for name, backend in owners.items())}")
+                known = ", ".join(f"{name} ({'/'.join(backends)})" for name, backends in owners.items())
+                raise ValueError(f"unknown option {option!r}; backend options: {known}")
             try:
-                variants.check_backend_options(owners[option], {option: setting})
+                variants.check_backend_options(owners[option][0], {option: setting})
             except variants.VariantError as exc:
                 raise ValueError(str(exc)) from None
         return value
@@ -546,7 +547,7 @@ def expand(scenario: Scenario, path: str = "<scenario>") -> list[dict]:
                         "scenario": scenario.name,
                         "variant": name,
                         "backend": backend,
-                        "backend_options": _options_of(scenario, backend),
+                        "backend_options": _options_of(scenario, backend, name),
                         "params": full_params,
                         "axes": cell_axes,
                         "mode": mode,
@@ -574,10 +575,9 @@ def _task_section(task_config, cell_axes: dict) -> dict | None:
     return section
 
 
-def _options_of(scenario: Scenario, backend: str) -> dict:
-    """The scenario's ``backend_options`` that belong to ``backend``."""
-    owners = variants.backend_option_owners()
-    return {option: value for option, value in scenario.backend_options.items() if owners[option] == backend}
+def _options_of(scenario: Scenario, backend: str, name: str) -> dict:
+    """The scenario's ``backend_options`` that variant ``name`` takes on ``backend``."""
+    return variants.backend_options_for(name, backend, scenario.backend_options)
 
 
 def _unsupported_backends(name: str, d_key: int, params: dict, scenario: Scenario, field: str, path: str) -> dict:
@@ -586,7 +586,7 @@ def _unsupported_backends(name: str, d_key: int, params: dict, scenario: Scenari
     unsupported = {}
     for backend in scenario.backends:
         try:
-            variants.create(name, d_key, backend=backend, backend_options=_options_of(scenario, backend), **params)
+            variants.create(name, d_key, backend=backend, backend_options=_options_of(scenario, backend, name), **params)
         except variants.UnsupportedBackend as exc:
             unsupported[backend] = str(exc)
         except variants.VariantError as exc:

@@ -229,10 +229,13 @@ def _measure(cell, device, dtype) -> dict:
     if cell["mode"] == "quality":
         return _measure_quality(cell, device, dtype)
     torch.manual_seed(0)
+    choices = _implementation_choices(cell, device, dtype)
     first_call_s = _warm_up_libraries(cell, device, dtype)
     compiled_before = compiled_frames() if cell["backend"] == "compile" else 0
     if cell["mode"] == "decode":
-        return _compile_record(cell, _measure_decode(cell, device, dtype), first_call_s, compiled_before)
+        result = _measure_decode(cell, device, dtype)
+        result["metrics"].update(choices)
+        return _compile_record(cell, result, first_call_s, compiled_before)
     with PeakMemory(device) as peak:
         workload = BUILDERS[cell["target"]](cell, device, dtype)
         finite = _finite(workload.run())
@@ -248,10 +251,19 @@ def _measure(cell, device, dtype) -> dict:
         "min_bytes": workload.min_bytes,
         "flops_per_s": workload.flops / timing.median_s,
         "torch_threads": torch.get_num_threads(),
+        **choices,
     }
     if cell["target"] == "model":
         metrics["words_per_s"] = metrics["tokens_per_s"]
     return _compile_record(cell, _result(finite, metrics), first_call_s, compiled_before)
+
+
+def _implementation_choices(cell, device, dtype) -> dict:
+    """What the cell's attention core runs on inputs of the cell's shape (softmax: ``sdpa_backend``;
+    fla: ``fla_kernel`` and ``chunk_size``), asked before anything runs, so that a pinned choice
+    that cannot run them skips the cell with the core's reason (UnsupportedBackend)."""
+    core = _core(cell).to(device=device, dtype=dtype)
+    return core.implementation_choices(**_attention_inputs(core, cell["axes"], device, dtype, False))
 
 
 def _compile_record(cell, result: dict, first_call_s: float, compiled_before: int) -> dict:

@@ -82,21 +82,59 @@ def _wrapper(backend: str):
     return None
 
 
-def check_backend_options(backend: str, options: dict | None) -> dict:
-    """The options of ``backend`` (``backend_options`` of a scenario), checked: only the
-    wrapping backends take any ('compile': mode, dynamic)."""
+#: The backends that run a core's own PyTorch forms, and so take the backend options its class
+#: declares in ``OPTIONS`` (softmax's ``sdpa``): name -> (accepts(value), what it accepts).
+CORE_OPTION_BACKENDS = ("torch", "compile")
+
+
+def _core_options(backend: str, name: str | None) -> dict:
+    """The options the core class registered as ``name`` declares (every registered class's for
+    None), where ``backend`` runs its PyTorch forms; else none."""
+    if backend not in CORE_OPTION_BACKENDS:
+        return {}
+    factories = _REGISTRY.values() if name is None else [_REGISTRY[name]]
+    return {option: spec for factory in factories for option, spec in getattr(factory, "OPTIONS", {}).items()}
+
+
+def check_backend_options(backend: str, options: dict | None, name: str | None = None) -> dict:
+    """The options of ``backend`` (``backend_options`` of a scenario) for variant ``name`` (any
+    variant for None), checked: the wrapping backend's own ('compile': mode, dynamic) and, on the
+    backends that run the PyTorch forms, the core's (softmax: sdpa)."""
     options = dict(options or {})
+    core = _core_options(backend, name)
+    for option, value in options.items():
+        if option in core:
+            accepts, accepted = core[option]
+            if not accepts(value):
+                raise VariantError(f"backend {backend!r}: option {option} must be one of {accepted}, got {value!r}")
+        elif name is not None and option in _core_options(backend, None):
+            owners = ", ".join(sorted(other for other, factory in _REGISTRY.items() if option in getattr(factory, "OPTIONS", {})))
+            raise VariantError(f"{name}: backend option {option} is {owners}'s only, got {option}={value!r}")
     wrapper = _wrapper(backend)
+    rest = {option: value for option, value in options.items() if option not in core}
     if wrapper is None:
-        if options:
-            raise VariantError(f"backend {backend!r} takes no options, got {', '.join(options)}")
+        if rest:
+            raise VariantError(f"backend {backend!r} takes no options, got {', '.join(rest)}")
         return options
-    return wrapper.check_options(options)
+    return {**wrapper.check_options(rest), **{option: options[option] for option in core if option in options}}
 
 
-def backend_option_owners() -> dict[str, str]:
-    """Every backend option's name -> the backend that takes it (``{'mode': 'compile', ...}``)."""
-    return {option: backend for backend in BACKENDS if (wrapper := _wrapper(backend)) for option in wrapper.OPTIONS}
+def backend_option_owners() -> dict[str, tuple[str, ...]]:
+    """Every backend option's name -> the backends that take it (``{'mode': ('compile',), 'sdpa': ('torch', 'compile'), ...}``)."""
+    owners: dict[str, tuple[str, ...]] = {}
+    for backend in BACKENDS:
+        wrapper = _wrapper(backend)
+        for option in [*(wrapper.OPTIONS if wrapper else ()), *_core_options(backend, None)]:
+            owners[option] = (*owners.get(option, ()), backend)
+    return owners
+
+
+def backend_options_for(name: str, backend: str, options: dict) -> dict:
+    """Of a scenario's ``backend_options``, those that variant ``name`` takes on ``backend`` (a
+    scenario pinning softmax's SDPA kernel measures its other variants as they are)."""
+    wrapper = _wrapper(backend)
+    taken = {*(wrapper.OPTIONS if wrapper else ()), *_core_options(backend, name)}
+    return {option: value for option, value in options.items() if option in taken}
 
 
 def create(name: str, d_key: int, *, backend: str = "torch", backend_options: dict | None = None, **params: Any) -> AttentionCore:
@@ -106,14 +144,15 @@ def create(name: str, d_key: int, *, backend: str = "torch", backend_options: di
     rules; a core class that takes no ``backend`` is torch only), 'compile' (the torch core
     through torch.compile, ``backend_options`` mode and dynamic) or 'fla' (flash-linear-attention's
     kernels where they compute the same function; ``UnsupportedBackend`` naming the difference
-    elsewhere)."""
+    elsewhere). The core's own options (softmax's ``sdpa``, on 'torch' and 'compile') become its
+    attributes of the same name."""
     if name not in _REGISTRY:
         raise VariantError(f"unknown variant {name!r}; known variants: {', '.join(names())}")
     if not isinstance(d_key, int) or d_key < 1:
         raise VariantError(f"{name}: d_key must be a positive int, got {d_key!r}")
     if backend not in BACKENDS:
         raise VariantError(f"{name}: backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
-    options = check_backend_options(backend, backend_options)
+    options = check_backend_options(backend, backend_options, name)
     wrapper = _wrapper(backend)
     if backend != "torch" and wrapper is None:
         params["backend"] = backend
@@ -124,6 +163,10 @@ def create(name: str, d_key: int, *, backend: str = "torch", backend_options: di
             raise UnsupportedBackend(f"{name}: has only the 'torch' backend, got backend={backend!r}") from None
         raise VariantError(f"{name}: {exc}") from None
     core.variant_name = name
+    core_options = _core_options(backend, name)
+    for option in core_options:
+        if option in options:
+            setattr(core, option, options.pop(option))
     return core if wrapper is None else wrapper.wrap(core, **options)
 
 
@@ -214,6 +257,16 @@ def activated_linear(activation: Callable[[torch.Tensor], torch.Tensor]) -> Call
     return lambda d_model, n_heads: ActivatedLinear(d_model, n_heads, activation)
 
 
+def in_layout(x: torch.Tensor, layout: str) -> torch.Tensor:
+    """``x`` ``[B, H, T, ...]`` with its storage in ``layout`` ('bhtd': contiguous; 'bthd': a
+    ``[B, H, T, ...]`` view of contiguous ``[B, T, H, ...]``), copied only when it is not already."""
+    if layout == "bthd":
+        return x.transpose(1, 2).contiguous().transpose(1, 2)
+    if layout != "bhtd":
+        raise VariantError(f"input_layout must be 'bhtd' or 'bthd', got {layout!r}")
+    return x.contiguous()
+
+
 def token_slice(inputs: dict[str, torch.Tensor], t: int) -> dict[str, torch.Tensor]:
     """The inputs of ``step`` at time ``t`` from sequence inputs (``example_inputs``' keys):
     ``{"q_t": q[:, :, t], "k_t": ..., "v_t": ..., "beta_t": ...}``, so ``core.step(**token_slice(inputs, t), state=s)``."""
@@ -245,6 +298,9 @@ class AttentionCore(nn.Module):
     shared_qk = False
     #: example_inputs draws unit-norm q and k (plain rules without φ, stable only for bounded keys)
     example_unit_keys = False
+    #: the memory layout the parallel form wants its inputs in (``example_inputs`` gives them so):
+    #: 'bhtd' ([B, H, T, D] contiguous) or 'bthd' ([B, H, T, D] views of [B, T, H, D] storage, backend 'fla')
+    input_layout = "bhtd"
 
     def __init__(self, d_key: int):
         super().__init__()
@@ -301,14 +357,21 @@ class AttentionCore(nn.Module):
         declared token input ``[B, H, T]`` from its ``draw`` (β ~ U(0, 1), log gate −3u²). Drawn
         in float64 for ``dtype=torch.float64``, else in float32 and cast, on ``device`` from
         ``generator`` (whose device must match); leaves with ``requires_grad`` when asked.
-        Unit-norm q and k for a core with ``example_unit_keys``."""
+        Unit-norm q and k for a core with ``example_unit_keys``. Laid out as ``input_layout`` says
+        (the same values in either layout)."""
         shape, working = (batch, heads, seq_len), torch.float64 if dtype == torch.float64 else torch.float32
         draw = dict(generator=generator, device=device, dtype=working)
         q, k, v = (torch.randn(*shape, width, **draw) for width in (self.d_key, self.d_key, d_value))
         if self.example_unit_keys:
             q, k = q / q.norm(dim=-1, keepdim=True), k / k.norm(dim=-1, keepdim=True)
         inputs = {"q": q, "k": k, "v": v} | {spec.name: spec.draw(shape, **draw) for spec in self.token_inputs}
-        return {name: x.to(dtype).requires_grad_(requires_grad) for name, x in inputs.items()}
+        return {name: in_layout(x.to(dtype), self.input_layout).requires_grad_(requires_grad) for name, x in inputs.items()}
+
+    def implementation_choices(self, q, k, v, *, causal: bool = True, **token_inputs) -> dict:
+        """What the parallel form chooses to run for these inputs, for a cell's ``metrics`` (softmax:
+        its SDPA kernel; backend 'fla': its kernel and chunk); called outside any timed call. A
+        choice pinned by an option that cannot run them raises UnsupportedBackend. None here."""
+        return {}
 
     def extra_repr(self) -> str:
         return f"d_key={self.d_key}, d_dot={self.d_dot}"

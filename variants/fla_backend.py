@@ -4,7 +4,10 @@ difference for the others. The mapping of each variant is written down in docs/v
 ("The fla backend").
 
 Conventions mapped here, once for all: fla takes ``[B, T, H, D]`` (ours ``[B, H, T, D]``: a
-transpose of dims 1 and 2 each way); its recurrent state ``[B, H, K, V]`` is our fast weight
+transpose of dims 1 and 2 each way; the wrapped core's ``input_layout`` 'bthd' makes
+``example_inputs`` lay its inputs out so, so that the transpose is a view and no copy runs
+inside a timed call; Based's and ReBased's parallel kernels transpose back to ``[B, H, T, D]``
+and keep 'bhtd'); its recurrent state ``[B, H, K, V]`` is our fast weight
 matrix S = Wᵀ ``[B, H, d_dot, Dv]`` as it is; its ``scale`` multiplies the queries (we pass 1,
 or Based's 1/√d_key); the feature map φ (with Schlag's sum normalisation where a variant has
 it) is applied in PyTorch before the kernel, so the kernel sees φ(q), φ(k); β and the log
@@ -17,6 +20,13 @@ Which kernel runs: on CUDA tensors fla's chunk kernels (``chunk_linear_attn``,
 interpreter), each autotuned kernel on its first configuration (the interpreter cannot benchmark);
 the decode step is the fused recurrent kernel on one token, as fla's layers decode. fla's
 ``fused_recurrent_gated_delta_rule`` has no backward: the gated rule trains through fla on CUDA only.
+
+The chunk size (fla-core 0.6.0): ``chunk_delta_rule`` and ``chunk_gated_delta_rule`` take the
+core's ``chunk_size`` from 16, 32, 64; ``chunk_linear_attn`` takes none and runs 64; the
+parallel Based/ReBased kernels have no chunk (tiled quadratic attention, counted as such by
+``flops``). Any other ``chunk_size`` is refused when the core is built, so a swept chunk size
+never measures one configuration under several labels. ``implementation_choices`` records the
+kernel and chunk a cell runs (the recurrent kernels of the CPU path have no chunk).
 """
 
 from __future__ import annotations
@@ -37,6 +47,13 @@ OPTIONS: dict = {}
 FLA_LINEAR_EPS = 1e-10
 #: The largest query/key width of fla's parallel Based/ReBased kernels (their assertion).
 PARALLEL_MAX_DIM = 128
+#: The chunk sizes fla's chunk kernels run, by kernel: the delta rules check for 16, 32, 64
+#: (ValueError otherwise); chunk_linear_attn calls chunk_simple_gla with its default of 64.
+CHUNK_SIZES = {
+    "chunk_linear_attn": (64,),
+    "chunk_delta_rule": (16, 32, 64),
+    "chunk_gated_delta_rule": (16, 32, 64),
+}
 
 
 def check_options(options: dict) -> dict:
@@ -52,12 +69,27 @@ def wrap(core):
     if importlib.util.find_spec("fla") is None:
         raise UnsupportedBackend(f"{name}: backend 'fla' needs flash-linear-attention: pip install 'attnbench[fla]' (package fla-core)")
     mapping = _mapping(core)
+    _check_chunk_size(core, mapping.kernels["chunk"])
     core._parallel = mapping.parallel
     core._prefill = mapping.prefill
     core._step = mapping.step
+    core.implementation_choices = mapping.choices
+    core.input_layout = mapping.layout
+    if isinstance(mapping, _QuadraticMapping):
+        core.flops = mapping.flops
     core.backend = "fla"
     core.fla_kernels = mapping.kernels
     return core
+
+
+def _check_chunk_size(core, kernel: str) -> None:
+    """Refuse a ``chunk_size`` that ``kernel`` does not run (UnsupportedBackend, naming those it does)."""
+    from .fast_weights import DEFAULT_CHUNK
+
+    accepted = CHUNK_SIZES.get(kernel, (DEFAULT_CHUNK,))
+    if core.chunk_size not in accepted:
+        runs = f"runs chunk_size {', '.join(map(str, accepted))}" if kernel in CHUNK_SIZES else f"has no chunk (leave chunk_size at {DEFAULT_CHUNK})"
+        raise UnsupportedBackend(f"{core.variant_name}: fla's {kernel} {runs}, got chunk_size={core.chunk_size}")
 
 
 def _mapping(core):
@@ -135,7 +167,8 @@ def _where(variant: str, device: torch.device) -> str:
 
 
 def _fla(x):
-    """Our ``[B, H, T, D]`` (or ``[B, H, T]``) as fla's ``[B, T, H, D]`` (``[B, T, H]``)."""
+    """Our ``[B, H, T, D]`` (or ``[B, H, T]``) as fla's ``[B, T, H, D]`` (``[B, T, H]``): a view of
+    inputs laid out 'bthd' (``AttentionCore.input_layout``), a copy only of others."""
     return x.transpose(1, 2).contiguous()
 
 
@@ -148,7 +181,20 @@ def _causal_only(variant: str, causal: bool) -> None:
         raise UnsupportedBackend(f"{variant}: fla's kernels are causal only; causal=False is backend='torch'")
 
 
-class _LinearMapping:
+class _Mapping:
+    """What every mapping shares: the kernels by where they run (``kernels``), the layout its
+    inputs should have (``layout``) and what a call on given inputs runs (``choices``)."""
+
+    layout = "bthd"
+
+    def choices(self, q, k, v, *, causal=True, **token_inputs) -> dict:
+        """``{"fla_kernel": name, "chunk_size": C}`` for a call on ``q``'s device (C None for a kernel without chunks)."""
+        where = _where(self.core.variant_name, q.device)
+        kernel = self.kernels[where]
+        return {"fla_kernel": kernel, "chunk_size": self.core.chunk_size if kernel in CHUNK_SIZES else None}
+
+
+class _LinearMapping(_Mapping):
     """The sum rule (linear, performer, dpfp, any φ): fla's linear attention on φ(q), φ(k);
     ``normalize`` is fla's ``normalize``. Unnormalised: scale 1. Normalised, fla divides
     s φ(q)ᵀS by s φ(q)·z + 1e-10 (s its ``scale``) where we divide φ(q)ᵀS by φ(q)·z + ε with ε = 1e-6;
@@ -164,12 +210,11 @@ class _LinearMapping:
     def _call(self, q, k, v, state, where):
         core, ops = self.core, _ops("linear_attn")
         kernel = ops.chunk_linear_attn if where == "chunk" else ops.fused_recurrent_linear_attn
-        features_q, features_k = core.phi.for_queries(q), core.phi.for_keys(k)
         initial = None
         if state is not None:
             initial = (state.weights, _fla(state.normaliser.unsqueeze(2))) if core.normalize else state.weights
-        out, final = kernel(
-            _fla(features_q), _fla(features_k), _fla(v), scale=self.scale, initial_state=initial,
+        out, final = kernel(  # φ acts on each token's last dim: applied in fla's layout, its output is in it too
+            core.phi.for_queries(_fla(q)), core.phi.for_keys(_fla(k)), _fla(v), scale=self.scale, initial_state=initial,
             output_final_state=state is not None, normalize=core.normalize,
         )
         if state is None:
@@ -194,7 +239,7 @@ class _LinearMapping:
         return out.squeeze(2), state
 
 
-class _DeltaMapping:
+class _DeltaMapping(_Mapping):
     """The delta rule (φ and sum normalisation in PyTorch, no attention normaliser) and the gated
     delta rule: fla's (gated) delta rule on φ(q), φ(k) with scale 1, β as ``beta``, g as ``g``."""
 
@@ -219,9 +264,10 @@ class _DeltaMapping:
             if initial is not None and not initial.requires_grad:  # fla's backward writes dh0 only for an h0 that requires grad
                 initial = initial.detach().requires_grad_()
         gate = {"g": _fla(log_gate)} if self.gated else {}
+        chunk = {"chunk_size": core.chunk_size} if where == "chunk" else {}
         out, final = kernel(
-            _fla(core.phi.for_queries(q)), _fla(core.phi.for_keys(k)), _fla(v), **gate, beta=_fla(beta),
-            scale=1.0, initial_state=initial, output_final_state=state is not None,
+            core.phi.for_queries(_fla(q)), core.phi.for_keys(_fla(k)), _fla(v), **gate, beta=_fla(beta),
+            scale=1.0, initial_state=initial, output_final_state=state is not None, **chunk,
         )
         return _ours(out), None if state is None else FastWeightState(final.to(v.dtype), None)
 
@@ -240,12 +286,16 @@ class _DeltaMapping:
         return out.squeeze(2), state
 
 
-class _QuadraticMapping:
+class _QuadraticMapping(_Mapping):
     """Based (φ = the 2nd-order Taylor map of exp(q·k/√d)): fla's ``parallel_based`` with scale
     1/√d_key, whose 1 + s + s²/2 with s = q·k/√d is φ(q)·φ(k), normalised with the same ε = 1e-6.
     ReBased: q' = γ_q ⊙ LayerNorm(q) + β_q (and k' with the keys' γ, β) in PyTorch, then fla's
     ``parallel_rebased`` unscaled with ε = 1e-6, whose (q'·k')² is φ(q)·φ(k). These kernels form
-    no state: prefill and step are refused."""
+    no state: prefill and step are refused. Both take ``[B, T, H, D]`` and transpose it back to
+    ``[B, H, T, D]`` (made contiguous) for the kernel: our layout 'bhtd' passes through as views.
+    They compute tiled quadratic attention: ``flops`` counts it as softmax's is counted."""
+
+    layout = "bhtd"
 
     def __init__(self, core):
         self.core = core
@@ -260,14 +310,18 @@ class _QuadraticMapping:
         _causal_only(core.variant_name, causal)
         _where(core.variant_name, q.device)
         if self.based:
-            out = _ops("based").parallel_based(_fla(q), _fla(k), _fla(v), scale=core.d_key**-0.5, use_norm=core.normalize)
-            return _ours(out)
+            q, k, v = (x.transpose(1, 2) for x in (q, k, v))  # fla's [B, T, H, D] as views: the kernel transposes back
+            return _ours(_ops("based").parallel_based(q, k, v, scale=core.d_key**-0.5, use_norm=core.normalize))
         maps = core.phi.query, core.phi.key
         q, k = (torch.nn.functional.layer_norm(x, (core.d_key,), m.gamma.to(x.dtype), m.beta.to(x.dtype)) for x, m in zip((q, k), maps))
-        out = _ops("rebased").parallel_rebased(
-            _fla(q), _fla(k), _fla(v), eps=EPS, use_scale=False, use_normalize=core.normalize,
-        )
-        return _ours(out)
+        q, k, v = (x.transpose(1, 2) for x in (q, k, v))
+        return _ours(_ops("rebased").parallel_rebased(q, k, v, eps=EPS, use_scale=False, use_normalize=core.normalize))
+
+    def flops(self, batch, heads, length, d_value, *, causal=True):
+        """q·k and the weighted sum of the values over the visible pairs, T(T+1)/2 of them when causal
+        (the Taylor or square map of each score is elementwise, not counted)."""
+        pairs = length * (length + 1) // 2 if causal else length * length
+        return 2 * batch * heads * pairs * (self.core.d_key + d_value)
 
     def _no_state(self, *args, **kwargs):
         raise UnsupportedBackend(f"{self.core.variant_name}: fla's {self.kernels['chunk']} forms no recurrent state; decoding is backend='torch'")

@@ -2,20 +2,66 @@
 
     y_t = Σ_{i≤t} softmax_i(q_t·k_i · s) v_i,   s = 1/sqrt(d_key) unless ``scale`` is given.
 
-The parallel form is PyTorch's ``scaled_dot_product_attention`` (FlashAttention or the
-memory-efficient kernel where the device has one); decoding keeps a KV cache.
+The parallel form is PyTorch's ``scaled_dot_product_attention`` (SDPA); decoding keeps a KV
+cache. SDPA runs one of several kernels (FlashAttention, the memory-efficient kernel, cuDNN's,
+the plain math form), chosen per call from the device, dtype, shapes and strides. The backend
+option ``sdpa`` (``create(..., backend_options={"sdpa": "flash"})``, backends 'torch' and
+'compile') pins one of them, and ``implementation_choices`` says which one a call runs, so that
+two machines' softmax rows say whether they compared the same kernel.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import NamedTuple
 
 import torch
+import torch.backends.cuda as cuda_backends
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from .base import AttentionCore, VariantError, register
+from .base import AttentionCore, UnsupportedBackend, VariantError, register
 from .chunked import causal_read
+
+#: The SDPA kernels the backend option ``sdpa`` pins, by the name a scenario gives ('auto': PyTorch picks per call).
+SDPA_BACKENDS = {
+    "flash": SDPBackend.FLASH_ATTENTION,
+    "efficient": SDPBackend.EFFICIENT_ATTENTION,
+    "cudnn": SDPBackend.CUDNN_ATTENTION,
+    "math": SDPBackend.MATH,
+}
+#: Each SDPA kernel's switch in torch.backends.cuda (the flags SDPA's dispatcher reads on every device).
+_SWITCHES = {
+    "flash": (cuda_backends.flash_sdp_enabled, cuda_backends.enable_flash_sdp),
+    "efficient": (cuda_backends.mem_efficient_sdp_enabled, cuda_backends.enable_mem_efficient_sdp),
+    "cudnn": (cuda_backends.cudnn_sdp_enabled, cuda_backends.enable_cudnn_sdp),
+    "math": (cuda_backends.math_sdp_enabled, cuda_backends.enable_math_sdp),
+}
+SDPA_CHOICES = ("auto", *SDPA_BACKENDS)
+
+
+class _Pinned:
+    """Within the block, SDPA may run only the kernel ``name``: the four switches set, and restored
+    on exit. The same as ``sdpa_kernel`` at a sixth of its cost (about 4 µs per call against 22 µs
+    on the 2-core development VM), which matters inside a timed call; under torch.compile, where
+    the switches are not traceable, ``sdpa_kernel`` (which TorchDynamo traces) does it."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __enter__(self):
+        self.saved = [(enable, enabled()) for enabled, enable in _SWITCHES.values()]
+        for kernel, (_, enable) in _SWITCHES.items():
+            enable(kernel == self.name)
+
+    def __exit__(self, *exc_info):
+        for enable, was in self.saved:
+            enable(was)
+
+
+def _check_sdpa(value) -> bool:
+    return isinstance(value, str) and value in SDPA_CHOICES
 
 
 class KVCache(NamedTuple):
@@ -47,7 +93,13 @@ class KVCache(NamedTuple):
 
 @register("softmax")
 class Softmax(AttentionCore):
-    """Scaled dot-product softmax attention; ``scale`` defaults to 1/sqrt(d_key)."""
+    """Scaled dot-product softmax attention; ``scale`` defaults to 1/sqrt(d_key). ``sdpa``: the
+    SDPA kernel its parallel form and prefill run ('auto', or one of ``SDPA_BACKENDS``), set by
+    ``create`` from the backend option of that name."""
+
+    #: The backend options of the PyTorch forms (backends 'torch' and 'compile'): name -> (accepts(value), what it accepts).
+    OPTIONS = {"sdpa": (_check_sdpa, " | ".join(SDPA_CHOICES))}
+    sdpa = "auto"
 
     def __init__(self, d_key, *, scale: float | None = None):
         super().__init__(d_key)
@@ -58,15 +110,43 @@ class Softmax(AttentionCore):
 
     def _parallel(self, q, k, v, causal):
         if not causal:
-            return F.scaled_dot_product_attention(q, k, v, scale=self.scale)
+            return self._attend(q, k, v)
         return self._causal(q, k, v, is_causal=True)
+
+    def _attend(self, q, k, v, **mask):
+        """SDPA on the kernel ``sdpa`` pins (any for 'auto')."""
+        if self.sdpa == "auto":
+            return F.scaled_dot_product_attention(q, k, v, scale=self.scale, **mask)
+        pinned = sdpa_kernel(SDPA_BACKENDS[self.sdpa]) if torch.compiler.is_compiling() else _Pinned(self.sdpa)
+        with pinned:
+            return F.scaled_dot_product_attention(q, k, v, scale=self.scale, **mask)
 
     def _causal(self, q, k, v, **mask):
         """Causal SDPA in which a non-finite key or value at position p reaches no output before p,
         whatever the SDPA backend does with a masked-out NaN (0·NaN and NaN − ∞ are NaN): both go
         through ``causal_read``, a key poisoning every channel of the outputs from p on."""
-        attend = lambda keys, values: F.scaled_dot_product_attention(q, keys, values, scale=self.scale, **mask)  # noqa: E731
+        attend = lambda keys, values: self._attend(q, keys, values, **mask)  # noqa: E731
         return causal_read(lambda keys: causal_read(lambda values: attend(keys, values), v), k, every_channel=True)
+
+    def implementation_choices(self, q, k, v, *, causal: bool = True, **token_inputs) -> dict:
+        """``{"sdpa_backend": name}``: the SDPA kernel the parallel form runs on these inputs, as
+        SDPA's own dispatcher picks it (``torch._fused_sdp_choice``; under a pin, among the pinned
+        one only). On the CPU PyTorch has two: its flash kernel ('flash') and 'math'.
+        UnsupportedBackend names the pinned kernel and the inputs when it cannot run them."""
+        names = {int(kernel): name for name, kernel in SDPA_BACKENDS.items()}
+        pinned = contextlib.nullcontext() if self.sdpa == "auto" else _Pinned(self.sdpa)
+        with pinned:
+            try:
+                choice = torch._fused_sdp_choice(q, k, v, is_causal=causal, scale=self.scale)
+            except RuntimeError:  # "No viable backend for scaled_dot_product_attention was found"
+                choice = int(SDPBackend.ERROR)
+        if choice not in names:
+            shape = "x".join(map(str, q.shape))
+            raise UnsupportedBackend(
+                f"softmax: the SDPA kernel sdpa={self.sdpa} cannot run {q.device.type} {str(q.dtype).removeprefix('torch.')} inputs "
+                f"[B, H, T, D] = {shape} (PyTorch has no such kernel for them); pin another ({', '.join(SDPA_CHOICES)})"
+            )
+        return {"sdpa_backend": names[choice]}
 
     def _prefill(self, q, k, v, state: KVCache | None):
         """Causal parallel form that also returns the KV cache after the last token."""
@@ -108,4 +188,4 @@ class Softmax(AttentionCore):
         return batch * heads * length * (self.d_key + d_value)
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, scale={self.scale:.4g}"
+        return f"{super().extra_repr()}, scale={self.scale:.4g}, sdpa={self.sdpa}"

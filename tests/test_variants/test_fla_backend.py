@@ -4,7 +4,10 @@ and every gradient (inputs, β, the log gate, ReBased's γ and β), through the 
 recurrent step and a prefill chain; the variants it does not map are refused naming the
 difference. On a CPU fla's recurrent kernels run through Triton's interpreter (tests/conftest.py
 sets TRITON_INTERPRET=1 there); on a GPU its chunk kernels run natively. Skipped where fla-core
-is not installed (``pip install 'attnbench[fla]'``)."""
+is not installed (``pip install 'attnbench[fla]'``). The inputs of the correctness tests are
+the fla core's own (``example_inputs`` in fla's layout), but the prefill chain's (ours). The
+chunk size reaches fla's chunk kernels (a recording stand-in for the kernel: they run on CUDA
+only) or is refused; a parallel call copies none of its inputs."""
 
 from __future__ import annotations
 
@@ -13,9 +16,12 @@ import importlib.util
 import pytest
 import torch
 from helpers import assert_close, check_forms, config_id, make_inputs, to
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import variants
+from harness import workloads
 from harness.scenario import load_scenario
+from variants import fla_backend
 
 needs_fla = pytest.mark.skipif(
     importlib.util.find_spec("fla") is None or importlib.util.find_spec("triton") is None,
@@ -51,6 +57,7 @@ def _pair(config, seed):
 
 
 def _on_device(inputs: dict, requires_grad=False) -> dict:
+    """The inputs in DTYPE on DEVICE, in the layout they have."""
     return {name: x.detach().to(DEVICE, DTYPE).requires_grad_(requires_grad) for name, x in inputs.items()}
 
 
@@ -60,7 +67,7 @@ def _on_device(inputs: dict, requires_grad=False) -> dict:
 def test_fla_parallel_and_step_match_the_reference(config, seed):
     """The parallel form and the step loop, forward and every gradient (tests/helpers.check_forms)."""
     core, reference = _pair(config, seed)
-    inputs = make_inputs(reference, 2, 3, 19, 5, dtype=torch.float64, seed=seed)
+    inputs = make_inputs(core, 2, 3, 19, 5, dtype=torch.float64, seed=seed)
     if DEVICE == "cpu" and config[0] == "gated_delta":  # fla's recurrent gated kernel has no backward
         check_forms(core, reference, inputs, DTYPE, seed, f"{config_id(config)}[fla]", backward=False)
         with pytest.raises(variants.UnsupportedBackend, match="fused_recurrent_gated_delta_rule has no backward"):
@@ -81,7 +88,7 @@ def test_fla_parallel_and_step_match_the_reference(config, seed):
 @pytest.mark.parametrize("config", PARALLEL_ONLY, ids=config_id)
 def test_fla_based_and_rebased_match_the_reference(config, seed):
     core, reference = _pair(config, seed)
-    inputs = make_inputs(reference, 2, 3, 37, 5, dtype=torch.float64, seed=seed, requires_grad=True)
+    inputs = make_inputs(core, 2, 3, 37, 5, dtype=torch.float64, seed=seed, requires_grad=True)
     parameters = [p for p in reference.parameters() if p.requires_grad]
     expected = reference.reference(**inputs)
     cotangent = torch.randn(expected.shape, generator=torch.Generator().manual_seed(seed + 1), dtype=torch.float64)
@@ -162,3 +169,152 @@ def test_a_scenario_skips_the_cells_fla_does_not_compute(tmp_path):
     assert cells["softmax", "torch"]["skip"] is None
     linear = cells["linear", "fla"]["skip"]
     assert linear is None if importlib.util.find_spec("fla") else "attnbench[fla]" in linear
+
+
+# --- the chunk size fla runs, and its layout --------------------------------------------------------
+
+@needs_fla
+@pytest.mark.parametrize(
+    ("name", "params", "message"),
+    [
+        ("linear", {"chunk_size": 32}, "linear: fla's chunk_linear_attn runs chunk_size 64, got chunk_size=32"),
+        ("performer", {"m": 4, "chunk_size": 128}, "performer: fla's chunk_linear_attn runs chunk_size 64, got chunk_size=128"),
+        ("delta", {"chunk_size": 128}, "delta: fla's chunk_delta_rule runs chunk_size 16, 32, 64, got chunk_size=128"),
+        ("gated_delta", {"chunk_size": 8}, "gated_delta: fla's chunk_gated_delta_rule runs chunk_size 16, 32, 64, got chunk_size=8"),
+        ("based", {"chunk_size": 32}, "based: fla's parallel_based has no chunk (leave chunk_size at 64), got chunk_size=32"),
+    ],
+)
+def test_fla_refuses_a_chunk_size_its_kernel_does_not_run(name, params, message):
+    with pytest.raises(variants.UnsupportedBackend) as info:
+        variants.create(name, 8, backend="fla", **params)
+    assert str(info.value) == message
+
+
+class _RecordingKernel:
+    """Stands in for one of fla's ops: records the keywords and the tensors it is given, then runs
+    ``compute`` (fla's recurrent kernel, whose function is the same without a chunk) or, without
+    one, returns NaN outputs of the right shape."""
+
+    def __init__(self, compute=None):
+        self.compute, self.calls = compute, []
+
+    def __call__(self, *tensors, **options):
+        self.calls.append((tensors, {key: value for key, value in options.items() if not isinstance(value, torch.Tensor)}, options))
+        options = {key: value for key, value in options.items() if key != "chunk_size"}
+        if self.compute is not None:
+            return self.compute(*tensors, **options)
+        out = torch.full((*tensors[2].shape[:-1], tensors[2].shape[-1]), float("nan"), dtype=tensors[2].dtype)
+        return out if len(tensors) == 3 and "beta" not in options else (out, None)
+
+
+def _in_float32(kernel, dtype):
+    """``kernel`` run in float32 (fla's recurrent kernels in the interpreter), its outputs in ``dtype``."""
+    widen = lambda x: x.float() if isinstance(x, torch.Tensor) else x  # noqa: E731
+
+    def run(*tensors, **options):
+        return tuple(None if x is None else x.to(dtype) for x in kernel(*map(widen, tensors), **{key: widen(x) for key, x in options.items()}))
+
+    return run
+
+
+@needs_fla
+@pytest.mark.parametrize(("name", "chunk_size"), [("delta", 16), ("delta", 32), ("gated_delta", 32), ("gated_delta", 64)])
+def test_the_chunk_size_reaches_fla_chunk_kernel(monkeypatch, name, chunk_size, seed):
+    """On CUDA the delta rules run fla's chunk kernel at the core's chunk_size; ``flops`` counts that
+    chunk and ``implementation_choices`` records it. Here the kernel is a recording stand-in that
+    computes with fla's recurrent kernel (the chunk kernels run on CUDA only; chunk_delta_rule in
+    16 bits only: bfloat16 for it, float32 for the gated rule)."""
+    core, reference = _pair((name, {"chunk_size": chunk_size}), seed)
+    rule = fla_backend._ops("gated_delta_rule" if name == "gated_delta" else "delta_rule")
+    kernel_name = core.fla_kernels["chunk"]
+    dtype = torch.bfloat16 if name == "delta" else torch.float32
+    stand_in = _RecordingKernel(_in_float32(getattr(rule, core.fla_kernels["recurrent"]), dtype))
+    monkeypatch.setattr(rule, kernel_name, stand_in)
+    monkeypatch.setattr(fla_backend, "_where", lambda variant, device: "chunk")
+    inputs = make_inputs(core, 2, 3, 40, 5, dtype=torch.float64, seed=seed)
+    out, expected = core(**to(inputs, dtype)).double(), reference.reference(**inputs)
+    assert [options["chunk_size"] for _, options, _ in stand_in.calls] == [chunk_size]
+    assert ((out - expected).norm() / expected.norm()).item() < (2e-2 if dtype == torch.bfloat16 else 1e-5), f"{name}[fla] chunk {chunk_size} (seed {seed})"
+    assert core.implementation_choices(**inputs) == {"fla_kernel": kernel_name, "chunk_size": chunk_size}
+    assert core.flops(2, 3, 40, 5) == reference.flops(2, 3, 40, 5) != variants.create(name, 6, chunk_size=chunk_size // 2).flops(2, 3, 40, 5)
+
+
+@needs_fla
+def test_the_fla_kernel_without_a_chunk_is_recorded_and_counted_as_it_runs():
+    linear, based = variants.create("linear", 8, backend="fla"), variants.create("based", 8, backend="fla")
+    assert linear.implementation_choices(**linear.example_inputs(1, 2, 8, 8)) == {"fla_kernel": "fused_recurrent_linear_attn", "chunk_size": None}
+    assert based.implementation_choices(**based.example_inputs(1, 2, 8, 8)) == {"fla_kernel": "parallel_based", "chunk_size": None}
+    assert based.flops(2, 3, 10, 5) == 2 * 2 * 3 * 55 * (8 + 5)  # the 55 visible pairs of 10 tokens, q·k and the weighted sum of v
+
+
+class _Copies(TorchDispatchMode):
+    """Counts the ATen ops within the block that copy a tensor (clone, copy_, _to_copy)."""
+
+    COPIES = ("clone", "copy_", "_to_copy")
+
+    def __enter__(self):
+        self.copies = []
+        return super().__enter__()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.__name__.split(".")[0] in self.COPIES:
+            self.copies.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+#: Each mapping with the fla op its parallel form calls on a CPU (the module under fla.ops and the name).
+NO_COPY = [
+    (("linear", {}), "linear_attn", "fused_recurrent_linear_attn"),
+    (("linear", {"phi": "identity", "normalize": False}), "linear_attn", "fused_recurrent_linear_attn"),
+    (("performer", {"m": 4}), "linear_attn", "fused_recurrent_linear_attn"),
+    (("dpfp", {"nu": 1}), "linear_attn", "fused_recurrent_linear_attn"),
+    (("delta", {}), "delta_rule", "fused_recurrent_delta_rule"),
+    (("deltanet", {}), "delta_rule", "fused_recurrent_delta_rule"),
+    (("gated_delta", {}), "gated_delta_rule", "fused_recurrent_gated_delta_rule"),
+    (("based", {}), "based", "parallel_based"),
+    (("rebased", {}), "rebased", "parallel_rebased"),
+]
+
+
+@needs_fla
+@pytest.mark.parametrize(("config", "module", "kernel"), NO_COPY, ids=[config_id(config) for config, _, _ in NO_COPY])
+def test_a_parallel_call_copies_none_of_its_inputs(monkeypatch, config, module, kernel):
+    """With the inputs the harness times (``example_inputs``, in the core's ``input_layout``), the
+    parallel form hands fla's op its inputs as they are: v, β and the log gate are the inputs' own
+    storage, φ(q) and φ(k) computed in fla's layout, and no copy runs before the op (which reads
+    contiguous [B, T, H, D]; Based's parallel kernel transposes back to contiguous [B, H, T, D])."""
+    name, params = config
+    core = variants.create(name, 6, backend="fla", **params).to(DTYPE)  # as the harness builds it: buffers (FAVOR+'s ω) in the cell's dtype
+    stand_in = _RecordingKernel()
+    monkeypatch.setattr(fla_backend._ops(module), kernel, stand_in)
+    inputs = core.example_inputs(2, 3, 16, 5, generator=torch.Generator().manual_seed(0))
+    with _Copies() as log:
+        core(**inputs)
+    assert log.copies == [], f"copies inside the timed call: {log.copies}"
+    (tensors, _, options), = stand_in.calls
+    given = dict(zip("qkv", tensors)) | options
+    reads = {label: x.transpose(1, 2) if kernel.startswith("parallel") else x for label, x in given.items() if isinstance(x, torch.Tensor)}
+    assert all(x.is_contiguous() for x in reads.values()), {label: x.stride() for label, x in reads.items()}
+    for label in ("v", "beta", "g"):
+        if label in given:
+            assert given[label].data_ptr() == inputs["log_gate" if label == "g" else label].data_ptr(), f"{label} was copied"
+
+
+@needs_fla
+def test_torch_layout_inputs_still_work_through_a_copy(seed):
+    """Inputs in our layout (not the core's) give the same result: fla's layout made by a copy."""
+    core, reference = _pair(("delta", {}), seed)
+    inputs = make_inputs(reference, 1, 2, 12, 4, dtype=torch.float64, seed=seed)
+    assert not inputs["q"].transpose(1, 2).is_contiguous()
+    assert_close(core(**to(inputs, DTYPE)), reference.reference(**inputs), DTYPE, "delta[fla] from [B, H, T, D] storage", seed)
+
+
+@needs_fla
+def test_an_fla_cell_records_its_kernel_and_chunk(tmp_path):
+    path = tmp_path / "f.yaml"
+    path.write_text("variants: {delta: {chunk_size: 32}}\nbackends: [fla]\naxes: {seq_len: 8, batch: 1, heads: 1, d_key: 4}\n"
+                    "measure: {warmup: 0, repeats: 1}\n")
+    (cell,) = load_scenario(str(path)).cells()
+    result = workloads.measure_cell(cell)
+    assert result["status"] == "ok", result["error"]
+    assert (result["metrics"]["fla_kernel"], result["metrics"]["chunk_size"]) == ("fused_recurrent_delta_rule", None)
