@@ -394,9 +394,11 @@ def _decoder(cell, device, dtype, context, new_tokens):
     if cell["target"] == "core":
         core = _core(cell).to(device=device, dtype=dtype)
         inputs = _attention_inputs(core, total, device, dtype, False)
-        prompt = variants.time_slice(inputs, 0, context)
+        # the prompt in the core's layout and each token's inputs contiguous, so that no timed call copies them
+        prompt = {name: variants.in_layout(x, core.input_layout) for name, x in variants.time_slice(inputs, 0, context).items()}
+        tokens = [{name: x.contiguous() for name, x in variants.token_slice(inputs, context + i).items()} for i in range(new_tokens)]
         prefill = lambda: core.prefill(**prompt)  # noqa: E731
-        step = lambda i, state: core.step(**variants.token_slice(inputs, context + i), state=state)  # noqa: E731
+        step = lambda i, state: core.step(**tokens[i], state=state)  # noqa: E731
         output = axes["batch"] * axes["heads"] * axes["d_value"] * inputs["v"].element_size()
         return core, prefill, step, tensor_bytes(variants.token_slice(inputs, context).values()) + output + _module_bytes(core)
     layer = _layer(cell, device, dtype)

@@ -193,18 +193,18 @@ def test_fla_refuses_a_chunk_size_its_kernel_does_not_run(name, params, message)
 class _RecordingKernel:
     """Stands in for one of fla's ops: records the keywords and the tensors it is given, then runs
     ``compute`` (fla's recurrent kernel, whose function is the same without a chunk) or, without
-    one, returns NaN outputs of the right shape."""
+    one, returns NaN outputs shaped like v and (``stateful``) the initial state as the final one."""
 
-    def __init__(self, compute=None):
-        self.compute, self.calls = compute, []
+    def __init__(self, compute=None, stateful=True):
+        self.compute, self.stateful, self.calls = compute, stateful, []
 
     def __call__(self, *tensors, **options):
         self.calls.append((tensors, {key: value for key, value in options.items() if not isinstance(value, torch.Tensor)}, options))
         options = {key: value for key, value in options.items() if key != "chunk_size"}
         if self.compute is not None:
             return self.compute(*tensors, **options)
-        out = torch.full((*tensors[2].shape[:-1], tensors[2].shape[-1]), float("nan"), dtype=tensors[2].dtype)
-        return out if len(tensors) == 3 and "beta" not in options else (out, None)
+        out = torch.full_like(tensors[2], float("nan"))
+        return (out, options.get("initial_state")) if self.stateful else out
 
 
 def _in_float32(kernel, dtype):
@@ -285,7 +285,7 @@ def test_a_parallel_call_copies_none_of_its_inputs(monkeypatch, config, module, 
     contiguous [B, T, H, D]; Based's parallel kernel transposes back to contiguous [B, H, T, D])."""
     name, params = config
     core = variants.create(name, 6, backend="fla", **params).to(DTYPE)  # as the harness builds it: buffers (FAVOR+'s ω) in the cell's dtype
-    stand_in = _RecordingKernel()
+    stand_in = _RecordingKernel(stateful=not kernel.startswith("parallel"))
     monkeypatch.setattr(fla_backend._ops(module), kernel, stand_in)
     inputs = core.example_inputs(2, 3, 16, 5, generator=torch.Generator().manual_seed(0))
     with _Copies() as log:
@@ -318,3 +318,22 @@ def test_an_fla_cell_records_its_kernel_and_chunk(tmp_path):
     result = workloads.measure_cell(cell)
     assert result["status"] == "ok", result["error"]
     assert (result["metrics"]["fla_kernel"], result["metrics"]["chunk_size"]) == ("fused_recurrent_delta_rule", None)
+
+
+@needs_fla
+@pytest.mark.parametrize("name", ["linear", "gated_delta"])
+def test_a_decode_cell_copies_no_input_in_its_prefill_or_steps(tmp_path, monkeypatch, name):
+    """The decode cell's prompt is laid out for the core and each token's inputs are contiguous, so
+    neither the timed prefill nor a timed step copies them (fla's recurrent kernel: a stand-in)."""
+    path = tmp_path / "d.yaml"
+    path.write_text(f"variants: {{{name}: {{}}}}\nbackends: [fla]\nmodes: [decode]\ndecode: {{new_tokens: 3}}\n"
+                    "axes: {seq_len: 6, batch: 2, heads: 3, d_key: 4}\n")
+    (cell,) = load_scenario(str(path)).cells()
+    core = variants.create(name, 4, backend="fla")
+    monkeypatch.setattr(fla_backend._ops("linear_attn" if name == "linear" else "gated_delta_rule"), core.fla_kernels["recurrent"], _RecordingKernel())
+    _, prefill, step, _ = workloads._decoder(cell, torch.device("cpu"), torch.float32, 6, 3)
+    with torch.no_grad(), _Copies() as log:
+        _, state = prefill()
+        for i in range(3):
+            _, state = step(i, state)
+    assert log.copies == [], f"copies inside the timed prefill and steps: {log.copies}"
