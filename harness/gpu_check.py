@@ -287,7 +287,8 @@ def _kernel_tests(out: Path) -> Check:
     tests = kernel_tests_dir()
     ids = collect_kernel_tests("cuda")
     if not ids:
-        return Check("kernel-tests", "failed", detail=f"pytest collected no kernel tests in {tests}")
+        how = f"ATTNBENCH_TEST_DEVICE=cuda {Path(sys.executable).name} -m pytest {tests} --collect-only"
+        return Check("kernel-tests", "failed", detail=f"pytest collected no kernel tests in {tests} ({how} says why)")
     workers = max(1, min(KERNEL_TEST_WORKERS, os.cpu_count() or 1, len(ids)))
     blocks = [ids[len(ids) * i // workers:len(ids) * (i + 1) // workers] for i in range(workers)]
     failed = []
