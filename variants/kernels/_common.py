@@ -13,13 +13,17 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import os
 
 import torch
 import triton
 import triton.language as tl
 
 from ..base import UnsupportedBackend, VariantError
-from . import MAX_HEAD_DIM, PRECISIONS
+from . import MAX_HEAD_DIM, PRECISIONS, _interpreter
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _interpreter.patch_scalar_index()
 
 #: Tests set this: new outputs and gradients start as NaN, so an element no kernel writes shows.
 POISON = False
@@ -141,7 +145,8 @@ def launch(kernel, grid, *args, options: dict, name: str | None = None, **conste
     while ``recording``, the launch is kept as a :class:`Launch` instead (``name`` labels it). An
     ``@triton.autotune`` kernel takes ``grid`` as a function of its config's constexprs and no ``options``
     (its configs carry them); recording keeps one launch per candidate its ``early_config_prune`` leaves,
-    named ``name[constexpr=value,w=warps]``, so that ``attnbench kernels`` compiles every candidate."""
+    named ``name[constexpr=value,w=warps]``, so that ``attnbench kernels`` compiles every candidate; through
+    the interpreter (CPU tensors) the first candidate it leaves runs, untimed."""
     if _recording is not None:
         name = name or kernel.__name__.strip("_").removesuffix("_kernel")
         if isinstance(kernel, triton.runtime.Autotuner):
@@ -154,6 +159,10 @@ def launch(kernel, grid, *args, options: dict, name: str | None = None, **conste
             _recording.append(Launch(name, kernel, tuple(grid), args, constexprs, options))
         return
     device = next(a.device for a in args if isinstance(a, torch.Tensor))
+    if isinstance(kernel, triton.runtime.Autotuner) and device.type == "cpu":
+        # nothing to time in the interpreter (Triton 3.6's autotuner would time even a lone candidate: a GPU call)
+        config = kernel.early_config_prune(kernel.configs, dict(zip(kernel.arg_names, args)), **constexprs)[0]
+        kernel, options = kernel.fn, config.all_kwargs()
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
         kernel[grid](*args, **constexprs, **options)
 
