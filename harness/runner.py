@@ -338,7 +338,8 @@ class RunSummary:
 
 
 def _first_line(text: str | None) -> str:
-    return (text or "").strip().splitlines()[0] if (text or "").strip() else "no message"
+    lines = (text or "").strip().splitlines()
+    return lines[0] if lines else "no message"
 
 
 def utc_now() -> str:
