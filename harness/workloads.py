@@ -261,9 +261,10 @@ def _measure(cell, device, dtype) -> dict:
 def _implementation_choices(cell, device, dtype) -> dict:
     """What the cell's attention core runs on inputs of the cell's shape (softmax: ``sdpa_backend``;
     fla: ``fla_kernel`` and ``chunk_size``), asked before anything runs, so that a pinned choice
-    that cannot run them skips the cell with the core's reason (UnsupportedBackend)."""
+    that cannot run them skips the cell with the core's reason (UnsupportedBackend). The inputs
+    require grad in a train cell, as SDPA's dispatcher weighs that too."""
     core = _core(cell).to(device=device, dtype=dtype)
-    return core.implementation_choices(**_attention_inputs(core, cell["axes"], device, dtype, False))
+    return core.implementation_choices(**_attention_inputs(core, cell["axes"], device, dtype, cell["mode"] == "train"))
 
 
 def _compile_record(cell, result: dict, first_call_s: float, compiled_before: int) -> dict:
