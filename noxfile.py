@@ -6,6 +6,8 @@
 - ``bench-cpu`` / ``bench-gpu``: every shipped speed scenario on the CPU / on a CUDA GPU.
 - ``gpu-check``: ``attnbench gpu-check`` (the first command on a GPU machine) in its own virtual
   environment; on the GPU machine itself ``attnbench gpu-check`` needs neither nox nor internet.
+- ``triton-versions``: the Triton kernels under the oldest and the newest supported Triton
+  (``TRITON_VERSIONS``): the kernel tests through the interpreter and a sample of ``attnbench kernels``.
 - ``report``: an HTML report from results files (default: results/ -> reports/latest/).
 - ``regress``: ``attnbench regress`` (posargs: ``--base REV [--head REV] [SCENARIO] ...``),
   two git revisions checked and benchmarked in one interleaved run.
@@ -26,6 +28,10 @@ nox.options.reuse_existing_virtualenvs = True
 
 TORCH = os.environ.get("ATTNBENCH_TORCH", "torch>=2.4")
 SPEED_SCENARIOS = ["seq-sweep", "d-dot-sweep", "decode", "paper-small-lm"]
+#: The oldest Triton the kernels support (pyproject: triton>=3.6; torch 2.11 pins it) and the newest checked.
+TRITON_VERSIONS = ["3.6.0", "3.9.0"]
+#: The sample of ``attnbench kernels`` that ``triton-versions`` compiles: one target, a 16-bit and the fp32 path.
+KERNEL_SAMPLE = ["--arch", "sm_90", "--dtype", "bf16,fp32", "--d", "64", "--chunk", "64"]
 CUDA_CHECK = (
     "import sys, torch; ok = torch.cuda.is_available(); "
     "print('CUDA:', torch.cuda.get_device_name(0) if ok else 'none', '| torch', torch.__version__); "
@@ -77,6 +83,20 @@ def gpu_check(session):
     machine's own torch and triton, offline (README, "First contact with a GPU")."""
     install(session, "test,triton,fla")
     session.run("attnbench", "gpu-check", *session.posargs)
+
+
+@nox.session(name="triton-versions")
+@nox.parametrize("triton", TRITON_VERSIONS)
+def triton_versions(session, triton):
+    """The Triton kernels under each of ``TRITON_VERSIONS``: tests/test_kernels through the interpreter (the slow
+    compile tests left out) and ``KERNEL_SAMPLE`` compiled (no GPU needed). That Triton is installed after torch,
+    without dependencies, since a torch build pins its own; ``-s "triton-versions(triton='3.6.0')"`` runs one."""
+    session.install(TORCH)
+    session.install("--no-deps", f"triton=={triton}")
+    session.install("-e", ".[test]")
+    session.run("python", "-c", f"import triton; assert triton.__version__ == {triton!r}, triton.__version__")
+    session.run("pytest", "-q", "-m", "not slow", "tests/test_kernels", *session.posargs, env={"ATTNBENCH_TEST_DEVICE": "cpu"})
+    session.run("attnbench", "kernels", *KERNEL_SAMPLE)
 
 
 @nox.session
