@@ -372,7 +372,7 @@ def _measure_decode(cell, device, dtype) -> dict:
         "memory_kind": peak.kind,
         "state_numel": core.state_numel(axes["batch"], axes["heads"], axes["d_value"], context + new_tokens),
         "flops": flops,
-        "min_bytes": sum(_state_traffic(core, axes, context + i) * torch.finfo(dtype).bits // 8 + step_bytes for i in range(new_tokens)),
+        "min_bytes": sum(_state_traffic(core, axes, context + i) * torch.finfo(core.state_dtype(dtype)).bits // 8 + step_bytes for i in range(new_tokens)),
         "flops_per_s": flops / timing.median_s,
         "torch_threads": torch.get_num_threads(),
     }

@@ -180,8 +180,10 @@ _KNOWN_INPUTS: dict[str, TokenInput] = {}
 
 @contextlib.contextmanager
 def debug_checks(enabled: bool = True) -> Iterator[None]:
-    """Within the block, the parallel form and ``step`` check the ranges of token inputs on
-    accelerators too (each check then waits for the device); see ``TokenInput.bounds``."""
+    """Within the block, the parallel form, ``prefill`` and ``step`` check the ranges of token inputs
+    on accelerators too (each check then waits for the device; see ``TokenInput.bounds``), and the
+    causal reads keep a non-finite input from reaching earlier outputs there (``chunked.causal_read``).
+    Outside it the forms that a benchmark times hold no check that costs a kernel or a sync."""
     global _DEBUG_CHECKS
     previous, _DEBUG_CHECKS = _DEBUG_CHECKS, enabled
     try:
@@ -190,10 +192,15 @@ def debug_checks(enabled: bool = True) -> Iterator[None]:
         _DEBUG_CHECKS = previous
 
 
+def checks_due(device: torch.device) -> bool:
+    """Whether a timed form runs its input checks on ``device``: on CPU tensors (no device sync, no
+    kernel launch) or under ``debug_checks``."""
+    return _DEBUG_CHECKS or device.type == "cpu"
+
+
 def _range_check_due(device: torch.device, always: bool) -> bool:
-    """Whether a form checks a token input's range: ``always`` (``reference``, ``prefill``), or
-    where it costs no device sync (CPU tensors), or under ``debug_checks``."""
-    return always or _DEBUG_CHECKS or device.type == "cpu"
+    """Whether a form checks a token input's range: ``always`` (``reference``), or ``checks_due``."""
+    return always or checks_due(device)
 
 
 @dataclass(frozen=True)
@@ -329,13 +336,18 @@ class AttentionCore(nn.Module):
 
     def prefill(self, q, k, v, *, state=None, **token_inputs):
         """Causal parallel form that also returns the decoding state after its last token,
-        continuing from ``state`` when given: ``(out [B, H, T, Dv], state)``."""
-        given = self._check_sequence(q, k, v, True, token_inputs, always=True)
+        continuing from ``state`` when given: ``(out [B, H, T, Dv], state)``. Ranges are checked as
+        in the parallel form (a decode cell times its prefill)."""
+        given = self._check_sequence(q, k, v, True, token_inputs, always=False)
         return self._prefill(q, k, v, state, **given)
 
     def init_state(self, batch: int, heads: int, d_value: int, *, device=None, dtype=None):
         """The empty decoding state (a KV cache, or the fast weight matrix and normaliser)."""
         raise NotImplementedError
+
+    def state_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype of the decoding state for inputs of ``dtype`` (a KV cache keeps the inputs' own)."""
+        return dtype
 
     def step_loop(self, inputs: dict[str, torch.Tensor], state=None):
         """The recurrent form over a whole sequence, token by token, from ``state`` (default: empty):

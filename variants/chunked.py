@@ -10,6 +10,12 @@ T-long prefix sum is materialised. T need not be a multiple of C: the last chunk
 simply shorter. The inputs are cut by one ``split`` (a slice per chunk makes the backward
 scatter each chunk's gradient into a zero tensor of the full length: quadratic in T) and
 the outputs gathered by ``_Output``.
+
+Precision: the state is kept in ``state_dtype`` (float32 for bfloat16 and float16 inputs, as the
+Triton kernels keep theirs), and every product with the state, and the delta rule's triangular
+solve, is taken in that dtype; the products within a chunk (φ(Q)φ(K)ᵀ, KKᵀ, scores times values)
+stay in the input dtype (``chunk_dtype``: float32 for float16 inputs with the attention normaliser).
+The output is in the input dtype.
 """
 
 from __future__ import annotations
@@ -19,7 +25,9 @@ import math
 
 import torch
 
+from .base import checks_due
 from .feature_maps import EPS
+from .precision import state_dtype
 
 
 def _check_chunk_size(chunk_size) -> None:
@@ -80,14 +88,27 @@ def causal_read(read, values: torch.Tensor, dim: int = 2, *, every_channel: bool
     first non-finite value on; a forward-only scan) puts NaN back into the output at or after one:
     into its channel, or with ``every_channel`` (keys, whose channels are not the output's) into all.
     Outputs that are fewer than the values are the last positions (a prefill after a cache).
-    On the CPU, where reading a sum costs no device sync, finite values (a finite sum) skip all that,
-    except under ``torch.compile`` (backend='compile'), whose graph would break at that data-dependent test."""
+    The guard costs about ten elementwise kernels: on an accelerator it runs only under
+    ``variants.debug_checks`` (a timed call holds none; a non-finite input still gives non-finite
+    outputs, from p on and maybe before). On the CPU, where reading a sum costs no device sync,
+    finite values (a finite sum) skip it, except under ``torch.compile`` (backend='compile'), whose
+    graph would break at that data-dependent test."""
+    if values.device.type != "cpu" and not checks_due(values.device):
+        return read(values)
     if values.device.type == "cpu" and not torch.compiler.is_compiling() and math.isfinite(values.detach().sum()):
         return read(values)
     poison = values - values
     poison = (poison.sum(-1, keepdim=True) if every_channel else poison).detach().cumsum(dim)
     out = read(torch.nan_to_num(values, nan=0.0, posinf=0.0, neginf=0.0))
     return out + poison.narrow(dim, poison.shape[dim] - out.shape[dim], out.shape[dim])
+
+
+def chunk_dtype(dtype: torch.dtype, normalised: bool) -> torch.dtype:
+    """The dtype of a scan's products within a chunk: the input's, except float16 with an attention
+    normaliser, whose backward holds g / (φ(q)·z + ε) in a 16-bit tensor: that is ~1/ε where φ(q)·z = 0
+    (ReLU-type features), beyond float16's 65,504, and inf·0 = NaN reaches every gradient. bfloat16
+    has float32's range."""
+    return state_dtype(dtype) if normalised and dtype == torch.float16 else dtype
 
 
 def _identity(x):
@@ -105,18 +126,26 @@ def sum_rule_chunked(q, k, v, weights, normaliser, chunk_size: int, phi=_identit
     ``normaliser`` z_0: ``[B, H, F]`` or None. Returns ``(y [B, H, T, Dv], S_T, z_T)``.
     """
     phi_k = phi if phi_k is None else phi_k
-    output = _Output(v)
+    output, wide = _Output(v), weights.dtype
+    narrow = chunk_dtype(q.dtype, normaliser is not None)
     for q_c, k_c, v_c in _split_time(chunk_size, q, k, v):
-        q_c, k_c = phi(q_c), phi_k(k_c)
+        q_c, k_c, v_c = phi(q_c.to(narrow)), phi_k(k_c.to(narrow)), v_c.to(narrow)
         scores = torch.tril(q_c @ k_c.transpose(-1, -2))
-        read = causal_read(scores.matmul, v_c) + q_c @ weights
+        read = causal_read(scores.matmul, v_c) + q_c.to(wide) @ weights
         if normaliser is not None:
-            denominator = scores.sum(-1, keepdim=True) + q_c @ normaliser.unsqueeze(-1)
+            denominator = scores.sum(-1, keepdim=True, dtype=wide) + q_c.to(wide) @ normaliser.unsqueeze(-1)
             read = read / (denominator + EPS)
-            normaliser = normaliser + k_c.sum(2)
-        output.write(read)
+            normaliser = normaliser + k_c.sum(2, dtype=wide)
+        output.write(read.to(v.dtype))
         weights = weights + k_c.transpose(-1, -2) @ v_c
     return output.joined(), weights, normaliser
+
+
+def _solve_unit_lower(strictly_lower: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor:
+    """X with (I + L) X = rhs for a strictly lower triangular L, in the state's dtype (PyTorch has no
+    16-bit triangular solve, on the CPU or CUDA)."""
+    wide = state_dtype(rhs.dtype)
+    return torch.linalg.solve_triangular(strictly_lower.to(wide), rhs.to(wide), upper=False, unitriangular=True)
 
 
 def delta_rule_chunked(q, k, v, beta, weights, normaliser, chunk_size: int, phi=_identity, phi_k=None, log_gate=None):
@@ -141,36 +170,37 @@ def delta_rule_chunked(q, k, v, beta, weights, normaliser, chunk_size: int, phi=
         raise ValueError("the gated delta rule has no attention normaliser; pass normaliser=None")
     phi_k = phi if phi_k is None else phi_k
     d_value = v.shape[-1]
-    output = _Output(v)
+    output, wide = _Output(v), weights.dtype
+    narrow = chunk_dtype(q.dtype, normaliser is not None)
     for q_c, k_c, v_c, beta_c, gate_c in _split_time(chunk_size, q, k, v, beta, log_gate):
-        q_c, k_c = phi(q_c), phi_k(k_c)
+        q_c, k_c, v_c = phi(q_c.to(narrow)), phi_k(k_c.to(narrow)), v_c.to(narrow)
         write = erase = beta_c.unsqueeze(-1)
         if normaliser is not None:
-            z = normaliser.unsqueeze(2) + k_c.cumsum(2)
+            z = normaliser.unsqueeze(2) + k_c.cumsum(2, dtype=wide)
             erase = write * safe_reciprocal(((z - k_c) * k_c).sum(-1, keepdim=True))
             normaliser = z[:, :, -1]
         keys_keys, queries_keys = k_c @ k_c.transpose(-1, -2), q_c @ k_c.transpose(-1, -2)
         erased_keys, state_queries, written_keys = k_c, q_c, k_c
         if log_gate is not None:
-            cumulative = gate_c.cumsum(-1)
+            # G_t in the state's dtype: a 16-bit cumulative sum of log gates is off by a fraction of
+            # a unit within a chunk, and exp turns that into a relative error of the same size
+            cumulative = gate_c.to(wide).cumsum(-1)
             future = torch.ones(q_c.shape[2], q_c.shape[2], dtype=torch.bool, device=q.device).triu(1)
-            decay = torch.exp((cumulative[..., :, None] - cumulative[..., None, :]).masked_fill(future, float("-inf")))
+            decay = torch.exp((cumulative[..., :, None] - cumulative[..., None, :]).masked_fill(future, float("-inf"))).to(q_c.dtype)
             keys_keys, queries_keys = keys_keys * decay, queries_keys * decay
             state_decay = torch.exp(cumulative).unsqueeze(-1)
             erased_keys, state_queries = state_decay * k_c, state_decay * q_c
             written_keys = decay[..., -1, :, None] * k_c
         strictly_lower = torch.tril(erase * keys_keys, diagonal=-1)
-        solved = torch.linalg.solve_triangular(
-            strictly_lower, torch.cat([write * v_c, erase * erased_keys], dim=-1), upper=False, unitriangular=True
-        )
+        solved = _solve_unit_lower(strictly_lower, torch.cat([write * v_c, erase * erased_keys], dim=-1))
         new_values = solved[..., :d_value] - solved[..., d_value:] @ weights
-        read = state_queries @ weights + causal_read(torch.tril(queries_keys).matmul, new_values)
+        read = state_queries.to(wide) @ weights + causal_read(torch.tril(queries_keys).matmul, new_values.to(q_c.dtype))
         if normaliser is not None:
             read = read / ((q_c * z).sum(-1, keepdim=True) + EPS)
-        output.write(read)
+        output.write(read.to(v.dtype))
         if log_gate is not None:
             weights = state_decay[:, :, -1:] * weights
-        weights = weights + written_keys.transpose(-1, -2) @ new_values
+        weights = weights + written_keys.to(wide).transpose(-1, -2) @ new_values
     return output.joined(), weights, normaliser
 
 

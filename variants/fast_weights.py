@@ -11,7 +11,7 @@ from typing import NamedTuple
 
 import torch
 
-from . import kernels
+from . import kernels, precision
 from .base import AttentionCore, UnsupportedBackend, VariantError
 from .feature_maps import EPS, FeatureMap, SumNormalized, make_feature_map
 
@@ -59,7 +59,12 @@ class FastWeightCore(AttentionCore):
         # without φ the plain rules stay bounded only for bounded keys (delta: while β‖k‖² < 2)
         self.example_unit_keys = phi == "identity"
 
+    def state_dtype(self, dtype):
+        """At least float32 (``precision.state_dtype``), as the chunked scans and the Triton kernels keep it."""
+        return precision.state_dtype(dtype)
+
     def init_state(self, batch, heads, d_value, *, device=None, dtype=None) -> FastWeightState:
+        dtype = self.state_dtype(dtype or torch.get_default_dtype())
         weights = torch.zeros(batch, heads, self.d_dot, d_value, device=device, dtype=dtype)
         normaliser = torch.zeros(batch, heads, self.d_dot, device=device, dtype=dtype) if self.normalize else None
         return FastWeightState(weights, normaliser)
@@ -74,13 +79,15 @@ class FastWeightCore(AttentionCore):
         return self._run(q, k, v, state, causal, **token_inputs)[0]
 
     def _step(self, q_t, k_t, v_t, state, **token_inputs):
-        features_q, features_k = self.phi.for_queries(q_t), self.phi.for_keys(k_t)
+        """One token, in the state's dtype (every product of a step meets the state); the output in q's."""
+        wide = state.weights.dtype
+        features_q, features_k = self.phi.for_queries(q_t.to(wide)), self.phi.for_keys(k_t.to(wide))
         normaliser = state.normaliser + features_k if self.normalize else None
-        weights = self._write(features_k, v_t, state, **token_inputs)
+        weights = self._write(features_k, v_t.to(wide), state, **token_inputs)
         read = (features_q.unsqueeze(-2) @ weights).squeeze(-2)
         if self.normalize:
             read = read / ((features_q * normaliser).sum(-1, keepdim=True) + EPS)
-        return read, FastWeightState(weights, normaliser)
+        return read.to(q_t.dtype), FastWeightState(weights, normaliser)
 
     def flops(self, batch, heads, length, d_value, *, causal=True):
         """Matmul FLOPs of the chunked scan (φ itself not counted): per chunk of n tokens the

@@ -97,6 +97,15 @@ class LSHAttention(AttentionCore):
         self.register_buffer("rotations", rotations, persistent=False)
         self.scale = 1 / math.sqrt(d_key)
 
+    def _apply(self, fn, recurse=True):
+        """Move the rotations with the module but keep them float64: ``.to(bfloat16)`` would round them
+        and hash a 16-bit cell differently from its float64 reference (a different function, not a
+        rounding of the same one)."""
+        rotations = self.rotations
+        super()._apply(fn, recurse)
+        self.rotations = rotations.to(self.rotations.device)
+        return self
+
     def buckets(self, q: torch.Tensor) -> torch.Tensor:
         """h(q_t) of every token in every round: ``q [B, H, T, Dk]`` -> ``[B, H, R, T]`` (§2, eq. 4)."""
         projected = torch.einsum("bhtd,rdn->bhrtn", q.detach().to(self.rotations.dtype), self.rotations)

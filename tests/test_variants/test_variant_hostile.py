@@ -96,8 +96,8 @@ def test_the_bounds_are_inclusive():
 
 
 def test_where_the_range_check_runs():
-    """Always in reference and prefill; in the parallel form and step on CPU tensors (no device
-    sync), on an accelerator only under debug_checks."""
+    """Always in reference; in the parallel form, prefill and step on CPU tensors (no device sync),
+    on an accelerator only under debug_checks."""
     cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
     assert _range_check_due(cpu, always=False) and _range_check_due(gpu, always=True)
     assert not _range_check_due(gpu, always=False)
@@ -116,3 +116,18 @@ def test_a_keyword_the_core_does_not_take():
         core.step(**variants.token_slice(inputs, 0), beta=inputs["beta"][:, :, 0], state=state)
     with pytest.raises(variants.VariantError, match=r"^delta: beta must have shape \[B, H, T\] = \(1, 2, 6\), got float$"):
         core(**dict(inputs, beta=0.5))
+
+
+def test_the_causal_guard_stays_out_of_accelerator_calls():
+    """``causal_read``'s NaN guard (about ten kernels) runs on an accelerator only under debug_checks:
+    without it the read gets the values themselves, with it a cleaned copy ("meta" stands in for a GPU)."""
+    from variants.chunked import causal_read
+
+    values = torch.empty(1, 2, 8, 4, device="meta")
+    received = []
+    read = lambda x: received.append(x) or x  # noqa: E731
+    causal_read(read, values)
+    assert received[-1] is values
+    with variants.debug_checks():
+        causal_read(read, values)
+    assert received[-1] is not values and received[-1].shape == values.shape
