@@ -223,7 +223,7 @@ def _data_download(args) -> int:
 def _kernels(args) -> int:
     from .kernel_table import command
 
-    return command(args.arch, args.json, rules=args.rule, dtypes=args.dtype, head_dims=args.d, workers=args.jobs)
+    return command(args.arch, args.json, rules=args.rule, dtypes=args.dtype, head_dims=args.d, workers=args.jobs, chunks=args.chunk)
 
 
 def _gpu_check(args) -> int:
@@ -338,7 +338,8 @@ def build_parser() -> argparse.ArgumentParser:
     kernels.add_argument("--json", type=Path, help="also write the rows to this JSON file")
     kernels.add_argument("--rule", help="only these kernel files, e.g. sum_rule,delta_rule (default: all)")
     kernels.add_argument("--dtype", help="only these input dtypes, e.g. bf16,fp32 (default: fp32, fp16, bf16)")
-    kernels.add_argument("--d", help="only d_dot = d_value in this list, default chunk, e.g. 64,256 (default: every shipped shape)")
+    kernels.add_argument("--d", help="only d_dot = d_value in this list, e.g. 64,256 (default: every shipped shape)")
+    kernels.add_argument("--chunk", help="only these chunk sizes, e.g. 64,128 (default: every one the kernels take)")
     kernels.add_argument("--jobs", type=int, help="compiler processes (default: one per CPU)")
     kernels.set_defaults(handler=_kernels)
 

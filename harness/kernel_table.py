@@ -2,10 +2,15 @@
 
 Which kernels and configurations exist is the kernel modules' knowledge (``variants.kernels.RULES``,
 each with ``compile_configs()``, ``config_label(config)`` and ``record_launches(config, capability)``:
-the launches of one training step at the reference shape, recorded on "meta" tensors). This module
-compiles each launch with Triton's compiler for a ``GPUTarget`` (ptxas ships with Triton), reads the
-cubin's resources with the ``cuobjdump`` beside it, and makes one :class:`Row` per (kernel,
-configuration, arch).
+the launches of one training step at the reference shape, recorded on "meta" tensors, with every
+autotuning candidate). This module compiles each launch with Triton's compiler for a ``GPUTarget``
+(ptxas ships with Triton), reads the cubin's resources with the ``cuobjdump`` beside it, and makes one
+:class:`Row` per (kernel, configuration, arch). Launches that compile alike (the same kernel source,
+signature, constexprs and options for one target: many configurations share tiles) are compiled once,
+by one process per core, and their figures kept in a cache keyed by that, the kernel files' hash and the
+Triton version (``cache_dir``). A row over its target's limits (``_common.over_limits``, the test the
+launch applies on a GPU) is a problem, except an autotuning candidate, which the launch prunes: it is
+marked ``pruned`` instead, and a problem only when every candidate of its kernel is.
 
 Figures: ``registers`` per thread and ``spill_bytes`` (the per-thread stack frame, where spilled
 registers and local arrays live) from ``cuobjdump -res-usage``; ``shared_bytes`` Triton's dynamic
@@ -19,6 +24,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
+import hashlib
 import json
 import math
 import multiprocessing
@@ -28,6 +35,9 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+#: Where compiled figures are kept between runs (``ATTNBENCH_KERNEL_CACHE`` overrides; "" turns the cache off).
+DEFAULT_CACHE_DIR = Path.home() / ".cache" / "attnbench" / "kernels"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +55,13 @@ class Arch:
     max_warps_per_sm: int = 64
     max_blocks_per_sm: int = 32
     register_unit: int = 256  # registers are allocated per warp in units of this many
+
+    @property
+    def limits(self):
+        """What one block may hold, as the launch checks it (``variants.kernels._common.Limits``)."""
+        from variants.kernels._common import Limits
+
+        return Limits(shared=self.max_shared_per_block, registers=self.registers_per_sm)
 
 
 KIB = 1024
@@ -73,10 +90,11 @@ class Row:
     programs: int | None = None
     mma: str | None = None
     problem: str | None = None  # why it failed: no compile, or a limit of the arch exceeded
+    pruned: str | None = None  # an autotuning candidate over the arch's limits: the launch never runs it
 
     def as_dict(self) -> dict:
-        """The JSON fields, then ``problem`` (null when the row is fine)."""
-        return {name: getattr(self, name) for name in (*FIELDS, "problem")}
+        """The JSON fields, then ``problem`` and ``pruned`` (null when the row is fine)."""
+        return {name: getattr(self, name) for name in (*FIELDS, "problem", "pruned")}
 
 
 def parse_archs(text: str) -> list[Arch]:
@@ -154,31 +172,95 @@ def _signature(launch) -> tuple[dict, dict, dict]:
     return signature, constexprs, attrs
 
 
-def compile_launch(launch, label: str, arch: Arch) -> Row:
-    """Compile one recorded launch for ``arch`` and measure it; a failure or a limit exceeded is the row's ``problem``."""
+def _cpu_seconds() -> float:
+    """CPU time of this process and its finished children (ptxas, cuobjdump)."""
+    import resource
+
+    return sum(usage.ru_utime + usage.ru_stime for usage in map(resource.getrusage, (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)))
+
+
+def compile_figures(launch, capability: int) -> dict:
+    """Compile one recorded launch for compute capability ``capability``: its ``registers``, ``spill_bytes``,
+    ``shared_bytes``, ``mma`` and ``cpu_s`` (the CPU seconds it took), or ``{"error": ...}`` when it does not compile."""
     import triton
     from triton.backends.compiler import GPUTarget
 
-    row = Row(kernel=launch.name, config=label, arch=arch.name, num_warps=launch.options["num_warps"], programs=launch.programs)
+    start = _cpu_seconds()
     signature, constexprs, attrs = _signature(launch)
     try:
         source = triton.compiler.ASTSource(fn=launch.kernel, signature=signature, constexprs=constexprs, attrs=attrs)
-        compiled = triton.compile(source, target=GPUTarget("cuda", arch.capability, 32), options=launch.options)
+        compiled = triton.compile(source, target=GPUTarget("cuda", capability, 32), options=launch.options)
     except Exception as exc:  # noqa: BLE001 - any compiler failure is this row's finding
         first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        return dataclasses.replace(row, problem=f"does not compile: {type(exc).__name__}: {first_line}")
+        return {"error": f"does not compile: {type(exc).__name__}: {first_line}"}
     usage = resource_usage(compiled.asm["cubin"])
-    registers, shared = usage["REG"], compiled.metadata.shared
+    figures = dict(registers=usage["REG"], spill_bytes=usage["STACK"], shared_bytes=compiled.metadata.shared, mma=mma_kind(compiled.asm["ptx"]))
+    return {**figures, "cpu_s": round(_cpu_seconds() - start, 2)}
+
+
+def make_row(launch, label: str, arch: Arch, figures: dict) -> Row:
+    """The row of ``launch`` on ``arch`` from its compiled ``figures``: a problem when it did not compile or
+    needs more than ``arch`` has (``_common.over_limits``); an autotuning candidate over them is ``pruned``."""
+    from variants.kernels._common import over_limits
+
+    row = Row(kernel=launch.name, config=label, arch=arch.name, num_warps=launch.options["num_warps"], programs=launch.programs)
+    if "error" in figures:
+        return dataclasses.replace(row, problem=figures["error"])
+    registers, shared = figures["registers"], figures["shared_bytes"]
     row = dataclasses.replace(
-        row, registers=registers, spill_bytes=usage["STACK"], shared_bytes=shared,
-        occupancy_warps=occupancy_warps(arch, registers, shared, row.num_warps), mma=mma_kind(compiled.asm["ptx"]),
+        row, registers=registers, spill_bytes=figures["spill_bytes"], shared_bytes=shared,
+        occupancy_warps=occupancy_warps(arch, registers, shared, row.num_warps), mma=figures["mma"],
     )  # fmt: skip
-    problems = []
-    if shared > arch.max_shared_per_block:
-        problems.append(f"shared memory {shared} B > {arch.max_shared_per_block} B per block on {arch.name} ({arch.gpu})")
-    if registers > arch.max_registers_per_thread:
-        problems.append(f"{registers} registers > {arch.max_registers_per_thread} per thread")
-    return dataclasses.replace(row, problem="; ".join(problems) or None)
+    over = "; ".join(over_limits(shared, registers, row.num_warps, arch.limits)) or None
+    return dataclasses.replace(row, pruned=over) if "[" in launch.name else dataclasses.replace(row, problem=over)
+
+
+def _candidates_all_pruned(rows: list[Row]) -> list[Row]:
+    """A kernel whose every autotuning candidate is pruned on an arch cannot launch there: those rows become problems."""
+    groups: dict[tuple, list[int]] = {}
+    for index, row in enumerate(rows):
+        if "[" in row.kernel:
+            groups.setdefault((row.kernel.split("[")[0], row.config, row.arch), []).append(index)
+    rows = list(rows)
+    for indices in groups.values():
+        if all(rows[i].pruned for i in indices):
+            for i in indices:
+                rows[i] = dataclasses.replace(rows[i], problem=f"every autotuning candidate is over the limits: {rows[i].pruned}")
+    return rows
+
+
+@functools.cache
+def _jit_source_hash(module_name: str) -> str:
+    """The hash of every @triton.jit function's source in a module (host code left out: editing it compiles nothing anew)."""
+    import importlib
+    import inspect
+
+    texts = []
+    for value in vars(importlib.import_module(module_name)).values():
+        function = value
+        while hasattr(function, "fn"):  # Autotuner -> JITFunction (or the interpreter's) -> the Python function
+            function = function.fn
+        if function is not value and inspect.isfunction(function):
+            texts.append(inspect.getsource(function))
+    return hashlib.sha256("\n".join(sorted(texts)).encode()).hexdigest()
+
+
+def compile_key(launch, capability: int) -> str:
+    """What decides a compilation: the kernels' source (its module's and ``_common``'s, whose helpers it calls),
+    its name, signature, constexprs, attrs and options, the target and the Triton version. Equal keys compile alike."""
+    import triton
+
+    from variants.kernels import _common
+
+    function = launch.kernel
+    while hasattr(function, "fn"):
+        function = function.fn
+    signature, constexprs, attrs = _signature(launch)
+    parts = [
+        triton.__version__, capability, function.__module__, function.__name__, _jit_source_hash(function.__module__), _jit_source_hash(_common.__name__),
+        sorted(signature.items()), sorted(map(str, constexprs.items())), sorted(map(str, attrs.items())), sorted(launch.options.items()),
+    ]  # fmt: skip
+    return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()
 
 
 def _split(text: str | None, kind=str) -> list | None:
@@ -190,9 +272,9 @@ def _split(text: str | None, kind=str) -> list | None:
         raise KernelTableError(f"not a comma-separated list of {kind.__name__}: {text!r}") from exc
 
 
-def jobs(rules=None, dtypes=None, head_dims=None) -> list[tuple[str, int]]:
+def jobs(rules=None, dtypes=None, head_dims=None, chunks=None) -> list[tuple[str, int]]:
     """(rule, index into its ``compile_configs()``) of every configuration, optionally only those of
-    the given rules, dtype names ("fp32", ...) and head dims (d_dot = d_value = d, default chunk)."""
+    the given rules, dtype names ("fp32", ...), head dims (d_dot = d_value = d) and chunk sizes."""
     from variants import kernels
     from variants.kernels import _common
 
@@ -204,20 +286,26 @@ def jobs(rules=None, dtypes=None, head_dims=None) -> list[tuple[str, int]]:
         for index, config in enumerate(kernels.load(rule).compile_configs()):
             if dtypes is not None and _common.DTYPE_NAMES[config["dtype"]] not in dtypes:
                 continue
-            if head_dims is not None and not (config["d_dot"] == config["d_value"] in head_dims and config["chunk_size"] is None):
+            if head_dims is not None and not config["d_dot"] == config["d_value"] in head_dims:
+                continue
+            if chunks is not None and config["chunk_size"] not in chunks:
                 continue
             chosen.append((rule, index))
     return chosen
 
 
-def _compile_job(job: tuple[str, int], archs: list[Arch]) -> list[Row]:
+def _recorded(rule: str, index: int, capability: int) -> tuple[str, list]:
+    """The label and the recorded launches of configuration ``index`` of ``rule`` on ``capability``."""
     from variants import kernels
 
-    rule, index = job
     module = kernels.load(rule)
     config = module.compile_configs()[index]
-    label = module.config_label(config)
-    return [compile_launch(launch, label, arch) for arch in archs for launch in module.record_launches(config, arch.capability)]
+    return module.config_label(config), module.record_launches(config, capability)
+
+
+def _compile_task(rule: str, index: int, capability: int, launch_index: int) -> dict:
+    """In a worker: the figures of one launch (recorded again there, where the kernels are real @triton.jit functions)."""
+    return compile_figures(_recorded(rule, index, capability)[1][launch_index], capability)
 
 
 def _worker_init() -> None:
@@ -226,23 +314,79 @@ def _worker_init() -> None:
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9's default, stated to silence its warning
 
 
-def build_table(archs: list[Arch], selected: list[tuple[str, int]] | None = None, workers: int | None = None, progress=None) -> list[Row]:
-    """Compile ``selected`` jobs (default: every configuration) for ``archs`` in ``workers`` fresh
-    processes; rows in the order of the jobs, then arch, then launch."""
+def cache_dir() -> Path | None:
+    """The figures cache: ``ATTNBENCH_KERNEL_CACHE`` ("" for none), else ``DEFAULT_CACHE_DIR``."""
+    value = os.environ.get("ATTNBENCH_KERNEL_CACHE")
+    return DEFAULT_CACHE_DIR if value is None else (Path(value) if value else None)
+
+
+def _read_cache(directory: Path | None, key: str) -> dict | None:
+    path = directory / f"{key}.json" if directory else None
+    try:
+        return json.loads(path.read_text()) if path else None
+    except (OSError, ValueError):
+        return None
+
+
+def _write_cache(directory: Path | None, key: str, figures: dict) -> None:
+    """Keep figures that compiled (a failure may be this machine's, e.g. a missing tool: not kept)."""
+    if directory is None or "error" in figures:
+        return
+    directory.mkdir(parents=True, exist_ok=True)
+    temporary = directory / f".{key}.{os.getpid()}.tmp"
+    temporary.write_text(json.dumps(figures))
+    temporary.replace(directory / f"{key}.json")
+
+
+def _cost(task: tuple) -> tuple:
+    """Longest compilations first (sm_70's FMA code, the big backward kernels), so the workers end together."""
+    name, capability = task[0], task[1][2]
+    return (capability == 70, name.startswith("backward_chunk") or name.startswith("backward_dqk"), "[" not in name)
+
+
+def build_table(
+    archs: list[Arch], selected: list[tuple[str, int]] | None = None, workers: int | None = None, progress=None, cache: Path | None | bool = True
+) -> list[Row]:
+    """Compile ``selected`` jobs (default: every configuration) for ``archs``: each distinct compilation
+    (``compile_key``) once, in ``workers`` fresh processes (default one per CPU), its figures from and into
+    ``cache`` (True: ``cache_dir()``; None or False: no cache). Rows in the order of the jobs, then arch, then launch;
+    ``progress(done, total)`` after each compilation."""
     try:
         import triton  # noqa: F401
     except ImportError as exc:
         raise KernelTableError("attnbench kernels needs the triton package: pip install 'attnbench[triton]'") from exc
+    directory = cache_dir() if cache is True else cache or None
     selected = jobs() if selected is None else selected
-    context = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(workers or os.cpu_count(), mp_context=context, initializer=_worker_init) as pool:
-        futures = [pool.submit(_compile_job, job, archs) for job in selected]
-        results = []
-        for done, future in enumerate(futures, 1):
-            results.append(future.result())
-            if progress:
-                progress(done, len(futures))
-    return [row for rows in results for row in rows]
+    planned, tasks, figures = [], {}, {}  # (launch, label, arch, key); key -> (name, worker arguments); key -> figures
+    from variants import UnsupportedBackend
+
+    for rule, index in selected:
+        for arch in archs:
+            try:
+                label, launches = _recorded(rule, index, arch.capability)
+            except UnsupportedBackend:  # a configuration the kernels refuse on this arch (16-bit inputs below sm_80): nothing launches
+                continue
+            for launch_index, launch in enumerate(launches):
+                key = compile_key(launch, arch.capability)
+                planned.append((launch, label, arch, key))
+                if key not in tasks and key not in figures:
+                    cached = _read_cache(directory, key)
+                    if cached is not None:
+                        figures[key] = cached
+                    else:
+                        tasks[key] = (launch.name, (rule, index, arch.capability, launch_index))
+    if tasks:
+        context = multiprocessing.get_context("spawn")
+        with concurrent.futures.ProcessPoolExecutor(workers or os.cpu_count(), mp_context=context, initializer=_worker_init) as pool:
+            ordered = sorted(tasks.items(), key=lambda item: _cost(item[1]), reverse=True)
+            futures = {pool.submit(_compile_task, *arguments): key for key, (_, arguments) in ordered}
+            for done, future in enumerate(concurrent.futures.as_completed(futures), 1):
+                key = futures[future]
+                figures[key] = future.result()
+                _write_cache(directory, key, figures[key])
+                if progress:
+                    progress(done, len(futures))
+    return _candidates_all_pruned([make_row(launch, label, arch, figures[key]) for launch, label, arch, key in planned])
 
 
 def problems(rows: list[Row]) -> list[str]:
@@ -258,7 +402,7 @@ def format_table(rows: list[Row]) -> str:
     out = ["  ".join(h.ljust(w) for h, w in zip(header, widths))]
     for row, line in zip(rows, lines):
         text = "  ".join(x.ljust(w) for x, w in zip(line, widths)).rstrip()
-        out.append(text + (f"  !! {row.problem}" if row.problem else ""))
+        out.append(text + (f"  !! {row.problem}" if row.problem else f"  (pruned: {row.pruned})" if row.pruned else ""))
     return "\n".join(out)
 
 
@@ -266,20 +410,36 @@ def write_json(rows: list[Row], path: Path) -> None:
     path.write_text(json.dumps([row.as_dict() for row in rows], indent=1) + "\n")
 
 
+def summary(rows: list[Row]) -> str:
+    """Rows, problems, pruned candidates and rows that spill, in one line."""
+    spilling, pruned = sum(1 for row in rows if row.spill_bytes and not row.pruned), sum(1 for row in rows if row.pruned)
+    return f"{len(rows)} rows: {len(problems(rows))} over a limit or not compiled, {pruned} autotuning candidates pruned, {spilling} spill"
+
+
 def command(
-    arch: str, json_path: Path | None = None, rules: str | None = None, dtypes: str | None = None, head_dims: str | None = None, workers: int | None = None
+    arch: str,
+    json_path: Path | None = None,
+    rules: str | None = None,
+    dtypes: str | None = None,
+    head_dims: str | None = None,
+    workers: int | None = None,
+    chunks: str | None = None,
 ) -> int:
     """``attnbench kernels``: print the table (and write ``json_path``); 1 when a row failed, 2 when
-    the table cannot be made. ``rules``, ``dtypes``, ``head_dims``: comma-separated filters, as typed."""
+    the table cannot be made. ``rules``, ``dtypes``, ``head_dims``, ``chunks``: comma-separated filters, as typed."""
+    import time
+
     try:
         archs = parse_archs(arch)
-        selected = jobs(_split(rules), _split(dtypes), _split(head_dims, int))
+        selected = jobs(_split(rules), _split(dtypes), _split(head_dims, int), _split(chunks, int))
         print(f"attnbench kernels: {len(selected)} configurations x {len(archs)} arches ({', '.join(a.name for a in archs)})", file=sys.stderr)
-        rows = build_table(archs, selected, workers, progress=lambda done, total: print(f"  {done}/{total} configurations", file=sys.stderr))
+        start = time.perf_counter()
+        rows = build_table(archs, selected, workers, progress=lambda done, total: print(f"  {done}/{total} compilations", file=sys.stderr))
     except KernelTableError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(format_table(rows))
+    print(f"attnbench kernels: {summary(rows)}, in {time.perf_counter() - start:.0f} s", file=sys.stderr)
     if json_path is not None:
         write_json(rows, json_path)
     failed = problems(rows)

@@ -83,6 +83,7 @@ class DeltaRule(FastWeightCore):
 
     token_inputs = (BETA,)
     supports_noncausal = False
+    kernel_rule = "delta_rule"
 
     def __init__(self, d_key, *, phi="elu1", sum_norm=True, normalize=False, precision="ieee", **options):
         super().__init__(d_key, phi=phi, sum_norm=sum_norm, normalize=normalize, **options)
@@ -95,9 +96,9 @@ class DeltaRule(FastWeightCore):
 
     def _run(self, q, k, v, state, causal, beta, log_gate=None):
         if self.backend == "triton":
-            kernel = self._kernel("delta_rule", q).delta_rule_triton
+            kernel = self._kernel(q).delta_rule_triton
             features_q, features_k = self.phi.for_queries(q), self.phi.for_keys(k)
-            read, weights = kernel(features_q, features_k, v, beta, state.weights, log_gate=log_gate, precision=self.precision)
+            read, weights = kernel(features_q, features_k, v, beta, state.weights, log_gate=log_gate, chunk_size=self.chunk_size, precision=self.precision)
             return read, FastWeightState(weights.to(v.dtype), None)
         read, weights, normaliser = delta_rule_chunked(
             q, k, v, beta, *state, self.chunk_size, phi=self.phi.for_queries, phi_k=self.phi.for_keys, log_gate=log_gate

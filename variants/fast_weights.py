@@ -36,12 +36,16 @@ class FastWeightCore(AttentionCore):
     ``nu``; ``d_dot`` may stand in for m or ν; ``seed`` draws FAVOR+'s features). ``sum_norm``
     divides φ(q), φ(k) by the sum of their components; ``normalize`` divides each read by
     z·φ(q) (the attention normalisation of the sum rule, Katharopoulos et al. eq. 12; Schlag
-    et al. 2021 eq. 17 for the delta rule). ``chunk_size`` is the scan's chunk; ``backend`` 'torch' or 'triton'.
+    et al. 2021 eq. 17 for the delta rule). ``chunk_size`` is the scan's chunk (None: ``DEFAULT_CHUNK``, or with
+    ``backend='triton'`` the kernels' default, ``kernels.default_chunk_size``); ``backend`` 'torch' or 'triton'.
     """
 
-    def __init__(self, d_key, *, phi, sum_norm, normalize, chunk_size=DEFAULT_CHUNK, m=None, nu=None, d_dot=None, seed=0, backend="torch"):
+    #: The Triton kernel module of the rule ('sum_rule' or 'delta_rule'), set by each rule.
+    kernel_rule: str
+
+    def __init__(self, d_key, *, phi, sum_norm, normalize, chunk_size=None, m=None, nu=None, d_dot=None, seed=0, backend="torch"):
         super().__init__(d_key)
-        if not isinstance(chunk_size, int) or chunk_size < 1:
+        if chunk_size is not None and (type(chunk_size) is not int or chunk_size < 1):
             raise VariantError(f"chunk_size must be a positive int, got {chunk_size!r}")
         kernels.check_backend(self.variant_name, backend)
         self.backend = backend
@@ -54,8 +58,8 @@ class FastWeightCore(AttentionCore):
         self.phi_name = phi
         self.sum_norm = sum_norm
         self.normalize = normalize
-        self.chunk_size = chunk_size
         self.d_dot = feature_map.d_dot
+        self.chunk_size = self._kernel_chunk_size(chunk_size) if backend == "triton" else chunk_size or DEFAULT_CHUNK
         # without φ the plain rules stay bounded only for bounded keys (delta: while β‖k‖² < 2)
         self.example_unit_keys = phi == "identity"
 
@@ -117,10 +121,18 @@ class FastWeightCore(AttentionCore):
         """Parallel form from ``state``: ``(out, final_state)``; ``token_inputs`` as the rule declares them."""
         raise NotImplementedError
 
-    def _kernel(self, rule: str, q):
-        """The Triton kernel module of ``rule``, after checking it can run on ``q``'s device."""
+    def _kernel_chunk_size(self, chunk_size: int | None) -> int:
+        """The chunk the Triton kernels run: ``chunk_size``, refused (UnsupportedBackend) unless they take it
+        at this d_dot, or their default when None."""
+        if chunk_size is None:
+            return kernels.default_chunk_size(self.kernel_rule, self.d_dot)
+        kernels.check_chunk_size(self.variant_name, self.kernel_rule, self.d_dot, chunk_size)
+        return chunk_size
+
+    def _kernel(self, q):
+        """The rule's Triton kernel module, after checking it can run on ``q``'s device."""
         kernels.require_device(self.variant_name, q.device)
-        return kernels.load(rule)
+        return kernels.load(self.kernel_rule)
 
     def _write(self, features_k, v_t, state, **token_inputs):
         """One write into the fast weights (token inputs ``[B, H]``): the new ``weights``."""

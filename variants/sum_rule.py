@@ -24,6 +24,8 @@ class SumRule(FastWeightCore):
     Katharopoulos' normalisation. ``sum_norm`` (off by default) is Schlag's φ / Σφ. ``precision``
     ('ieee' or 'tf32', backend='triton' only): the dots of float32 inputs in the Triton kernels."""
 
+    kernel_rule = "sum_rule"
+
     def __init__(self, d_key, *, phi="elu1", normalize=True, sum_norm=False, precision="ieee", **options):
         super().__init__(d_key, phi=phi, sum_norm=sum_norm, normalize=normalize, **options)
         kernels.check_precision(self.variant_name, self.backend, precision)
@@ -31,9 +33,11 @@ class SumRule(FastWeightCore):
 
     def _run(self, q, k, v, state, causal):
         if causal and self.backend == "triton":
-            kernel = self._kernel("sum_rule", q).sum_rule_triton
+            kernel = self._kernel(q).sum_rule_triton
             features_q, features_k = self.phi.for_queries(q), self.phi.for_keys(k)
-            read, weights, normaliser = kernel(features_q, features_k, v, *state, normalize=self.normalize, precision=self.precision)
+            read, weights, normaliser = kernel(
+                features_q, features_k, v, *state, normalize=self.normalize, chunk_size=self.chunk_size, precision=self.precision
+            )
             return read, FastWeightState(weights.to(v.dtype), None if normaliser is None else normaliser.to(v.dtype))
         if causal:
             read, weights, normaliser = sum_rule_chunked(q, k, v, *state, self.chunk_size, phi=self.phi.for_queries, phi_k=self.phi.for_keys)

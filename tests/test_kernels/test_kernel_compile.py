@@ -2,11 +2,11 @@
 without a GPU (Triton's compiler and the ptxas / cuobjdump it ships), read back as registers,
 spills, shared memory, occupancy, programs and MMA kind.
 
-Compiling is ``slow`` (a few seconds a kernel on two cores, cold cache), so CI compiles a subset for the three
-arches: every configuration in bf16 at d = 64, the normalised sum rule and the gated delta rule (whose kernels
-hold every code path of the others and more) in fp32 and fp16 at d = 64 and in fp32 and bf16 at d = 256, the
-largest; ``attnbench kernels`` compiles everything. The launch plans (grids, precisions, tiles) of every
-shipped configuration are recorded without compiling, in the fast tests.
+Compiling is ``slow`` (a few seconds a kernel on two cores, cold cache). ``test_full_table`` compiles every
+reachable configuration (each chunk size, d_dot, d_value, dtype, gate, normaliser and autotuning candidate) for
+the three arches and checks the limits and spills; the other slow tests look closer at d = 64 and 256 at chunk 64
+(their compilations come from the same cache). The launch plans (grids, precisions, tiles), the deduplication,
+the cache and the pruning of candidates over a target's limits are checked without compiling, in the fast tests.
 """
 
 from __future__ import annotations
@@ -23,9 +23,24 @@ import torch
 pytest.importorskip("triton", reason="attnbench kernels compiles with triton's compiler: pip install 'attnbench[triton]'")
 
 from harness import kernel_table as kt  # noqa: E402
+from variants import UnsupportedBackend, kernels  # noqa: E402
 from variants.kernels import _common, delta_rule, sum_rule  # noqa: E402
 
 ARCHS = list(kt.ARCHS.values())
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _kernel_cache(tmp_path_factory):
+    """One figures cache for this module's tables (and the commands it starts), fresh for each run."""
+    previous = os.environ.get("ATTNBENCH_KERNEL_CACHE")
+    os.environ["ATTNBENCH_KERNEL_CACHE"] = str(tmp_path_factory.mktemp("kernel-cache"))
+    yield
+    if previous is None:
+        del os.environ["ATTNBENCH_KERNEL_CACHE"]
+    else:
+        os.environ["ATTNBENCH_KERNEL_CACHE"] = previous
+
+
 SUM_RULE_KERNELS = {
     "forward_states", "forward_prefix", "forward_output",
     "recompute_states", "recompute_prefix", "recompute_dy_dot_y", "backward_states", "backward_prefix", "backward_dqk", "backward_dv",
@@ -35,16 +50,14 @@ SUM_RULE_PREFIX = {"forward_prefix", "recompute_prefix", "backward_prefix"}
 DELTA_RULE_KERNELS = {"ut_transform", "state_pass", "output", "backward_local", "backward_pass", "backward_chunk"}
 FORWARD_KERNELS = {"forward_states", "forward_prefix", "forward_output", "ut_transform", "state_pass", "output"}
 #: The matrix instruction of bf16 inputs: 16-bit dots from sm_80 on (wgmma on sm_90 where a dot has 64 rows; the
-#: delta rule's passes and chunk kernels mix it with mma), IEEE fp32 FMAs on sm_70, which has no bf16 tensor cores.
-MMA_BF16 = {"sm_70": {"fma"}, "sm_80": {"mma bf16"}, "sm_90": {"wgmma bf16", "mma bf16", "mma bf16+wgmma bf16"}}
+#: delta rule's passes and chunk kernels mix it with mma); the kernels refuse 16-bit inputs on sm_70.
+MMA_BF16 = {"sm_80": {"mma bf16"}, "sm_90": {"wgmma bf16", "mma bf16", "mma bf16+wgmma bf16"}}
 
 
-def _table(dtype: str, d: int, archs=ARCHS, rules=None, heaviest=False) -> list[kt.Row]:
-    """Rows of every kernel of ``rules`` at d_dot = d_value = d in ``dtype``; with ``heaviest`` only the normalised
-    sum rule and the gated delta rule (their kernels run every code path of the plain and ungated ones and more)."""
-    from variants import kernels
-
-    selected = kt.jobs(rules, [dtype], [d])
+def _table(dtype: str, d: int, archs=ARCHS, rules=None, heaviest=False, chunk=64) -> list[kt.Row]:
+    """Rows of every kernel of ``rules`` at d_dot = d_value = d and ``chunk`` in ``dtype``; with ``heaviest`` only the
+    normalised sum rule and the gated delta rule (their kernels run every code path of the plain and ungated ones and more)."""
+    selected = kt.jobs(rules, [dtype], [d], [chunk])
     if heaviest:
         selected = [(rule, i) for rule, i in selected if any(kernels.load(rule).compile_configs()[i].get(flag) for flag in ("normalize", "gated"))]
     return kt.build_table(archs, selected, workers=2)
@@ -56,12 +69,16 @@ def _kernel(row: kt.Row) -> str:
 
 
 def _check_rows(rows: list[kt.Row], dtype: str, archs=ARCHS) -> None:
-    """No row fails, every kernel is there for every arch, and the figures are plausible."""
+    """No row fails, every kernel is there for every arch (none for 16-bit inputs on sm_70, which the kernels
+    refuse), and the figures are plausible."""
     assert not kt.problems(rows), kt.problems(rows)
     for arch in archs:
-        kernels = {_kernel(row) for row in rows if row.arch == arch.name}
+        names = {_kernel(row) for row in rows if row.arch == arch.name}
+        if dtype != "fp32" and arch.capability < 80:
+            assert not names, arch.name
+            continue
         expected = SUM_RULE_KERNELS | DELTA_RULE_KERNELS
-        assert kernels == (expected if dtype != "fp32" else expected - {"recompute_dy_dot_y"}), arch.name
+        assert names == (expected if dtype != "fp32" else expected - {"recompute_dy_dot_y"}), arch.name
     for row in rows:
         assert 0 < row.registers <= 255 and row.spill_bytes >= 0 and row.shared_bytes >= 0, row
         assert 0 < row.occupancy_warps <= 64 and row.occupancy_warps % row.num_warps == 0, row
@@ -80,24 +97,23 @@ def _expected_mma(row: kt.Row, dtype: str) -> set[str]:
 @pytest.mark.slow
 def test_bf16_every_kernel_every_arch_at_d64():
     """bf16 on sm_80 / sm_90: every dot takes bf16 operands (mma / wgmma bf16), and the forward kernels spill
-    nothing; on sm_70 (no bf16 tensor cores) the documented fp32 path: IEEE fp32 FMAs, no MMA instruction."""
+    nothing; sm_70 (no bf16 tensor cores) has no rows: the kernels refuse 16-bit inputs there."""
     rows = _table("bf16", 64)
     _check_rows(rows, "bf16")
     chunks = 16384 // 64 * 8  # (chunk, b·h) pairs at the reference shape
     for row in rows:
         assert row.mma in _expected_mma(row, "bf16"), row
-        if row.arch != "sm_70" and _kernel(row) in FORWARD_KERNELS:
+        if _kernel(row) in FORWARD_KERNELS:
             assert row.spill_bytes == 0, row
-        if _kernel(row) in ("state_pass", "backward_pass"):  # b·h × Dv blocks of the candidate (16 on sm_70: fp32 operands)
+        if _kernel(row) in ("state_pass", "backward_pass"):  # b·h × Dv blocks of the candidate
             block = int(row.kernel.split("BLOCK_V=")[1].split(",")[0])
-            assert row.programs == 8 * 64 // block and (block == 16 or row.arch != "sm_70"), row
+            assert row.programs == 8 * 64 // block, row
         elif row.kernel in SUM_RULE_PREFIX:  # b·h × blocks of 256 state entries (S: 64·64, and z: 64 when normalised)
             assert row.programs == 8 * (17 if row.config.endswith("norm") else 16), row
         elif row.kernel in ("ut_transform", "backward_chunk"):
             assert row.programs == chunks, row
-        else:  # (chunk, b·h, state tile): one 64×64 tile on sm_80 and sm_90, fp32 tiles of 32 on sm_70
-            tiles = {"sm_70": 4 if row.kernel.endswith("_states") else 2}.get(row.arch, 1)
-            assert row.programs == chunks * tiles, row
+        else:  # (chunk, b·h, state tile): one 64×64 tile
+            assert row.programs == chunks, row
 
 
 @pytest.mark.slow
@@ -112,28 +128,31 @@ def test_other_dtypes_every_kernel_every_arch_at_d64(dtype):
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_largest_d_fits_every_arch(dtype):
-    """d = 256, the largest: every kernel within every arch's limits (the old delta-rule backward was over a
-    V100's shared memory at every d); in bf16 the delta rule's forward spills nothing on sm_80 / sm_90."""
-    rows = _table(dtype, 256, heaviest=True)
+    """d = 256, the largest, at the delta rule's largest chunk there (32): every kernel within every arch's limits
+    (the old delta-rule backward was over a V100's shared memory at every d); in bf16 the delta rule's forward
+    spills nothing on sm_80 / sm_90."""
+    rows = _table(dtype, 256, heaviest=True, chunk=32)
     _check_rows(rows, dtype)
     if dtype == "bf16":
         assert not [row for row in rows if row.arch != "sm_70" and _kernel(row) in FORWARD_KERNELS and _rule(row) == "delta_rule" and row.spill_bytes], rows
 
 
-def test_16_bit_on_sm70_takes_the_fp32_path():
-    """The decision for bf16 (and fp16) on a V100: IEEE fp32 dots on the upcast inputs (no error: the same
-    results at fp32 speed); from sm_80 on 16-bit operands (the interpreter emulates them). TF32, asked for
-    float32, falls back to IEEE on sm_70."""
-    assert _common.operand_precision(torch.bfloat16, 70) == _common.operand_precision(torch.float16, 70) == "ieee"
+def test_16_bit_is_refused_below_sm80():
+    """bf16 and fp16 on a V100: refused (UnsupportedBackend), not multiplied in fp32 under a 16-bit label; from
+    sm_80 on 16-bit operands (the interpreter emulates them). TF32, asked for float32, falls back to IEEE on sm_70."""
+    for dtype in (torch.bfloat16, torch.float16):
+        with pytest.raises(UnsupportedBackend, match=f"take {dtype} inputs from sm_80 on .* sm_70: use float32"):
+            _common.operand_precision(dtype, 70)
     assert _common.operand_precision(torch.bfloat16, 80) == _common.operand_precision(torch.float16, 90) == "input"
     assert _common.operand_precision(torch.bfloat16, None) == "input_emulated"
     assert _common.operand_precision(torch.float32, 90) == _common.FP32_DOT_PRECISION == "ieee"
     assert _common.operand_precision(torch.float32, 90, "tf32") == "tf32" and _common.operand_precision(torch.float32, 70, "tf32") == "ieee"
-    config = dict(dtype=torch.bfloat16, d_dot=64, d_value=64, chunk_size=None)
-    for capability, precision in ((70, "ieee"), (80, "input")):
-        assert {launch.constexprs["PRECISION"] for launch in delta_rule.record_launches({**config, "gated": True}, capability)} == {precision}
-        launches = sum_rule.record_launches({**config, "normalize": True}, capability)
-        assert {launch.constexprs.get("PRECISION") for launch in launches} == {precision, None}  # None: the prefix passes
+    config = dict(dtype=torch.bfloat16, d_dot=64, d_value=64, chunk_size=64)
+    with pytest.raises(UnsupportedBackend):
+        delta_rule.record_launches({**config, "gated": True}, 70)
+    assert {launch.constexprs["PRECISION"] for launch in delta_rule.record_launches({**config, "gated": True}, 80)} == {"input"}
+    launches = sum_rule.record_launches({**config, "normalize": True}, 80)
+    assert {launch.constexprs.get("PRECISION") for launch in launches} == {"input", None}  # None: the prefix passes
 
 
 def test_recorded_launches_are_a_training_step():
@@ -165,9 +184,11 @@ def test_forward_fills_an_h100(module, capability):
     the reference shape, and every chunk kernel one program per (chunk, b·h) at least (all but the passes)."""
     forward_names = {"forward_states", "forward_prefix", "forward_output", "ut_transform", "state_pass", "output"}
     for config in module.compile_configs():
+        if config["dtype"] != torch.float32 and capability < 80:
+            continue  # refused there
         launches = module.record_launches(config, capability)
         assert max(launch.programs for launch in launches if launch.name in forward_names) >= 132, config
-        chunk = config["chunk_size"] or (64 if module is sum_rule else delta_rule.default_chunk_size(config["d_dot"]))
+        chunk = config["chunk_size"]
         assert all(launch.programs >= 8 * -(-16384 // chunk) for launch in launches if "pass" not in launch.name and "prefix" not in launch.name), config
 
 
@@ -209,8 +230,9 @@ def test_limit_exceeded_names_kernel_config_and_arch():
     small = dataclasses.replace(kt.ARCHS["sm_80"], max_shared_per_block=1024)
     rows = _table("bf16", 64, [small], ["delta_rule"])
     lines = kt.problems(rows)
-    assert len(lines) == 2 * 12 and all("F64 Dv64 C64" in line and "on sm_80 (A100): shared memory" in line and "> 1024 B per block" in line for line in lines)
-    assert {line.split(" ")[0].split("[")[0] for line in lines} == DELTA_RULE_KERNELS  # the passes: 4 candidates each
+    assert len(lines) == 2 * 12 and all("F64 Dv64 C64" in line and "on sm_80 (A100): " in line and "> 1024 B per block" in line for line in lines)
+    assert {line.split(" ")[0].split("[")[0] for line in lines} == DELTA_RULE_KERNELS  # the passes: 4 candidates each, all pruned
+    assert all("every autotuning candidate is over the limits: shared memory" in line for line in lines if "[" in line.split(" ")[0])
 
 
 def _attnbench(*args):
@@ -221,7 +243,7 @@ def _attnbench(*args):
 @pytest.mark.slow
 def test_command_writes_the_json_fields(tmp_path):
     out = tmp_path / "kernels.json"
-    done = _attnbench("--arch", "sm_90", "--rule", "delta_rule", "--dtype", "bf16", "--d", "64", "--json", str(out), "--jobs", "1")
+    done = _attnbench("--arch", "sm_90", "--rule", "delta_rule", "--dtype", "bf16", "--d", "64", "--chunk", "64", "--json", str(out), "--jobs", "1")
     assert done.returncode == 0, done.stderr
     rows = json.loads(out.read_text())
     candidates = [f"[BLOCK_V={b},w={w}]" for b in (16, 32) for w in (4, 8)]
@@ -234,7 +256,7 @@ def test_command_writes_the_json_fields(tmp_path):
         "backward_chunk",
     ]
     assert [row["kernel"] for row in rows] == kernels * 2  # ungated, gated
-    assert list(rows[0]) == [*kt.FIELDS, "problem"] and rows[0]["arch"] == "sm_90" and rows[0]["problem"] is None
+    assert list(rows[0]) == [*kt.FIELDS, "problem", "pruned"] and rows[0]["arch"] == "sm_90" and rows[0]["problem"] is None
     assert "backward_chunk" in done.stdout and {row["mma"] for row in rows} <= MMA_BF16["sm_90"]
 
 
@@ -245,3 +267,94 @@ def test_command_writes_the_json_fields(tmp_path):
 def test_command_refuses_bad_arguments(args, message):
     done = _attnbench(*args)
     assert done.returncode == 2 and message in done.stderr
+
+
+def _label_dims(label: str) -> tuple[str, int, int, int]:
+    """The dtype, d_dot, d_value and chunk of a label: "bf16 F64 Dv64 C128 norm" -> ("bf16", 64, 64, 128)."""
+    dtype, f, dv, c = label.split()[:4]
+    return dtype, int(f[1:]), int(dv[2:]), int(c[1:])
+
+
+def _limit_critical(rule: str, config: dict) -> bool:
+    """The configurations whose tiles bound every other's: d_dot ≥ 64 (the widest chunk-kernel tiles; the passes'
+    [C, d_dot] tiles grow with d_dot), at chunk 64 (the largest with 4 warps and [C, 64] tiles) and at the largest
+    chunk the rule takes there (128 for the sum rule, narrower tiles with 8 warps). Smaller d_dot and chunks
+    hold smaller tiles of the same kernels with the same warps."""
+    largest = max(kernels.chunk_sizes(rule, config["d_dot"]))
+    return config["d_dot"] >= 64 and config["chunk_size"] in (min(64, largest), largest)
+
+
+def _check_table(rows: list[kt.Row], selected: list[tuple[str, int]]) -> None:
+    """No row over a limit or failing to compile, every selected configuration on every arch (16-bit ones on
+    sm_80 and sm_90 only), the expected MMA in every row, and no 16-bit forward kernel at d_dot, d_value ≤ 128
+    that spills on sm_80 / sm_90 (pruned candidates never launch)."""
+    assert not kt.problems(rows), kt.problems(rows)[:20]
+    present = {(row.config, row.arch) for row in rows}
+    for rule, index in selected:
+        config = kernels.load(rule).compile_configs()[index]
+        label = kernels.load(rule).config_label(config)
+        assert {arch for label_, arch in present if label_ == label} == {a.name for a in ARCHS if config["dtype"] == torch.float32 or a.capability >= 80}, label
+    spilling = []
+    for row in rows:
+        dtype, d_dot, d_value, _ = _label_dims(row.config)
+        assert row.mma in _expected_mma(row, dtype), row
+        if dtype != "fp32" and not row.pruned and _kernel(row) in FORWARD_KERNELS and max(d_dot, d_value) <= 128 and row.spill_bytes:
+            spilling.append(row)
+    assert not spilling, spilling
+
+
+@pytest.mark.slow
+def test_limit_critical_table():
+    """Every kernel at every limit-critical configuration (``_limit_critical``: each dtype, gate, normaliser,
+    autotuning candidate, d_dot ≥ 64, chunk 64 and the largest) for sm_70, sm_80, sm_90: ``_check_table``.
+    About 500 distinct compilations, 6-7 CPU-minutes cold (docs/performance.md)."""
+    selected = [(rule, index) for rule, index in kt.jobs() if _limit_critical(rule, kernels.load(rule).compile_configs()[index])]
+    _check_table(kt.build_table(ARCHS, selected), selected)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.environ.get("ATTNBENCH_FULL_KERNEL_TABLE") != "1", reason="the full table takes about 40 CPU-minutes: ATTNBENCH_FULL_KERNEL_TABLE=1")
+def test_full_table():
+    """Every reachable configuration (``compile_configs``: each chunk size the rule takes, head dims, wide keys,
+    dtypes, gate, normaliser, autotuning candidates) for sm_70, sm_80, sm_90: ``_check_table``. Too long for CI
+    (docs/performance.md): ``ATTNBENCH_FULL_KERNEL_TABLE=1`` runs it, as does ``attnbench kernels``."""
+    selected = kt.jobs()
+    _check_table(kt.build_table(ARCHS, selected), selected)
+
+
+def _fake_figures(shared_bytes: int) -> dict:
+    return dict(registers=96, spill_bytes=0, shared_bytes=shared_bytes, mma="mma bf16", cpu_s=0.0)
+
+
+def test_identical_compilations_share_a_key():
+    """Launches that compile alike share a ``compile_key`` (compiled once): the chunk kernels at d = 128 and 256
+    (tiles of 64 either way; the sizes are runtime ints). Another target, chunk or padded d_dot (the passes) does not."""
+
+    def keys(capability=80, **changes):
+        config = {**dict(dtype=torch.bfloat16, d_dot=128, d_value=128, chunk_size=32, gated=True), **changes}
+        return {launch.name: kt.compile_key(launch, capability) for launch in delta_rule.record_launches(config, capability)}
+
+    base, wider = keys(), keys(d_dot=256, d_value=256)
+    assert [base[name] == wider[name] for name in ("ut_transform", "output", "backward_chunk", "state_pass[BLOCK_V=16,w=4]")] == [True] * 3 + [False]
+    assert keys(90)["output"] != base["output"] and keys(chunk_size=64)["output"] != base["output"]
+
+
+def test_table_from_the_cache_prunes_candidates(tmp_path, monkeypatch):
+    """With every compilation's figures in the cache nothing compiles (no worker starts). An autotuning candidate
+    over the target's limits is pruned, not a problem; a kernel whose every candidate is over them is a problem;
+    a plain kernel over them is a problem."""
+    sm_80 = kt.ARCHS["sm_80"]
+    selected = kt.jobs(["delta_rule"], ["bf16"], [64], [64])[:1]  # ungated
+    launches = delta_rule.record_launches(delta_rule.compile_configs()[selected[0][1]], 80)
+    over = sm_80.max_shared_per_block + 1
+    shared = {"state_pass[BLOCK_V=32,w=4]": over, "output": over, **{f"backward_pass[BLOCK_V={b},w={w}]": over for b in (16, 32) for w in (4, 8)}}
+    for launch in launches:
+        kt._write_cache(tmp_path, kt.compile_key(launch, 80), _fake_figures(shared.get(launch.name, 1024)))
+    monkeypatch.setattr(kt.concurrent.futures, "ProcessPoolExecutor", None)  # compiling would fail
+    rows = {row.kernel: row for row in kt.build_table([sm_80], selected, cache=tmp_path)}
+    assert list(rows) == [launch.name for launch in launches]
+    assert rows["state_pass[BLOCK_V=32,w=4]"].pruned and not rows["state_pass[BLOCK_V=32,w=4]"].problem
+    assert not rows["state_pass[BLOCK_V=16,w=4]"].pruned and rows["ut_transform"].shared_bytes == 1024
+    assert rows["output"].problem == f"shared memory {over} B > {sm_80.max_shared_per_block} B per block"
+    assert all(row.problem.startswith("every autotuning candidate is over the limits") for name, row in rows.items() if name.startswith("backward_pass"))
+    assert {row.kernel.split("[")[0] for row in rows.values() if row.problem} == {"output", "backward_pass"}

@@ -22,6 +22,7 @@ import torch
 triton = pytest.importorskip("triton")
 
 import variants  # noqa: E402
+from variants import kernels  # noqa: E402
 from variants.chunked import delta_rule_chunked  # noqa: E402
 from variants.kernels import _common  # noqa: E402
 from variants.kernels import delta_rule as kernel  # noqa: E402
@@ -117,8 +118,8 @@ CASES = [
     pytest.param((1, 1, 1, 8, 8, None, True, "unit"), id="T1-s0"),
     pytest.param((2, 3, 17, 16, 8, 16, True, "unit"), id="T17-bh6-F16-Dv8-c16-s0"),
     pytest.param((1, 1, 63, 5, 7, None, True, "unit"), id="T63-F5-Dv7-s0"),
-    pytest.param((1, 1, 63, 16, 8, 20, False, "sumnorm"), id="T63-c20-sumnorm"),
-    pytest.param((1, 2, 130, 32, 48, 48, True, "unit"), id="T130-F32-Dv48-c48-s0"),
+    pytest.param((1, 1, 63, 16, 8, 32, False, "sumnorm"), id="T63-c32-sumnorm"),
+    pytest.param((1, 2, 130, 32, 48, 64, True, "unit"), id="T130-F32-Dv48-c64-s0"),
 ]
 
 
@@ -139,7 +140,7 @@ def test_16_bit_matches_reference(case, dtype, gated, seed):
 @pytest.mark.parametrize("gated", [False, True], ids=["delta", "gated"])
 def test_blocks_of_the_head_dims(monkeypatch, gated, seed):
     """[C, 16] tiles: loops over F and Dv blocks in the chunk kernels, ragged last blocks, and the passes over
-    several Dv blocks; d_dot = 256 (the largest) with its default chunk of 16."""
+    several Dv blocks; d_dot = 256 (the largest) with its default chunk of 32."""
     monkeypatch.setattr(kernel, "TILE", 16)
     check((1, 1, 40, 40, 24, 16, True, "unit"), seed, gated=gated)
     monkeypatch.undo()
@@ -274,8 +275,8 @@ def test_head_dims_above_256_are_refused(d_dot, d_value, message):
 def test_bad_arguments_are_refused():
     q = torch.zeros(1, 1, 4, 16, device=DEVICE)
     beta = torch.zeros(1, 1, 4, device=DEVICE)
-    for chunk_size in (0, 129, 16.0):
-        with pytest.raises(variants.VariantError, match="chunk_size"):
+    for chunk_size in (0, 20, 128, 16.0, True):
+        with pytest.raises(variants.UnsupportedBackend, match=r"chunk_size in \(16, 32, 64\) at d_dot=16, got"):
             kernel.delta_rule_triton(q, q, q, beta, chunk_size=chunk_size)
     with pytest.raises(variants.VariantError, match=r"log_gate must be \[B, H, T\] = \(1, 1, 4\)"):
         kernel.delta_rule_triton(q, q, q, beta, log_gate=torch.zeros(1, 1, 5, device=DEVICE))
@@ -285,5 +286,8 @@ def test_bad_arguments_are_refused():
         kernel.delta_rule_triton(q.double(), q.double(), q.double(), beta.double())
 
 
-def test_default_chunk_sizes():
-    assert [kernel.default_chunk_size(d) for d in (5, 64, 65, 128, 129, 256)] == [64, 64, 32, 32, 16, 16]
+def test_chunk_sizes():
+    """The delta rule takes 16, 32, 64 up to d_dot = 128 and 16, 32 above (its passes' [C, d_dot] tiles), and
+    runs the largest by default."""
+    assert [kernels.chunk_sizes("delta_rule", d) for d in (5, 64, 65, 128, 129, 256)] == [(16, 32, 64)] * 4 + [(16, 32)] * 2
+    assert [kernels.default_chunk_size("delta_rule", d) for d in (5, 128, 129, 256)] == [64, 64, 32, 32]

@@ -141,7 +141,7 @@ CASES = [
     (2, 3, 17, 16, 8, 16, True, True),
     (2, 3, 17, 5, 7, None, False, False),
     (1, 1, 63, 5, 7, 16, True, False),
-    (1, 1, 63, 16, 8, 20, False, True),
+    (1, 1, 63, 16, 8, 32, False, True),
     (1, 1, 130, 16, 8, 32, True, True),
     (2, 3, 130, 5, 7, 64, False, True),
 ]
@@ -276,7 +276,8 @@ def test_input_errors():
         sum_rule_triton(q, q, v, None, torch.zeros(1, 1, 8, device=DEVICE), normalize=False)
     with pytest.raises(variants.VariantError, match="weights must be"):
         sum_rule_triton(q, q, v, torch.zeros(1, 1, 8, 7, device=DEVICE), normalize=False)
-    with pytest.raises(variants.VariantError, match="chunk_size"):
-        sum_rule_triton(q, q, v, normalize=False, chunk_size=0)
+    for chunk_size in (0, 20, 256, 16.0, True):
+        with pytest.raises(variants.UnsupportedBackend, match=r"chunk_size in \(16, 32, 64, 128\) at d_dot=8, got"):
+            sum_rule_triton(q, q, v, normalize=False, chunk_size=chunk_size)
     with pytest.raises(variants.UnsupportedBackend, match="float64"):
         sum_rule_triton(q.double(), q.double(), v.double(), normalize=False)

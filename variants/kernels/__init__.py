@@ -24,6 +24,12 @@ RULES = ("sum_rule", "delta_rule")
 MAX_HEAD_DIM = 256
 #: ``precision`` of the Triton backend: the dots of float32 inputs, IEEE fp32 (default) or TF32 (sm_80 on).
 PRECISIONS = ("ieee", "tf32")
+#: The chunk sizes the Triton kernels take (``chunk_sizes`` narrows them per rule and d_dot): powers of two ≥ 16,
+#: since a chunk is padded to one (any other size only adds padding). ``attnbench kernels`` compiles every one.
+CHUNK_SIZES = (16, 32, 64, 128)
+#: The delta rule's limits: its backward's [C, C] fp32 tiles need 200 KB of shared memory at C = 128 (over every
+#: target's), and its passes hold [C, d_dot] tiles, which fit a V100's 96 KB up to C · d_dot = 64 · 128.
+DELTA_MAX_CHUNK, DELTA_MAX_CHUNK_TIMES_D_DOT = 64, 64 * 128
 
 
 def check_backend(variant: str, backend: str, supported=BACKENDS) -> None:
@@ -41,6 +47,26 @@ def check_precision(variant: str, backend: str, precision) -> None:
         raise VariantError(f"{variant}: precision must be one of {', '.join(map(repr, PRECISIONS))}, got {precision!r}")
     if precision != "ieee" and backend != "triton":
         raise UnsupportedBackend(f"{variant}: precision={precision!r} is a Triton kernel option; use backend='triton' or precision='ieee'")
+
+
+def chunk_sizes(rule: str, d_dot: int) -> tuple[int, ...]:
+    """The chunk sizes ``rule``'s kernels ('sum_rule' or 'delta_rule') take at this d_dot (padded to a power of two ≥ 16)."""
+    if rule == "sum_rule":
+        return CHUNK_SIZES
+    padded = max(16, 1 << (d_dot - 1).bit_length())
+    return tuple(c for c in CHUNK_SIZES if c <= DELTA_MAX_CHUNK and c * padded <= DELTA_MAX_CHUNK_TIMES_D_DOT)
+
+
+def default_chunk_size(rule: str, d_dot: int) -> int:
+    """The chunk ``rule``'s kernels run when none is asked for: the largest they take up to 64."""
+    return max(c for c in chunk_sizes(rule, d_dot) if c <= 64)
+
+
+def check_chunk_size(name: str, rule: str, d_dot: int, chunk_size) -> None:
+    """``chunk_size`` is one of ``chunk_sizes(rule, d_dot)`` (an int, not a bool or a float), else UnsupportedBackend."""
+    accepted = chunk_sizes(rule, d_dot)
+    if type(chunk_size) is not int or chunk_size not in accepted:
+        raise UnsupportedBackend(f"{name}: the Triton kernels take chunk_size in ({', '.join(map(str, accepted))}) at d_dot={d_dot}, got {chunk_size!r}")
 
 
 def require_device(variant: str, device) -> None:

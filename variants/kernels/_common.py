@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from ..base import UnsupportedBackend, VariantError
-from . import MAX_HEAD_DIM, PRECISIONS, _interpreter
+from . import MAX_HEAD_DIM, PRECISIONS, _interpreter, chunk_sizes
 
 if os.environ.get("TRITON_INTERPRET") == "1":
     _interpreter.patch_scalar_index()
@@ -34,12 +34,10 @@ FP32_DOT_PRECISION = "ieee"
 TF32_CAPABILITY = 80
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
-#: Shapes ``attnbench kernels`` compiles: B·H and T of the reference shape; head dims (d_dot = d_value)
-#: with the default chunk, the chunk sizes of the chunk-size scenario at d = 64, and the d-dot-sweep's
-#: wide keys (d_dot 128 and 256 with d_value 64).
+#: Shapes ``attnbench kernels`` compiles: B·H and T of the reference shape; head dims (d_dot = d_value) and
+#: the d-dot-sweep's wide keys (d_dot 128 and 256 with d_value 64), each at every chunk size its rule takes.
 REFERENCE_BATCH, REFERENCE_HEADS, REFERENCE_SEQ_LEN = 1, 8, 16384
 HEAD_DIMS = (16, 32, 64, 128, 256)
-CHUNK_SIZES = (16, 32, 64, 128)
 WIDE_KEYS = (128, 256)
 DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
@@ -73,13 +71,35 @@ def operand_precision(dtype: torch.dtype, capability: int | None, fp32: str | No
     ``FP32_DOT_PRECISION``; "tf32" falls back to "ieee" on sm_70, which has no TF32 tensor cores); for
     fp16/bf16 "input" (16-bit operands straight into the tensor cores, fp32 accumulation) from sm_80 on,
     "input_emulated" in the interpreter (CPU tensors: the same rounded operands, exact fp32 products,
-    since the interpreter's matmul does not take bf16), IEEE fp32 on sm_70 (no bf16 tensor cores)."""
+    since the interpreter's matmul does not take bf16). Below sm_80 16-bit inputs are refused
+    (UnsupportedBackend): the kernels' 16-bit dots need bf16 / fp16 MMA with fp32 accumulation as Triton emits it
+    from sm_80 on, and multiplying them in fp32 there would time an emulation under a 16-bit label."""
     if dtype == torch.float32:
         fp32 = FP32_DOT_PRECISION if fp32 is None else fp32
         return "ieee" if capability is not None and capability < TF32_CAPABILITY else fp32
     if capability is None:
         return "input_emulated"
-    return "ieee" if capability < TF32_CAPABILITY else "input"
+    if capability < TF32_CAPABILITY:
+        raise UnsupportedBackend(
+            f"the Triton kernels take {dtype} inputs from sm_80 on (16-bit tensor-core dots); this GPU is sm_{capability}: use float32 or backend='torch'"
+        )
+    return "input"
+
+
+#: The widest chunk whose [C, C] tiles leave room for [C, 64] tiles and 4 warps (16-bit operands).
+WIDE_TILE_CHUNK = 64
+
+
+def tile_plan(precision: str, block_c: int, widest: int) -> tuple[int, int]:
+    """``(columns, num_warps)`` of a chunk kernel's [C, ·] tiles: ``widest`` and 4 warps with 16-bit operands
+    up to C = ``WIDE_TILE_CHUNK``; half as wide with fp32 operands (FMA dots hold more registers per element);
+    at C = 128 half again with 8 warps (its [C, C] fp32 tiles alone take 128 registers a thread at 4 warps:
+    16-bit forwards spilled 0.4-0.6 KB a thread on sm_80 / sm_90, docs/performance.md)."""
+    sixteen_bit = precision.startswith("input")
+    columns = widest if sixteen_bit else widest // 2
+    if block_c > WIDE_TILE_CHUNK:
+        columns //= 2
+    return max(16, columns), 4 if sixteen_bit and block_c <= WIDE_TILE_CHUNK else 8
 
 
 class Tiles:
@@ -101,6 +121,59 @@ class Tiles:
 
     def options(self) -> dict:
         return dict(num_warps=self.num_warps, num_stages=self.num_stages)
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """What one program (thread block) may hold on a GPU: ``shared`` bytes of shared memory (the opt-in
+    maximum per block) and ``registers`` per block (64 K on sm_70 to sm_90)."""
+
+    shared: int
+    registers: int = 65536
+
+
+def over_limits(shared_bytes: int, registers: int, num_warps: int, limits: Limits) -> list[str]:
+    """What a compiled kernel of ``num_warps`` warps needs beyond ``limits`` (empty when it fits): the one test
+    both the launch (``fitting``, on the GPU's own limits) and ``attnbench kernels`` (each target's) apply."""
+    problems = []
+    if shared_bytes > limits.shared:
+        problems.append(f"shared memory {shared_bytes} B > {limits.shared} B per block")
+    if registers * 32 * num_warps > limits.registers:
+        problems.append(f"{registers} registers × {32 * num_warps} threads > {limits.registers} per block")
+    return problems
+
+
+def device_limits(device: torch.device) -> Limits:
+    """The limits of a CUDA device, as Triton's driver reads them (the opt-in shared memory per block)."""
+    properties = triton.runtime.driver.active.utils.get_device_properties(device.index if device.index is not None else torch.cuda.current_device())
+    return Limits(shared=properties["max_shared_mem"], registers=properties.get("max_num_regs", Limits.registers))
+
+
+def fitting(kernel, configs: list, args: dict, constexprs: dict) -> list:
+    """The autotuning ``configs`` of ``kernel`` (a @triton.jit function) that fit the GPU its tensor ``args``
+    are on (``keep_fitting``, each compiled as its timing would compile it); on other devices (the interpreter,
+    recording on "meta", where ``attnbench kernels`` applies each target's limits) all of them."""
+    device = next(a.device for a in args.values() if isinstance(a, torch.Tensor))
+    if device.type != "cuda":
+        return configs
+    return keep_fitting(kernel.__name__, configs, lambda config: kernel.warmup(**args, **constexprs, **config.all_kwargs(), grid=(1,)), device_limits(device))
+
+
+def keep_fitting(name: str, configs: list, compile_config, limits: Limits) -> list:
+    """The ``configs`` whose kernel (``compile_config(config)``, a Triton CompiledKernel) is not ``over_limits``;
+    none is an error (UnsupportedBackend) naming the kernel and what each needs."""
+    kept, needs = [], []
+    for config in configs:
+        compiled = compile_config(config)
+        shared, registers = compiled.metadata.shared, 0
+        if shared <= limits.shared:  # (loading one over it raises)
+            compiled._init_handles()  # loads it: the device reports its registers
+            registers = compiled.n_regs
+        problems = over_limits(shared, registers, config.num_warps, limits)
+        (needs if problems else kept).append(problems or config)
+    if not kept:
+        raise UnsupportedBackend(f"{name}: no tile configuration fits this GPU: {'; '.join(map('; '.join, needs))}")
+    return kept
 
 
 def check_inputs(name: str, kernel, q, k, v, *others) -> None:
@@ -131,13 +204,6 @@ def check_precision(name: str, precision) -> None:
     """``precision`` is one of ``PRECISIONS``."""
     if precision not in PRECISIONS:
         raise VariantError(f"{name}: precision must be one of {', '.join(map(repr, PRECISIONS))} (the dots of float32 inputs), got {precision!r}")
-
-
-def check_chunk_size(name: str, chunk_size, maximum: int | None = None) -> None:
-    """A positive int (not a bool), at most ``maximum`` when given."""
-    if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1 or (maximum is not None and chunk_size > maximum):
-        bound = f"an int in [1, {maximum}]" if maximum is not None else "a positive int"
-        raise VariantError(f"{name}: chunk_size must be {bound}, got {chunk_size!r}")
 
 
 def launch(kernel, grid, *args, options: dict, name: str | None = None, **constexprs) -> None:
@@ -198,15 +264,13 @@ def recording(target_capability: int):
         _recording, _recording_capability = None, None
 
 
-def shipped_shapes():
-    """``(dtype, d_dot, d_value, chunk_size or None for the default)`` of every shipped configuration."""
+def shipped_shapes(rule: str):
+    """``(dtype, d_dot, d_value, chunk_size)`` of every configuration of ``rule`` a variant reaches: each dtype,
+    head dim and wide key at every chunk size the rule takes there (``kernels.chunk_sizes``)."""
     for dtype in DTYPE_NAMES:
-        for d in HEAD_DIMS:
-            yield dtype, d, d, None
-        for chunk in CHUNK_SIZES:
-            yield dtype, 64, 64, chunk
-        for d_dot in WIDE_KEYS:
-            yield dtype, d_dot, 64, None
+        for d_dot, d_value in [(d, d) for d in HEAD_DIMS] + [(d_dot, 64) for d_dot in WIDE_KEYS]:
+            for chunk in chunk_sizes(rule, d_dot):
+                yield dtype, d_dot, d_value, chunk
 
 
 def meta_tensor(*shape, dtype=torch.float32) -> torch.Tensor:

@@ -53,8 +53,8 @@ them to). fp32 inputs use IEEE fp32 dots, or TF32 with ``precision="tf32"`` (sm_
 tensor cores, no TF32) multiplies in fp32 FMAs whatever the input. Padding: the chunk, F and Dv are
 padded to powers of two ≥ 16 with masks; a zero row of K, V, Q, β (and g = 0) is inert everywhere.
 
-Limits: d_dot and d_value up to 256, chunk_size 1 to 128; default chunk 64 for d_dot ≤ 64, 32 for
-≤ 128, 16 above (the state pass holds [F, block of Dv] and [C, F] tiles). Memory kept for the
+Limits: d_dot and d_value up to 256, chunk_size 16, 32 or 64, at most 32 for d_dot > 128 (``kernels.chunk_sizes``:
+the passes hold [C, F] tiles and a [F, block of Dv] state); default the largest. Memory kept for the
 backward: T (C² per chunk), W, U' (input dtype) and the chunk states (4·F·Dv bytes per chunk and b·h).
 """
 
@@ -65,13 +65,11 @@ import triton
 import triton.language as tl
 
 from ..base import VariantError
-from . import _common
+from . import _common, check_chunk_size, default_chunk_size
 from ._common import chunk_rows, dot, launch, load_chunk, load_or_zeros, new_output, token_tile
 
-#: Largest chunk size (C×C tiles live in registers).
-MAX_CHUNK_SIZE = 128
 #: Columns (d_value) or rows (d_dot) of the [C, ·] tiles of the chunk kernels with 16-bit dot operands
-#: (half of it, at least 16, with fp32 ones).
+#: (``_common.tile_plan`` narrows it for fp32 operands).
 TILE = 64
 
 
@@ -203,13 +201,24 @@ def _pass_candidates(configs, args, **constexprs):
     return kept
 
 
+#: What a pass's tuning is keyed on: the sizes that decide its tiles and the shape that decides its grid and
+#: its length (B·H and T), so the choice made for one cell never carries over to a cell of another shape.
+PASS_TUNING_KEY = ["d_dot", "d_value", "chunk_size", "seq_len", "batch_heads"]
+
+
 def _autotune_pass(restore: str):
-    """``@triton.autotune`` of a pass, keyed on the sizes that decide its tiles (and, as Triton adds, the
-    dtypes), restoring ``restore`` (which the pass overwrites) after each timed candidate. Tuning runs at the
-    first call of each key: in attnbench's warm-up call, never a timed one."""
-    return triton.autotune(
-        PASS_CONFIGS, key=["d_dot", "d_value", "chunk_size"], prune_configs_by={"early_config_prune": _pass_candidates}, restore_value=[restore]
-    )
+    """``@triton.autotune`` of a pass, keyed on ``PASS_TUNING_KEY`` (and, as Triton adds, the dtypes), restoring
+    ``restore`` (which the pass overwrites) after each timed candidate; the candidates worth timing
+    (``_pass_candidates``) that fit the GPU (``_common.fitting``). Tuning runs at the first call of each key: in
+    attnbench's warm-up call, never a timed one."""
+
+    def tune(kernel):
+        def candidates(configs, args, **constexprs):
+            return _common.fitting(kernel, _pass_candidates(configs, args, **constexprs), args, constexprs)
+
+        return triton.autotune(PASS_CONFIGS, key=PASS_TUNING_KEY, prune_configs_by={"early_config_prune": candidates}, restore_value=[restore])(kernel)
+
+    return tune
 
 
 @_autotune_pass("u_ptr")
@@ -219,6 +228,7 @@ def _state_pass_kernel(
     s0_ptr,  # [BH, F, Dv] (if HAS_S0)
     states_ptr, s_final_ptr,  # outputs (fp32): [BH, NC, F, Dv] the state entering each chunk, [BH, F, Dv]
     seq_len, d_dot, d_value, chunk_size, num_chunks,
+    batch_heads,  # B·H, the grid's second axis: read by the tuning key only (PASS_TUNING_KEY)
     HAS_S0: tl.constexpr, GATED: tl.constexpr,
     BLOCK_C: tl.constexpr, PAD_F: tl.constexpr, BLOCK_V: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
@@ -317,6 +327,7 @@ def _backward_pass_kernel(
     ds_final_ptr,  # [BH, F, Dv] (if HAS_DS_FINAL)
     dstates_ptr, ds0_ptr,  # outputs (fp32): [BH, NC, F, Dv] the gradient on the state leaving each chunk, dS_0
     seq_len, d_dot, d_value, chunk_size, num_chunks,
+    batch_heads,  # B·H: read by the tuning key only
     HAS_DS_FINAL: tl.constexpr, GATED: tl.constexpr,
     BLOCK_C: tl.constexpr, PAD_F: tl.constexpr, BLOCK_V: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
@@ -449,25 +460,18 @@ def _backward_chunk_kernel(
 # --------------------------------------------------------------------------------------
 
 
-def default_chunk_size(d_dot: int) -> int:
-    """64 for d_dot ≤ 64, 32 for d_dot ≤ 128, 16 above (keeps the state pass's [C, F] tiles small)."""
-    padded = _common.pad(d_dot)
-    return 64 if padded <= 64 else 32 if padded <= 128 else 16
-
-
 class _Tiles(_common.Tiles):
-    """Chunk kernels: [C, ``block_f``] / [C, ``block_v``] tiles (``TILE`` with 16-bit operands, half with fp32
-    ones), 4 warps with 16-bit operands, else 8 (and 8 for the backward's chunk kernel: with 4, fp32's
-    ``ut_transform`` kept its [C, C] inverse on a 2.3 KB stack a thread on sm_80), chosen by compiling (docs/performance.md, "Compiled
-    kernels"); the two passes hold the whole padded F and a block of Dv columns, autotuned (``PASS_CONFIGS``)."""
+    """Chunk kernels: [C, ``block_f``] / [C, ``block_v``] tiles and their warps (``_common.tile_plan`` of ``TILE``;
+    8 warps for the backward's chunk kernel: with 4, fp32's ``ut_transform`` kept its [C, C] inverse on a 2.3 KB
+    stack a thread on sm_80), chosen by compiling (docs/performance.md, "Compiled kernels"); the two passes hold
+    the whole padded F and a block of Dv columns, autotuned (``PASS_CONFIGS``)."""
 
     def __init__(self, q, v, chunk_size, precision):
         batch, heads, seq_len, d_dot = q.shape
         super().__init__(batch, heads, seq_len, d_dot, v.shape[-1], chunk_size, q.dtype, q.device, precision)
-        sixteen_bit = self.precision.startswith("input")
-        tile = TILE if sixteen_bit else max(16, TILE // 2)
+        tile, self.num_warps = _common.tile_plan(self.precision, self.block_c, TILE)
         self.block_f, self.block_v = min(self.pad_f, tile), min(self.pad_v, tile)
-        self.num_warps, self.num_stages = (4 if sixteen_bit else 8), 2
+        self.num_stages = 2
 
     def options(self, warps: int | None = None) -> dict:
         return dict(num_warps=warps or self.num_warps, num_stages=self.num_stages)
@@ -498,7 +502,7 @@ def _forward(q, k, v, beta, log_gate, weights, tiles: _Tiles):
     )  # fmt: skip
     launch(
         _state_pass_kernel, tiles.pass_grid(), k, gate, w, new_values, s_final if weights is None else weights, states, s_final,
-        *tiles.sizes(), HAS_S0=weights is not None, **tiles.constexprs(gated, sequential=True), options={}, name="state_pass",
+        *tiles.sizes(), tiles.bh, HAS_S0=weights is not None, **tiles.constexprs(gated, sequential=True), options={}, name="state_pass",
     )  # fmt: skip
     launch(
         _output_kernel, tiles.chunk_grid(True), q, k, gate, new_values, states, y, *tiles.sizes(),
@@ -520,7 +524,7 @@ def _backward(q, k, v, beta, log_gate, saved, dy, ds_final, tiles: _Tiles):
     )  # fmt: skip
     launch(
         _backward_pass_kernel, tiles.pass_grid(), q, k, gate, w, dy, dnew_values, ds0 if ds_final is None else ds_final, dstates, ds0,
-        *tiles.sizes(), HAS_DS_FINAL=ds_final is not None, **tiles.constexprs(gated, sequential=True), options={}, name="backward_pass",
+        *tiles.sizes(), tiles.bh, HAS_DS_FINAL=ds_final is not None, **tiles.constexprs(gated, sequential=True), options={}, name="backward_pass",
     )  # fmt: skip
     dq, dk, dv, dbeta = new_output(q.shape, q), new_output(k.shape, k), new_output(v.shape, v), new_output(beta.shape, beta)
     dgate = new_output(log_gate.shape, log_gate) if gated else dbeta
@@ -579,8 +583,8 @@ def _check(q, k, v, beta, log_gate, weights, chunk_size, precision) -> int:
         raise VariantError(f"{name}: the sequence is empty (T = 0); give at least one token")
     _common.check_precision(name, precision)
     if chunk_size is None:
-        return default_chunk_size(d_dot)
-    _common.check_chunk_size(name, chunk_size, MAX_CHUNK_SIZE)
+        return default_chunk_size("delta_rule", d_dot)
+    check_chunk_size(name, "delta_rule", d_dot, chunk_size)
     return chunk_size
 
 
@@ -595,7 +599,7 @@ def delta_rule_triton(
     Returns ``y [B, H, T, Dv]`` in the input dtype and ``S_T [B, H, F, Dv]`` in float32;
     S_t = α_t S_{t-1} + β_t k_t (v_t − α_t S_{t-1}ᵀ k_t)ᵀ with α_t = exp(g_t), y_t = S_tᵀ q_t.
     Differentiable w.r.t. q, k, v, beta, log_gate and weights; a gradient on S_T is accepted.
-    ``chunk_size``: default 64 / 32 / 16 for d_dot ≤ 64 / ≤ 128 / above; any int in [1, 128].
+    ``chunk_size``: one of ``kernels.chunk_sizes("delta_rule", F)`` (16, 32, 64; up to 32 for F > 128), default the largest.
     ``precision``: the dots of float32 inputs, "ieee" or "tf32" (sm_80 on; 16-bit inputs use 16-bit dots).
     """
     chunk_size = _check(q, k, v, beta, log_gate, weights, chunk_size, precision)
@@ -608,18 +612,17 @@ def delta_rule_triton(
 
 
 def compile_configs() -> list[dict]:
-    """Every shipped configuration: each dtype and shape of ``_common.shipped_shapes``, ungated and gated."""
+    """Every reachable configuration: each dtype, shape and chunk size of ``_common.shipped_shapes``, ungated and gated."""
     return [
         dict(dtype=dtype, d_dot=d_dot, d_value=d_value, chunk_size=chunk, gated=gated)
-        for dtype, d_dot, d_value, chunk in _common.shipped_shapes()
+        for dtype, d_dot, d_value, chunk in _common.shipped_shapes("delta_rule")
         for gated in (False, True)
     ]
 
 
 def config_label(config: dict) -> str:
-    chunk = config["chunk_size"] or default_chunk_size(config["d_dot"])
     gate = " gated" if config.get("gated") else ""
-    return f"{_common.DTYPE_NAMES[config['dtype']]} F{config['d_dot']} Dv{config['d_value']} C{chunk}{gate}"
+    return f"{_common.DTYPE_NAMES[config['dtype']]} F{config['d_dot']} Dv{config['d_value']} C{config['chunk_size']}{gate}"
 
 
 def record_launches(config: dict, capability: int) -> list[_common.Launch]:

@@ -74,14 +74,12 @@ from torch.autograd.function import once_differentiable
 
 from ..base import VariantError
 from ..feature_maps import EPS
-from . import _common
+from . import _common, check_chunk_size, default_chunk_size
 from ._common import chunk_rows, dot, launch, load_or_zeros, new_output, token_tile
 
-#: Rows (d_dot) or columns (d_value) of a state tile with 16-bit dot operands, a power of two ≥ 16;
-#: half of it (at least 16) with fp32 operands, whose FMA dots hold more registers per element.
+#: Rows (d_dot) or columns (d_value) of a state tile with 16-bit dot operands up to C = 64, a power of two ≥ 16
+#: (``_common.tile_plan`` narrows it for fp32 operands and C = 128).
 STATE_BLOCK = 64
-#: The chunk size when none is given.
-CHUNK_SIZE = 64
 #: State elements (of one b·h) one program of the prefix pass carries.
 PREFIX_BLOCK = 256
 
@@ -319,23 +317,21 @@ def _backward_dv_kernel(
 
 
 class _Tiles(_common.Tiles):
-    """Chunk kernels: [C, ``block_f``] tiles of q, k and [C, ``block_v``] of v (blocks of STATE_BLOCK), 4 warps
-    with 16-bit operands, 8 with fp32 ones and for dq, dk (``options(wide=True)``: three [C, ·] fp32 accumulators);
-    the prefix pass: ``PREFIX_BLOCK`` state entries a program. ``width`` is a state row (S, then z). Chosen by
-    compiling (docs/performance.md, "Compiled kernels"): these spill nothing at d ≤ 128 in 16-bit on sm_80, sm_90."""
+    """Chunk kernels: [C, ``block_f``] tiles of q, k and [C, ``block_v``] of v and their warps
+    (``_common.tile_plan`` of STATE_BLOCK), 8 warps for dq, dk (``options(wide=True)``: three [C, ·] fp32
+    accumulators); the prefix pass: ``PREFIX_BLOCK`` state entries a program. ``width`` is a state row (S, then z).
+    Chosen by compiling (docs/performance.md, "Compiled kernels"): at every chunk size these spill nothing at
+    d ≤ 128 in 16-bit on sm_80, sm_90."""
 
-    def __init__(self, q: torch.Tensor, v: torch.Tensor, chunk_size: int | None, normalize: bool, precision: str):
+    def __init__(self, q: torch.Tensor, v: torch.Tensor, chunk_size: int, normalize: bool, precision: str):
         batch, heads, seq_len, d_dot = q.shape
         d_value = v.shape[-1]
-        chunk_size = CHUNK_SIZE if chunk_size is None else chunk_size
         super().__init__(batch, heads, seq_len, d_dot, d_value, chunk_size, q.dtype, q.device, precision)
         self.device, self.normalize = q.device, normalize
         self.width = d_dot * d_value + (d_dot if normalize else 0)
-        sixteen_bit = self.precision.startswith("input")
-        block = STATE_BLOCK if sixteen_bit else max(16, STATE_BLOCK // 2)
+        block, self.num_warps = _common.tile_plan(self.precision, self.block_c, STATE_BLOCK)
         self.block_f, self.block_v = min(self.pad_f, block), min(self.pad_v, block)
         self.num_f, self.num_v = triton.cdiv(d_dot, self.block_f), triton.cdiv(d_value, self.block_v)
-        self.num_warps = 4 if sixteen_bit else 8
         self.num_stages = 2
 
     def options(self, wide: bool = False) -> dict:
@@ -463,7 +459,8 @@ class _SumRuleFunction(torch.autograd.Function):
         return dq if need_q else None, dk if need_k else None, dv, grad_s0, grad_z0, None, None, None
 
 
-def _check(q, k, v, weights, normaliser, normalize, chunk_size, precision):
+def _check(q, k, v, weights, normaliser, normalize, chunk_size, precision) -> int:
+    """Validate the arguments; return the chunk size to use."""
     name = "sum_rule_triton"
     _common.check_precision(name, precision)
     _common.check_inputs(name, _chunk_output_kernel, q, k, v, weights, normaliser)
@@ -476,8 +473,10 @@ def _check(q, k, v, weights, normaliser, normalize, chunk_size, precision):
             raise VariantError(f"{name}: a normaliser was given with normalize=False")
         if tuple(normaliser.shape) != (batch, heads, d_dot):
             raise VariantError(f"{name}: normaliser must be [B, H, F] = {[batch, heads, d_dot]}, got {list(normaliser.shape)}")
-    if chunk_size is not None:
-        _common.check_chunk_size(name, chunk_size)
+    if chunk_size is None:
+        return default_chunk_size("sum_rule", d_dot)
+    check_chunk_size(name, "sum_rule", d_dot, chunk_size)
+    return chunk_size
 
 
 def sum_rule_triton(
@@ -495,15 +494,15 @@ def sum_rule_triton(
 
     ``q, k: [B, H, T, F]``, ``v: [B, H, T, Dv]`` (one dtype: float32, float16 or bfloat16),
     ``weights`` S_0 ``[B, H, F, Dv]`` and ``normaliser`` z_0 ``[B, H, F]`` (only with
-    ``normalize=True``), each zero when None. F and Dv at most 256. ``chunk_size`` defaults
-    to 64; any positive int works, powers of two ≥ 16 waste nothing. ``precision``: the dots of
+    ``normalize=True``), each zero when None. F and Dv at most 256. ``chunk_size``: one of
+    ``kernels.chunk_sizes("sum_rule", F)`` (16, 32, 64, 128), default 64. ``precision``: the dots of
     float32 inputs, "ieee" (default) or "tf32" (sm_80 on; 16-bit inputs always use 16-bit dots).
 
     Returns ``(y [B, H, T, Dv] in the input dtype, S_T [B, H, F, Dv] float32,
     z_T [B, H, F] float32 or None)``. Differentiable in q, k, v, weights and normaliser, with
     gradients flowing into S_T and z_T too (so calls can be chained through the state).
     """
-    _check(q, k, v, weights, normaliser, normalize, chunk_size, precision)
+    chunk_size = _check(q, k, v, weights, normaliser, normalize, chunk_size, precision)
     y, s_final, z_final = _SumRuleFunction.apply(q, k, v, weights, normaliser, bool(normalize), chunk_size, precision)
     return y, s_final, z_final
 
@@ -514,18 +513,17 @@ def sum_rule_triton(
 
 
 def compile_configs() -> list[dict]:
-    """Every shipped configuration: each dtype and shape of ``_common.shipped_shapes``, with and without the normaliser."""
+    """Every reachable configuration: each dtype, shape and chunk size of ``_common.shipped_shapes``, with and without the normaliser."""
     return [
         dict(dtype=dtype, d_dot=d_dot, d_value=d_value, chunk_size=chunk, normalize=normalize)
-        for dtype, d_dot, d_value, chunk in _common.shipped_shapes()
+        for dtype, d_dot, d_value, chunk in _common.shipped_shapes("sum_rule")
         for normalize in (True, False)
     ]
 
 
 def config_label(config: dict) -> str:
-    chunk = config["chunk_size"] or CHUNK_SIZE
     norm = "norm" if config["normalize"] else "plain"
-    return f"{_common.DTYPE_NAMES[config['dtype']]} F{config['d_dot']} Dv{config['d_value']} C{chunk} {norm}"
+    return f"{_common.DTYPE_NAMES[config['dtype']]} F{config['d_dot']} Dv{config['d_value']} C{config['chunk_size']} {norm}"
 
 
 def record_launches(config: dict, capability: int) -> list[_common.Launch]:
