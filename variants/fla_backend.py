@@ -221,8 +221,8 @@ class _LinearMapping(_Mapping):
             return _ours(out), None
         if core.normalize:
             weights, normaliser = final
-            return _ours(out), FastWeightState(weights.to(v.dtype), normaliser[:, 0].to(v.dtype))
-        return _ours(out), FastWeightState(final.to(v.dtype), None)
+            return _ours(out), FastWeightState(weights.to(core.state_dtype(v.dtype)), normaliser[:, 0].to(core.state_dtype(v.dtype)))
+        return _ours(out), FastWeightState(final.to(core.state_dtype(v.dtype)), None)
 
     def parallel(self, q, k, v, causal):
         _causal_only(self.core.variant_name, causal)
@@ -269,7 +269,7 @@ class _DeltaMapping(_Mapping):
             core.phi.for_queries(_fla(q)), core.phi.for_keys(_fla(k)), _fla(v), **gate, beta=_fla(beta),
             scale=1.0, initial_state=initial, output_final_state=state is not None, **chunk,
         )
-        return _ours(out), None if state is None else FastWeightState(final.to(v.dtype), None)
+        return _ours(out), None if state is None else FastWeightState(final.to(core.state_dtype(v.dtype)), None)
 
     def parallel(self, q, k, v, causal, beta, log_gate=None):
         return self._call(q, k, v, None, _where(self.core.variant_name, q.device), beta, log_gate)[0]
