@@ -99,7 +99,7 @@ class DeltaRule(FastWeightCore):
             kernel = self._kernel(q).delta_rule_triton
             features_q, features_k = self.phi.for_queries(q), self.phi.for_keys(k)
             read, weights = kernel(features_q, features_k, v, beta, state.weights, log_gate=log_gate, chunk_size=self.chunk_size, precision=self.precision)
-            return read, FastWeightState(weights.to(v.dtype), None)
+            return read, FastWeightState(weights, None)  # float32, the state dtype of every input dtype it takes
         read, weights, normaliser = delta_rule_chunked(
             q, k, v, beta, *state, self.chunk_size, phi=self.phi.for_queries, phi_k=self.phi.for_keys, log_gate=log_gate
         )

@@ -38,17 +38,19 @@ class SumRule(FastWeightCore):
             read, weights, normaliser = kernel(
                 features_q, features_k, v, *state, normalize=self.normalize, chunk_size=self.chunk_size, precision=self.precision
             )
-            return read, FastWeightState(weights.to(v.dtype), None if normaliser is None else normaliser.to(v.dtype))
+            return read, FastWeightState(weights, normaliser)  # float32, the state dtype of every input dtype it takes
         if causal:
             read, weights, normaliser = sum_rule_chunked(q, k, v, *state, self.chunk_size, phi=self.phi.for_queries, phi_k=self.phi.for_keys)
             return read, FastWeightState(weights, normaliser)
-        features_q, features_k = self.phi.for_queries(q), self.phi.for_keys(k)
-        weights = state.weights + features_k.transpose(-1, -2) @ v
+        # non-causal: every read meets the whole state, so all of it is in the state's dtype
+        wide = state.weights.dtype
+        features_q, features_k = self.phi.for_queries(q.to(wide)), self.phi.for_keys(k.to(wide))
+        weights = state.weights + features_k.transpose(-1, -2) @ v.to(wide)
         read = features_q @ weights
         if not self.normalize:
-            return read, FastWeightState(weights, None)
+            return read.to(v.dtype), FastWeightState(weights, None)
         normaliser = state.normaliser + features_k.sum(2)
-        return read / (features_q @ normaliser.unsqueeze(-1) + EPS), FastWeightState(weights, normaliser)
+        return (read / (features_q @ normaliser.unsqueeze(-1) + EPS)).to(v.dtype), FastWeightState(weights, normaliser)
 
     def _write(self, features_k, v_t, state):
         return state.weights + features_k.unsqueeze(-1) * v_t.unsqueeze(-2)

@@ -52,6 +52,23 @@ def test_every_form_in_every_dtype_matches_float64(config, dtype, seed):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("config", [c for c in CONFIGS if build(c, 4).supports_noncausal], ids=config_id)
+def test_the_noncausal_form_in_every_dtype_matches_float64(config, dtype, seed):
+    batch, heads, length, d_key, d_value = SHAPE
+    core, reference = build(config, d_key, dtype), build(config, d_key)
+    inputs = make_inputs(core, batch, heads, length, d_value, dtype=dtype, seed=seed)
+    exact, low = to(inputs, torch.float64, requires_grad=True), to(inputs, dtype, requires_grad=True)
+    expected, out = reference.reference(**exact, causal=False), core(**low, causal=False)
+    what = f"{config_id(config)} non-causal in {dtype} (seed {seed})"
+    assert out.dtype == dtype and rel_error(out, expected) <= REL_ERROR_TOLERANCE[dtype], f"{what}: {rel_error(out, expected):.3g}"
+    cotangent = torch.randn(expected.shape, generator=torch.Generator().manual_seed(seed + 1), dtype=torch.float64)
+    wanted = torch.autograd.grad((expected * cotangent).sum(), list(exact.values()))
+    grads = torch.autograd.grad((out * cotangent.to(dtype)).sum(), list(low.values()))
+    for name, grad, target in zip(low, grads, wanted, strict=True):
+        assert rel_error(grad, target) <= REL_ERROR_TOLERANCE[dtype], f"{what}: d/d{name} {rel_error(grad, target):.3g}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_linear_time_states_are_float32_for_16_bit_inputs(dtype):
     """The decoding state after a 16-bit prefill is float32 (a 16-bit state rounds away late writes)."""
     for name in ("linear", "delta", "gated_delta"):
