@@ -1,7 +1,8 @@
-"""How numbers are written in tables and reports: times with units, ratios, SI suffixes, sizes."""
+"""How numbers are written in tables and reports (times with units, ratios, SI suffixes, sizes) and how errors quote values."""
 
 from __future__ import annotations
 
+import json
 import math
 
 MIB = 2**20
@@ -66,3 +67,19 @@ def fraction(value) -> str:
 def flag(value) -> str:
     """``unstable`` for a true flag, empty for false, ``-`` when unknown."""
     return "-" if not present(value) else "unstable" if value else ""
+
+
+#: The most characters of a value an error message quotes.
+QUOTE_CHARS = 200
+
+
+def quote(value) -> str:
+    """A value as an error message shows it: its JSON (or repr) cut to ``QUOTE_CHARS``
+    characters, with the full length said, so a huge wrong value gives a short message."""
+    try:
+        shown = json.dumps(value, default=str)
+    except (TypeError, ValueError, RecursionError):
+        shown = repr(value)
+    if len(shown) <= QUOTE_CHARS:
+        return shown
+    return f"{shown[:QUOTE_CHARS]}... ({len(shown)} characters)"
