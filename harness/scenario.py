@@ -13,7 +13,9 @@ import hashlib
 import itertools
 import json
 import math
+import os
 import re
+import stat
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
@@ -24,6 +26,9 @@ from pydantic import Strict as PydanticStrict
 import variants
 
 from . import tasks
+from .formatting import quote
+from .measure import MAX_SAMPLES
+from .models import LM_PRESETS, lm_config
 
 SCENARIO_DIR = Path(__file__).resolve().parent.parent / "scenarios"
 DTYPES = ("float32", "float16", "bfloat16", "float64")
@@ -48,10 +53,26 @@ Sweep = Union[Scalar, list[Scalar]]
 AxisInt = Annotated[int, PydanticStrict()]
 #: A scenario's name becomes a file name (``results/<name>-<time>.jsonl``).
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
+#: The longest scenario name: ``<name>-<time>.jsonl`` must fit a file name (255 bytes on most file systems).
+NAME_MAX_BYTES = 200
+#: The longest time a setting may give in seconds (a week): longer ones overflow timers and alarms.
+MAX_SECONDS = 7 * 24 * 3600.0
+#: How deep a scenario's mappings and lists may nest.
+MAX_DEPTH = 64
+#: Limits on the work a scenario may ask for: (environment variable, default). The variable raises or lowers a limit.
+MAX_FILE_BYTES = ("ATTNBENCH_MAX_SCENARIO_BYTES", 1_000_000)
+MAX_NODES = ("ATTNBENCH_MAX_SCENARIO_NODES", 100_000)
+MAX_CELLS = ("ATTNBENCH_MAX_CELLS", 100_000)
 
 
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+
+class StrictSettings(Strict):
+    """Settings whose numbers are numbers: ``repeats: true`` or ``timeout_s: "60"`` is refused, not taken as 1 or 60."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 def _positive_ints(value):
@@ -84,12 +105,19 @@ class Axes(BaseModel):
     def _positive(cls, value):
         return _positive_ints(value)
 
+    @field_validator("dtype", "device")
+    @classmethod
+    def _not_empty(cls, value):
+        if value == []:
+            raise ValueError("expected at least one value")
+        return value
+
     @field_validator("dtype")
     @classmethod
     def _dtype(cls, value):
         for item in value if isinstance(value, list) else [value]:
             if item not in DTYPES:
-                raise ValueError(f"expected one of {', '.join(DTYPES)}, got {item!r}")
+                raise ValueError(f"expected one of {', '.join(DTYPES)}, got {quote(item)}")
         return value
 
     @field_validator("device")
@@ -98,39 +126,55 @@ class Axes(BaseModel):
         for item in value if isinstance(value, list) else [value]:
             kind, _, index = item.partition(":")
             if kind not in ("cpu", "cuda") or (index and not index.isdigit()) or (kind == "cpu" and index):
-                raise ValueError(f"expected 'cpu', 'cuda' or 'cuda:N', got {item!r}")
+                raise ValueError(f"expected 'cpu', 'cuda' or 'cuda:N', got {quote(item)}")
         return value
 
 
-class Measure(Strict):
-    warmup: int = Field(2, ge=0)
-    repeats: int = Field(7, ge=1, description="the fewest timed samples; sampling goes on until target_rel_ci or max_time_s")
+class Measure(StrictSettings):
+    warmup: int = Field(2, ge=0, le=MAX_SAMPLES)
+    repeats: int = Field(7, ge=1, le=MAX_SAMPLES, description="the fewest timed samples; sampling goes on until target_rel_ci or max_time_s")
     target_rel_ci: float | None = Field(
         0.05, gt=0, description="sample until the 95 % bootstrap interval of the median is within ± this fraction of it; null: exactly repeats"
     )
-    max_time_s: float = Field(2.0, ge=0, description="seconds of sampling per cell after which a cell that has not reached target_rel_ci stops (unstable)")
+    max_time_s: float = Field(
+        2.0, ge=0, le=MAX_SECONDS, description="seconds of sampling per cell after which a cell that has not reached target_rel_ci stops (unstable)"
+    )
     cpus: list[Annotated[int, Field(ge=0)]] | None = Field(None, min_length=1, description="pin the worker to these CPUs (os.sched_setaffinity)")
-    timeout_s: float = Field(900.0, gt=0, description="a cell running longer is stopped and recorded as an error")
+    timeout_s: float = Field(900.0, gt=0, le=MAX_SECONDS, description="a cell running longer is stopped and recorded as an error")
     flush_l2: bool = True
     fresh_worker: bool | None = Field(None, description="a new worker process for each cell; default: for CPU speed cells (exact peak RSS), not on a GPU")
 
 
-class Decode(Strict):
+class Decode(StrictSettings):
     new_tokens: int = Field(64, ge=1)
 
 
-class Rules(Strict):
+class Rules(StrictSettings):
     tokens_per_batch: int | None = Field(None, ge=1, description="batch = max(1, tokens_per_batch // seq_len)")
 
 
-class ReportSpec(Strict):
+class ReportSpec(StrictSettings):
     baseline_backend: str | None = Field(None, description="the report shows each backend's time as a ratio to this backend's, per variant")
 
 
-class ModelSpec(Strict):
+class ModelSpec(StrictSettings):
     preset: str = "small"
     vocab_size: int = Field(32000, ge=2)
     overrides: dict[str, Any] = {}
+
+    @model_validator(mode="after")
+    def _known_model(self):
+        """The preset and override fields are the LM config's (``harness.models``); the cell sets variant and variant_params."""
+        if self.preset not in LM_PRESETS:
+            raise ValueError(f"model.preset: expected one of {', '.join(LM_PRESETS)}, got {quote(self.preset)}")
+        taken = [key for key in ("variant", "variant_params") if key in self.overrides]
+        if taken:
+            raise ValueError(f"model.overrides.{taken[0]}: set by each cell (its variant and parameters), not by an override")
+        try:
+            lm_config(self.preset, self.vocab_size, **self.overrides)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"model.overrides: {exc}") from None
+        return self
 
 
 class Scenario(Strict):
@@ -168,6 +212,8 @@ class Scenario(Strict):
     def _file_name(cls, value):
         if not re.match(NAME_PATTERN, value):
             raise ValueError("expected letters, digits, '.', '_' and '-', starting with a letter or digit (it names the results file)")
+        if len(value.encode()) > NAME_MAX_BYTES:
+            raise ValueError(f"expected at most {NAME_MAX_BYTES} characters, got {len(value.encode())} (it names the results file, <name>-<time>.jsonl)")
         return value
 
     @field_validator("variants")
@@ -175,7 +221,7 @@ class Scenario(Strict):
     def _known_variants(cls, value):
         unknown = [name for name in value if name not in variants.names()]
         if unknown:
-            raise ValueError(f"unknown variant {unknown[0]!r}; known: {', '.join(variants.names())}")
+            raise ValueError(f"unknown variant {quote(unknown[0])}; known: {', '.join(variants.names())}")
         if not value:
             raise ValueError("expected at least one variant")
         return value
@@ -185,7 +231,7 @@ class Scenario(Strict):
     def _known_backends(cls, value):
         for backend in value:
             if backend not in BACKENDS:
-                raise ValueError(f"expected backends among {', '.join(BACKENDS)}, got {backend!r}")
+                raise ValueError(f"expected backends among {', '.join(BACKENDS)}, got {quote(backend)}")
         return value
 
     @field_validator("backend_options")
@@ -195,7 +241,7 @@ class Scenario(Strict):
         for option, setting in value.items():
             if option not in owners:
                 known = ", ".join(f"{name} ({'/'.join(backends)})" for name, backends in owners.items())
-                raise ValueError(f"unknown option {option!r}; backend options: {known}")
+                raise ValueError(f"unknown option {quote(option)}; backend options: {known}")
             try:
                 variants.check_backend_options(owners[option][0], {option: setting})
             except variants.VariantError as exc:
@@ -206,7 +252,7 @@ class Scenario(Strict):
     def _baseline_backend(self):
         baseline = self.report.baseline_backend
         if baseline is not None and baseline not in self.backends:
-            raise ValueError(f"report.baseline_backend: expected one of the scenario's backends ({', '.join(self.backends)}), got {baseline!r}")
+            raise ValueError(f"report.baseline_backend: expected one of the scenario's backends ({', '.join(self.backends)}), got {quote(baseline)}")
         return self
 
     @field_validator("target")
@@ -214,7 +260,7 @@ class Scenario(Strict):
     def _known_target(cls, value):
         known = SPEED_TARGETS + tuple(tasks.names())
         if value not in known:
-            raise ValueError(f"expected one of {', '.join(known)}, got {value!r}")
+            raise ValueError(f"expected one of {', '.join(known)}, got {quote(value)}")
         return value
 
     @model_validator(mode="after")
@@ -251,8 +297,12 @@ class Scenario(Strict):
         (a task's axis placed around each variant's capacity); each is an axis the scenario
         has, valid as the scenario's own would be."""
         for name, spec in self.variants.items():
+            if spec == []:
+                raise ValueError(f"variants.{name}: expected at least one configuration, got an empty list")
             for field, params in _configurations(name, spec):
                 for key, value in params.items():
+                    if value == []:
+                        raise ValueError(f"{field}.{key}: expected at least one value, got an empty list")
                     if isinstance(value, dict) and key != VARIANT_AXES:
                         raise ValueError(f"{field}.{key}: expected a value or a list of values, got a mapping (only '{VARIANT_AXES}' holds one)")
                 if VARIANT_AXES in params:
@@ -269,10 +319,11 @@ def _check_extra_axes(task_config, extra: dict, prefix: str) -> None:
             continue
         if axis not in declared:
             own = ", ".join(f"{task.name}: {', '.join(a for a in task.axes if a not in Axes.model_fields) or '-'}" for task in tasks.tasks())
-            raise ValueError(f"{prefix}.{axis}: not an axis of this scenario (got {value!r}; speed axes: {', '.join(Axes.model_fields)}; task axes: {own})")
+            speed = ", ".join(Axes.model_fields)
+            raise ValueError(f"{prefix}.{axis}: not an axis of this scenario (got {quote(value)}; speed axes: {speed}; task axes: {own})")
         items = value if isinstance(value, list) else [value]
         if not items or not all(isinstance(item, int) and not isinstance(item, bool) and item >= 1 for item in items):
-            raise ValueError(f"{prefix}.{axis}: expected positive integers, got {value!r}")
+            raise ValueError(f"{prefix}.{axis}: expected positive integers, got {quote(value)}")
 
 
 def variant_axes(scenario: Scenario, override: dict | None, field: str) -> Axes:
@@ -281,7 +332,7 @@ def variant_axes(scenario: Scenario, override: dict | None, field: str) -> Axes:
     if not override:
         return scenario.axes
     if not isinstance(override, dict):
-        raise ValueError(f"{field}: expected a mapping of axis names to values, got {override!r}")
+        raise ValueError(f"{field}: expected a mapping of axis names to values, got {quote(override)}")
     current = scenario.axes.model_dump()
     task = tasks.get(scenario.task.name) if scenario.task else None
     own = _axis_names(task, scenario.axes) + (() if task else ("d_dot",))
@@ -293,7 +344,7 @@ def variant_axes(scenario: Scenario, override: dict | None, field: str) -> Axes:
     except ValidationError as exc:
         error = exc.errors()[0]
         message = error["msg"].removeprefix("Value error, ")
-        shown = "" if "got" in message else f" (got {error.get('input')!r})"
+        shown = "" if "got" in message else f" (got {quote(error.get('input'))})"
         raise ValueError(f"{field}.{'.'.join(str(part) for part in error['loc'])}: {message}{shown}") from None
     _check_extra_axes(scenario.task, {axis: value for axis, value in override.items() if axis not in Axes.model_fields}, field)
     return merged
@@ -306,9 +357,9 @@ def _check_seeds(task_config, value, field: str = f"axes.{SEED_AXIS}") -> None:
         raise ValueError(f"{field}: seeds sweep a quality task's seed; {where} has none")
     items = value if isinstance(value, list) else [value]
     if not items or not all(isinstance(item, int) and not isinstance(item, bool) and item >= 0 for item in items):
-        raise ValueError(f"{field}: expected integers >= 0, got {value!r}")
+        raise ValueError(f"{field}: expected integers >= 0, got {quote(value)}")
     if len(set(items)) != len(items):
-        raise ValueError(f"{field}: a seed is listed twice in {value!r}")
+        raise ValueError(f"{field}: a seed is listed twice in {quote(value)}")
 
 
 _MODELS: dict[tuple, type[Scenario]] = {}
@@ -340,13 +391,13 @@ def _format_validation(path: str, exc: ValidationError) -> str:
     lines = [f"{path}: invalid scenario"]
     for error in exc.errors():
         message = error["msg"].removeprefix("Value error, ")
-        if not error["loc"] and re.match(r"^[\w.\[\]]+: ", message):  # a whole-file check that names its field
+        field = ".".join(str(part) for part in error["loc"])
+        if re.match(rf"^{re.escape(field)}[\w.\[\]]*: ", message):  # a check that names its field itself
             lines.append(f"  {message}")
             continue
-        field = ".".join(str(part) for part in error["loc"]) or "(top level)"
         value = error.get("input")
-        shown = json.dumps(value, default=str) if not isinstance(value, dict) else "{...}"
-        lines.append(f"  {field}: {message} (got {shown})")
+        shown = quote(value) if not isinstance(value, dict) else "{...}"
+        lines.append(f"  {field or '(top level)'}: {message} (got {shown})")
     return "\n".join(lines)
 
 
@@ -365,14 +416,13 @@ def _apply_set(raw: dict, assignment: str, path: str) -> dict:
     """``--set key=value``: a bare axis name means ``axes.<name>``; the value is YAML."""
     key, sep, text = assignment.partition("=")
     if not sep or not key:
-        raise ScenarioError(f"{path}: --set {assignment!r}: expected KEY=VALUE, e.g. seq_len=1024 or measure.repeats=3")
+        raise ScenarioError(f"{path}: --set {quote(assignment)}: expected KEY=VALUE, e.g. seq_len=1024 or measure.repeats=3")
     parts = key.split(".")
     if len(parts) == 1 and parts[0] in AXES + ("d_dot", SEED_AXIS) + tuple(axis for task in tasks.tasks() for axis in task.axes):
         parts = ["axes", parts[0]]
-    try:
-        override: dict = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise ScenarioError(f"{path}: --set {assignment!r}: the value is not valid YAML ({_first_line(exc)})") from None
+    where = f"{path}: --set {quote(assignment)}"
+    override = _parse_yaml(text, where)
+    _check_size(override, where)
     for part in reversed(parts):
         override = {part: override}
     return deep_merge(raw, override)
@@ -382,33 +432,101 @@ def _first_line(exc: Exception) -> str:
     return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
 
 
-def _read_yaml(path: Path) -> dict:
-    """The scenario file as a dict; a file that is not a UTF-8 YAML mapping is a ScenarioError."""
-    if not path.is_file():
-        raise ScenarioError(f"{path}: expected a scenario file (YAML), got a {'directory' if path.is_dir() else 'special file'}")
+def limit(setting: tuple[str, int]) -> int:
+    """The value of one of the limits (``MAX_CELLS`` ...): its environment variable's, else its default."""
+    variable, default = setting
+    text = os.environ.get(variable)
+    if text is None:
+        return default
+    if not text.strip().isdigit() or int(text) < 1:
+        raise ScenarioError(f"${variable}: expected a positive integer, got {quote(text)}")
+    return int(text)
+
+
+class _Loader(yaml.SafeLoader):
+    """PyYAML's safe loader that refuses a key written twice in one mapping (the later would silently win)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=True)
+            if isinstance(key, (str, int, float, bool)) or key is None:
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(None, None, f"duplicate key {quote(key)}", key_node.start_mark)
+                seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
+def _parse_yaml(text: str, where: str):
+    """``text`` as YAML (safe, no duplicate keys); an error names ``where`` and the line."""
     try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except UnicodeDecodeError as exc:
-        raise ScenarioError(f"{path}: not a UTF-8 text file (byte {exc.start}: {exc.reason})") from None
+        return yaml.load(text, Loader=_Loader)
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        at = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+        raise ScenarioError(f"{where}: not valid YAML: {at}{exc.problem or exc.context}") from None
     except yaml.YAMLError as exc:
-        raise ScenarioError(f"{path}: not valid YAML: {exc}") from None
+        raise ScenarioError(f"{where}: not valid YAML: {_first_line(exc)}") from None
+    except RecursionError:
+        raise ScenarioError(f"{where}: nested too deeply to read (at most {MAX_DEPTH} levels)") from None
+
+
+def _read_bytes(path: Path) -> bytes:
+    """A scenario file's bytes: a regular file (a FIFO or device is refused without reading it), at most ``MAX_FILE_BYTES``."""
+    most = limit(MAX_FILE_BYTES)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except OSError as exc:
         raise ScenarioError(f"{path}: cannot be read ({exc.strerror})") from None
+    with os.fdopen(fd, "rb") as file:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = "directory" if stat.S_ISDIR(mode) else "special file (FIFO, device or socket)"
+            raise ScenarioError(f"{path}: expected a scenario file (YAML), got a {kind}")
+        data = file.read(most + 1)
+    if len(data) > most:
+        raise ScenarioError(f"{path}: larger than {most} bytes, the most a scenario file may have (${MAX_FILE_BYTES[0]} raises it)")
+    return data
+
+
+def _read_yaml(path: Path, data: bytes) -> dict:
+    """The scenario file's ``data`` as a dict; a file that is not a UTF-8 YAML mapping is a ScenarioError."""
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ScenarioError(f"{path}: not a UTF-8 text file (byte {exc.start}: {exc.reason})") from None
+    raw = _parse_yaml(text, str(path))
     if not isinstance(raw, dict):
         raise ScenarioError(f"{path}: expected a mapping at the top level, got {type(raw).__name__}")
-    if _contains_itself(raw):
-        raise ScenarioError(f"{path}: a YAML alias refers to itself (a structure that contains itself); write the values out")
+    _check_size(raw, str(path))
     return raw
 
 
-def _contains_itself(value, parents=()) -> bool:
-    """Whether a dict or list inside ``value`` contains itself (a recursive YAML alias)."""
-    if not isinstance(value, (dict, list)):
-        return False
-    if any(value is parent for parent in parents):
-        return True
-    items = value.values() if isinstance(value, dict) else value
-    return any(_contains_itself(item, (*parents, value)) for item in items)
+def _check_size(value, where: str) -> None:
+    """Refuse a YAML value whose aliases make it contain itself, nest deeper than ``MAX_DEPTH``
+    or expand to more than ``MAX_NODES`` values (a "billion laughs"). Linear in the
+    value as written: each shared mapping or list is counted once, memoised by identity."""
+    most, sizes, open_ = limit(MAX_NODES), {}, set()
+
+    def size(item, depth: int) -> int:
+        if not isinstance(item, (dict, list)):
+            return 1
+        if id(item) in open_:
+            raise ScenarioError(f"{where}: a YAML alias refers to itself (a structure that contains itself); write the values out")
+        if id(item) not in sizes:
+            if depth > MAX_DEPTH:
+                raise ScenarioError(f"{where}: nested deeper than {MAX_DEPTH} levels")
+            open_.add(id(item))
+            children = [*item.keys(), *item.values()] if isinstance(item, dict) else item
+            sizes[id(item)] = 1 + sum(size(child, depth + 1) for child in children)
+            open_.discard(id(item))
+        if sizes[id(item)] > most:
+            raise ScenarioError(f"{where}: expands (through YAML aliases) to more than {most} values, the most a scenario may have (${MAX_NODES[0]} raises it)")
+        return sizes[id(item)]
+
+    size(value, 0)
 
 
 def resolve_path(spec: str) -> Path:
@@ -429,12 +547,17 @@ def shipped() -> list[str]:
 def load_scenario(spec: str, *, preset: str | None = None, overrides: list[str] = ()) -> LoadedScenario:
     """Read, merge the preset and ``--set`` overrides, and validate a scenario."""
     path = resolve_path(spec)
-    raw = _read_yaml(path)
+    data = _read_bytes(path)
+    raw = _read_yaml(path, data)
     raw.setdefault("name", path.stem)
     if preset is not None:
         presets = raw.get("presets") or {}
+        if not isinstance(presets, dict):
+            raise ScenarioError(f"{path}: presets: expected a mapping of preset names to settings, got {quote(presets)}")
         if preset not in presets:
-            raise ScenarioError(f"{path}: presets.{preset}: no such preset (this file has: {', '.join(presets) or 'none'})")
+            raise ScenarioError(f"{path}: presets.{preset}: no such preset (this file has: {', '.join(map(str, presets)) or 'none'})")
+        if not isinstance(presets[preset], dict):
+            raise ScenarioError(f"{path}: presets.{preset}: expected a mapping of settings, got {quote(presets[preset])}")
         chosen = dict(presets[preset])
         if "variants" in chosen:  # a preset's variants replace the scenario's, they do not add to them
             raw["variants"] = chosen.pop("variants")
@@ -445,10 +568,29 @@ def load_scenario(spec: str, *, preset: str | None = None, overrides: list[str] 
         scenario = scenario_model().model_validate(raw)
     except ValidationError as exc:
         raise ScenarioError(_format_validation(str(path), exc)) from None
-    except RecursionError:
-        raise ScenarioError(f"{path}: a YAML alias refers to itself (a structure that contains itself); write the values out") from None
-    sha256 = hashlib.sha256(path.read_bytes()).hexdigest()
+    _check_cell_count(scenario, str(path))
+    sha256 = hashlib.sha256(data).hexdigest()
     return LoadedScenario(scenario, expand(scenario, str(path)), path, sha256, preset, list(overrides))
+
+
+def cell_count(scenario: Scenario) -> int:
+    """How many cells the scenario sweeps at most (before repeated cells are dropped), from
+    the lengths of its lists alone: nothing is expanded."""
+    task = tasks.get(scenario.task.name) if scenario.task else None
+    configurations = 0
+    for name, spec in scenario.variants.items():
+        for field, params in _configurations(name, spec):
+            axes = variant_axes(scenario, params.get(VARIANT_AXES), f"{field}.{VARIANT_AXES}")
+            grid = math.prod(len(_sweep(value)) for key, value in params.items() if key != VARIANT_AXES)
+            shape = math.prod(len(_sweep(getattr(axes, axis))) for axis in _axis_names(task, axes))
+            configurations += grid * shape * len(_sweep(axes.d_dot))
+    return configurations * len(scenario.backends) * len(scenario.modes)
+
+
+def _check_cell_count(scenario: Scenario, path: str) -> None:
+    most, count = limit(MAX_CELLS), cell_count(scenario)
+    if count > most:
+        raise ScenarioError(f"{path}: sweeps {count} cells, more than the {most} a run may have (${MAX_CELLS[0]} raises it; split the sweep)")
 
 
 class LoadedScenario:
@@ -590,7 +732,7 @@ def _unsupported_backends(name: str, d_key: int, params: dict, scenario: Scenari
         except variants.UnsupportedBackend as exc:
             unsupported[backend] = str(exc)
         except variants.VariantError as exc:
-            raise ScenarioError(f"{path}: {field}: parameters {json.dumps(params)} at d_key={d_key}: {exc}") from None
+            raise ScenarioError(f"{path}: {field}: parameters {quote(params)} at d_key={d_key}: {exc}") from None
     return unsupported
 
 
