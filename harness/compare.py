@@ -20,6 +20,7 @@ import pandas as pd
 
 from .formatting import format_ratio, format_seconds, present
 from .results import FAILED, load
+from .stats import resampled_medians
 
 EXIT_OK = 0  #: no regression
 EXIT_REGRESSION = 1  #: at least one cell is worse or newly failing
@@ -147,12 +148,18 @@ def _bootstrap_medians(rounds: list[np.ndarray], rng: np.random.Generator) -> np
     """``RESAMPLES`` medians of two-stage resamples of a side measured in ``rounds``: rounds
     with replacement, then as many samples as the longest round with replacement within each
     chosen round, so that drift between rounds widens the interval as it should (one round:
-    the plain bootstrap)."""
+    the plain bootstrap). Drawn in bounded chunks (``stats.resampled_medians``) from two streams
+    of ``rng``, one for the rounds and one for the samples, so the chunk size changes nothing."""
     table, lengths = _padded(rounds)
     count, longest = table.shape
-    chosen = rng.integers(count, size=(RESAMPLES, count, 1))
-    within = (rng.random((RESAMPLES, count, longest)) * lengths[chosen]).astype(int)
-    return np.median(table[chosen, within].reshape(RESAMPLES, count * longest), axis=1)
+    round_rng, sample_rng = rng.spawn(2)
+
+    def draw(rows: int) -> np.ndarray:
+        chosen = (round_rng.random((rows, count, 1)) * count).astype(np.intp)
+        within = (sample_rng.random((rows, count, longest)) * lengths[chosen]).astype(np.intp)
+        return table[chosen, within].reshape(rows, count * longest)
+
+    return resampled_medians(RESAMPLES, count * longest, draw)
 
 
 def _as_rounds(side) -> list[np.ndarray]:
