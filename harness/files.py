@@ -1,11 +1,36 @@
-"""Files written so that a reader never sees half of one."""
+"""Files written so that a reader never sees half of one, and never through a planted link."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import stat
 import tempfile
 from pathlib import Path
+
+#: Flags of every descriptor attnbench opens on a file it writes: a symbolic link in the last
+#: component is refused (``O_NOFOLLOW``), a FIFO or device never blocks the open (``O_NONBLOCK``).
+SAFE_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+
+
+class UnsafeFileError(OSError):
+    """A path attnbench was to write or lock is a symbolic link or not a regular file."""
+
+
+def open_regular(path, flags: int, mode: int = 0o644) -> int:
+    """``os.open(path, flags)`` without following a symbolic link at ``path`` and only onto a
+    regular file (else ``UnsafeFileError`` naming the path); the caller closes the descriptor."""
+    try:
+        fd = os.open(path, flags | SAFE_FLAGS, mode)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise UnsafeFileError(f"{path} is a symbolic link; attnbench does not write or lock through a link it did not create") from None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise UnsafeFileError(f"{path} is not a regular file")
+    return fd
 
 
 def write_json_atomic(path, obj) -> None:

@@ -8,6 +8,7 @@ docs/results.md.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import math
 import os
@@ -16,6 +17,8 @@ from pathlib import Path
 
 import pandas as pd
 
+from .files import open_regular
+from .locking import LockedError
 from .stats import median_rel_ci
 
 SCHEMA_VERSION = 2
@@ -84,11 +87,58 @@ def _missing_key(record: dict, kind: str) -> str | None:
     return None
 
 
-class ResultsWriter:
-    """Appends run and cell records to one results file, one whole line per ``os.write``."""
+class ResultsChangedError(ResultsFileError):
+    """The results file being written was deleted, replaced or cut by someone else; the run stops."""
 
-    def __init__(self, path):
-        self.path = Path(path)
+
+class ResultsWriter:
+    """Appends run and cell records to one results file, one whole line per ``os.write``.
+
+    The writer holds the file open from the start of the run to its end, with an exclusive
+    ``flock`` on the file itself (its inode), so a second run cannot write into it by any name
+    (a symbolic or a hard link in another directory); ``LockedError`` says so. ``create``: the
+    file is opened at the first line (created if missing); otherwise at once, and it must exist
+    (``--resume``). A link at ``path``
+    is refused (``open_regular``). Before each line it checks that ``path`` is still the file
+    opened and holds exactly what was written (``ResultsChangedError`` otherwise)."""
+
+    def __init__(self, path, *, create: bool = True):
+        self.path, self.create, self.fd, self.size = Path(path), create, None, 0
+        if not create:
+            self._open()
+
+    def _open(self) -> None:
+        """Open (``create``: creating it if missing) and lock the file, or ``LockedError``."""
+        if self.create:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.fd = open_regular(self.path, os.O_WRONLY | os.O_APPEND | (os.O_CREAT if self.create else 0))
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self.close()
+            raise LockedError(f"{self.path} is being written by another attnbench run (it holds the file's lock); wait for it to finish") from None
+        self.size = os.fstat(self.fd).st_size
+
+    def close(self) -> None:
+        """Close the file (and drop its lock); the writer writes nothing more."""
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    __del__ = close
+
+    def repair_tail(self) -> bool:
+        """``repair_tail`` of the file this writer holds locked; True if anything was cut."""
+        if not repair_tail(self.path):
+            return False
+        self.size = os.fstat(self.fd).st_size
+        return True
 
     def write_run(self, record: dict) -> None:
         """Append a ``run`` line (the fingerprint of this run: machine, commit, scenario)."""
@@ -109,24 +159,41 @@ class ResultsWriter:
         data = (json.dumps(line, allow_nan=False, ensure_ascii=False) + "\n").encode("utf-8")
         self._append(data)
 
+    def _check_unchanged(self) -> None:
+        """``ResultsChangedError`` unless ``path`` is still the file opened, as long as written."""
+        try:
+            named = os.stat(self.path)
+        except FileNotFoundError:
+            named = None
+        opened = os.fstat(self.fd)
+        if named is None or (named.st_dev, named.st_ino) != (opened.st_dev, opened.st_ino):
+            how = "deleted" if named is None else "replaced by another file"
+        elif opened.st_size != self.size:
+            how = f"changed by someone else ({opened.st_size} bytes where this run wrote {self.size})"
+        else:
+            return
+        raise ResultsChangedError(
+            f"{self.path} was {how} while this run wrote it; the run stopped and writes nothing more into it "
+            "(start a new run, or restore the file and continue it with --resume)"
+        )
+
     def _append(self, data: bytes) -> None:
-        """One ``os.write`` of the whole line on an O_APPEND descriptor, then fsync. A write
+        """One ``os.write`` of the whole line on the O_APPEND descriptor, then fsync. A write
         that fails or falls short (a full disk) is undone: the file is cut back to its size
         before it, and ``ResultsWriteError`` says so."""
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        size = os.fstat(fd).st_size
+        if self.fd is None:
+            self._open()
+        self._check_unchanged()
         try:
-            written = os.write(fd, data)
+            written = os.write(self.fd, data)
             if written != len(data):
                 raise OSError(f"wrote {written} of {len(data)} bytes")
-            os.fsync(fd)
+            os.fsync(self.fd)
         except OSError as exc:
-            os.ftruncate(fd, size)
+            os.ftruncate(self.fd, self.size)
             reason = exc.strerror or str(exc)
             raise ResultsWriteError(f"cannot append to {self.path} ({reason}); it still holds every line written before") from None
-        finally:
-            os.close(fd)
+        self.size += written
 
 
 def repair_tail(path) -> bool:
@@ -138,7 +205,7 @@ def repair_tail(path) -> bool:
     return True
 
 
-def _parse_line(raw: bytes, path: Path, where: str) -> dict:
+def parse_line(raw: bytes, path: Path, where: str) -> dict:
     """One line as a dict with ``kind`` and the current ``schema``, or ResultsFileError."""
     try:
         record = json.loads(raw.decode("utf-8"))
@@ -194,7 +261,7 @@ def read_records(path) -> list[dict]:
     records, run_ids = [], set()
     for number, raw in enumerate(lines[:-1], start=1):
         where = f"{path}, line {number}"
-        record = _parse_line(raw, path, where)
+        record = parse_line(raw, path, where)
         if record["kind"] == "run":
             run_ids.add(record["run_id"])
         else:

@@ -18,6 +18,7 @@ import os
 import re
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -29,9 +30,10 @@ from pathlib import Path
 from tqdm import tqdm
 
 from . import machine
+from .files import open_regular
 from .locking import MachineRuns, ResultsDirectoryLock, describe_runs
 from .plugins import load_plugins
-from .results import FAILED, ResultsWriteError, ResultsWriter, completed_cell_ids, read_records, repair_tail
+from .results import FAILED, ResultsWriteError, ResultsWriter, completed_cell_ids, parse_line, read_records
 from .roofline import roofline
 from .scenario import LoadedScenario, describe
 
@@ -39,6 +41,8 @@ from .scenario import LoadedScenario, describe
 #: memory leaves a worker's resident set and the per-cell peak RSS (harness.measure.PeakMemory)
 #: follows live memory to about 2 MiB.
 WORKER_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0", "MALLOC_TOP_PAD_": "0"}
+#: Seconds a worker may take to start (its imports, the plugins); one that takes longer is
+#: killed and costs the cell it was started for (``crashed``), and the sweep goes on.
 WORKER_START_TIMEOUT_S = 300
 PR_SET_PDEATHSIG = 1
 #: The cgroup (v2, then v1) counters of out-of-memory kills, read before and after a cell.
@@ -52,6 +56,8 @@ CHECKOUT_WORKER = (
 #: The statuses of a cell that make a run fail (exit code 1, ``RunSummary.failures``): every
 #: failed status but ``oom``, which a sweep to the memory limit expects.
 FAILING = tuple(status for status in FAILED if status != "oom")
+#: The most of a results file ``--resume`` reads before taking its lock: its first line (a run line).
+FIRST_LINE_BYTES = 1 << 20
 
 
 def die_with_parent() -> None:
@@ -67,6 +73,7 @@ def die_with_parent() -> None:
 def _serve(conn, plugins, parent_pid=None) -> None:
     """The worker's loop: receive a cell, measure it, send back its result; ``None`` stops.
     It starts with SIGINT ignored (``Worker._start``): Ctrl-C is the runner's to handle."""
+    from .tasks.training import cell_checkpoints
     from .workloads import is_out_of_memory, measure_cell
 
     die_with_parent()
@@ -76,7 +83,11 @@ def _serve(conn, plugins, parent_pid=None) -> None:
     conn.send("ready")
     while (cell := conn.recv()) is not None:
         try:
-            result = _calibrate(cell["calibrate"]) if "calibrate" in cell else measure_cell(cell)
+            if "calibrate" in cell:
+                result = _calibrate(cell["calibrate"])
+            else:
+                with cell_checkpoints(cell):
+                    result = measure_cell(cell)
         except BaseException as exc:  # noqa: BLE001 - every failure of a cell is recorded
             status = "oom" if is_out_of_memory(exc) else "error"
             summary = "".join(traceback.format_exception_only(type(exc), exc)).strip()
@@ -196,13 +207,17 @@ class Worker:
             self._start_spawned(context, child)
         child.close()
         # Wait for the imports, so that a cell's timeout counts its own time only.
+        self.start_error = None
         try:
             ready = self.conn.poll(WORKER_START_TIMEOUT_S) and self.conn.recv() == "ready"
         except EOFError:
             ready = False
         if not ready:
+            frozen = self.process.is_alive()
             self.kill()
-            raise RuntimeError(f"the worker process did not start (exit code {self.process.exitcode}); see the messages above")
+            if not frozen:
+                raise RuntimeError(f"the worker process did not start (exit code {self.process.exitcode}); see the messages above")
+            self.start_error = f"the worker process did not start within {WORKER_START_TIMEOUT_S:g} s (killed; WORKER_START_TIMEOUT_S)"
 
     def _start_checkout(self, child) -> None:
         env = {**os.environ, **self.env, "PYTHONPATH": str(self.code_root)}
@@ -229,6 +244,12 @@ class Worker:
                     os.environ[key] = value
 
     def measure(self, cell: dict, timeout_s: float) -> dict:
+        """The result of ``cell`` measured within ``timeout_s``; ``crashed`` when the worker,
+        started again after one that did not start in time, does not start either."""
+        if self.start_error is not None:
+            self._start()
+            if self.start_error is not None:
+                return {"status": "crashed", "error": self.start_error, "metrics": {}}
         oom_before = oom_kills()
         self.measured += 1
         self.conn.send(cell)
@@ -372,12 +393,38 @@ def scenario_identity(loaded: LoadedScenario) -> dict:
     return {"scenario": loaded.name, "scenario_sha256": loaded.sha256, "preset": loaded.preset}
 
 
-def _resume_state(path: Path, loaded: LoadedScenario, fingerprint: dict, retry_failed: bool, *, same_machine: bool = True) -> tuple[str, set]:
-    """(the run_id resumed, the cell_ids not to measure again) of a results file this run may
-    continue: the same scenario, file and preset, measured on this machine (``same_machine``: one
-    of its run lines has this machine's id; a run on several devices writes one per device, and a
-    Ray run's cells record each its own machine, so any machine may continue it)."""
-    if repair_tail(path):
+def resumable_file(resume, loaded: LoadedScenario) -> Path:
+    """The real path of the file ``--resume FILE`` names, checked before anything is created
+    beside it: a regular file whose first line is a run line of this scenario (else ``RunError``)."""
+    given = Path(resume)
+    path = given.resolve()
+    if not path.exists():
+        raise RunError(f"--resume: {given} does not exist")
+    if not stat.S_ISREG(path.stat().st_mode):
+        raise RunError(f"--resume: {given} is not a regular file (a results file to continue)")
+    with open(open_regular(path, os.O_RDONLY), "rb") as file:
+        first = file.readline(FIRST_LINE_BYTES)
+    if not first:
+        raise RunError(f"--resume: results file {given} is empty")
+    if not first.endswith(b"\n"):
+        raise RunError(f"--resume: {given} is not a results file (its first line is not a whole run line)")
+    record = parse_line(first, given, f"{given}, line 1")
+    if record["kind"] != "run":
+        raise RunError(f"--resume: {given}, line 1 is a {record['kind']} line; a results file starts with its run line")
+    if record["scenario"] != loaded.name:
+        raise RunError(f"--resume: {given} was measured for another scenario, {record['scenario']!r} (this run: {loaded.name!r})")
+    return path
+
+
+def _resume_state(writer: ResultsWriter, loaded: LoadedScenario, fingerprint: dict, retry_failed: bool, *,
+                  same_machine: bool = True) -> tuple[str, set]:
+    """(the run_id resumed, the cell_ids not to measure again) of the results file ``writer``
+    holds, when this run may continue it: the same scenario, file, preset and ``--set``
+    overrides, measured on this machine (``same_machine``: one of its run lines has this
+    machine's id; a run on several devices writes one per device, and a Ray run's cells record
+    each its own machine, so any machine may continue it)."""
+    path = writer.path
+    if writer.repair_tail():
         print(f"warning: {path}: dropped an incomplete last line left by an interrupted write", file=sys.stderr)
     runs = [record for record in read_records(path) if record["kind"] == "run"]
     wanted = scenario_identity(loaded)
@@ -386,6 +433,15 @@ def _resume_state(path: Path, loaded: LoadedScenario, fingerprint: dict, retry_f
         raise RunError(
             f"--resume: {path} was measured for another scenario: {'; '.join(differ)}. Results of two scenarios (or two "
             "versions of one scenario file) do not mix in one file: start a new run (a report reads several files)"
+        )
+    recorded = list(runs[0].get("overrides") or [])
+    if recorded != list(loaded.overrides):
+        gone = [f"--set {o}" for o in recorded if o not in loaded.overrides]
+        new = [f"--set {o}" for o in loaded.overrides if o not in recorded]
+        difference = "; ".join([*(f"without {o} (the file's run had it)" for o in gone), *(f"with {o} (the file's run had not)" for o in new)])
+        raise RunError(
+            f"--resume: {path} was measured with other overrides: this run is {difference or 'in another order of --set'}. "
+            "Cells of two configurations do not mix in one file: repeat the file's --set options, or start a new run"
         )
     if same_machine and fingerprint["machine_id"] not in {run["machine"]["machine_id"] for run in runs}:
         raise RunError(
@@ -460,7 +516,9 @@ def run(loaded: LoadedScenario, out_dir, *, resume=False, retry_failed: bool = F
     measures the cells (default: a ``LocalExecutor``; harness.ray_executor spreads them over a
     Ray cluster)."""
     out_dir = Path(out_dir)
-    directory = Path(resume).parent if resume not in (False, True, None) else out_dir
+    if resume not in (False, True, None):
+        resume = resumable_file(resume, loaded)
+    directory = resume.parent if isinstance(resume, Path) else out_dir
     holder = {"pid": os.getpid(), "scenario": loaded.name, "started_at": utc_now(), "out": str(directory)}
     executor = executor or LocalExecutor(plugins)
     with ResultsDirectoryLock(directory, holder), MachineRuns(holder) as machine_runs:
@@ -472,9 +530,13 @@ def _run_locked(loaded, out_dir, resume, retry_failed, executor, command, progre
     path = results_path(out_dir, loaded.name, resume)
     fingerprint = machine.fingerprint(main_device(cells))
     resumed_from, done = None, set()
+    writer = ResultsWriter(path, create=not resume)
     if resume:
-        resumed_from, done = _resume_state(path, loaded, fingerprint, retry_failed, same_machine=executor.same_machine)
-    writer = ResultsWriter(path)
+        try:
+            resumed_from, done = _resume_state(writer, loaded, fingerprint, retry_failed, same_machine=executor.same_machine)
+        except BaseException:
+            writer.close()
+            raise
     todo = [with_checkpoint_dir(cell, path) for cell in cells if cell["cell_id"] not in done]
     summary = RunSummary(path=path, total=len(cells), skipped_as_done=len(cells) - len(todo))
     if done:
@@ -522,6 +584,7 @@ def _run_locked(loaded, out_dir, resume, retry_failed, executor, command, progre
         if bar is not None:
             bar.close()
         executor.close()
+        writer.close()
         summary.seconds = time.perf_counter() - start
     return summary
 

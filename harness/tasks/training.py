@@ -14,10 +14,12 @@ stream's position is part of the checkpoint. The task supplies ``loss_fn(model, 
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import math
 import os
 import random
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -250,6 +252,41 @@ CHECKPOINT_FIELDS = {
 }
 
 
+#: The identity of the cell this process measures now (``cell_checkpoints``): saved into every
+#: checkpoint and required of every checkpoint loaded; None outside a cell (no check).
+_cell_identity: dict | None = None
+
+#: The keys of a harness cell that name what its checkpoints belong to.
+CELL_IDENTITY = ("cell_id", "variant", "backend", "params", "axes", "task")
+
+
+@contextlib.contextmanager
+def cell_checkpoints(cell: dict):
+    """``with cell_checkpoints(cell):`` every checkpoint saved meanwhile carries the cell's id,
+    variant, parameters, axes and task config, and one loaded must carry the same (else
+    ``CheckpointError`` naming the file and what differs): a checkpoint copied from another
+    cell's directory is refused, not continued."""
+    global _cell_identity
+    saved, _cell_identity = _cell_identity, {key: cell.get(key) for key in CELL_IDENTITY}
+    try:
+        yield
+    finally:
+        _cell_identity = saved
+
+
+def _check_cell(path, saved: dict) -> None:
+    """``CheckpointError`` unless the checkpoint ``saved`` (read from ``path``) is the current cell's."""
+    if _cell_identity is None:
+        return
+    owner = saved.get("cell")
+    if not isinstance(owner, dict):
+        raise CheckpointError(f"{path}: a checkpoint that names no cell, so not this cell's ({_cell_identity['cell_id']}); remove it to start afresh")
+    differing = [key for key in CELL_IDENTITY if owner.get(key) != _cell_identity[key]]
+    if differing:
+        shown = ", ".join(f"{key} {owner.get(key)!r:.80} (this cell: {_cell_identity[key]!r:.80})" for key in differing)
+        raise CheckpointError(f"{path}: a checkpoint of another cell: {shown}; remove it to start afresh")
+
+
 def load_checkpoint(path, device, fields: dict = CHECKPOINT_FIELDS) -> dict:
     """The payload of the checkpoint ``path``, read as data only: ``torch.load(weights_only=True)``
     admits tensors and plain containers and never runs code from the file (a pickle that asks
@@ -272,17 +309,26 @@ def load_checkpoint(path, device, fields: dict = CHECKPOINT_FIELDS) -> dict:
             expected = " or ".join(k.__name__ for k in kind) if isinstance(kind, tuple) else kind.__name__
             got = "nothing" if name not in saved else f"{type(value).__name__} {value!r:.60}"
             raise CheckpointError(f"{path}: field {name!r}: expected {expected}, got {got}")
+    _check_cell(path, saved)
     return saved
 
 
 def save_checkpoint(directory: Path, step: int, payload: dict) -> None:
-    """Write ``step-XXXXXXXX.pt`` atomically (a temporary file, then ``os.replace``) and remove
-    older checkpoints."""
+    """Write ``step-XXXXXXXX.pt`` atomically (a new temporary file of its own, ``mkstemp``, so
+    never through a planted link, then ``os.replace``), with the current cell's identity
+    (``cell_checkpoints``), and remove older checkpoints."""
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"{CHECKPOINT_PREFIX}{step:09d}.pt"
-    temporary = path.with_suffix(".pt.tmp")
-    torch.save(payload, temporary)
-    os.replace(temporary, path)
+    if _cell_identity is not None:
+        payload = {**payload, "cell": _cell_identity}
+    handle, temporary = tempfile.mkstemp(dir=directory, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(handle, "wb") as file:
+            torch.save(payload, file)
+        os.replace(temporary, path)
+    except BaseException:
+        os.unlink(temporary)
+        raise
     for older in directory.glob(f"{CHECKPOINT_PREFIX}*.pt"):
         if older != path:
             older.unlink()
