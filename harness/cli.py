@@ -366,11 +366,12 @@ def build_parser() -> argparse.ArgumentParser:
 def _user_errors() -> tuple[type[BaseException], ...]:
     """The exceptions that mean bad input or an unusable environment, not a bug of attnbench."""
     from .locking import LockedError
+    from .plugins import PluginError
     from .results import ResultsFileError
     from .runner import RunError
     from .scenario import ScenarioError
 
-    return ScenarioError, ResultsFileError, RunError, LockedError, OSError
+    return ScenarioError, PluginError, ResultsFileError, RunError, LockedError, OSError
 
 
 def main(argv: list[str] | None = None) -> int:

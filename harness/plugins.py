@@ -5,19 +5,56 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import re
 import sys
+import traceback
 from pathlib import Path
+
+#: A plugin file is imported as this prefix and its stem, so ``variants.py`` or ``json.py`` cannot replace those modules.
+MODULE_PREFIX = "attnbench_plugin_"
+
+
+class PluginError(Exception):
+    """A plugin that cannot be imported: the message names the plugin (and the line that failed)."""
+
+
+def module_name(plugin_file: str) -> str:
+    """The private module name a plugin file is imported under."""
+    return MODULE_PREFIX + re.sub(r"\W", "_", Path(plugin_file).stem)
 
 
 def load_plugins(plugins) -> None:
     """Import modules (names or .py paths) that register extra variants or tasks."""
     for plugin in plugins:
-        if plugin.endswith(".py"):
-            spec = importlib.util.spec_from_file_location(Path(plugin).stem, plugin)
-            if spec is None or spec.loader is None:
-                raise ImportError(f"cannot load plugin file {plugin}")
-            module = importlib.util.module_from_spec(spec)
-            sys.modules[spec.name] = module
-            spec.loader.exec_module(module)
-        else:
-            importlib.import_module(plugin)
+        try:
+            _load(plugin)
+        except PluginError:
+            raise
+        except Exception as exc:
+            raise PluginError(f"plugin {plugin}{_failed_line(plugin, exc)}: {type(exc).__name__}: {exc}") from exc
+
+
+def _load(plugin: str) -> None:
+    if not plugin.endswith(".py"):
+        importlib.import_module(plugin)
+        return
+    if not Path(plugin).is_file():
+        raise PluginError(f"plugin {plugin}: no such file")
+    spec = importlib.util.spec_from_file_location(module_name(plugin), plugin)
+    if spec is None or spec.loader is None:
+        raise PluginError(f"plugin {plugin}: cannot be loaded as a Python file")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[spec.name]
+        raise
+
+
+def _failed_line(plugin: str, exc: BaseException) -> str:
+    """``, line N`` of the plugin file where ``exc`` was raised (a SyntaxError's own line), if there."""
+    if isinstance(exc, SyntaxError) and exc.lineno:
+        return f", line {exc.lineno}"
+    inside = [frame for frame in traceback.extract_tb(exc.__traceback__) if Path(frame.filename).resolve() == Path(plugin).resolve()]
+    return f", line {inside[-1].lineno}" if inside else ""
