@@ -6,7 +6,8 @@ restores the latest one: the model, the optimiser (and scheduler), the training 
 generator's position, the RNG states (torch, Python, CUDA), and the evaluations, tokens and
 seconds so far. A cell stopped by Ctrl-C, a crash or its timeout therefore continues where it
 stopped when the run is resumed, on the same trajectory as an uninterrupted run. Files are written atomically and read
-as data only (``harness.tasks.training``: ``save_checkpoint``, ``load_checkpoint``).
+as data only (``harness.tasks.training``: ``save_checkpoint``, ``load_checkpoint``); in a harness worker each carries its
+cell's identity, and one of another cell is refused (``cell_checkpoints``).
 """
 
 from __future__ import annotations
