@@ -29,10 +29,14 @@ EXIT_INCOMPARABLE = 2  #: the inputs cannot be compared (different machines, not
 REGRESSION_MARKS = ("worse", "newly failing")
 #: Every mark, most alarming first (the order of rows without a ratio).
 MARKS = (
-    "worse", "newly failing", "still failing", "too few samples to decide", "unchanged", "better", "fixed",
+    "worse", "newly failing", "still failing", "too few samples to decide", "unstable: not compared", "unchanged", "better", "fixed",
     "not comparable", "new", "removed",
 )
 UNDECIDED = "too few samples to decide"
+#: The mark of a pair with a side measured unstable (``metrics.unstable``): its timing is not judged.
+UNSTABLE = "unstable: not compared"
+#: After a median measured unstable, wherever it is shown (compare's table, the report's tables).
+UNSTABLE_SUFFIX = " *"
 RESAMPLES = 2000
 MIN_SAMPLES = 2
 NOTE_WIDTH = 120  #: characters of a note shown by format_table (the table keeps it whole)
@@ -41,9 +45,19 @@ NOTE_WIDTH = 120  #: characters of a note shown by format_table (the table keeps
 CELL_KEY = ["scenario", "variant", "backend", "params_key", "axes_key", "mode", "target"]
 TABLE_COLUMNS = [
     "scenario", "variant", "backend", "params", "axes", "mode", "target",
-    "base_median_s", "head_median_s", "ratio", "ci_low", "ci_high", "mark", "note",
+    "base_median_s", "head_median_s", "base_unstable", "head_unstable", "ratio", "ci_low", "ci_high", "mark", "note",
 ]
 _AXIS_SHORT = {"seq_len": "T", "batch": "B", "heads": "H", "d_key": "Dk", "d_value": "Dv"}
+
+
+def format_median(seconds, unstable) -> str:
+    """A median time (``format_seconds``), with ``UNSTABLE_SUFFIX`` when it was measured unstable."""
+    return format_seconds(seconds) + (UNSTABLE_SUFFIX if present(seconds) and is_unstable(unstable) else "")
+
+
+def is_unstable(value) -> bool:
+    """Whether a ``metrics.unstable`` entry says unstable (False for a missing one)."""
+    return present(value) and bool(value)
 
 
 class CompareError(ValueError):
@@ -257,8 +271,7 @@ def _load_notes(pair: dict) -> list[str]:
     notes = []
     for side in ("base", "head"):
         cores = pair.get(f"metrics.load.other_cores_{side}")
-        unstable = pair.get(f"metrics.unstable_{side}")
-        if present(unstable) and bool(unstable):
+        if is_unstable(pair.get(f"metrics.unstable_{side}")):
             notes.append(f"{side} unstable (interval of its median ±{pair[f'metrics.rel_ci_{side}']:.0%})")
         if present(cores) and cores >= BUSY_CORES:
             notes.append(f"{side} measured on a busy machine (other processes used {cores:.1f} cores)")
@@ -277,6 +290,8 @@ def _judge(pair: dict, *, factor: float, alpha: float, seed: int) -> dict:
     base, head = _samples(pair["metrics.samples_s_base"]), _samples(pair["metrics.samples_s_head"])
     if min(len(base), len(head)) < MIN_SAMPLES:
         return {"mark": "not comparable", "note": f"fewer than {MIN_SAMPLES} raw samples (base {len(base)}, head {len(head)})"}
+    if any(is_unstable(pair.get(f"metrics.unstable_{side}")) for side in ("base", "head")):
+        return {"mark": UNSTABLE, "note": "; ".join(_load_notes(pair) + ["measure again on a quieter machine"])}
     base_rounds, head_rounds = _rounds(pair.get("metrics.round_samples_s_base")), _rounds(pair.get("metrics.round_samples_s_head"))
     if base_rounds is not None and head_rounds is not None:
         base, head = base_rounds, head_rounds
@@ -331,6 +346,7 @@ def _table(pairs: pd.DataFrame, judged: list[dict]) -> pd.DataFrame:
             "axes": pick("axes_text"),
             "base_median_s": pairs["metrics.median_s_base"].where(pairs["status_base"] == "ok"),
             "head_median_s": pairs["metrics.median_s_head"].where(pairs["status_head"] == "ok"),
+            **{f"{side}_unstable": (pairs[f"status_{side}"] == "ok") & pairs[f"metrics.unstable_{side}"].map(is_unstable) for side in ("base", "head")},
             **marks,
         }
     )
@@ -382,10 +398,10 @@ class CompareResult:
     @property
     def exit_code(self) -> int:
         """EXIT_REGRESSION if any regression, else EXIT_INCOMPARABLE if no cell could be
-        compared (nothing matched, or only across machines), else EXIT_OK."""
+        compared (nothing matched, only across machines, or only sides measured unstable), else EXIT_OK."""
         if not self.regressions.empty:
             return EXIT_REGRESSION
-        compared = ~self.table["mark"].isin(("not comparable", "new", "removed"))
+        compared = ~self.table["mark"].isin(("not comparable", UNSTABLE, "new", "removed"))
         return EXIT_OK if compared.any() else EXIT_INCOMPARABLE
 
     def counts(self) -> dict[str, int]:
@@ -404,10 +420,16 @@ class CompareResult:
         rows = [
             [
                 row["scenario"], f"{row['variant']}[{row['backend']}]", row["params"] or "-", row["axes"], f"{row['mode']}/{row['target']}",
-                format_seconds(row["base_median_s"]), format_seconds(row["head_median_s"]), format_ratio(row["ratio"]),
+                format_median(row["base_median_s"], row["base_unstable"]), format_median(row["head_median_s"], row["head_unstable"]),
+                format_ratio(row["ratio"]),
                 "-" if not present(row["ci_low"]) else f"[{row['ci_low']:.3f}, {row['ci_high']:.3f}]",
                 row["mark"], textwrap.shorten(row["note"], NOTE_WIDTH, placeholder=" ..."),
             ]
             for row in self.table.to_dict("records")
         ]
-        return _text_table(rows, headers) + "\n" + self.summary()
+        legend = [f"{UNSTABLE_SUFFIX.strip()} measured unstable: its median never reached measure.target_rel_ci"] if self.unstable_shown() else []
+        return "\n".join([_text_table(rows, headers), *legend, self.summary()])
+
+    def unstable_shown(self) -> bool:
+        """Whether a median of the table was measured unstable (it is shown with ``UNSTABLE_SUFFIX``)."""
+        return bool((self.table["base_unstable"] | self.table["head_unstable"]).any())

@@ -26,7 +26,7 @@ import seaborn as sns
 from matplotlib.ticker import MaxNLocator, NullLocator
 
 from . import tasks
-from .compare import CELL_KEY, CompareResult, identify, latest
+from .compare import CELL_KEY, UNSTABLE_SUFFIX, CompareResult, format_median, identify, is_unstable, latest
 from .figures import FAILURE_MARK, Figures, Plot, Table, natural, natural_columns, new_figure, table
 from .formatting import MIB, flag, format_ratio, format_seconds, fraction, gib, mib, percent, present, si, text
 from .frontier import cell_flags, frontier_plot
@@ -49,6 +49,9 @@ PLOTTED = [
     for name in ("median_s", "p20_s", "p80_s", "tokens", "tokens_per_s", "peak_mem_bytes", "memory_kind", "words_per_s", "throttled",
                  "rel_ci", "unstable", "roofline_fraction", "bound", "load.other_cores")
 ]
+#: The caption of a table with a median measured unstable (shown with compare.UNSTABLE_SUFFIX).
+UNSTABLE_NOTE = ("A time marked * was measured unstable (its median never reached measure.target_rel_ci): do not trust it; "
+                 "ratios with one are left out of means.")
 #: How an unstable cell's point is drawn on top of its line: an open ring around it.
 UNSTABLE_MARK = {"marker": "o", "markersize": 11, "markerfacecolor": "none", "markeredgewidth": 1.5, "linestyle": "none"}
 
@@ -371,14 +374,18 @@ def _timing_table(cells: pd.DataFrame) -> Table | None:
 def backend_ratios(cells: pd.DataFrame, baseline: str) -> pd.DataFrame:
     """Every timed cell of a backend other than ``baseline`` with the baseline backend's cell of the
     same measurement (scenario, variant, params, axes, mode, target, machine): ``baseline_s`` (its
-    median time) and ``ratio`` (the cell's median over it; missing where either cell failed).
+    median time), ``ratio`` (the cell's median over it; missing where either cell failed),
+    ``baseline_unstable`` and ``unstable`` (either cell measured unstable).
     ``cells`` from ``prepare``; the rows carry ``variant_label`` (the line label without the backend)."""
     timed = cells[cells["mode"].isin(TIMED_MODES)]
     timed = timed.assign(variant_label=[_base_label(record, False) for record in timed.to_dict("records")])
     key = [column for column in CELL_KEY if column != "backend"] + ["machine_key"]
     base = timed[(timed["backend"] == baseline) & (timed["status"] == "ok")]
-    pairs = timed[timed["backend"] != baseline].merge(base[key + ["metrics.median_s"]].rename(columns={"metrics.median_s": "baseline_s"}), on=key)
-    return pairs.assign(ratio=(pairs["metrics.median_s"] / pairs["baseline_s"]).where(pairs["status"] == "ok"))
+    renamed = {"metrics.median_s": "baseline_s", "metrics.unstable": "baseline_unstable"}
+    pairs = timed[timed["backend"] != baseline].merge(base[key + list(renamed)].rename(columns=renamed), on=key)
+    pairs["baseline_unstable"] = pairs["baseline_unstable"].map(is_unstable)
+    return pairs.assign(ratio=(pairs["metrics.median_s"] / pairs["baseline_s"]).where(pairs["status"] == "ok"),
+                        unstable=pairs["baseline_unstable"] | pairs["metrics.unstable"].map(is_unstable))
 
 
 def _backend_table(cells: pd.DataFrame, baseline: str | None) -> Table | None:
@@ -394,22 +401,24 @@ def _backend_table(cells: pd.DataFrame, baseline: str | None) -> Table | None:
     for _, group in pairs.groupby(["variant_label", "machine", "mode", "axes_text"], sort=False):
         first = group.iloc[0]
         row = {"variant_label": first["variant_label"], "machine": first["machine"], "mode": first["mode"], "axes_text": first["axes_text"],
-               "baseline_s": first["baseline_s"]}
+               "baseline_s": format_median(first["baseline_s"], first["baseline_unstable"])}
         for record in group.to_dict("records"):
-            row[record["backend"]] = format_ratio(record["ratio"]) if present(record["ratio"]) else record["status"]
+            row[record["backend"]] = _marked_ratio(record["ratio"], record["unstable"]) if present(record["ratio"]) else record["status"]
             if present(record.get("metrics.compile_s")):
                 row[f"{record['backend']}_compile_s"] = record["metrics.compile_s"]
         rows.append(row)
     frame = pd.DataFrame(rows).sort_values(["mode", "variant_label", "axes_text"], key=natural_columns)
     machine = [("machine", "machine", text)] if cells["machine"].nunique() > 1 else []
     columns = [("variant", "variant_label", text), *machine, ("mode", "mode", text), ("axes", "axes_text", text),
-               (f"{baseline} (median)", "baseline_s", format_seconds), *((f"{b} / {baseline}", b, text) for b in backends)]
+               (f"{baseline} (median)", "baseline_s", text), *((f"{b} / {baseline}", b, text) for b in backends)]
     notes = []
     if "compile_compile_s" in frame:
         columns.append(("compile time", "compile_compile_s", format_seconds))
         notes.append("compile time: the untimed first call of the compile backend (tracing, compiling, one run: metrics.compile_s).")
-    ratios = pairs.dropna(subset="ratio")
+    ratios = pairs[~pairs["unstable"]].dropna(subset="ratio")
     means = "; ".join(f"{backend} {np.exp(np.log(group['ratio']).mean()):.3f} over {len(group)} cells" for backend, group in ratios.groupby("backend"))
+    if pairs["unstable"].any():
+        notes.append(UNSTABLE_NOTE)
     caption = " ".join([f"Each backend's median time over {baseline}'s on the same cell (report.baseline_backend); below 1 is faster.",
                         f"Geometric means: {means or 'none'}.", *notes])
     return table(f"Backends against {baseline}", frame, columns, caption)
@@ -431,18 +440,27 @@ def machine_ratios(cells: pd.DataFrame) -> pd.DataFrame:
             other = scenario[scenario["machine"] == machine]
             pairs = reference.merge(other, on=CELL_KEY, suffixes=("_ref", ""))
             pairs["reference"], pairs["median_s_ref"], pairs["median_s"] = machines[0], pairs["metrics.median_s_ref"], pairs["metrics.median_s"]
+            pairs["unstable_ref"], pairs["unstable"] = pairs["metrics.unstable_ref"].map(is_unstable), pairs["metrics.unstable"].map(is_unstable)
             rows.append(pairs.assign(ratio=pairs["median_s"] / pairs["median_s_ref"]))
-    columns = ["scenario", "series", "mode", "axes_text", "reference", "machine", "median_s_ref", "median_s", "ratio"]
+    columns = ["scenario", "series", "mode", "axes_text", "reference", "machine", "median_s_ref", "median_s", "ratio", "unstable_ref", "unstable"]
     return pd.concat(rows, ignore_index=True)[columns] if rows else pd.DataFrame(columns=columns)
 
 
 def _ratio_tables(ratios: pd.DataFrame) -> list[Table]:
     tables = []
     for (scenario, reference, machine), group in ratios.groupby(["scenario", "reference", "machine"], sort=False):
-        geomean = float(np.exp(np.log(group["ratio"]).mean()))
+        either = group["unstable_ref"] | group["unstable"]
+        stable = group.loc[~either, "ratio"]
+        geomean = f"{np.exp(np.log(stable).mean()):.3f}" if len(stable) else "none"
+        group = group.assign(
+            ref_text=[format_median(s, u) for s, u in zip(group["median_s_ref"], group["unstable_ref"])],
+            text=[format_median(s, u) for s, u in zip(group["median_s"], group["unstable"])],
+            ratio_text=[_marked_ratio(r, u) for r, u in zip(group["ratio"], either)],
+        )
         columns = [("variant", "series", text), ("mode", "mode", text), ("axes", "axes_text", text),
-                   (reference, "median_s_ref", format_seconds), (machine, "median_s", format_seconds), ("ratio", "ratio", format_ratio)]
-        caption = f"median time on {machine} / on {reference}, per matching cell; geometric mean {geomean:.3f} over {len(group)} cells."
+                   (reference, "ref_text", text), (machine, "text", text), ("ratio", "ratio_text", text)]
+        caption = f"median time on {machine} / on {reference}, per matching cell; geometric mean {geomean} over {len(stable)} cells."
+        caption += f" {UNSTABLE_NOTE}" if either.any() else ""
         tables.append(table(f"{scenario}: {machine} / {reference}", group.sort_values(["mode", "series"], key=natural_columns), columns, caption))
     return tables
 
@@ -619,14 +637,23 @@ def _score_sections(cells: pd.DataFrame, score: tasks.Score, figures: Figures, s
     return [seed_table(cells, score), frontier_plot(cells, score, figures, slug)]
 
 
+def _marked_ratio(ratio, unstable: bool) -> str:
+    """A ratio (``format_ratio``), with compare.UNSTABLE_SUFFIX when a time in it was measured unstable."""
+    return format_ratio(ratio) + (UNSTABLE_SUFFIX if unstable else "")
+
+
 def _compare_table(result: CompareResult) -> Table:
+    """compare's table; a median measured unstable is shown with a * (``format_median``)."""
     columns = [
         ("scenario", "scenario", text), ("variant", "variant", text), ("params", "params", text), ("axes", "axes", text),
-        ("mode", "mode", text), ("base", "base_median_s", format_seconds), ("head", "head_median_s", format_seconds),
+        ("mode", "mode", text), ("base", "base_text", text), ("head", "head_text", text),
         ("ratio", "ratio", format_ratio), ("CI low", "ci_low", format_ratio), ("CI high", "ci_high", format_ratio),
         ("mark", "mark", text), ("note", "note", text),
     ]
-    return table("Comparison of two commits", result.table, columns, result.summary(), classes="mark")
+    shown = result.table.assign(**{f"{side}_text": [format_median(seconds, unstable) for seconds, unstable in
+                                                    zip(result.table[f"{side}_median_s"], result.table[f"{side}_unstable"])] for side in ("base", "head")})
+    caption = result.summary() + (f" {UNSTABLE_NOTE}" if result.unstable_shown() else "")
+    return table("Comparison of two commits", shown, columns, caption, classes="mark")
 
 
 def _csv_value(value):

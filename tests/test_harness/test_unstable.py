@@ -5,13 +5,20 @@ say so and leave the busy cores alone."""
 
 from __future__ import annotations
 
+import json
 import tracemalloc
+from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import pytest
 
 import harness.stats as stats
-from harness.compare import ratio_ci
+from harness.compare import EXIT_OK, EXIT_REGRESSION, UNSTABLE, compare, ratio_ci
+from harness.results import read_records
+
+#: An old results file (schema 1): one softmax cell with five samples, one failed linear cell.
+SCHEMA_1 = Path(__file__).with_name("schema-1.jsonl")
 
 
 def _peak_bytes(function, *args, **kwargs) -> int:
@@ -46,3 +53,78 @@ def test_a_long_sample_list_resamples_in_bounded_memory(statistic, count):
     else:
         peak = _peak_bytes(ratio_ci, samples, samples * 1.01, alpha=0.05, seed=0)
     assert peak < 200 * 2**20, f"{statistic} peaked at {peak / 2**20:.0f} MB"
+
+
+def _results(path: Path, *, scale: float = 1.0, unstable: bool | None = None) -> Path:
+    """SCHEMA_1 read (as schema 2) and written to ``path``, its softmax samples times ``scale``,
+    its ``metrics.unstable`` set to ``unstable``."""
+    records = read_records(SCHEMA_1)
+    for record in records:
+        if record.get("status") == "ok":
+            metrics = record["metrics"]
+            metrics.update(samples_s=[scale * sample for sample in metrics["samples_s"]], median_s=scale * metrics["median_s"], unstable=unstable)
+    path.write_text("".join(json.dumps(record) + "\n" for record in records))
+    return path
+
+
+@pytest.mark.parametrize("side", ["base", "head"])
+def test_a_side_measured_unstable_is_marked_and_not_judged(tmp_path, side):
+    """Three times slower is "worse" (exit 1) when both sides are stable; with either side unstable
+    the cell is "unstable: not compared" (no ratio, exit 0) and its median carries a * in the text
+    table and the report's comparison."""
+    from harness.report import _compare_table
+
+    stable = compare(_results(tmp_path / "base.jsonl", unstable=False), _results(tmp_path / "head.jsonl", scale=3, unstable=False))
+    assert stable.table["mark"].iloc[0] == "worse" and stable.exit_code == EXIT_REGRESSION and " *" not in stable.format_table()
+    base = _results(tmp_path / "base.jsonl", unstable=side == "base")
+    head = _results(tmp_path / "head.jsonl", scale=3, unstable=side == "head")
+    result = compare(base, head)
+    row = int(np.flatnonzero(result.table["variant"] == "softmax")[0])
+    cell = result.table.iloc[row]
+    assert cell["mark"] == UNSTABLE and f"{side} unstable" in cell["note"] and pd.isna(cell["ratio"]), result.format_table()
+    assert cell[f"{side}_unstable"] and result.exit_code == EXIT_OK, result.format_table()
+    text = result.format_table().splitlines()
+    assert sum(" *" in line for line in text) == 1 and any(line.startswith("* measured unstable") for line in text), text
+    shown = _compare_table(result)
+    marked = [shown.rows[row][shown.headers.index(column)].endswith(" *") for column in ("base", "head")]
+    assert marked == [side == "base", side == "head"] and "marked *" in shown.caption, shown.rows[row]
+
+
+def test_only_unstable_cells_compare_nothing(tmp_path):
+    """Every timed cell unstable on one side: nothing was compared, exit 2 (the failed cell aside)."""
+    from harness.compare import EXIT_INCOMPARABLE
+
+    base = _results(tmp_path / "base.jsonl", unstable=True)
+    head = _results(tmp_path / "head.jsonl", unstable=False)
+    for path in (base, head):
+        path.write_text("".join(line + "\n" for line in path.read_text().splitlines() if '"status": "error"' not in line))
+    assert compare(base, head).exit_code == EXIT_INCOMPARABLE
+
+
+def test_the_reports_side_by_side_tables_mark_unstable_times(tmp_path):
+    """Machines and backends side by side: an unstable time and its ratio carry a *, the caption
+    says why, and the geometric mean leaves that ratio out."""
+    from harness.report import _backend_table, _ratio_tables, machine_ratios, prepare
+    from harness.results import load
+
+    records = [record for record in read_records(SCHEMA_1) if record.get("status") != "error"]
+    ok = records[1]
+    ok["metrics"]["unstable"] = False
+    compiled = json.loads(json.dumps(ok)) | {"backend": "compile", "cell_id": "c3"}
+    compiled["metrics"].update(median_s=2 * ok["metrics"]["median_s"], unstable=True)
+    here = tmp_path / "here.jsonl"
+    here.write_text("".join(json.dumps(record) + "\n" for record in [*records, compiled]))
+    backends = _backend_table(prepare(load(here)), "torch")
+    assert backends.rows[0][-1] == "2.000 *" and "Geometric means: none." in backends.caption and "marked *" in backends.caption, backends
+
+    elsewhere = [json.loads(json.dumps(record)) for record in [*records, compiled]]
+    for record in elsewhere:
+        record["machine_id"] = "m2"
+        if record["kind"] == "run":
+            record["machine"].update(machine_id="m2", hostname="other")
+    there = tmp_path / "there.jsonl"
+    there.write_text("".join(json.dumps(record) + "\n" for record in elsewhere))
+    tables = {table.title: table for table in _ratio_tables(machine_ratios(prepare(load([here, there]))))}
+    (side_by_side,) = tables.values()
+    marked = sorted(row[-1].endswith(" *") for row in side_by_side.rows)
+    assert marked == [False, True] and "over 1 cells" in side_by_side.caption and "marked *" in side_by_side.caption, side_by_side
