@@ -410,6 +410,14 @@ def write_json(rows: list[Row], path: Path) -> None:
     path.write_text(json.dumps([row.as_dict() for row in rows], indent=1) + "\n")
 
 
+def _progress(done: int, total: int, start: float) -> None:
+    """About a hundred lines whatever the total: done, total and the seconds since ``start``."""
+    import time
+
+    if done == total or done % max(1, total // 100) == 0:
+        print(f"  {done}/{total} compilations, {time.perf_counter() - start:.0f} s", file=sys.stderr)
+
+
 def summary(rows: list[Row]) -> str:
     """Rows, problems, pruned candidates and rows that spill, in one line."""
     spilling, pruned = sum(1 for row in rows if row.spill_bytes and not row.pruned), sum(1 for row in rows if row.pruned)
@@ -434,7 +442,7 @@ def command(
         selected = jobs(_split(rules), _split(dtypes), _split(head_dims, int), _split(chunks, int))
         print(f"attnbench kernels: {len(selected)} configurations x {len(archs)} arches ({', '.join(a.name for a in archs)})", file=sys.stderr)
         start = time.perf_counter()
-        rows = build_table(archs, selected, workers, progress=lambda done, total: print(f"  {done}/{total} compilations", file=sys.stderr))
+        rows = build_table(archs, selected, workers, progress=lambda done, total: _progress(done, total, start))
     except KernelTableError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
