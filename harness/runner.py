@@ -16,6 +16,7 @@ import gc
 import multiprocessing
 import os
 import re
+import resource
 import shutil
 import signal
 import stat
@@ -56,6 +57,8 @@ CHECKOUT_WORKER = (
 #: The statuses of a cell that make a run fail (exit code 1, ``RunSummary.failures``): every
 #: failed status but ``oom``, which a sweep to the memory limit expects.
 FAILING = tuple(status for status in FAILED if status != "oom")
+#: A worker's host memory limit where ``measure.max_memory`` is null: this share of physical memory.
+MEMORY_SHARE = 0.8
 #: The most of a results file ``--resume`` reads before taking its lock: its first line (a run line).
 FIRST_LINE_BYTES = 1 << 20
 
@@ -86,6 +89,7 @@ def _serve(conn, plugins, parent_pid=None) -> None:
             if "calibrate" in cell:
                 result = _calibrate(cell["calibrate"])
             else:
+                limit_memory(memory_limit(cell))
                 with cell_checkpoints(cell):
                     result = measure_cell(cell)
         except BaseException as exc:  # noqa: BLE001 - every failure of a cell is recorded
@@ -97,6 +101,22 @@ def _serve(conn, plugins, parent_pid=None) -> None:
         conn.send(result)
         gc.collect()
         _empty_cuda_cache()
+
+
+def memory_limit(cell: dict) -> int:
+    """The bytes of host memory ``cell``'s worker may take: ``measure.max_memory``, else
+    ``MEMORY_SHARE`` of physical memory."""
+    chosen = cell["measure"].get("max_memory")
+    return chosen if chosen is not None else int(MEMORY_SHARE * os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+
+
+def limit_memory(limit: int) -> None:
+    """Cap this worker's data (``RLIMIT_DATA``: its heap and private writable mappings, where
+    tensors live; not the address space a GPU driver reserves, which ``RLIMIT_AS`` would count)
+    at ``limit`` bytes, within the hard limit: an allocation over it fails as out of memory
+    (``oom``) in this worker instead of the machine's OOM killer taking any process."""
+    _, hard = resource.getrlimit(resource.RLIMIT_DATA)
+    resource.setrlimit(resource.RLIMIT_DATA, (limit if hard == resource.RLIM_INFINITY else min(limit, hard), hard))
 
 
 def _calibrate(request: dict) -> dict:

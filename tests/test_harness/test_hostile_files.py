@@ -1,6 +1,7 @@
 """Hostile files (issue 36, classes 1 and 3): attnbench writes only its own files, never through a
 planted link; one writer per results file, whatever its name; a checkpoint is its cell's only;
-a worker frozen while starting costs its cell, not the sweep. Every test here takes seconds."""
+a worker frozen while starting costs its cell, not the sweep; a cell over its memory limit is oom.
+Every test here takes seconds but the memory-limit one (slow: a real worker)."""
 
 from __future__ import annotations
 
@@ -225,3 +226,22 @@ def test_a_worker_that_does_not_start_in_time_costs_its_cell_and_the_sweep_goes_
         worker.close()
     assert time.monotonic() - started < 30
     assert multiprocessing.active_children() == []
+
+
+# --- a worker's memory is capped: a cell over measure.max_memory is oom, not the machine's ----------
+
+
+@pytest.mark.slow  # about 15 s alone, 30 s on a busy 2-core machine: a worker starts and imports torch
+def test_a_cell_over_its_memory_limit_is_oom_and_the_worker_goes_on(tmp_path):
+    path = tmp_path / "big.yaml"
+    path.write_text("name: big\nvariants: {softmax: {}}\naxes: {seq_len: [16, 65536], batch: 4, heads: 4, d_key: 64}\n"
+                    "measure: {warmup: 0, repeats: 1, target_rel_ci: null, max_memory: 500000000, fresh_worker: false}\n")
+    small, big = load_scenario(str(path)).cells()
+    assert big["axes"]["seq_len"] == 65536  # q, k and v take 268 MB each
+    worker = runner.Worker()
+    try:
+        result = worker.measure(big, 60)
+        assert result["status"] == "oom", result
+        assert worker.measure(small, 120)["status"] == "ok"
+    finally:
+        worker.close()
