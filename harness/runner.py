@@ -103,20 +103,24 @@ def _serve(conn, plugins, parent_pid=None) -> None:
         _empty_cuda_cache()
 
 
-def memory_limit(cell: dict) -> int:
-    """The bytes of host memory ``cell``'s worker may take: ``measure.max_memory``, else
-    ``MEMORY_SHARE`` of physical memory."""
+def memory_limit(cell: dict) -> int | None:
+    """The bytes of host memory ``cell``'s worker may take: ``measure.max_memory``, else for a
+    CPU cell ``MEMORY_SHARE`` of physical memory, else None (no limit: a GPU cell's host memory
+    is its driver's, and how the driver takes to ``RLIMIT_DATA`` is not measured here)."""
     chosen = cell["measure"].get("max_memory")
-    return chosen if chosen is not None else int(MEMORY_SHARE * os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    if chosen is not None or not str(cell["axes"].get("device", "cpu")).startswith("cpu"):
+        return chosen
+    return int(MEMORY_SHARE * os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
 
 
-def limit_memory(limit: int) -> None:
+def limit_memory(limit: int | None) -> None:
     """Cap this worker's data (``RLIMIT_DATA``: its heap and private writable mappings, where
     tensors live; not the address space a GPU driver reserves, which ``RLIMIT_AS`` would count)
-    at ``limit`` bytes, within the hard limit: an allocation over it fails as out of memory
-    (``oom``) in this worker instead of the machine's OOM killer taking any process."""
+    at ``limit`` bytes (None: the hard limit), within the hard limit: an allocation over it fails
+    as out of memory (``oom``) in this worker instead of the machine's OOM killer taking any process."""
     _, hard = resource.getrlimit(resource.RLIMIT_DATA)
-    resource.setrlimit(resource.RLIMIT_DATA, (limit if hard == resource.RLIM_INFINITY else min(limit, hard), hard))
+    soft = hard if limit is None or (hard != resource.RLIM_INFINITY and limit > hard) else limit
+    resource.setrlimit(resource.RLIMIT_DATA, (soft, hard))
 
 
 def _calibrate(request: dict) -> dict:

@@ -143,7 +143,7 @@ class Measure(StrictSettings):
     timeout_s: float = Field(900.0, gt=0, le=MAX_SECONDS, description="a cell running longer is stopped and recorded as an error")
     flush_l2: bool = True
     fresh_worker: bool | None = Field(None, description="a new worker process for each cell; default: for CPU speed cells (exact peak RSS), not on a GPU")
-    max_memory: int | None = Field(None, ge=1 << 20, description="bytes of host memory a worker may take; a cell over it is oom; null: 80 % of RAM")
+    max_memory: int | None = Field(None, ge=1 << 20, description="bytes of host memory a worker may take (a cell over it: oom); null: 80 % of RAM on the CPU")
 
 
 class Decode(StrictSettings):

@@ -9,6 +9,7 @@ import fcntl
 import json
 import multiprocessing
 import os
+import resource
 import stat
 import tempfile
 import time
@@ -245,3 +246,19 @@ def test_a_cell_over_its_memory_limit_is_oom_and_the_worker_goes_on(tmp_path):
         assert worker.measure(small, 120)["status"] == "ok"
     finally:
         worker.close()
+
+
+def test_the_memory_limit_is_max_memory_else_a_share_of_ram_on_the_cpu():
+    ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    cell = {"measure": {"max_memory": None}, "axes": {"device": "cpu"}}
+    assert runner.memory_limit(cell) == int(runner.MEMORY_SHARE * ram)
+    assert runner.memory_limit({**cell, "axes": {"device": "cuda:1"}}) is None
+    assert runner.memory_limit({"measure": {"max_memory": 1 << 30}, "axes": {"device": "cuda:0"}}) == 1 << 30
+    before = resource.getrlimit(resource.RLIMIT_DATA)
+    try:
+        runner.limit_memory(1 << 40)
+        assert resource.getrlimit(resource.RLIMIT_DATA)[0] == (1 << 40 if before[1] == resource.RLIM_INFINITY else min(1 << 40, before[1]))
+        runner.limit_memory(None)  # a later cell without a limit gets the whole hard limit back
+        assert resource.getrlimit(resource.RLIMIT_DATA) == (before[1], before[1])
+    finally:
+        resource.setrlimit(resource.RLIMIT_DATA, before)
