@@ -19,6 +19,7 @@ import numpy as np
 import pandas as pd
 
 from .formatting import format_ratio, format_seconds, present
+from .load import BUSY_CORES
 from .results import FAILED, load
 from .stats import resampled_medians
 
@@ -259,10 +260,6 @@ def _judge_statuses(pair: dict) -> tuple[str, str] | None:
     if base in FAILED and head in FAILED:
         return "still failing", _message(pair, "head")
     return None
-
-
-#: Other processes keeping this many cores busy on average make a cell's timing a shared-machine one.
-BUSY_CORES = 0.5
 
 
 def _load_notes(pair: dict) -> list[str]:

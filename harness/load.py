@@ -86,3 +86,40 @@ class LoadMeter:
         if self._gpu is not None:
             self.record.update(gpu_before=self._gpu, gpu_after=gpu_load(self.device))
         return False
+
+
+#: Other processes keeping this many cores busy on average take a core from a measurement (and
+#: make it a shared-machine timing: compare notes such a side).
+BUSY_CORES = 0.5
+#: How long ``other_cores_now`` watches the machine.
+SNAPSHOT_S = 0.2
+
+
+def other_cores_now(window_s: float = SNAPSHOT_S) -> float | None:
+    """The cores other processes keep busy now, on average over ``window_s`` (None without /proc/stat)."""
+    with LoadMeter() as meter:
+        time.sleep(window_s)
+    return meter.record["other_cores"]
+
+
+def busy_cores(other_cores: float | None) -> int:
+    """Whole cores taken by ``other_cores`` of load: each ``BUSY_CORES`` beyond a whole core counts as one."""
+    return 0 if other_cores is None else int(other_cores + 1 - BUSY_CORES)
+
+
+def spare_threads(threads: int, cores: int, other_cores: float | None) -> int:
+    """``threads`` for a CPU measurement, at most the ``cores`` other processes leave free, at least 1:
+    OpenMP threads that wait on a core another process holds make a cell many times slower."""
+    return max(1, min(threads, cores - busy_cores(other_cores)))
+
+
+def busy_warning(cells: list[dict], other_cores: float | None, cores: int) -> str | None:
+    """One line saying the machine is busy, when ``cells`` time something on the CPU and other
+    processes keep a core or more of ``cores`` busy (``busy_cores``); None otherwise."""
+    timed = sum(cell["axes"]["device"] == "cpu" and cell["mode"] != "quality" and not cell.get("skip") for cell in cells)
+    busy = busy_cores(other_cores)
+    if not timed or not busy:
+        return None
+    return (f"warning: the machine is busy: other processes keep {other_cores:.1f} of {cores} cores busy, {max(0, cores - busy)} free; "
+            f"the CPU timings of {timed} cell(s) will be unreliable (each runs on at most {spare_threads(cores, cores, other_cores)} "
+            "thread(s)); measure on a quiet machine")

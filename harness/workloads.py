@@ -21,7 +21,7 @@ import variants
 from variants.compiled import compiled_frames
 
 from . import tasks
-from .load import LoadMeter
+from .load import LoadMeter, other_cores_now, spare_threads
 from .machine import missing_tensor_cores
 from .measure import Clock, PeakMemory, on_device, sample_until_stable, synchronize, time_callable, usual_allocator
 from .roofline import DTYPES
@@ -188,7 +188,8 @@ def measure_cell(cell: dict) -> dict:
     (``variants.UnsupportedBackend``) makes it skipped with the reason; other exceptions (and
     out-of-memory errors) propagate to the caller, which records them. A CUDA cell runs with its
     GPU as the current device (``on_device``); a 16-bit cell on a GPU without tensor cores for
-    its dtype is skipped before anything is built (``machine.missing_tensor_cores``)."""
+    its dtype is skipped before anything is built (``machine.missing_tensor_cores``). A timed CPU
+    cell without ``measure.cpus`` runs on the threads other processes leave free (``load.spare_threads``)."""
     axes = cell["axes"]
     device, dtype = torch.device(axes["device"]), DTYPES[axes["dtype"]]
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -196,6 +197,8 @@ def measure_cell(cell: dict) -> dict:
     if refusal := missing_tensor_cores(device, axes["dtype"]):
         return {"status": "skipped", "error": refusal, "metrics": {}}
     pin(cell["measure"].get("cpus"))
+    if device.type == "cpu" and cell["mode"] != "quality" and cell["measure"].get("cpus") is None:
+        torch.set_num_threads(spare_threads(torch.get_num_threads(), len(_UNPINNED[0] or range(os.cpu_count())), other_cores_now()))
     with on_device(device), LoadMeter(device) as load:
         try:
             result = _measure(cell, device, dtype)

@@ -6,6 +6,7 @@ say so and leave the busy cores alone."""
 from __future__ import annotations
 
 import json
+import os
 import tracemalloc
 from pathlib import Path
 
@@ -128,3 +129,76 @@ def test_the_reports_side_by_side_tables_mark_unstable_times(tmp_path):
     (side_by_side,) = tables.values()
     marked = sorted(row[-1].endswith(" *") for row in side_by_side.rows)
     assert marked == [False, True] and "over 1 cells" in side_by_side.caption and "marked *" in side_by_side.caption, side_by_side
+
+
+def test_the_threads_of_a_cpu_measurement_leave_the_busy_cores_alone():
+    """Half a core of other work takes a core; at least one thread is left; fewer threads stay."""
+    from harness.load import busy_cores, spare_threads
+
+    assert [busy_cores(load) for load in (None, 0.0, 0.49, 0.5, 1.4, 1.5, 3.7)] == [0, 0, 0, 1, 1, 2, 4]
+    assert [spare_threads(8, 8, load) for load in (None, 0.2, 0.6, 2.5, 7.9, 12.0)] == [8, 8, 7, 5, 1, 1]
+    assert spare_threads(2, 8, 3.0) == 2
+
+
+def _cells(tmp_path, device: str = "cpu", **measure) -> list[dict]:
+    from harness.scenario import load_scenario
+
+    scenario = tmp_path / "tiny.yaml"
+    scenario.write_text(json.dumps({"name": "tiny", "variants": {"linear": {}}, "axes": {"seq_len": 16, "batch": 1, "heads": 1, "d_key": 8, "device": device},
+                                    "modes": ["forward"], "measure": {"warmup": 1, "repeats": 3, "max_time_s": 0, **measure}}))
+    return load_scenario(str(scenario)).cells()
+
+
+def test_a_busy_machine_is_announced_before_cpu_cells(tmp_path):
+    from harness.load import busy_warning
+
+    cells = _cells(tmp_path)
+    line = busy_warning(cells, 1.6, 2)
+    assert line.startswith("warning: the machine is busy: other processes keep 1.6 of 2 cores busy, 0 free;") and "1 thread(s)" in line, line
+    assert "\n" not in line and busy_warning(cells, 0.3, 2) is None and busy_warning(cells, None, 2) is None
+    assert busy_warning([dict(cell, axes=dict(cell["axes"], device="cuda")) for cell in cells], 1.6, 2) is None
+
+
+def test_a_cpu_cell_records_the_threads_the_load_left_it(tmp_path, monkeypatch):
+    """Measured in this process with the load injected: a busy machine leaves one thread (recorded
+    as torch_threads), a quiet one all of them, and measure.cpus keeps its own (1 CPU: 1 thread)."""
+    import torch
+
+    import harness.workloads as workloads
+
+    cores = len(workloads._UNPINNED[0] or range(os.cpu_count()))
+    if cores < 2 or workloads._UNPINNED[1] < 2:
+        pytest.skip("one core or one thread: nothing to leave")
+    threads = {}
+    try:
+        for load in (0.0, cores - 0.4):
+            monkeypatch.setattr(workloads, "other_cores_now", lambda load=load: load)
+            (cell,) = _cells(tmp_path)
+            threads[load] = workloads.measure_cell(cell)["metrics"]["torch_threads"]
+        monkeypatch.setattr(workloads, "other_cores_now", lambda: 0.0)
+        (pinned,) = _cells(tmp_path, cpus=[0, 1])
+        pinned_threads = workloads.measure_cell(pinned)["metrics"]["torch_threads"]
+    finally:
+        workloads.pin(None)
+    assert threads == {0.0: min(cores, workloads._UNPINNED[1]), cores - 0.4: 1} and pinned_threads == 2 and torch.get_num_threads() == workloads._UNPINNED[1]
+
+
+def test_attnbench_run_says_so_before_the_first_cell(tmp_path, monkeypatch, capsys):
+    """The warning is the first line of ``attnbench run`` on a busy machine (load injected), before
+    the runner starts (stopped there as Ctrl-C would, to stay quick)."""
+    import harness.load
+    import harness.runner
+    from harness.cli import EXIT_INTERRUPTED, main
+
+    _cells(tmp_path)
+    monkeypatch.setattr(harness.load, "other_cores_now", lambda: os.cpu_count() - 0.4)
+    before_first_cell = []
+
+    def run(*args, **kwargs):
+        before_first_cell.append(capsys.readouterr().err)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(harness.runner, "run", run)
+    assert main(["run", str(tmp_path / "tiny.yaml"), "--out", str(tmp_path / "out"), "--no-progress"]) == EXIT_INTERRUPTED
+    (err,) = before_first_cell
+    assert err.startswith("warning: the machine is busy:") and "the CPU timings of 1 cell(s) will be unreliable" in err, err
