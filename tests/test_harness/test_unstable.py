@@ -14,6 +14,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
+import harness
 import harness.stats as stats
 from harness.compare import EXIT_OK, EXIT_REGRESSION, UNSTABLE, compare, ratio_ci
 from harness.results import read_records
@@ -89,6 +90,8 @@ def test_a_side_measured_unstable_is_marked_and_not_judged(tmp_path, side):
     shown = _compare_table(result)
     marked = [shown.rows[row][shown.headers.index(column)].endswith(" *") for column in ("base", "head")]
     assert marked == [side == "base", side == "head"] and "marked *" in shown.caption, shown.rows[row]
+    template = (Path(harness.__file__).parent / "templates" / "report.html.j2").read_text()
+    assert shown.row_classes[row] == "unstable-not-compared" and "tr.unstable-not-compared" in template  # shaded as unstable rows are
 
 
 def test_only_unstable_cells_compare_nothing(tmp_path):
