@@ -481,11 +481,12 @@ def _read_bytes(path: Path) -> bytes:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except OSError as exc:
         raise ScenarioError(f"{path}: cannot be read ({exc.strerror})") from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        kind = "directory" if stat.S_ISDIR(mode) else "special file (FIFO, device or socket)"
+        raise ScenarioError(f"{path}: expected a scenario file (YAML), got a {kind}")
     with os.fdopen(fd, "rb") as file:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            kind = "directory" if stat.S_ISDIR(mode) else "special file (FIFO, device or socket)"
-            raise ScenarioError(f"{path}: expected a scenario file (YAML), got a {kind}")
         data = file.read(most + 1)
     if len(data) > most:
         raise ScenarioError(f"{path}: larger than {most} bytes, the most a scenario file may have (${MAX_FILE_BYTES[0]} raises it)")
