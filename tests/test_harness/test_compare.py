@@ -83,9 +83,16 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     with ThreadPoolExecutor(2) as pool:
         base, again = pool.map(lambda name: fresh_run(scenario, root / name, BASE_SLEEP), ["base", "again"])
         slower = pool.submit(rerun_one_cell, scenario, base, root / "slower" / "head.jsonl", 32, "0.1")
-        failing = pool.submit(rerun_one_cell, scenario, base, root / "failing" / "head.jsonl", 16, "not-a-number", "--set", "seq_len=[16, 32, 64]",
-                              exit_code=1)
+        failing = pool.submit(failing_with_new_cells, scenario, base, root / "failing")
         return {"base": base, "again": again, "slower": slower.result(), "failing": failing.result()}
+
+
+def failing_with_new_cells(scenario: Path, base: Path, directory: Path) -> Path:
+    """``directory`` holding ``base`` with fault_slow at T=16 measured again failing (FAULT_SLOW_S not a
+    number) and a second file with the cells of a new seq_len 64 (a resume keeps its run's overrides)."""
+    rerun_one_cell(scenario, base, directory / "head.jsonl", 16, "not-a-number", exit_code=1)
+    attnbench_run(str(scenario), "--out", str(directory), "--set", "seq_len=[64]", sleep=BASE_SLEEP)
+    return directory
 
 
 def row(result, variant: str, seq_len: int) -> pd.Series:
