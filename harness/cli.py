@@ -32,7 +32,6 @@ def _default_scenarios() -> list[tuple[str, str | None]]:
 
 def _run(args) -> int:
     from . import runner
-    from .load import busy_warning, other_cores_now
     from .plugins import load_plugins
     from .scenario import ScenarioError, describe, load_scenario
 
@@ -59,8 +58,6 @@ def _run(args) -> int:
         print("error: --retry-failed re-runs the failed cells of a results file: use it with --resume", file=sys.stderr)
         return 2
     command = "attnbench " + " ".join(shlex.quote(arg) for arg in sys.argv[1:])
-    if args.executor == "local" and (warning := busy_warning([cell for scenario in loaded for cell in scenario.cells()], other_cores_now(), os.cpu_count())):
-        print(warning, file=sys.stderr)
     written, failed = [], False
     for scenario in loaded:
         summary = runner.run(

@@ -32,6 +32,7 @@ from tqdm import tqdm
 
 from . import machine
 from .files import open_regular
+from .load import busy_warning, other_cores_now
 from .locking import MachineRuns, ResultsDirectoryLock, describe_runs
 from .plugins import load_plugins
 from .results import FAILED, ResultsWriteError, ResultsWriter, completed_cell_ids, parse_line, read_records
@@ -585,6 +586,8 @@ def _run_locked(loaded, out_dir, resume, retry_failed, executor, command, progre
                        "cells measured meanwhile record them in concurrent_runs", file=sys.stderr)
         overlapping[cell["cell_id"]] = others
 
+    if executor.same_machine and (busy := busy_warning(todo, other_cores_now(), os.cpu_count())):
+        print(busy, file=sys.stderr)
     try:
         for fp in executor.start(todo, fingerprint):
             run_id_of(fp, None)

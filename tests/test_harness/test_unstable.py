@@ -187,21 +187,20 @@ def test_a_cpu_cell_records_the_threads_the_load_left_it(tmp_path, monkeypatch):
 
 
 def test_attnbench_run_says_so_before_the_first_cell(tmp_path, monkeypatch, capsys):
-    """The warning is the first line of ``attnbench run`` on a busy machine (load injected), before
-    the runner starts (stopped there as Ctrl-C would, to stay quick)."""
-    import harness.load
+    """The warning is the first line of ``attnbench run`` on a busy machine (load injected), after
+    the checks and before the worker starts (stopped there as Ctrl-C would, to stay quick)."""
     import harness.runner
     from harness.cli import EXIT_INTERRUPTED, main
 
     _cells(tmp_path)
-    monkeypatch.setattr(harness.load, "other_cores_now", lambda: os.cpu_count() - 0.4)
+    monkeypatch.setattr(harness.runner, "other_cores_now", lambda: os.cpu_count() - 0.4)
     before_first_cell = []
 
-    def run(*args, **kwargs):
+    def start(self, todo, fingerprint):
         before_first_cell.append(capsys.readouterr().err)
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(harness.runner, "run", run)
+    monkeypatch.setattr(harness.runner.LocalExecutor, "start", start)
     assert main(["run", str(tmp_path / "tiny.yaml"), "--out", str(tmp_path / "out"), "--no-progress"]) == EXIT_INTERRUPTED
     (err,) = before_first_cell
     assert err.startswith("warning: the machine is busy:") and "the CPU timings of 1 cell(s) will be unreliable" in err, err
