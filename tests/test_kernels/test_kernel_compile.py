@@ -310,13 +310,13 @@ def _check_table(rows: list[kt.Row], selected: list[tuple[str, int]]) -> None:
 def test_limit_critical_table():
     """Every kernel at every limit-critical configuration (``_limit_critical``: each dtype, gate, normaliser,
     autotuning candidate, d_dot ≥ 64, chunk 64 and the largest) for sm_70, sm_80, sm_90: ``_check_table``.
-    About 500 distinct compilations, 6-7 CPU-minutes cold (docs/performance.md)."""
+    498 distinct compilations, 522 CPU-seconds cold: about 4.5 minutes on 2 cores (docs/performance.md)."""
     selected = [(rule, index) for rule, index in kt.jobs() if _limit_critical(rule, kernels.load(rule).compile_configs()[index])]
     _check_table(kt.build_table(ARCHS, selected), selected)
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(os.environ.get("ATTNBENCH_FULL_KERNEL_TABLE") != "1", reason="the full table takes about 40 CPU-minutes: ATTNBENCH_FULL_KERNEL_TABLE=1")
+@pytest.mark.skipif(os.environ.get("ATTNBENCH_FULL_KERNEL_TABLE") != "1", reason="about 30 CPU-minutes: ATTNBENCH_FULL_KERNEL_TABLE=1 runs it")
 def test_full_table():
     """Every reachable configuration (``compile_configs``: each chunk size the rule takes, head dims, wide keys,
     dtypes, gate, normaliser, autotuning candidates) for sm_70, sm_80, sm_90: ``_check_table``. Too long for CI
