@@ -27,7 +27,6 @@ DEFAULT_PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinu
 DEFAULT_EXTRAS = ("test", "fla")
 #: Installed on the GPU machine already, in the build that matches its driver.
 EXCLUDED = ("torch", "triton")
-INDEX = "https://pypi.org/simple/"
 INDEX_TIMEOUT_S = 15
 _REQUIREMENT = re.compile(r"^(?P<spec>(?P<name>[A-Za-z0-9][A-Za-z0-9._-]*)[^;]*?)\s*(?:;\s*extra\s*==\s*[\"'](?P<extra>[\w.-]+)[\"']\s*)?$")
 
@@ -75,9 +74,21 @@ def requirements_of(wheel: Path, extras=DEFAULT_EXTRAS) -> list[str]:
     return chosen
 
 
+def index_url() -> str:
+    """The index pip downloads from: $PIP_INDEX_URL, else pip's configured ``index-url``, else pip's default."""
+    if url := os.environ.get("PIP_INDEX_URL"):
+        return url
+    configured = subprocess.run([sys.executable, "-m", "pip", "config", "get", "global.index-url"], capture_output=True, text=True)
+    if configured.returncode == 0 and configured.stdout.strip():
+        return configured.stdout.strip()
+    from pip._internal.models.index import PyPI  # pip's own default, not spelled out here
+
+    return PyPI.simple_url
+
+
 def check_index() -> None:
-    """A KitError unless the package index pip uses ($PIP_INDEX_URL, else PyPI) answers."""
-    url = os.environ.get("PIP_INDEX_URL") or INDEX
+    """A KitError unless the package index pip uses (``index_url``) answers."""
+    url = index_url()
     try:
         with urllib.request.urlopen(url, timeout=INDEX_TIMEOUT_S):
             pass

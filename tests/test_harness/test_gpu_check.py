@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import attnbench
+from helpers import attnbench, needs_shared
 
 from harness import gpu_check
 from harness.gpu_check import BUDGET_S, Check
@@ -32,6 +32,7 @@ def with_a_gpu(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
 
 
+@needs_shared
 def test_each_missing_thing_is_one_line_saying_how_to_get_it(with_a_gpu, monkeypatch, tmp_path):
     assert gpu_check.missing() == []
     real = gpu_check.installed_version
@@ -52,6 +53,7 @@ def test_missing_data_names_where_it_looked(with_a_gpu, monkeypatch, tmp_path):
     assert str(tmp_path / "wikitext-2") in line and "wiki.train.tokens" in line and "attnbench kit" in line
 
 
+@needs_shared
 def test_without_the_kernel_tests_it_says_how_to_go_on(with_a_gpu, monkeypatch, tmp_path):
     monkeypatch.setattr(gpu_check, "kernel_tests_dir", lambda: None)
     (line,) = gpu_check.missing()
@@ -76,6 +78,7 @@ def test_dry_run_prints_the_plan():
     assert "within the budget" in done.stdout and "timing" in done.stdout and "40 cells" in done.stdout
 
 
+@needs_shared
 def test_a_failed_kernel_test_stops_the_check(with_a_gpu, monkeypatch, tmp_path):
     ran = []
     monkeypatch.setattr(gpu_check, "collect_kernel_tests", lambda device="cpu": ["tests/test_kernels/test_a.py::test_b"])
@@ -120,6 +123,7 @@ def test_ratios_at_the_largest_sequence_length(tmp_path):
 
 
 @pytest.mark.slow
+@needs_shared
 def test_the_checks_on_the_cpu_forms_of_its_scenarios(with_a_gpu, monkeypatch, tmp_path):
     """The whole check without the kernel tests, on its scenarios' CPU presets: results, report, summary."""
     monkeypatch.setattr(gpu_check, "TIMING", ("gpu-check", "ci", []))
