@@ -36,6 +36,9 @@ REQUIRED = {
     "cell": ("run_id", "cell_id", "scenario", "variant", "mode", "status"),
 }
 
+#: The fields of each kind of line that hold a JSON object (or null) when present.
+MAPPINGS = {"run": ("machine", "report"), "cell": ("params", "axes", "metrics")}
+
 #: The columns ``load`` always returns first, even when there are no cells.
 COLUMNS = [
     "file", "run_id", "cell_id", "scenario", "variant", "backend", "mode", "target", "status",
@@ -211,6 +214,8 @@ def parse_line(raw: bytes, path: Path, where: str) -> dict:
         record = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ResultsFileError(f"{where} is not valid JSON ({exc})") from None
+    except RecursionError:
+        raise ResultsFileError(f"{where} is nested too deeply to be a results record") from None
     if not isinstance(record, dict) or "kind" not in record or "schema" not in record:
         raise ResultsFileError(f"{where} is not a results record (a JSON object with 'kind' and 'schema')")
     if record["schema"] not in range(OLDEST_SCHEMA, SCHEMA_VERSION + 1):
@@ -223,6 +228,9 @@ def parse_line(raw: bytes, path: Path, where: str) -> dict:
     missing = _missing_key(record, record["kind"])
     if missing is not None:
         raise ResultsFileError(f"{where} ({record['kind']} line) is missing the required key {missing!r}")
+    for key in MAPPINGS[record["kind"]]:
+        if record.get(key) is not None and not isinstance(record[key], dict):
+            raise ResultsFileError(f"{where} ({record['kind']} line): {key} must be a JSON object, got {type(record[key]).__name__}")
     return record
 
 

@@ -253,6 +253,9 @@ CORRUPTIONS = {
                     "no run line above"),
     "missing cell_id": (lambda run, cell: f"{run}\n" + cell.replace('"cell_id"', '"cell"') + "\n", 2,
                         "'cell_id'"),
+    "nested too deeply": (lambda run, cell: f"{run}\n" + "[" * 100_000 + "]" * 100_000 + "\n", 2, "nested too deeply"),
+    "metrics a list": (lambda run, cell: f"{run}\n" + json.dumps(dict(json.loads(cell), metrics=[1, 2])) + "\n", 2,
+                       "metrics must be a JSON object, got list"),
 }
 
 
