@@ -62,7 +62,10 @@ def dataset_dir(name_or_path: str | os.PathLike) -> Path:
 def read_lines(path: Path) -> list[str]:
     """The lines of a UTF-8 file, split on ``\\n`` only (a ``\\r`` or form feed inside a line stays in it)."""
     with open(path, encoding="utf-8", newline="") as handle:  # no universal newlines: "\r" is not a line break
-        text = handle.read()
+        try:
+            text = handle.read()
+        except UnicodeDecodeError as exc:
+            raise DataError(f"{path} is not UTF-8 text (byte {exc.start:,}: {exc.reason})") from None
     return text.removesuffix("\n").split("\n") if text else []
 
 

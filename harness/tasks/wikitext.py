@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from .download import dataset_dir
+from .download import DataError, dataset_dir
 
 EOS, UNK = "<eos>", "<unk>"
 SPLITS = ("train", "valid", "test")
@@ -36,9 +36,12 @@ def read_words(path) -> list[str]:
     """The words of a WikiText file: each line's whitespace-separated words, then ``<eos>``."""
     words = []
     with open(path, encoding="utf-8") as f:
-        for line in f:
-            words.extend(line.split())
-            words.append(EOS)
+        try:
+            for line in f:
+                words.extend(line.split())
+                words.append(EOS)
+        except UnicodeDecodeError as exc:
+            raise DataError(f"{path} is not UTF-8 text ({exc.reason})") from None
     return words
 
 

@@ -117,3 +117,10 @@ def test_vocabulary_key_follows_the_files(tmp_path):
 def test_vocabulary_bad_settings(tmp_path, kwargs, field):
     with pytest.raises(ValueError, match=field):
         train_vocabulary(tmp_path, cache_dir=tmp_path / "cache", **kwargs)
+
+
+def test_a_file_that_is_not_utf8_is_named(tmp_path):
+    path = tmp_path / "train.de"
+    path.write_bytes(b"eins\nzwei \xc3\x28\n")
+    with pytest.raises(DataError, match=r"train\.de is not UTF-8 text \(byte 10: invalid continuation byte\)"):
+        read_lines(path)

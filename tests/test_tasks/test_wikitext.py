@@ -140,3 +140,10 @@ def test_download_extracts_and_verifies(tmp_path, monkeypatch):
     with pytest.raises(DataError, match="expected"):
         download.download("toy", tmp_path)
     assert not (tmp_path / "toy" / "g.txt").exists() and not list((tmp_path / "toy").glob("*.part"))
+
+
+def test_a_file_that_is_not_utf8_is_named(tmp_path):
+    path = tmp_path / "wiki.train.tokens"
+    path.write_bytes(b"one two\nthree \xff four\n")
+    with pytest.raises(DataError, match=r"wiki\.train\.tokens is not UTF-8 text \(invalid start byte\)"):
+        read_words(path)
