@@ -81,9 +81,11 @@ def index_url() -> str:
     configured = subprocess.run([sys.executable, "-m", "pip", "config", "get", "global.index-url"], capture_output=True, text=True)
     if configured.returncode == 0 and configured.stdout.strip():
         return configured.stdout.strip()
-    from pip._internal.models.index import PyPI  # pip's own default, not spelled out here
-
-    return PyPI.simple_url
+    # pip's own default, asked in a child: importing pip's internals here would import the standard
+    # library's distutils, which setuptools (torch.compile's C++ builds) then refuses in this process
+    default = subprocess.run([sys.executable, "-c", "from pip._internal.models.index import PyPI; print(PyPI.simple_url)"],
+                             capture_output=True, text=True, check=True)
+    return default.stdout.strip()
 
 
 def check_index() -> None:

@@ -93,11 +93,11 @@ def test_backend_options_reach_the_compiled_cells_and_their_ids(tmp_path):
     [
         ("backends: [torch, compile]\nbackend_options: {mode: fastest}\n", "backend_options: backend 'compile': option mode must be one of default"),
         ("backends: [torch, compile]\nbackend_options: {fullgraph: true}\n",
-         "backend_options: unknown option 'fullgraph'; backend options: sdpa (torch/compile), mode (compile), dynamic (compile)"),
+         'backend_options: unknown option "fullgraph"; backend options: sdpa (torch/compile), mode (compile), dynamic (compile)'),
         ("backends: [torch, compile]\nbackend_options: {dynamic: maybe}\n", "option dynamic must be one of true, false or null"),
         ("backends: [torch, compile]\nreport: {baseline_backend: triton}\n",
-         "report.baseline_backend: expected one of the scenario's backends (torch, compile), got 'triton'"),
-        ("backends: [torch, jit]\n", "expected backends among torch, triton, compile, fla, got 'jit'"),
+         "report.baseline_backend: expected one of the scenario's backends (torch, compile), got \"triton\""),
+        ("backends: [torch, jit]\n", "expected backends among torch, triton, compile, fla, got \"jit\""),
     ],
 )
 def test_scenario_errors_name_the_field(tmp_path, extra, message):
