@@ -141,10 +141,9 @@ def sum_rule_chunked(q, k, v, weights, normaliser, chunk_size: int, phi=_identit
     return output.joined(), weights, normaliser
 
 
-def _solve_unit_lower(strictly_lower: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor:
-    """X with (I + L) X = rhs for a strictly lower triangular L, in the state's dtype (PyTorch has no
-    16-bit triangular solve, on the CPU or CUDA)."""
-    wide = state_dtype(rhs.dtype)
+def _solve_unit_lower(strictly_lower: torch.Tensor, rhs: torch.Tensor, wide: torch.dtype) -> torch.Tensor:
+    """X with (I + L) X = rhs for a strictly lower triangular L, in the state's dtype ``wide`` (PyTorch
+    has no 16-bit triangular solve, on the CPU or CUDA)."""
     return torch.linalg.solve_triangular(strictly_lower.to(wide), rhs.to(wide), upper=False, unitriangular=True)
 
 
@@ -192,7 +191,7 @@ def delta_rule_chunked(q, k, v, beta, weights, normaliser, chunk_size: int, phi=
             erased_keys, state_queries = state_decay * k_c, state_decay * q_c
             written_keys = decay[..., -1, :, None] * k_c
         strictly_lower = torch.tril(erase * keys_keys, diagonal=-1)
-        solved = _solve_unit_lower(strictly_lower, torch.cat([write * v_c, erase * erased_keys], dim=-1))
+        solved = _solve_unit_lower(strictly_lower, torch.cat([write * v_c, erase * erased_keys], dim=-1), wide)
         new_values = solved[..., :d_value] - solved[..., d_value:] @ weights
         read = state_queries.to(wide) @ weights + causal_read(torch.tril(queries_keys).matmul, new_values.to(q_c.dtype))
         if normaliser is not None:
