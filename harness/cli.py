@@ -221,9 +221,12 @@ def _data_download(args) -> int:
 
 
 def _kernels(args) -> int:
-    from .kernel_table import command
+    from . import kernel_diff, kernel_table
 
-    return command(args.arch, args.json, rules=args.rule, dtypes=args.dtype, head_dims=args.d, workers=args.jobs, chunks=args.chunk)
+    selection = dict(rules=args.rule, dtypes=args.dtype, head_dims=args.d, workers=args.jobs, chunks=args.chunk, kernels=args.kernel)
+    if args.compare:
+        return kernel_diff.command(args.compare, args.json, arch=args.arch, **selection)
+    return kernel_table.command(args.arch, args.json, **selection)
 
 
 def _gpu_check(args) -> int:
@@ -335,12 +338,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     kernels = commands.add_parser("kernels", help="compile every Triton kernel for GPU targets (no GPU needed): registers, spills, occupancy, MMA")
     kernels.add_argument("--arch", default="sm_70,sm_80,sm_90", help="comma-separated targets among sm_70, sm_80, sm_90 (default: all three)")
-    kernels.add_argument("--json", type=Path, help="also write the rows to this JSON file")
+    kernels.add_argument("--json", type=Path, help="also write the rows (with --compare: the changed rows, old and new) to this JSON file")
     kernels.add_argument("--rule", help="only these kernel files, e.g. sum_rule,delta_rule (default: all)")
     kernels.add_argument("--dtype", help="only these input dtypes, e.g. bf16,fp32 (default: fp32, fp16, bf16)")
     kernels.add_argument("--d", help="only d_dot = d_value in this list, e.g. 64,256 (default: every shipped shape)")
     kernels.add_argument("--chunk", help="only these chunk sizes, e.g. 64,128 (default: every one the kernels take)")
+    kernels.add_argument("--kernel", help="only these kernels, e.g. forward_prefix,state_pass (an autotuned one: each candidate; default: all)")
     kernels.add_argument("--jobs", type=int, help="compiler processes (default: one per CPU)")
+    kernels.add_argument("--compare", metavar="REV", help="compile REV's kernels and the working tree's, print the rows that changed (exit 1: a row got worse)")
     kernels.set_defaults(handler=_kernels)
 
     check = commands.add_parser(

@@ -303,6 +303,20 @@ def _recorded(rule: str, index: int, capability: int) -> tuple[str, list]:
     return module.config_label(config), module.record_launches(config, capability)
 
 
+def launched_kernels(archs: list[Arch], selected: list[tuple[str, int]]) -> set[str]:
+    """The kernels (without autotuning candidates) the ``selected`` jobs launch on ``archs``: recorded, nothing compiled."""
+    from variants import UnsupportedBackend
+
+    names = set()
+    for rule, index in selected:
+        for arch in archs:
+            try:
+                names.update(launch.name.split("[")[0] for launch in _recorded(rule, index, arch.capability)[1])
+            except UnsupportedBackend:
+                continue
+    return names
+
+
 def _compile_task(rule: str, index: int, capability: int, launch_index: int) -> dict:
     """In a worker: the figures of one launch (recorded again there, where the kernels are real @triton.jit functions)."""
     return compile_figures(_recorded(rule, index, capability)[1][launch_index], capability)
@@ -345,12 +359,18 @@ def _cost(task: tuple) -> tuple:
 
 
 def build_table(
-    archs: list[Arch], selected: list[tuple[str, int]] | None = None, workers: int | None = None, progress=None, cache: Path | None | bool = True
+    archs: list[Arch],
+    selected: list[tuple[str, int]] | None = None,
+    workers: int | None = None,
+    progress=None,
+    cache: Path | None | bool = True,
+    kernels: set[str] | None = None,
 ) -> list[Row]:
     """Compile ``selected`` jobs (default: every configuration) for ``archs``: each distinct compilation
     (``compile_key``) once, in ``workers`` fresh processes (default one per CPU), its figures from and into
-    ``cache`` (True: ``cache_dir()``; None or False: no cache). Rows in the order of the jobs, then arch, then launch;
-    ``progress(done, total)`` after each compilation."""
+    ``cache`` (True: ``cache_dir()``; None or False: no cache), only the launches of ``kernels`` when given
+    (names without the autotuning candidate: "state_pass" is each of its candidates). Rows in the order of the
+    jobs, then arch, then launch; ``progress(done, total)`` after each compilation."""
     try:
         import triton  # noqa: F401
     except ImportError as exc:
@@ -367,6 +387,8 @@ def build_table(
             except UnsupportedBackend:  # a configuration the kernels refuse on this arch (16-bit inputs below sm_80): nothing launches
                 continue
             for launch_index, launch in enumerate(launches):
+                if kernels is not None and launch.name.split("[")[0] not in kernels:
+                    continue
                 key = compile_key(launch, arch.capability)
                 planned.append((launch, label, arch, key))
                 if key not in tasks and key not in figures:
@@ -424,6 +446,33 @@ def summary(rows: list[Row]) -> str:
     return f"{len(rows)} rows: {len(problems(rows))} over a limit or not compiled, {pruned} autotuning candidates pruned, {spilling} spill"
 
 
+def table(
+    arch: str,
+    rules: str | None = None,
+    dtypes: str | None = None,
+    head_dims: str | None = None,
+    workers: int | None = None,
+    chunks: str | None = None,
+    kernels: str | None = None,
+) -> list[Row]:
+    """The rows of ``attnbench kernels`` for ``arch`` and the comma-separated filters ``rules``, ``dtypes``,
+    ``head_dims``, ``chunks`` and ``kernels`` (as typed), with progress on stderr; a KernelTableError for a bad
+    filter, or a kernel name that no selected configuration launches."""
+    import time
+
+    archs = parse_archs(arch)
+    selected = jobs(_split(rules), _split(dtypes), _split(head_dims, int), _split(chunks, int))
+    names = set(_split(kernels) or ()) or None
+    if names and not names <= (launched := launched_kernels(archs, selected)):
+        unknown, known = ", ".join(sorted(names - launched)), ", ".join(sorted(launched)) or "nothing"
+        raise KernelTableError(f"unknown kernel {unknown}: the selected configurations launch {known}")
+    print(f"attnbench kernels: {len(selected)} configurations x {len(archs)} arches ({', '.join(a.name for a in archs)})", file=sys.stderr)
+    start = time.perf_counter()
+    rows = build_table(archs, selected, workers, progress=lambda done, total: _progress(done, total, start), kernels=names)
+    print(f"attnbench kernels: {summary(rows)}, in {time.perf_counter() - start:.0f} s", file=sys.stderr)
+    return rows
+
+
 def command(
     arch: str,
     json_path: Path | None = None,
@@ -432,22 +481,16 @@ def command(
     head_dims: str | None = None,
     workers: int | None = None,
     chunks: str | None = None,
+    kernels: str | None = None,
 ) -> int:
     """``attnbench kernels``: print the table (and write ``json_path``); 1 when a row failed, 2 when
-    the table cannot be made. ``rules``, ``dtypes``, ``head_dims``, ``chunks``: comma-separated filters, as typed."""
-    import time
-
+    the table cannot be made. ``rules``, ``dtypes``, ``head_dims``, ``chunks``, ``kernels``: comma-separated filters, as typed."""
     try:
-        archs = parse_archs(arch)
-        selected = jobs(_split(rules), _split(dtypes), _split(head_dims, int), _split(chunks, int))
-        print(f"attnbench kernels: {len(selected)} configurations x {len(archs)} arches ({', '.join(a.name for a in archs)})", file=sys.stderr)
-        start = time.perf_counter()
-        rows = build_table(archs, selected, workers, progress=lambda done, total: _progress(done, total, start))
+        rows = table(arch, rules, dtypes, head_dims, workers, chunks, kernels)
     except KernelTableError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(format_table(rows))
-    print(f"attnbench kernels: {summary(rows)}, in {time.perf_counter() - start:.0f} s", file=sys.stderr)
     if json_path is not None:
         write_json(rows, json_path)
     failed = problems(rows)

@@ -1,0 +1,184 @@
+"""``attnbench kernels --compare REV``: the compiled figures of REV's kernels beside the working tree's.
+
+Both sides are checked out by ``harness.regress.worktrees`` (REV at its commit, the working tree with its
+uncommitted changes) and each is compiled in its own child process: this attnbench's ``harness`` (the table
+code, the same for both: a symlink to it on ``PYTHONPATH``) over that checkout's ``variants.kernels``, with its
+own Triton cache (``TRITON_CACHE_DIR``, as ``regress`` gives each revision) and its own figures cache
+(``ATTNBENCH_KERNEL_CACHE``), both temporary: nothing compiled for one side is reused for the other.
+
+Rows are matched by (kernel, configuration, arch). A row changed when its registers, spill bytes, shared
+memory, warps, occupancy (warps per SM), MMA kind or limits (problem, pruned) differ, or it exists on one side
+only. It regressed (:func:`regressions`) when it spills more, keeps fewer warps per SM, lost a 16-bit MMA, or is
+newly over a limit of its arch (a problem, or an autotuning candidate newly pruned).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from .kernel_table import KernelTableError, Row, problems
+
+#: What a change is judged on, beside the row's limits (``problem``, ``pruned``), in the order of the printed columns.
+COMPARED = ("registers", "spill_bytes", "shared_bytes", "num_warps", "occupancy_warps", "mma")
+#: The operand types of a 16-bit MMA in ``kernel_table.mma_kind``'s names ("mma bf16", "wgmma f16").
+SIXTEEN_BIT = ("bf16", "f16")
+#: The child: this harness's table over the checkout on PYTHONPATH (``_child``).
+CHILD = "import sys; from harness.kernel_diff import _child; sys.exit(_child())"
+
+
+@dataclasses.dataclass(frozen=True)
+class Change:
+    """One row of either side that differs: ``old`` (REV's, None when only the working tree has it), ``new``
+    (None when only REV has it) and why it is worse (empty when it is not)."""
+
+    old: Row | None
+    new: Row | None
+    regressions: tuple[str, ...]
+
+    @property
+    def row(self) -> Row:
+        return self.new or self.old
+
+    def as_dict(self) -> dict:
+        return {"kernel": self.row.kernel, "config": self.row.config, "arch": self.row.arch, "old": self.old and self.old.as_dict(),
+                "new": self.new and self.new.as_dict(), "regressions": list(self.regressions)}  # fmt: skip
+
+
+def _sixteen_bit(mma: str | None) -> set[str]:
+    return {kind for kind in (mma or "").split("+") if kind.split(" ")[-1] in SIXTEEN_BIT}
+
+
+def _over(row: Row | None) -> str | None:
+    return row and (row.problem or row.pruned)
+
+
+def regressions(old: Row | None, new: Row | None) -> tuple[str, ...]:
+    """Why ``new`` is worse than ``old`` (None: the row is new, judged on its limits only): more spill, fewer warps
+    per SM, a 16-bit MMA kind lost, or over a limit of the arch where it was not (a problem, or a pruned candidate)."""
+    found = []
+    if new is None:
+        return ()
+    if _over(new) and not _over(old):
+        found.append(f"newly over a limit: {_over(new)}")
+    if old is None or None in (old.registers, new.registers):
+        return tuple(found)
+    if new.spill_bytes > old.spill_bytes:
+        found.append(f"more spill ({old.spill_bytes} -> {new.spill_bytes} B a thread)")
+    if new.occupancy_warps < old.occupancy_warps:
+        found.append(f"fewer warps per SM ({old.occupancy_warps} -> {new.occupancy_warps})")
+    if lost := _sixteen_bit(old.mma) - _sixteen_bit(new.mma):
+        found.append(f"16-bit MMA lost ({', '.join(sorted(lost))}; now {new.mma})")
+    return tuple(found)
+
+
+def diff(old_rows: list[Row], new_rows: list[Row]) -> list[Change]:
+    """The rows that differ between two tables (``COMPARED`` fields, limits, presence), in the new table's order,
+    then the rows only the old one has."""
+    key = lambda row: (row.kernel, row.config, row.arch)  # noqa: E731
+    old, new = {key(row): row for row in old_rows}, {key(row): row for row in new_rows}
+    changes = []
+    for name in [*new, *(name for name in old if name not in new)]:
+        before, after = old.get(name), new.get(name)
+        fields = ("problem", "pruned", *COMPARED)
+        if before is None or after is None or any(getattr(before, f) != getattr(after, f) for f in fields):
+            changes.append(Change(before, after, regressions(before, after)))
+    return changes
+
+
+def format_changes(changes: list[Change], old_label: str) -> str:
+    """The changed rows as a table, each figure "old -> new" where it changed; a last column says whether the row
+    regressed (and why), improved or only changed, or exists on one side only."""
+    header = ["kernel", "config", "arch", "regs", "spill B", "smem B", "warps", "occ warps/SM", "mma", "verdict"]
+    lines = []
+    for change in changes:
+        old, new = change.old, change.new
+        figures = []
+        for field in COMPARED:
+            before, after = (("-" if row is None or getattr(row, field) is None else str(getattr(row, field))) for row in (old, new))
+            figures.append(before if before == after else f"{before} -> {after}")
+        if change.regressions:
+            verdict = "WORSE: " + "; ".join(change.regressions)
+        elif new is None:
+            verdict = f"only in {old_label}"
+        elif old is None:
+            verdict = "only in the working tree"
+        else:
+            verdict = "changed" + (f" (limits: {_over(old)} -> {_over(new)})" if _over(old) or _over(new) else "")
+        lines.append([change.row.kernel, change.row.config, change.row.arch, *figures, verdict])
+    widths = [max(len(x) for x in column) for column in zip(header, *lines)]
+    return "\n".join("  ".join(x.ljust(w) for x, w in zip(line, widths)).rstrip() for line in [header, *lines])
+
+
+def revision_rows(revision, request: dict, scratch: Path) -> list[Row]:
+    """The table of ``revision``'s kernels (``kernel_table.table(**request)``), made in a child process of its own
+    (module docstring); its progress lines are passed on to stderr. A KernelTableError with the child's last line."""
+    tool = scratch / "tool"
+    if not tool.exists():
+        tool.mkdir()
+        (tool / "harness").symlink_to(Path(__file__).resolve().parent, target_is_directory=True)
+    out = scratch / f"rows-{revision.side}.json"
+    env = {
+        **os.environ, **revision.env, "TRITON_INTERPRET": "0", "ATTNBENCH_KERNEL_CACHE": str(scratch / f"figures-{revision.side}"),
+        "PYTHONPATH": os.pathsep.join([str(tool), str(revision.root)]),
+    }  # fmt: skip
+    print(f"attnbench kernels: compiling the kernels of {revision.describe()}", file=sys.stderr)
+    command = [sys.executable, "-c", CHILD, json.dumps(request), str(out)]
+    last = None
+    with subprocess.Popen(command, cwd=tool, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) as child:
+        for line in child.stderr:
+            print(f"  {revision.side}: {line.rstrip()}", file=sys.stderr)
+            last = line.strip() or last
+    if child.returncode != 0:
+        reason = (last or f"exit code {child.returncode}").removeprefix("error: ")
+        raise KernelTableError(f"the kernels of {revision.describe()} could not be tabled: {reason}")
+    return [Row(**fields) for fields in json.loads(out.read_text())]
+
+
+def _child() -> int:
+    """In the child: ``kernel_table.table(**REQUEST)`` into OUT (``argv``: REQUEST as JSON, OUT); 2 on a KernelTableError."""
+    from .kernel_table import table
+
+    request, out = json.loads(sys.argv[1]), Path(sys.argv[2])
+    try:
+        rows = table(**request)
+    except KernelTableError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    out.write_text(json.dumps([row.as_dict() for row in rows]))
+    return 0
+
+
+def command(rev: str, json_path: Path | None = None, repo: Path = Path("."), **request) -> int:
+    """``attnbench kernels --compare REV``: print the rows that changed between REV's kernels and the working
+    tree's (``request``: the arguments of ``kernel_table.table``), write them to ``json_path``; 1 when a row
+    regressed, 0 otherwise, 2 when either table cannot be made."""
+    from .regress import RegressError, worktrees
+    from .regress import repository as git_repository
+
+    try:
+        with worktrees(git_repository(repo), rev, None) as (base, head):
+            scratch = base.root.parent
+            old_rows, new_rows = (revision_rows(revision, request, scratch) for revision in (base, head))
+            old_label = base.describe()
+    except (KernelTableError, RegressError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    changes = diff(old_rows, new_rows)
+    print(format_changes(changes, rev) if changes else f"no row changed between {old_label} and the working tree")
+    if json_path is not None:
+        json_path.write_text(json.dumps([change.as_dict() for change in changes], indent=1) + "\n")
+    worse = [change for change in changes if change.regressions]
+    print(
+        f"attnbench kernels --compare {rev}: {len(old_rows)} rows of {old_label}, {len(new_rows)} of the working tree; "
+        f"{len(changes)} changed, {len(worse)} worse; {len(problems(new_rows))} over a limit in the working tree",
+        file=sys.stderr,
+    )
+    for change in worse:
+        row = change.row
+        print(f"error: {row.kernel} [{row.config}] on {row.arch}: {'; '.join(change.regressions)}", file=sys.stderr)
+    return 1 if worse else 0
