@@ -8,6 +8,7 @@ projections, or a decoder-only LM ``model``) and its ``mode`` what one iteration
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import os
@@ -233,7 +234,9 @@ def _measure(cell, device, dtype) -> dict:
         return _measure_quality(cell, device, dtype)
     torch.manual_seed(0)
     choices = _implementation_choices(cell, device, dtype)
-    first_call_s = _warm_up_libraries(cell, device, dtype)
+    with _kernel_identity(cell) as identity:
+        first_call_s = _warm_up_libraries(cell, device, dtype)
+    choices.update(identity)
     compiled_before = compiled_frames() if cell["backend"] == "compile" else 0
     if cell["mode"] == "decode":
         result = _measure_decode(cell, device, dtype)
@@ -268,6 +271,16 @@ def _implementation_choices(cell, device, dtype) -> dict:
     require grad in a train cell, as SDPA's dispatcher weighs that too."""
     core = _core(cell).to(device=device, dtype=dtype)
     return core.implementation_choices(**_attention_inputs(core, cell["axes"], device, dtype, cell["mode"] == "train"))
+
+
+def _kernel_identity(cell):
+    """A Triton cell's kernels over its warm-up call, where they compile and autotune (``variants.kernels.identity``:
+    ``metrics.triton_version``, ``metrics.triton_kernels``); nothing for other backends."""
+    if cell["backend"] != "triton":
+        return contextlib.nullcontext({})
+    from variants.kernels import identity
+
+    return identity.recording()
 
 
 def _compile_record(cell, result: dict, first_call_s: float, compiled_before: int) -> dict:

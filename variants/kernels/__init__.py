@@ -2,7 +2,8 @@
 wrapper: ``sum_rule.sum_rule_triton`` and ``delta_rule.delta_rule_triton``; what they share
 (buffers, tile sizes, checks, the launch, @triton.jit tile helpers) is in ``_common``. Each rule
 module also lists what ``attnbench kernels`` compiles: ``compile_configs()``, ``config_label(config)``
-and ``record_launches(config, capability)``.
+and ``record_launches(config, capability)``. ``identity`` notes what a call launched (kernel source hashes,
+configurations, autotuning, compile seconds) for the cells of the triton backend.
 
 They are imported lazily (``load``), after the caller chose the backend, because Triton
 decides at import time whether its kernels run natively or through its interpreter

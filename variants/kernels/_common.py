@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from ..base import UnsupportedBackend, VariantError
-from . import MAX_HEAD_DIM, PRECISIONS, _interpreter, chunk_sizes
+from . import MAX_HEAD_DIM, PRECISIONS, _interpreter, chunk_sizes, identity
 
 if os.environ.get("TRITON_INTERPRET") == "1":
     _interpreter.patch_scalar_index()
@@ -212,9 +212,10 @@ def launch(kernel, grid, *args, options: dict, name: str | None = None, **conste
     ``@triton.autotune`` kernel takes ``grid`` as a function of its config's constexprs and no ``options``
     (its configs carry them); recording keeps one launch per candidate its ``early_config_prune`` leaves,
     named ``name[constexpr=value,w=warps]``, so that ``attnbench kernels`` compiles every candidate; through
-    the interpreter (CPU tensors) the first candidate it leaves runs, untimed."""
+    the interpreter (CPU tensors) the first candidate it leaves runs, untimed. While ``identity.recording``,
+    the launch is noted there (``identity.note``)."""
+    name = name or identity.python_function(kernel).__name__.strip("_").removesuffix("_kernel")
     if _recording is not None:
-        name = name or kernel.__name__.strip("_").removesuffix("_kernel")
         if isinstance(kernel, triton.runtime.Autotuner):
             for config in kernel.early_config_prune(kernel.configs, dict(zip(kernel.arg_names, args)), **constexprs):
                 meta = {**constexprs, **config.kwargs}
@@ -225,12 +226,16 @@ def launch(kernel, grid, *args, options: dict, name: str | None = None, **conste
             _recording.append(Launch(name, kernel, tuple(grid), args, constexprs, options))
         return
     device = next(a.device for a in args if isinstance(a, torch.Tensor))
-    if isinstance(kernel, triton.runtime.Autotuner) and device.type == "cpu":
+    tuner = kernel if isinstance(kernel, triton.runtime.Autotuner) else None
+    if tuner is not None and device.type == "cpu":
         # nothing to time in the interpreter (Triton 3.6's autotuner would time even a lone candidate: a GPU call)
         config = kernel.early_config_prune(kernel.configs, dict(zip(kernel.arg_names, args)), **constexprs)[0]
         kernel, options = kernel.fn, config.all_kwargs()
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-        kernel[grid](*args, **constexprs, **options)
+        if identity.entries is None:
+            kernel[grid](*args, **constexprs, **options)
+        else:
+            identity.note(name, kernel, lambda: kernel[grid](*args, **constexprs, **options), constexprs, options, tuner)
 
 
 @dataclasses.dataclass(frozen=True)
