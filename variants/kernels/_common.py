@@ -214,8 +214,8 @@ def launch(kernel, grid, *args, options: dict, name: str | None = None, **conste
     named ``name[constexpr=value,w=warps]``, so that ``attnbench kernels`` compiles every candidate; through
     the interpreter (CPU tensors) the first candidate it leaves runs, untimed. While ``identity.recording``,
     the launch is noted there (``identity.note``)."""
-    name = name or identity.python_function(kernel).__name__.strip("_").removesuffix("_kernel")
     if _recording is not None:
+        name = _launch_name(kernel, name)
         if isinstance(kernel, triton.runtime.Autotuner):
             for config in kernel.early_config_prune(kernel.configs, dict(zip(kernel.arg_names, args)), **constexprs):
                 meta = {**constexprs, **config.kwargs}
@@ -235,7 +235,12 @@ def launch(kernel, grid, *args, options: dict, name: str | None = None, **conste
         if identity.entries is None:
             kernel[grid](*args, **constexprs, **options)
         else:
-            identity.note(name, kernel, lambda: kernel[grid](*args, **constexprs, **options), constexprs, options, tuner)
+            identity.note(_launch_name(kernel, name), kernel, lambda: kernel[grid](*args, **constexprs, **options), constexprs, options, tuner)
+
+
+def _launch_name(kernel, name: str | None) -> str:
+    """``name``, else the kernel's function name without its underscores and "_kernel" ("_output_kernel" -> "output")."""
+    return name or identity.python_function(kernel).__name__.strip("_").removesuffix("_kernel")
 
 
 @dataclasses.dataclass(frozen=True)
