@@ -92,7 +92,7 @@ def diff(old_rows: list[Row], new_rows: list[Row]) -> list[Change]:
 
 def format_changes(changes: list[Change], old_label: str) -> str:
     """The changed rows as a table, each figure "old -> new" where it changed; a last column says whether the row
-    regressed (and why), improved or only changed, or exists on one side only."""
+    got worse (and why) or only changed, or that it exists on one side only."""
     header = ["kernel", "config", "arch", "regs", "spill B", "smem B", "warps", "occ warps/SM", "mma", "verdict"]
     lines = []
     for change in changes:
