@@ -66,7 +66,8 @@ def history(tmp_path_factory):
     commits["slow"] = _commit(repo, "slow linear")
     (repo / "README.md").write_text((repo / "README.md").read_text() + "\nA line of prose.\n")
     commits["readme"] = _commit(repo, "README only")
-    _edit(repo, "variants/chunked.py", "read = causal_read(scores.matmul, v_c) + q_c.to(wide) @ weights", "read = q_c.to(wide) @ weights - causal_read(scores.matmul, v_c)")
+    right = "read = causal_read(scores.matmul, v_c) + q_c.to(wide) @ weights"
+    _edit(repo, "variants/chunked.py", right, "read = q_c.to(wide) @ weights - causal_read(scores.matmul, v_c)")
     commits["wrong"] = _commit(repo, "wrong sign")
     return repo, commits
 
