@@ -46,9 +46,9 @@ def install(session, extras: str = "test,triton") -> None:
 
 @nox.session
 def tests(session):
-    """The test suite."""
+    """The test suite (the 20 slowest tests listed at the end, so a run shows where its time went)."""
     install(session, "test,triton,images,ray,fla")
-    session.run("pytest", "-q", "--benchmark-disable", *session.posargs)
+    session.run("pytest", "-q", "--benchmark-disable", "--durations=20", *session.posargs)
 
 
 @nox.session
