@@ -29,6 +29,7 @@ from torch import nn
 
 from . import kernels
 from .base import TokenInput, VariantError, activated_linear, register
+from .chunk_scan import delta_rule_parallel
 from .chunked import delta_rule_chunked, safe_reciprocal
 from .fast_weights import FastWeightCore, FastWeightState
 from .feature_maps import EPS
@@ -100,7 +101,8 @@ class DeltaRule(FastWeightCore):
             features_q, features_k = self.phi.for_queries(q), self.phi.for_keys(k)
             read, weights = kernel(features_q, features_k, v, beta, state.weights, log_gate=log_gate, chunk_size=self.chunk_size, precision=self.precision)
             return read, FastWeightState(weights, None)  # float32, the state dtype of every input dtype it takes
-        read, weights, normaliser = delta_rule_chunked(
+        scan = delta_rule_parallel if self.scan_choice(q.device) == "parallel" else delta_rule_chunked
+        read, weights, normaliser = scan(
             q, k, v, beta, *state, self.chunk_size, phi=self.phi.for_queries, phi_k=self.phi.for_keys, log_gate=log_gate
         )
         return read, FastWeightState(weights, normaliser)

@@ -16,6 +16,9 @@ from .base import AttentionCore, UnsupportedBackend, VariantError
 from .feature_maps import EPS, FeatureMap, SumNormalized, make_feature_map
 
 DEFAULT_CHUNK = 64
+#: The causal parallel form's scans (``scan=``): 'loop' (``chunked``: a Python loop over the chunks),
+#: 'parallel' (``chunk_scan``: every chunk at once), 'auto' (``FastWeightCore.scan_choice``).
+SCANS = ("auto", "loop", "parallel")
 
 
 class FastWeightState(NamedTuple):
@@ -38,16 +41,22 @@ class FastWeightCore(AttentionCore):
     z·φ(q) (the attention normalisation of the sum rule, Katharopoulos et al. eq. 12; Schlag
     et al. 2021 eq. 17 for the delta rule). ``chunk_size`` is the scan's chunk (None: ``DEFAULT_CHUNK``, or with
     ``backend='triton'`` the kernels' default, ``kernels.default_chunk_size``); ``backend`` 'torch' or 'triton'.
+    ``scan`` (one of ``SCANS``; PyTorch forms only) picks how the causal form runs the chunks.
     """
 
     #: The Triton kernel module of the rule ('sum_rule' or 'delta_rule'), set by each rule.
     kernel_rule: str
 
-    def __init__(self, d_key, *, phi, sum_norm, normalize, chunk_size=None, m=None, nu=None, d_dot=None, seed=0, backend="torch"):
+    def __init__(self, d_key, *, phi, sum_norm, normalize, chunk_size=None, m=None, nu=None, d_dot=None, seed=0, backend="torch", scan="auto"):
         super().__init__(d_key)
         if chunk_size is not None and (type(chunk_size) is not int or chunk_size < 1):
             raise VariantError(f"chunk_size must be a positive int, got {chunk_size!r}")
+        if scan not in SCANS:
+            raise VariantError(f"{self.variant_name}: scan must be one of {', '.join(SCANS)}, got {scan!r}")
         kernels.check_backend(self.variant_name, backend)
+        if backend == "triton" and scan != "auto":
+            raise UnsupportedBackend(f"{self.variant_name}: scan={scan!r} picks a PyTorch form; backend='triton' runs its kernels (leave scan at 'auto')")
+        self.scan = scan
         self.backend = backend
         feature_map: FeatureMap = make_feature_map(phi, d_key, m=m, nu=nu, d_dot=d_dot, seed=seed)
         if backend == "triton" and feature_map.d_dot > kernels.MAX_HEAD_DIM:
@@ -62,6 +71,18 @@ class FastWeightCore(AttentionCore):
         self.chunk_size = self._kernel_chunk_size(chunk_size) if backend == "triton" else chunk_size or DEFAULT_CHUNK
         # without φ the plain rules stay bounded only for bounded keys (delta: while β‖k‖² < 2)
         self.example_unit_keys = phi == "identity"
+
+    def scan_choice(self, device: torch.device) -> str:
+        """The scan the causal PyTorch form runs on ``device``: ``scan``, or for 'auto' 'parallel' under
+        ``backend='compile'`` (its graph does not grow with T) and off the CPU (a few launches a call,
+        not a few per chunk), 'loop' on the CPU (faster there eagerly: docs/performance.md)."""
+        if self.scan != "auto":
+            return self.scan
+        return "parallel" if self.backend == "compile" or device.type != "cpu" else "loop"
+
+    def implementation_choices(self, q, k, v, *, causal=True, **token_inputs) -> dict:
+        """``{"scan": 'loop' or 'parallel'}``: the scan a causal call on ``q``'s device runs (PyTorch forms)."""
+        return {"scan": self.scan_choice(q.device)} if causal and self.backend in ("torch", "compile") else {}
 
     def state_dtype(self, dtype):
         """At least float32 (``precision.state_dtype``), as the chunked scans and the Triton kernels keep it."""
@@ -113,7 +134,7 @@ class FastWeightCore(AttentionCore):
     def extra_repr(self) -> str:
         return (
             f"{super().extra_repr()}, phi={self.phi_name}, sum_norm={self.sum_norm}, "
-            f"normalize={self.normalize}, chunk_size={self.chunk_size}, backend={self.backend}"
+            f"normalize={self.normalize}, chunk_size={self.chunk_size}, scan={self.scan}, backend={self.backend}"
         )
 
     # --- implemented by each rule -------------------------------------------------

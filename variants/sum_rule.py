@@ -13,6 +13,7 @@ import torch
 
 from . import kernels
 from .base import register
+from .chunk_scan import sum_rule_parallel
 from .chunked import causal_read, sum_rule_chunked
 from .fast_weights import FastWeightCore, FastWeightState
 from .feature_maps import EPS
@@ -40,7 +41,8 @@ class SumRule(FastWeightCore):
             )
             return read, FastWeightState(weights, normaliser)  # float32, the state dtype of every input dtype it takes
         if causal:
-            read, weights, normaliser = sum_rule_chunked(q, k, v, *state, self.chunk_size, phi=self.phi.for_queries, phi_k=self.phi.for_keys)
+            scan = sum_rule_parallel if self.scan_choice(q.device) == "parallel" else sum_rule_chunked
+            read, weights, normaliser = scan(q, k, v, *state, self.chunk_size, phi=self.phi.for_queries, phi_k=self.phi.for_keys)
             return read, FastWeightState(weights, normaliser)
         # non-causal: every read meets the whole state, so all of it is in the state's dtype
         wide = state.weights.dtype
