@@ -14,8 +14,9 @@ does not grow with T (on a GPU, the launches; under ``torch.compile``, the graph
   whose prefixes ``affine_scan`` composes in ⌈log₂ N⌉ levels (Blelloch 1990's scan of an
   associative operator: (A₂, B₂) ∘ (A₁, B₁) = (A₂A₁, A₂B₁ + B₂)).
 
-The price is work: the delta rules' scan multiplies d_dot × d_dot matrices (about N (d_dot³ +
-2 d_dot² Dv) multiply-adds more than the loop's N d_dot² Dv), and φ(q), φ(k) exist in full.
+The price is work and memory: the delta rules build and compose d_dot × d_dot transitions (about
+N (C d_dot² + d_dot³ + 2 d_dot² Dv) multiply-adds more than the loop: 1.6× its FLOPs at
+d_dot = Dv = C = 64), and every chunk's intermediates, φ(q) and φ(k) exist at once.
 Precision as in ``chunked``: the states, the transitions A, B and every product with them in
 ``state_dtype``; the products within a chunk in ``chunk_dtype``; the output in the input dtype.
 """
