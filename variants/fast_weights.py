@@ -117,7 +117,8 @@ class FastWeightCore(AttentionCore):
     def flops(self, batch, heads, length, d_value, *, causal=True):
         """Matmul FLOPs of the chunked scan (φ itself not counted): per chunk of n tokens the
         rule's intra-chunk products plus reading and writing the d_dot × Dv state, and the
-        normaliser's read φ(q)·z."""
+        normaliser's read φ(q)·z; the chunk algorithm's work, whichever ``scan`` runs it (the
+        parallel delta scan's d_dot × d_dot transitions are extra work, not counted)."""
         normaliser = 2 * length * self.d_dot if self.normalize else 0
         if not causal:
             return batch * heads * (4 * length * self.d_dot * d_value + normaliser)
