@@ -29,6 +29,7 @@ from . import tasks
 from .formatting import quote
 from .measure import MAX_SAMPLES
 from .models import LM_PRESETS, lm_config
+from .tasks import precision
 
 SCENARIO_DIR = Path(__file__).resolve().parent.parent / "scenarios"
 DTYPES = ("float32", "float16", "bfloat16", "float64")
@@ -283,6 +284,7 @@ class Scenario(Strict):
         if needed or self.modes != ["quality"] or self.target != task.name:
             axes = "".join(f"axes.{axis}, " for axis in task.axes)
             raise ValueError(f"a {task.name} task scenario needs {axes}modes: [quality] and target: {task.name}")
+        _training_dtypes(self.axes, "axes")
         return self
 
     @model_validator(mode="after")
@@ -348,7 +350,18 @@ def variant_axes(scenario: Scenario, override: dict | None, field: str) -> Axes:
         shown = "" if "got" in message else f" (got {quote(error.get('input'))})"
         raise ValueError(f"{field}.{'.'.join(str(part) for part in error['loc'])}: {message}{shown}") from None
     _check_extra_axes(scenario.task, {axis: value for axis, value in override.items() if axis not in Axes.model_fields}, field)
+    if task is not None:
+        _training_dtypes(merged, field)
     return merged
+
+
+def _training_dtypes(axes: Axes, field: str) -> None:
+    """A quality cell trains in one of the dtypes of the policy (``harness.tasks.precision``)."""
+    for dtype in _sweep(axes.dtype):
+        try:
+            precision.check(dtype)
+        except ValueError as exc:
+            raise ValueError(f"{field}.dtype: {exc}") from None
 
 
 def _check_seeds(task_config, value, field: str = f"axes.{SEED_AXIS}") -> None:

@@ -26,6 +26,7 @@ from .load import LoadMeter, other_cores_now, spare_threads
 from .machine import missing_tensor_cores
 from .measure import Clock, PeakMemory, on_device, sample_until_stable, synchronize, time_callable, usual_allocator
 from .roofline import DTYPES
+from .tasks.precision import TRAIN_DTYPES
 
 
 class CellError(ValueError):
@@ -299,9 +300,9 @@ def _compile_record(cell, result: dict, first_call_s: float, compiled_before: in
 def _measure_quality(cell, device, dtype) -> dict:
     """Train and evaluate the cell's registered task (``harness.tasks``); its metrics are the task's own."""
     task = tasks.get(cell["task"]["name"])
-    if dtype != torch.float32 or (device.type != "cpu" and not task.any_device):
+    if cell["axes"]["dtype"] not in TRAIN_DTYPES or (device.type != "cpu" and not task.any_device):
         where = "" if task.any_device else " on the CPU (axes.device: cpu)"
-        raise CellError(f"task {task.name!r} trains in float32 (axes.dtype: float32){where}")
+        raise CellError(f"task {task.name!r} trains in {', '.join(TRAIN_DTYPES)} (axes.dtype){where}")
     metrics = task.run(cell)
     return _result(bool(np.isfinite(metrics.get("loss", 0.0))), metrics)
 

@@ -14,7 +14,7 @@ other target is ignored. Tokens: 0 the separator, 1 .. n_symbols the symbols, n_
 
 The model is ``harness.models.DecoderLM`` (pre-LayerNorm, learned positions; 4 layers and 8
 heads in the paper), trained with RAdam at 1e-3, then 1e-4 after 3000 updates
-(``harness.tasks.loss_curve``). A cell records the training-loss curve (nats per copied
+(``harness.tasks.training.TrainConfig.loss_curve``). A cell records the training-loss curve (nats per copied
 symbol, chance ln(n_symbols)), the steps it took to reach ``loss_threshold``, and the
 accuracy of the copied half on fresh sequences (teacher-forced argmax; ``exact``: the share
 of sequences copied without a mistake).
@@ -31,7 +31,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ..models import DecoderConfig, DecoderLM
 from . import Score, Task, register
-from .loss_curve import loss_at, steps_to_threshold, train
+from .batches import GeneratorBatches
+from .precision import Precision
+from .training import TrainConfig, train
 
 SEPARATOR = 0
 IGNORE = -100
@@ -65,6 +67,18 @@ def make_batch(seq_len: int, n_symbols: int, batch: int, generator: torch.Genera
     sequence[second] = symbols.gather(1, offset.clamp(0, longest - 1))[second]
     targets = torch.where(second[:, 1:], sequence[:, 1:], IGNORE)
     return sequence[:, :-1], targets
+
+
+def steps_to_threshold(losses: list[list[float]], threshold: float) -> int | None:
+    """The step of the first curve point whose loss is at most ``threshold``; None if none is."""
+    if not math.isfinite(threshold):
+        raise ValueError(f"threshold must be a finite number, got {threshold!r}")
+    return next((int(step) for step, loss in losses if loss <= threshold), None)
+
+
+def loss_at(losses: list[list[float]], step: int) -> float | None:
+    """The loss of the curve's point at ``step`` (None if the curve has no such point)."""
+    return next((loss for at, loss in losses if int(at) == step), None)
 
 
 def copy_loss(model: DecoderLM, batch) -> tuple[torch.Tensor, int]:
@@ -113,7 +127,7 @@ class CopyConfig(BaseModel):
     seed: int = 0
 
 
-def run_copy(variant: str, params: dict, config: CopyConfig, *, seq_len: int, device="cpu") -> dict:
+def run_copy(variant: str, params: dict, config: CopyConfig, *, seq_len: int, device="cpu", dtype: str = "float32") -> dict:
     """One cell: build the model under ``torch.manual_seed(seed)``, train it, evaluate it."""
     if seq_len < 3:
         raise ValueError(f"copy task: seq_len must be >= 3 (two separators and a symbol), got {seq_len}")
@@ -129,23 +143,24 @@ def run_copy(variant: str, params: dict, config: CopyConfig, *, seq_len: int, de
         variant_params=params,
     )
     model = DecoderLM(model_config).to(device)
-    data = torch.Generator().manual_seed(config.seed)
-
-    def next_batch():
-        return tuple(t.to(device) for t in make_batch(seq_len, config.n_symbols, config.batch, data))
-
-    curve = train(model, copy_loss, next_batch, steps=config.steps, lr=config.lr, lr_drop_step=config.lr_drop_step, log_every=config.log_every)
-    final = curve.losses[-1][1]
-    evaluation = evaluate(model, seq_len, config.n_symbols, batch=config.batch, batches=config.eval_batches, seed=config.seed) if math.isfinite(final) else {}
+    batches = GeneratorBatches(lambda generator: tuple(t.to(device) for t in make_batch(seq_len, config.n_symbols, config.batch, generator)),
+                               config.seed)
+    result = train(model, copy_loss, batches, TrainConfig.loss_curve(config, dtype), progress=False)
+    losses = [list(point) for point in result.losses]
+    final = losses[-1][1]
+    evaluation = {}
+    if math.isfinite(final):
+        with Precision(dtype, device).autocast():
+            evaluation = evaluate(model, seq_len, config.n_symbols, batch=config.batch, batches=config.eval_batches, seed=config.seed)
     return {
         "loss": final,
-        "losses": curve.losses,
-        "steps_to_threshold": steps_to_threshold(curve.losses, config.loss_threshold),
+        "losses": losses,
+        "steps_to_threshold": steps_to_threshold(losses, config.loss_threshold),
         "loss_threshold": config.loss_threshold,
         **evaluation,
-        "steps": int(curve.losses[-1][0]),
-        "train_s": curve.train_s,
-        "words_per_s": curve.units / curve.train_s,
+        "steps": result.steps,
+        "train_s": result.train_s,
+        "words_per_s": result.units_per_s,
         "seed": config.seed,
         "num_parameters": model.num_parameters(),
     }
@@ -155,7 +170,7 @@ def run_cell(cell: dict) -> dict:
     """Train and evaluate one cell (axis seq_len)."""
     config = CopyConfig.model_validate(cell["task"])
     params = dict(cell["params"], backend=cell["backend"])
-    return run_copy(cell["variant"], params, config, seq_len=cell["axes"]["seq_len"], device=cell["axes"]["device"])
+    return run_copy(cell["variant"], params, config, seq_len=cell["axes"]["seq_len"], device=cell["axes"]["device"], dtype=cell["axes"]["dtype"])
 
 
 # --- report --------------------------------------------------------------------------------

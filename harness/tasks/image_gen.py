@@ -5,7 +5,7 @@ distribution over 256 intensity levels per pixel (not the paper's mixture of log
 model is ``harness.models.DecoderLM`` over the 257 tokens of the levels and a start token: the
 input is [START, p_1 .. p_{P−1}], the targets p_1 .. p_P, and the start token's logit is
 dropped from every prediction (``levels``). Training: RAdam with a tenfold learning-rate drop
-(``harness.tasks.loss_curve``). Metrics:
+(``harness.tasks.training.TrainConfig.loss_curve``). Metrics:
 
 - ``bits_per_dim``: the mean negative log₂-likelihood per pixel of the test images (a uniform
   model scores exactly 8);
@@ -36,8 +36,10 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ..models import DecoderConfig, DecoderLM
 from . import Score, Task, register
+from .batches import GeneratorBatches
 from .images import DATASETS, load, pixels
-from .loss_curve import train
+from .precision import Precision
+from .training import TrainConfig, train
 
 LEVELS = 256
 START = LEVELS  # the start token's id
@@ -166,38 +168,37 @@ def _model(variant: str, params: dict, config: ImageGenConfig, d_model: int, con
     ).to(device)
 
 
-def run_image_gen(variant: str, params: dict, config: ImageGenConfig, *, d_model: int, device="cpu") -> dict:
-    """One cell: train on the data set's training images, score the test images, time generation."""
+def run_image_gen(variant: str, params: dict, config: ImageGenConfig, *, d_model: int, device="cpu", dtype: str = "float32") -> dict:
+    """One cell: train on the data set's training images, score the test images, time generation
+    (scoring and generation under the training's autocast, ``harness.tasks.precision``)."""
     train_images = torch.from_numpy(load(config.dataset, "train", config.data_dir).astype(np.int64))
     test_images = torch.from_numpy(load(config.dataset, "test", config.data_dir)[: config.test_images].astype(np.int64))
     n_pixels = pixels(config.dataset)
     torch.manual_seed(config.seed)
     model = _model(variant, params, config, d_model, n_pixels, device)
-    data = torch.Generator().manual_seed(config.seed)
-
-    def next_batch():
-        return train_images[torch.randint(len(train_images), (config.batch,), generator=data)].to(device)
-
-    curve = train(model, image_loss, next_batch, steps=config.steps, lr=config.lr, lr_drop_step=config.lr_drop_step, log_every=config.log_every)
+    batches = GeneratorBatches(lambda generator: train_images[torch.randint(len(train_images), (config.batch,), generator=generator)].to(device),
+                               config.seed)
+    result = train(model, image_loss, batches, TrainConfig.loss_curve(config, dtype), progress=False)
     metrics = {
-        "loss": curve.losses[-1][1],
-        "losses": curve.losses,
-        "steps": int(curve.losses[-1][0]),
-        "train_s": curve.train_s,
-        "words_per_s": curve.units / curve.train_s,
+        "loss": result.losses[-1][1],
+        "losses": [list(point) for point in result.losses],
+        "steps": result.steps,
+        "train_s": result.train_s,
+        "words_per_s": result.units_per_s,
         "seed": config.seed,
         "num_parameters": model.num_parameters(),
     }
     if not math.isfinite(metrics["loss"]):
         return metrics
-    metrics["bits_per_dim"] = score_bits_per_dim(model, test_images.to(device), config.batch)
-    own = generation_speed(model, n_pixels, config.gen_batch, config.gen_repeats, config.seed)
-    metrics.update(images_per_s=own["images_per_s"], s_per_image=own["s_per_image"], generation=own)
-    speed = {}
-    for length in config.speed_pixels:
-        torch.manual_seed(config.seed)
-        untrained = _model(variant, params, config, d_model, length, device).eval()
-        speed[str(length)] = generation_speed(untrained, length, config.gen_batch, config.gen_repeats, config.seed)
+    with Precision(dtype, device).autocast():
+        metrics["bits_per_dim"] = score_bits_per_dim(model, test_images.to(device), config.batch)
+        own = generation_speed(model, n_pixels, config.gen_batch, config.gen_repeats, config.seed)
+        metrics.update(images_per_s=own["images_per_s"], s_per_image=own["s_per_image"], generation=own)
+        speed = {}
+        for length in config.speed_pixels:
+            torch.manual_seed(config.seed)
+            untrained = _model(variant, params, config, d_model, length, device).eval()
+            speed[str(length)] = generation_speed(untrained, length, config.gen_batch, config.gen_repeats, config.seed)
     metrics["speed"] = speed
     return metrics
 
@@ -206,7 +207,8 @@ def run_cell(cell: dict) -> dict:
     """Train, score and time one cell (axis d_model)."""
     config = ImageGenConfig.model_validate(cell["task"])
     params = dict(cell["params"], backend=cell["backend"])
-    return run_image_gen(cell["variant"], params, config, d_model=cell["axes"]["d_model"], device=cell["axes"]["device"])
+    return run_image_gen(cell["variant"], params, config, d_model=cell["axes"]["d_model"], device=cell["axes"]["device"],
+                         dtype=cell["axes"]["dtype"])
 
 
 # --- report --------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """Word-level language modelling on WikiText with any attention variant (Schlag et al. 2021, §6.3).
 
 A ``harness.models.DecoderLM`` is trained on random contiguous windows of the training stream
-(``WindowBatches``) by the shared engine (``harness.tasks.training``), then evaluated by
+(``harness.tasks.batches.WindowBatches``) by the shared trainer (``harness.tasks.training``), then evaluated by
 perplexity, exp of the mean negative log-likelihood per token, under three protocols:
 
 - ``evaluate_windows``: the stream cut into non-overlapping windows of ``context`` tokens; each
@@ -42,46 +42,15 @@ from variants import VariantError
 from ..files import write_json_atomic
 from ..models import LM_PRESETS, DecoderConfig, DecoderLM, SegmentConfig, lm_config
 from . import Score, Task, register
+from .batches import WindowBatches
 from .command_line import CommandLine, command_line, parse_command_line
+from .distributed import Distributed
 from .download import DataError
-from .training import CheckpointError, Distributed, TrainConfig, train, training_metrics
+from .precision import TRAIN_DTYPES, Precision
+from .training import CheckpointError, TrainConfig, train, training_metrics
 from .wikitext import load_wikitext
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-# --- data ------------------------------------------------------------------------------
-
-
-class WindowBatches:
-    """Training batches of the token stream ``tokens`` (1-D): ``batch`` windows of ``context + 1``
-    tokens at uniformly random offsets, as ``(inputs, targets)`` of ``[batch / world_size,
-    context]`` each (targets are the inputs shifted by one). Every rank draws the same global
-    offsets from a generator seeded with ``seed`` and keeps its own rows, so the global batch
-    does not depend on the number of ranks. The position is the generator's state."""
-
-    def __init__(self, tokens: torch.Tensor, context: int, batch: int, *, seed: int, rank: int = 0,
-                 world_size: int = 1, device="cpu"):
-        if batch % world_size:
-            raise ValueError(f"batch={batch} must be divisible by the number of processes ({world_size})")
-        if len(tokens) < context + 1:
-            raise ValueError(f"the training stream has {len(tokens)} tokens, fewer than context + 1 = {context + 1}")
-        self.tokens, self.context, self.batch, self.device = tokens, context, batch, torch.device(device)
-        per_rank = batch // world_size
-        self.rows = slice(rank * per_rank, (rank + 1) * per_rank)
-        self.generator = torch.Generator().manual_seed(seed)
-        self.offsets = torch.arange(context + 1)
-
-    def next(self):
-        starts = torch.randint(0, len(self.tokens) - self.context, (self.batch,), generator=self.generator)
-        windows = self.tokens[starts[self.rows, None] + self.offsets].to(self.device)
-        return windows[:, :-1], windows[:, 1:]
-
-    def state_dict(self) -> dict:
-        return {"generator": self.generator.get_state()}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.generator.set_state(state["generator"])
+# --- loss ------------------------------------------------------------------------------
 
 
 def lm_loss(model, batch) -> tuple[torch.Tensor, int]:
@@ -285,14 +254,13 @@ def run_lm(variant: str, params: dict, config: LMConfig, *, context: int | None 
     ``context``: the model's window (None: the preset's); a segment model's segments are
     ``segment.length`` tokens, by default the context, and its final evaluation adds
     ``valid_ppl_segment`` / ``test_ppl_segment`` (docs/language-modelling.md). ``dtype``:
-    float32, or bfloat16 under autocast. Every ``checkpoint_every`` steps a checkpoint goes to
+    float32, bfloat16 or float16 (``harness.tasks.precision``). Every ``checkpoint_every`` steps a checkpoint goes to
     ``out_dir/checkpoints``, from which a rerun resumes. ``dist``: this process's place under
     torchrun (default: one process on ``device``)."""
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {', '.join(DTYPES)} (bfloat16 runs under autocast), got {dtype!r}")
     if config.threads:
         torch.set_num_threads(config.threads)
     dist = dist or Distributed(0, 1, torch.device(device))
+    precision = Precision(dtype, dist.device)
     corpus = load_wikitext(config.data)
     overrides = dict(config.model_overrides, dropout=config.dropout, variant=variant, variant_params=dict(params))
     if config.adaptive_cutoffs:
@@ -309,27 +277,22 @@ def run_lm(variant: str, params: dict, config: LMConfig, *, context: int | None 
     model_config = lm_config(config.preset, corpus.vocab_size, **overrides)
     torch.manual_seed(config.seed)
     model = DecoderLM(model_config).to(dist.device)
-    autocast = torch.autocast(dist.device.type, dtype=DTYPES[dtype], enabled=dtype != "float32")
     # the window of the plain evaluations (a segment model: one segment from the initial memory)
     context = segment.length if segment else model_config.context
 
-    def evaluate(m):
-        with autocast:
-            return {"valid_ppl": perplexity(evaluate_windows(m, corpus["valid"], context, limit=config.eval_tokens))}
-
-    def loss_fn(m, batch_):
-        with autocast:
-            return lm_loss(m, batch_)
+    def evaluate(m, _index):
+        return {"valid_ppl": perplexity(evaluate_windows(m, corpus["valid"], context, limit=config.eval_tokens))}
 
     sample = context * segment.segments if segment else context
     batches = WindowBatches(corpus["train"], sample, config.batch, seed=config.seed, rank=dist.rank, world_size=dist.world_size,
                             device=dist.device)
     train_config = TrainConfig(
-        steps=config.steps, lr=config.lr, warmup=config.warmup, clip=config.clip, weight_decay=config.weight_decay,
+        steps=config.steps, lr=config.lr, warmup=config.warmup, clip=config.clip, weight_decay=config.weight_decay, dtype=dtype,
         eval_every=config.eval_every, checkpoint_every=checkpoint_every, log_every=config.log_every, seed=config.seed,
         checkpoint_dir=str(Path(out_dir) / "checkpoints") if out_dir is not None else None,
     )
-    result = train(model, loss_fn, batches, train_config, evaluate=evaluate, dist=dist, progress=progress)
+    result = train(model, lm_loss, batches, train_config, evaluate=evaluate, identity=dict(config.model_dump(exclude={"threads"}), variant=variant,
+                   params=dict(params), context=context), dist=dist, progress=progress)
     if not dist.is_main:
         return {}
     metrics = {
@@ -345,9 +308,9 @@ def run_lm(variant: str, params: dict, config: LMConfig, *, context: int | None 
     }
     started = time.perf_counter()
     if segment:
-        metrics.update(_segment_evaluation(model, corpus, context, autocast, config.eval_tokens))
+        metrics.update(_segment_evaluation(model, corpus, context, precision, config.eval_tokens))
     else:
-        metrics.update(_final_evaluation(model, corpus, context, autocast, config.eval_tokens, config.sliding_tokens, config.carry))
+        metrics.update(_final_evaluation(model, corpus, context, precision, config.eval_tokens, config.sliding_tokens, config.carry))
     metrics["valid_ppl"] = result.evaluations[-1][1]["valid_ppl"]
     metrics["final_eval_s"] = time.perf_counter() - started
     metrics["wall_s"] += metrics["final_eval_s"]
@@ -366,10 +329,10 @@ def run_cell(cell: dict) -> dict:
                   out_dir=cell.get("checkpoint_dir"), checkpoint_every=config.eval_every)
 
 
-def _final_evaluation(model, corpus, context, autocast, eval_tokens, sliding_tokens, carry) -> dict:
+def _final_evaluation(model, corpus, context, precision, eval_tokens, sliding_tokens, carry) -> dict:
     """Test perplexity, sliding-window valid perplexity and (linear-time) carry-state perplexities."""
     model.eval()
-    with autocast:
+    with precision.autocast():
         metrics = {
             "test_ppl": perplexity(evaluate_windows(model, corpus["test"], context, limit=eval_tokens)),
             "valid_ppl_sliding": perplexity(evaluate_sliding(model, corpus["valid"], context, limit=sliding_tokens)),
@@ -382,12 +345,12 @@ def _final_evaluation(model, corpus, context, autocast, eval_tokens, sliding_tok
     return metrics
 
 
-def _segment_evaluation(model, corpus, length, autocast, eval_tokens) -> dict:
+def _segment_evaluation(model, corpus, length, precision, eval_tokens) -> dict:
     """A segment model's test perplexity over segments taken alone (``test_ppl``: non-overlapping
     windows of ``length``, each from the initial cache, memory or state) and its perplexities
     with the recurrence carried over the whole of each split (``*_ppl_segment``)."""
     model.eval()
-    with autocast:
+    with precision.autocast():
         metrics = {
             "test_ppl": perplexity(evaluate_windows(model, corpus["test"], length, limit=eval_tokens)),
             "eval_tokens": {split: len(_prefix(corpus[split], eval_tokens)) for split in ("valid", "test")},
@@ -411,7 +374,7 @@ def _command_line() -> CommandLine:
     parser = command_line(LMConfig, prog="python -m harness.tasks.lm", checkpoint_every=250,
                           description="Train and evaluate one WikiText language model (also under torchrun --nproc_per_node N).")
     parser.add_argument("--context", type=int, help="the model's context in tokens (default: the preset's)")
-    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="bfloat16 runs under autocast (default: float32)")
+    parser.add_argument("--dtype", default="float32", choices=list(TRAIN_DTYPES), help="bfloat16 and float16 run under autocast (default: float32)")
     return parser
 
 

@@ -17,7 +17,6 @@ width), each a pre-LayerNorm residual, then a final LayerNorm and a projection t
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -30,10 +29,11 @@ import variants
 from variants.conv import ShortConv
 
 from . import Score, Task, register
-from .loop_checkpoint import LoopCheckpoint
+from . import training as trainer
+from .batches import GeneratorBatches
+from .training import TrainConfig
 
 IGNORE = -100
-SCHEDULES = ("cosine", "none")
 
 
 @dataclass
@@ -194,7 +194,25 @@ def mqar_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE)
 
 
+class MQARConfig(BaseModel):
+    """A scenario's ``task:`` section for multi-query associative recall (Arora et al. 2023, Zoology)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: Literal["mqar"]
+    steps: int = Field(2000, ge=1)
+    batch: int = Field(64, ge=1)
+    lr: float = Field(1e-3, gt=0)
+    eval_every: int = Field(100, ge=1)
+    num_pairs: int | None = Field(None, ge=1)
+    vocab_size: int = Field(256, ge=4)
+    seed: int = 0
+
+
 # --- training --------------------------------------------------------------------------
+
+#: Batches of each evaluation (the same fixed set every time).
+EVAL_BATCHES = 4
 
 
 def _eval_generator(seed: int) -> torch.Generator:
@@ -219,101 +237,44 @@ def evaluate(model: MQARModel, seq_len, num_pairs, vocab_size, *, batch: int, ba
     return correct / total
 
 
-def _check_train_args(model, seq_len, num_pairs, vocab_size, steps, batch, lr, eval_every, eval_batches, schedule):
-    num_pairs = _check_task(seq_len, num_pairs, vocab_size)
-    if vocab_size != model.vocab_size:
-        raise ValueError(f"vocab_size must match the model's vocab_size={model.vocab_size}, got {vocab_size}")
+def train(model: MQARModel, config: MQARConfig, seq_len: int, *, dtype: str = "float32", checkpoint_dir=None) -> MQARResult:
+    """Adam on fresh batches for ``config.steps`` steps, cosine decay to 0 (the shared trainer,
+    ``harness.tasks.training``); evaluate every ``eval_every`` steps and at the last on a fixed
+    set of ``EVAL_BATCHES`` batches. ``loss`` is the last training loss. With
+    ``checkpoint_dir`` the state is saved there after every evaluation and a later call resumes
+    from it."""
+    num_pairs = _check_task(seq_len, config.num_pairs, config.vocab_size)
+    if config.vocab_size != model.vocab_size:
+        raise ValueError(f"vocab_size must match the model's vocab_size={model.vocab_size}, got {config.vocab_size}")
     if seq_len > model.max_len:
         raise ValueError(f"seq_len={seq_len} exceeds the model's max_len={model.max_len}")
-    for name, value in (("steps", steps), ("batch", batch), ("eval_every", eval_every), ("eval_batches", eval_batches)):
-        _check_positive_int(name, value)
-    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or lr <= 0:
-        raise ValueError(f"lr must be a positive number, got {lr!r}")
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
-    return num_pairs
+
+    def loss_fn(m, batch):
+        inputs, targets = batch
+        return mqar_loss(m(inputs), targets), inputs.numel()
+
+    def accuracy(m, _index):
+        return evaluate(m, seq_len, num_pairs, config.vocab_size, batch=config.batch, batches=EVAL_BATCHES, seed=config.seed)
+
+    batches = GeneratorBatches(lambda generator: make_batch(seq_len, num_pairs, config.vocab_size, config.batch, generator), config.seed)
+    settings = TrainConfig(steps=config.steps, lr=config.lr, optimizer="adam", clip=None, dtype=dtype, eval_every=config.eval_every,
+                           log_every=config.eval_every, seed=None, checkpoint_dir=checkpoint_dir,
+                           checkpoint_every=config.eval_every if checkpoint_dir is not None else None)
+    result = trainer.train(model, loss_fn, batches, settings, evaluate=accuracy, identity=dict(config.model_dump(), seq_len=seq_len),
+                           progress=False)
+    values = [value for _, value in result.evaluations]
+    return MQARResult(max(values, default=math.nan), values[-1] if values else math.nan, result.losses[-1][1], result.steps,
+                      result.wall_s, config.seed, result.evaluations, result.units, result.train_s, result.resumed_from)
 
 
-def train(
-    model: MQARModel,
-    *,
-    seq_len: int,
-    num_pairs: int | None = None,
-    vocab_size: int,
-    steps: int,
-    batch: int = 64,
-    lr: float = 1e-3,
-    schedule: str = "cosine",
-    eval_every: int | None = None,
-    eval_batches: int = 4,
-    seed: int,
-    checkpoint_dir=None,
-) -> MQARResult:
-    """Adam on fresh batches for ``steps`` steps (cosine decay to 0 or a constant ``lr``);
-    evaluate every ``eval_every`` steps (default: steps // 4) and at the last step on a fixed
-    evaluation set of ``eval_batches`` batches. ``loss`` is the last training loss. With
-    ``checkpoint_dir`` the state is saved there after every evaluation and a later call resumes
-    from it (``LoopCheckpoint``)."""
-    eval_every = max(1, steps // 4) if eval_every is None and isinstance(steps, int) and steps > 0 else eval_every
-    num_pairs = _check_train_args(model, seq_len, num_pairs, vocab_size, steps, batch, lr, eval_every, eval_batches, schedule)
-    data = torch.Generator().manual_seed(seed)
-    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
-    scheduler = (
-        torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.5 * (1 + math.cos(math.pi * s / steps)))
-        if schedule == "cosine"
-        else None
-    )
-    config = dict(seq_len=seq_len, num_pairs=num_pairs, vocab_size=vocab_size, steps=steps, batch=batch, lr=lr, schedule=schedule,
-                  eval_every=eval_every, eval_batches=eval_batches, seed=seed)
-    checkpoint = LoopCheckpoint(checkpoint_dir, config, model, optimizer, data, scheduler)
-    progress = checkpoint.restore()
-    model.train()
-    for step in range(progress.step + 1, steps + 1):
-        step_start = time.perf_counter()
-        inputs, targets = make_batch(seq_len, num_pairs, vocab_size, batch, data)
-        loss = mqar_loss(model(inputs), targets)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        if scheduler is not None:
-            scheduler.step()
-        progress.train_s += time.perf_counter() - step_start
-        progress.tokens += inputs.numel()
-        if step % eval_every and step != steps:
-            continue
-        accuracy = evaluate(model, seq_len, num_pairs, vocab_size, batch=batch, batches=eval_batches, seed=seed)
-        progress.evaluations.append((step, accuracy))
-        progress.step, progress.loss = step, loss.item()
-        checkpoint.save(progress)
-    evaluations = progress.evaluations
-    return MQARResult(max(accuracy for _, accuracy in evaluations), evaluations[-1][1], progress.loss, steps, progress.wall_s, seed,
-                      evaluations, progress.tokens, progress.train_s, progress.resumed_from)
-
-
-def run_mqar(
-    variant: str,
-    params: dict,
-    *,
-    seq_len: int,
-    d_model: int,
-    num_pairs: int | None = None,
-    vocab_size: int = 256,
-    steps: int,
-    seed: int = 0,
-    n_layers: int = 2,
-    n_heads: int = 1,
-    conv_size: int = 3,
-    **train_kwargs,
-) -> dict:
+def run_mqar(variant: str, params: dict, config: MQARConfig, *, seq_len: int, d_model: int, dtype: str = "float32",
+             checkpoint_dir=None) -> dict:
     """One harness cell: build the model under ``torch.manual_seed(seed)``, train it (resuming
     from ``checkpoint_dir`` where a checkpoint is), and return the result as a JSON-ready dict."""
-    _check_task(seq_len, num_pairs, vocab_size)
-    torch.manual_seed(seed)
-    model = MQARModel(
-        vocab_size, d_model, variant, n_layers=n_layers, n_heads=n_heads, conv_size=conv_size,
-        max_len=seq_len, **params,
-    )
-    result = train(model, seq_len=seq_len, num_pairs=num_pairs, vocab_size=vocab_size, steps=steps, seed=seed, **train_kwargs)
+    _check_task(seq_len, config.num_pairs, config.vocab_size)
+    torch.manual_seed(config.seed)
+    model = MQARModel(config.vocab_size, d_model, variant, max_len=seq_len, **params)
+    result = train(model, config, seq_len, dtype=dtype, checkpoint_dir=checkpoint_dir)
     return {
         "accuracy": result.accuracy,
         "final_accuracy": result.final_accuracy,
@@ -330,27 +291,11 @@ def run_mqar(
 # --- the task, as scenarios, the runner and the report see it ---------------------------------
 
 
-class MQARConfig(BaseModel):
-    """A scenario's ``task:`` section for multi-query associative recall (Arora et al. 2023, Zoology)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    name: Literal["mqar"]
-    steps: int = Field(2000, ge=1)
-    batch: int = Field(64, ge=1)
-    lr: float = Field(1e-3, gt=0)
-    eval_every: int = Field(100, ge=1)
-    num_pairs: int | None = Field(None, ge=1)
-    vocab_size: int = Field(256, ge=4)
-    seed: int = 0
-
-
 def run_cell(cell: dict) -> dict:
-    """Train and evaluate one cell (axes seq_len and d_model)."""
-    config = MQARConfig.model_validate(cell["task"]).model_dump(exclude={"name"})
-    params = dict(cell["params"], backend=cell["backend"])
-    return run_mqar(cell["variant"], params, seq_len=cell["axes"]["seq_len"], d_model=cell["axes"]["d_model"],
-                    checkpoint_dir=cell.get("checkpoint_dir"), **config)
+    """Train and evaluate one cell (axes seq_len and d_model, in axes.dtype)."""
+    axes = cell["axes"]
+    return run_mqar(cell["variant"], dict(cell["params"], backend=cell["backend"]), MQARConfig.model_validate(cell["task"]),
+                    seq_len=axes["seq_len"], d_model=axes["d_model"], dtype=axes["dtype"], checkpoint_dir=cell.get("checkpoint_dir"))
 
 
 def _accuracy_plot(cells, figures, name: str):

@@ -2,12 +2,12 @@
 
 * Data: ``parallel_text`` (``{split}.{lang}`` files, a joint sentencepiece vocabulary). A
   source is its subwords then EOS; the decoder reads BOS + target and predicts target + EOS.
-* Batches (``LengthBatches``): every batch holds sentences of ONE source length (so no
+* Batches (``harness.tasks.batches.LengthBatches``): every batch holds sentences of ONE source length (so no
   padding ever reaches a non-causal attention, see ``mt_model``) and at most ``batch_tokens``
   padded tokens (sentences × the longer of the source and the longest target).
 * Training: label-smoothed cross-entropy (Szegedy et al. 2016; ε = 0.1 as in Vaswani et al.
-  2017, §5.4) with the shared engine ``training.train`` (AdamW, warm-up and cosine decay,
-  clipping, checkpoints, torchrun). Throughput is counted in target-side words (whitespace
+  2017, §5.4) with the shared trainer ``training.train`` (AdamW, warm-up and cosine decay,
+  clipping, mixed precision, checkpoints, torchrun). Throughput is counted in target-side words (whitespace
   words of the raw target text) per second of training.
 * Decoding: greedy or beam search (length penalty: score / length^α, as fairseq) with the
   decoder's recurrent step; timed on its own (sentences/s).
@@ -23,10 +23,8 @@ through ``run_cell``:
 
 from __future__ import annotations
 
-import random
 import sys
 import time
-from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -41,10 +39,13 @@ from ..files import write_json_atomic
 from ..measure import synchronize
 from ..models import config_from_preset
 from . import Score, Task, register
+from .batches import Batch, Example, LengthBatches, collate, encode_examples, groups_by_source_length
 from .command_line import CommandLine, command_line, parse_command_line
+from .distributed import Distributed
 from .mt_model import POSITIONS, Seq2Seq, Seq2SeqConfig
 from .parallel_text import BOS, EOS, PAD, dataset_dir, read_parallel, train_vocabulary
-from .training import Distributed, TrainConfig, train, training_metrics
+from .precision import Precision
+from .training import TrainConfig, train, training_metrics
 
 
 @dataclass(frozen=True)
@@ -156,125 +157,6 @@ class MTConfig(BaseModel):
     def resolved(self) -> MTConfig:
         """This config with every setting left None that the preset has filled in from ``PRESETS``."""
         return self.model_copy(update={key: value for key, value in PRESETS[self.preset]["run"].items() if getattr(self, key) is None})
-
-
-# --- data ------------------------------------------------------------------------------
-
-
-@dataclass
-class Batch:
-    """``src [B, S]`` (one source length, no padding), ``tgt_in``/``tgt_out [B, T]`` (PAD after
-    the end), ``words``: target-side words in the batch."""
-
-    src: torch.Tensor
-    tgt_in: torch.Tensor
-    tgt_out: torch.Tensor
-    words: int
-
-    def to(self, device) -> Batch:
-        return Batch(self.src.to(device), self.tgt_in.to(device), self.tgt_out.to(device), self.words)
-
-
-@dataclass
-class Example:
-    source: list[int]
-    target: list[int]
-    words: int
-
-
-def encode_examples(sources: list[str], targets: list[str], vocab, *, max_length: int | None = None) -> list[Example]:
-    """Source subwords + EOS and target subwords per pair; pairs with a side longer than
-    ``max_length`` tokens are dropped (training only)."""
-    examples = [
-        Example(source + [EOS], target, len(text.split()))
-        for source, target, text in zip(vocab.encode(sources), vocab.encode(targets), targets)
-    ]
-    if max_length is not None:
-        examples = [e for e in examples if len(e.source) <= max_length and len(e.target) + 1 <= max_length]
-    return examples
-
-
-def collate(examples: list[Example], device=None) -> Batch:
-    """Pad one group of examples with a common source length into a Batch."""
-    length = max(len(e.target) for e in examples) + 1
-    src = torch.tensor([e.source for e in examples], dtype=torch.long)
-    tgt_in = torch.full((len(examples), length), PAD, dtype=torch.long)
-    tgt_out = torch.full((len(examples), length), PAD, dtype=torch.long)
-    for row, e in enumerate(examples):
-        tgt_in[row, : len(e.target) + 1] = torch.tensor([BOS] + e.target)
-        tgt_out[row, : len(e.target) + 1] = torch.tensor(e.target + [EOS])
-    return Batch(src, tgt_in, tgt_out, sum(e.words for e in examples)).to(device)
-
-
-class LengthBatches:
-    """A ``training.BatchStream`` of batches of one source length and at most ``batch_tokens``
-    padded tokens. Each epoch (seeded by ``seed`` and the epoch number) shuffles the sentences
-    of each source length, sorts them by target length, cuts them into batches and shuffles
-    the batches; rank r of a data-parallel run takes batches r, r + world_size, ..."""
-
-    def __init__(self, examples: list[Example], batch_tokens: int, *, seed: int = 0, rank: int = 0, world_size: int = 1, device=None):
-        if not examples:
-            raise ValueError("LengthBatches: no training examples")
-        longest = max(max(len(e.source), len(e.target) + 1) for e in examples)
-        if batch_tokens < longest:
-            raise ValueError(f"batch_tokens={batch_tokens} is below the longest sentence ({longest} tokens); raise it or drop long pairs")
-        self.examples, self.batch_tokens, self.seed = examples, batch_tokens, seed
-        self.rank, self.world_size, self.device = rank, world_size, device
-        self.epoch, self.cursor = 0, 0
-        self._plan = self._epoch_plan(0)
-
-    def _epoch_plan(self, epoch: int) -> list[list[int]]:
-        """This rank's batches (lists of example indices) of ``epoch``."""
-        rng = random.Random(self.seed * 1_000_003 + epoch)
-        by_length = defaultdict(list)
-        for index, example in enumerate(self.examples):
-            by_length[len(example.source)].append(index)
-        batches = []
-        for source_length in sorted(by_length):
-            indices = by_length[source_length]
-            rng.shuffle(indices)
-            indices.sort(key=lambda i: len(self.examples[i].target))
-            current, width = [], source_length
-            for index in indices:
-                width_with = max(width, len(self.examples[index].target) + 1)
-                if current and width_with * (len(current) + 1) > self.batch_tokens:
-                    batches.append(current)
-                    current, width_with = [], max(source_length, len(self.examples[index].target) + 1)
-                current.append(index)
-                width = width_with
-            batches.append(current)
-        rng.shuffle(batches)
-        mine = batches[self.rank :: self.world_size]
-        if not mine:
-            raise ValueError(f"LengthBatches: {len(batches)} batches cannot feed {self.world_size} ranks")
-        return mine
-
-    def __len__(self) -> int:
-        """Batches per epoch on this rank."""
-        return len(self._plan)
-
-    def next(self) -> Batch:
-        if self.cursor == len(self._plan):
-            self.epoch, self.cursor = self.epoch + 1, 0
-            self._plan = self._epoch_plan(self.epoch)
-        batch = collate([self.examples[i] for i in self._plan[self.cursor]], self.device)
-        self.cursor += 1
-        return batch
-
-    def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "cursor": self.cursor}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.epoch, self.cursor = state["epoch"], state["cursor"]
-        self._plan = self._epoch_plan(self.epoch)
-
-
-def groups_by_source_length(examples: list[Example], max_sentences: int) -> list[list[int]]:
-    """Indices of ``examples`` in groups of one source length and at most ``max_sentences`` (for decoding)."""
-    by_length = defaultdict(list)
-    for index, example in enumerate(examples):
-        by_length[len(example.source)].append(index)
-    return [indices[i : i + max_sentences] for _, indices in sorted(by_length.items()) for i in range(0, len(indices), max_sentences)]
 
 
 # --- loss --------------------------------------------------------------------------------
@@ -442,15 +324,16 @@ def position_variants(variant: str, params: dict, d_key: int, *, encoder: str | 
     return fields
 
 
-def run_mt(variant: str, params: dict, config: MTConfig, *, device="cpu", out_dir=None, checkpoint_every: int | None = None,
-           dist: Distributed | None = None, progress: bool = False) -> dict:
+def run_mt(variant: str, params: dict, config: MTConfig, *, device="cpu", dtype: str = "float32", out_dir=None,
+           checkpoint_every: int | None = None, dist: Distributed | None = None, progress: bool = False) -> dict:
     """Train a Seq2Seq model as ``config`` says (its None settings from the preset, see
     ``MTConfig.resolved``) with ``variant(**params)`` (see ``position_variants``), translate the
     test split and score it. Returns the metrics as a JSON-ready dict on the main rank (under
     torchrun every rank trains and the main rank evaluates), {} on the others. ``out_dir``
     receives the test translations (``{test}.hyp.{lang}``) and, every ``checkpoint_every``
     steps, a checkpoint in ``checkpoints/``, from which a rerun resumes. ``dist``: this
-    process's place under torchrun (default: one process on ``device``)."""
+    process's place under torchrun (default: one process on ``device``). ``dtype``: float32,
+    bfloat16 or float16 (``harness.tasks.precision``), validation and decoding under its autocast."""
     settings = config.resolved()
     if settings.threads is not None:
         torch.set_num_threads(settings.threads)
@@ -474,17 +357,20 @@ def run_mt(variant: str, params: dict, config: MTConfig, *, device="cpu", out_di
                                fallback=settings.fallback)
     model = Seq2Seq(mt_config(settings.preset, len(vocab), **fields)).to(dist.device)
     train_config = TrainConfig(
-        steps=settings.steps, lr=settings.lr, warmup=settings.warmup, clip=1.0, eval_every=settings.eval_every,
+        steps=settings.steps, lr=settings.lr, warmup=settings.warmup, clip=1.0, dtype=dtype, eval_every=settings.eval_every,
         checkpoint_every=checkpoint_every, checkpoint_dir=str(Path(out_dir) / "checkpoints") if out_dir is not None else None,
         log_every=max(1, settings.steps // 20), seed=settings.seed,
     )
-    evaluate = (lambda m: {"valid_loss": validation_loss(m, valid, device=dist.device)}) if valid is not None else None
-    result = train(model, label_smoothed_loss, batches, train_config, evaluate=evaluate, dist=dist, progress=progress)
+    evaluate = (lambda m, _index: {"valid_loss": validation_loss(m, valid, device=dist.device)}) if valid is not None else None
+    result = train(model, label_smoothed_loss, batches, train_config, evaluate=evaluate, dist=dist, progress=progress,
+                   identity=dict(settings.model_dump(exclude={"threads"}), variant=variant, params=dict(params)))
     if not dist.is_main:
         return {}
 
     started = time.perf_counter()
-    hypotheses, decode_s = translate(model, vocab, test.sources, beam=settings.beam, length_penalty=settings.length_penalty, device=dist.device)
+    with Precision(dtype, dist.device).autocast():
+        hypotheses, decode_s = translate(model, vocab, test.sources, beam=settings.beam, length_penalty=settings.length_penalty,
+                                         device=dist.device)
     score, signature = bleu(hypotheses, test.targets)
     metrics = {
         **training_metrics(result, dist, model),
@@ -518,8 +404,8 @@ def run_cell(cell: dict) -> dict:
     measured again."""
     params = dict(cell["params"], backend=cell["backend"])
     config = MTConfig.model_validate(cell["task"])
-    return run_mt(cell["variant"], params, config, device=cell["axes"]["device"], out_dir=cell.get("checkpoint_dir"),
-                  checkpoint_every=config.resolved().eval_every)
+    return run_mt(cell["variant"], params, config, device=cell["axes"]["device"], dtype=cell["axes"]["dtype"],
+                  out_dir=cell.get("checkpoint_dir"), checkpoint_every=config.resolved().eval_every)
 
 
 register(Task(

@@ -13,7 +13,7 @@ l = Σ_j ½ (v*_j − v̂_j)².
 
 from __future__ import annotations
 
-import time
+import math
 from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
 
@@ -25,7 +25,9 @@ from torch import nn
 import variants
 
 from . import Score, Task, register
-from .loop_checkpoint import LoopCheckpoint
+from . import training as trainer
+from .batches import GeneratorBatches
+from .training import TrainConfig
 
 SETTINGS = (1, 2)
 
@@ -219,6 +221,22 @@ def retrieval_loss(v_hat: torch.Tensor, answer: torch.Tensor) -> torch.Tensor:
     return 0.5 * (target - v_hat).pow(2).sum(dim=-1).mean()
 
 
+class RetrievalConfig(BaseModel):
+    """A scenario's ``task:`` section for associative retrieval (Schlag et al. 2021, §6.1)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: Literal["retrieval"] = "retrieval"
+    setting: Literal[1, 2] = 1
+    max_steps: int = Field(20000, ge=1)
+    eval_every: int = Field(100, ge=1)
+    patience: int = Field(10, ge=1)
+    target_loss: float = Field(1e-3, gt=0)
+    lr: float = Field(1e-3, gt=0)
+    batch: int = Field(32, ge=1)
+    seed: int = 0
+
+
 # --- training --------------------------------------------------------------------------
 
 
@@ -248,19 +266,6 @@ def evaluate(model: RetrievalModel, batch: RetrievalBatch, *, chunk: int = 256) 
     return total / n
 
 
-def _check_train_args(model, setting, S, lr, batch, eval_every, max_steps, patience, target_loss) -> None:
-    _check_setting(setting)
-    _check_positive_int("S", S)
-    if S != model.S:
-        raise ValueError(f"S must match the model's S={model.S}, got {S}")
-    for name, value in (("batch", batch), ("eval_every", eval_every), ("max_steps", max_steps), ("patience", patience)):
-        _check_positive_int(name, value)
-    if not isinstance(lr, (int, float)) or lr <= 0:
-        raise ValueError(f"lr must be a positive number, got {lr!r}")
-    if not isinstance(target_loss, (int, float)) or target_loss < 0:
-        raise ValueError(f"target_loss must be a number >= 0, got {target_loss!r}")
-
-
 def _stop_reason(evaluations: list[tuple[int, float]], max_steps: int, patience: int, target_loss: float) -> str | None:
     """Why training stops after ``evaluations`` ([step, loss]): ``target`` (the last loss is at
     most ``target_loss``), ``patience`` (that many evaluations since the first best one),
@@ -276,63 +281,45 @@ def _stop_reason(evaluations: list[tuple[int, float]], max_steps: int, patience:
     return "max_steps" if last_step >= max_steps else None
 
 
-def train(
-    model: RetrievalModel,
-    setting: int,
-    S: int,
-    *,
-    lr: float = 1e-3,
-    batch: int = 32,
-    eval_every: int = 100,
-    max_steps: int,
-    patience: int = 10,
-    target_loss: float = 1e-3,
-    seed: int,
-    checkpoint_dir=None,
-) -> RetrievalResult:
-    """Adam on fresh batches; evaluate every ``eval_every`` steps (and at the last step) on a
-    fresh evaluation set; stop at ``target_loss``, after ``patience`` evaluations without a
-    new best, or at ``max_steps`` (Schlag et al. 2021, §6.1). With ``checkpoint_dir`` the state
-    is saved there after every evaluation and a later call resumes from it (``LoopCheckpoint``)."""
-    _check_train_args(model, setting, S, lr, batch, eval_every, max_steps, patience, target_loss)
-    data = torch.Generator().manual_seed(seed)
-    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
-    config = dict(setting=setting, S=S, lr=lr, batch=batch, eval_every=eval_every, max_steps=max_steps, patience=patience,
-                  target_loss=target_loss, seed=seed)
-    checkpoint = LoopCheckpoint(checkpoint_dir, config, model, optimizer, data)
-    progress = checkpoint.restore()
-    stopped = _stop_reason(progress.evaluations, max_steps, patience, target_loss)
-    step = progress.step
-    model.train()
-    while stopped is None:
-        step += 1
-        step_start = time.perf_counter()
-        train_batch = make_batch(setting, S, batch, data)
-        loss = retrieval_loss(model(train_batch), train_batch.answer)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        progress.train_s += time.perf_counter() - step_start
-        progress.tokens += train_batch.keys.numel()
-        if step % eval_every and step != max_steps:
-            continue
-        eval_batch = make_eval_batch(setting, S, generator=_eval_generator(seed, len(progress.evaluations)))
-        progress.evaluations.append((step, evaluate(model, eval_batch)))
-        progress.step, progress.loss = step, loss.item()
-        stopped = _stop_reason(progress.evaluations, max_steps, patience, target_loss)
-        checkpoint.save(progress)
-    evaluations = progress.evaluations
-    return RetrievalResult(min(value for _, value in evaluations), evaluations[-1][1], progress.step, evaluations, progress.wall_s,
-                           stopped, seed, progress.tokens, progress.train_s, progress.resumed_from)
+def train(model: RetrievalModel, config: RetrievalConfig, S: int, *, dtype: str = "float32", checkpoint_dir=None) -> RetrievalResult:
+    """Adam on fresh batches (the shared trainer, ``harness.tasks.training``); evaluate every
+    ``eval_every`` steps (and at the last step) on a fresh evaluation set; stop at
+    ``target_loss``, after ``patience`` evaluations without a new best, or at ``max_steps``
+    (Schlag et al. 2021, §6.1). With ``checkpoint_dir`` the state is saved there after every
+    evaluation and a later call resumes from it."""
+    _check_setting(config.setting)
+    _check_positive_int("S", S)
+    if S != model.S:
+        raise ValueError(f"S must match the model's S={model.S}, got {S}")
+
+    def loss_fn(m, batch):
+        return retrieval_loss(m(batch), batch.answer), batch.keys.numel()
+
+    def evaluation_loss(m, index):
+        return evaluate(m, make_eval_batch(config.setting, S, generator=_eval_generator(config.seed, index)))
+
+    def stop(evaluations):
+        return _stop_reason(evaluations, config.max_steps, config.patience, config.target_loss)
+
+    batches = GeneratorBatches(lambda generator: make_batch(config.setting, S, config.batch, generator), config.seed)
+    settings = TrainConfig(steps=config.max_steps, lr=config.lr, optimizer="adam", schedule="constant", clip=None, dtype=dtype,
+                           eval_every=config.eval_every, log_every=config.eval_every, seed=None, checkpoint_dir=checkpoint_dir,
+                           checkpoint_every=config.eval_every if checkpoint_dir is not None else None)
+    result = trainer.train(model, loss_fn, batches, settings, evaluate=evaluation_loss, stop=stop, identity=dict(config.model_dump(), S=S),
+                           progress=False)
+    values = [value for _, value in result.evaluations]
+    return RetrievalResult(min(values, default=math.nan), values[-1] if values else math.nan, result.steps, result.evaluations,
+                           result.wall_s, result.stopped or "max_steps", config.seed, result.units, result.train_s, result.resumed_from)
 
 
-def run_retrieval(variant: str, params: dict, *, setting: int, S: int, d_key: int = 64, max_steps: int, seed: int = 0, **train_kwargs) -> dict:
+def run_retrieval(variant: str, params: dict, config: RetrievalConfig, *, S: int, d_key: int = 64, dtype: str = "float32",
+                  checkpoint_dir=None) -> dict:
     """One harness cell: build the model under ``torch.manual_seed(seed)``, train it (resuming
     from ``checkpoint_dir`` where a checkpoint is), and return the result as a JSON-ready dict
     (Schlag et al. 2021, §6.1)."""
-    torch.manual_seed(seed)
+    torch.manual_seed(config.seed)
     model = RetrievalModel(S, variant, d_key=d_key, **params)
-    result = train(model, setting, S, max_steps=max_steps, seed=seed, **train_kwargs)
+    result = train(model, config, S, dtype=dtype, checkpoint_dir=checkpoint_dir)
     return {
         "loss": result.loss,
         "final_loss": result.final_loss,
@@ -349,29 +336,12 @@ def run_retrieval(variant: str, params: dict, *, setting: int, S: int, d_key: in
 # --- the task, as scenarios, the runner and the report see it ---------------------------------
 
 
-class RetrievalConfig(BaseModel):
-    """A scenario's ``task:`` section for associative retrieval (Schlag et al. 2021, §6.1)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    name: Literal["retrieval"] = "retrieval"
-    setting: Literal[1, 2] = 1
-    max_steps: int = Field(20000, ge=1)
-    eval_every: int = Field(100, ge=1)
-    patience: int = Field(10, ge=1)
-    target_loss: float = Field(1e-3, gt=0)
-    lr: float = Field(1e-3, gt=0)
-    batch: int = Field(32, ge=1)
-    seed: int = 0
-
-
 def run_cell(cell: dict) -> dict:
     """Train and evaluate one cell (axes S and d_key); its metrics also carry the variant's d_dot,
     the capacity its loss is read against."""
-    config = RetrievalConfig.model_validate(cell["task"]).model_dump(exclude={"name"})
     axes = cell["axes"]
-    metrics = run_retrieval(cell["variant"], dict(cell["params"], backend=cell["backend"]), S=axes["S"], d_key=axes["d_key"],
-                            checkpoint_dir=cell.get("checkpoint_dir"), **config)
+    metrics = run_retrieval(cell["variant"], dict(cell["params"], backend=cell["backend"]), RetrievalConfig.model_validate(cell["task"]),
+                            S=axes["S"], d_key=axes["d_key"], dtype=axes["dtype"], checkpoint_dir=cell.get("checkpoint_dir"))
     metrics["d_dot"] = variants.create(cell["variant"], axes["d_key"], backend=cell["backend"], **cell["params"]).d_dot
     return metrics
 

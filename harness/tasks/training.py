@@ -1,79 +1,127 @@
-"""A small training engine shared by the quality tasks (language modelling, translation).
+"""The one trainer of every quality task (language modelling, translation, MQAR, retrieval,
+copy, image generation): ``train`` and its ``TrainConfig``.
 
-``train`` runs AdamW with a linear warm-up and cosine decay (``warmup_cosine``), gradient
-clipping, periodic evaluation and atomic checkpoints, on one process or under ``torchrun``
-with DistributedDataParallel (``Distributed``). A run that finds a checkpoint in its
-``checkpoint_dir`` resumes from it: model, optimiser, scheduler, the data stream's position,
-the RNG states and the losses so far are restored, so the resumed run follows the same
-trajectory as an uninterrupted one.
+What differs between the tasks is configuration: the optimiser (``adamw``, ``adam``,
+``radam``), the learning-rate schedule (``warmup_cosine``, ``constant``, ``step_drop``),
+gradient clipping, the dtype (``harness.tasks.precision``: float32, or bfloat16 / float16
+under autocast with float32 master weights, float16 with a gradient scaler), how losses are
+recorded, the evaluation cadence (every ``eval_every`` steps and at the end) with an optional
+early stop, and checkpoints every ``checkpoint_every`` steps into ``checkpoint_dir``. The task
+supplies the model, ``loss_fn(model, batch) -> (mean loss, counted units)`` (units are what
+throughput is reported in: words, tokens, pixels) and a ``BatchStream``
+(``harness.tasks.batches``).
 
-The data is a ``BatchStream``: each rank draws its own shard of the global batch, and the
-stream's position is part of the checkpoint. The task supplies ``loss_fn(model, batch) ->
-(mean loss, counted units)``; units are what throughput is reported in (words for LM).
+A run that finds a checkpoint in its ``checkpoint_dir`` resumes from it: model, optimiser,
+scheduler, gradient scaler, the data stream's position, the RNG states and the losses and
+evaluations so far are restored, so the resumed run follows the same trajectory as an
+uninterrupted one. Checkpoints are written atomically (a temporary file, then ``os.replace``)
+and read as data only; one of another training or another cell is refused by name. The same
+loop runs one process or every rank of a torchrun (``harness.tasks.distributed``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import datetime as dt
 import math
 import os
 import random
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
-import torch.distributed as torch_dist
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from ..measure import PeakMemory, synchronize
+from .batches import BatchStream
+from .distributed import Distributed
+from .precision import Precision, check
 
-#: Collective operations wait this long (a rank may evaluate for a while before the others go on).
-COLLECTIVE_TIMEOUT = dt.timedelta(hours=2)
 CHECKPOINT_PREFIX = "step-"
+#: The optimisers a training can name (``TrainConfig.optimizer``).
+OPTIMIZERS = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "radam": torch.optim.RAdam}
+SCHEDULES = ("warmup_cosine", "constant", "step_drop")
+#: ``step_drop`` multiplies the learning rate by this after ``drop_step`` updates (1e-3 -> 1e-4,
+#: Katharopoulos et al. 2020, §4.1).
+LR_DROP = 0.1
+#: Settings that do not change the trajectory: a checkpoint may be resumed with other values.
+_NOT_IDENTITY = ("checkpoint_dir", "checkpoint_every")
 
 
 @dataclass
 class TrainConfig:
-    """``steps`` optimiser steps at peak learning rate ``lr`` (after ``warmup`` steps of linear
-    warm-up, then cosine decay to 0); gradients clipped to norm ``clip`` (None: no clipping);
-    evaluation every ``eval_every`` steps and at the end; checkpoints every ``checkpoint_every``
-    steps into ``checkpoint_dir``; the loss recorded every ``log_every`` steps and at the end.
-    A fresh run seeds rank r's torch and ``random`` generators (dropout, ...) with
-    ``seed · 1000 + r``, after the model was built; a resumed run restores them instead."""
+    """``steps`` updates of ``optimizer`` at peak learning rate ``lr`` (``weight_decay``),
+    following ``schedule``: ``warmup_cosine`` (``warmup`` steps of linear warm-up, then cosine
+    decay to 0), ``constant``, or ``step_drop`` (×``LR_DROP`` from ``drop_step`` updates on);
+    gradients clipped to norm ``clip`` (None: no clipping); forward and backward passes in
+    ``dtype`` (``harness.tasks.precision``). Evaluation every ``eval_every`` steps and at the
+    end; checkpoints every ``checkpoint_every`` steps (and at the end, or an early stop) into
+    ``checkpoint_dir``. A loss point every ``log_every`` steps and at the end: the step's loss,
+    or with ``log_mean`` the mean of the steps since the previous point (a loss curve). A fresh
+    run seeds rank r's torch and ``random`` generators with ``seed · 1000 + r`` after the model
+    was built (None: leaves them as they are); a resumed run restores them instead."""
 
     steps: int
     lr: float
+    optimizer: str = "adamw"
+    schedule: str = "warmup_cosine"
     warmup: int = 0
+    drop_step: int | None = None
     clip: float | None = 1.0
     weight_decay: float = 0.0
+    dtype: str = "float32"
     eval_every: int | None = None
     checkpoint_every: int | None = None
     checkpoint_dir: str | None = None
     log_every: int = 50
-    seed: int = 0
+    log_mean: bool = False
+    seed: int | None = 0
 
     def __post_init__(self):
         for name in ("steps", "log_every"):
             _check_int(name, getattr(self, name), 1)
         _check_int("warmup", self.warmup, 0)
-        for name in ("eval_every", "checkpoint_every"):
+        for name in ("eval_every", "checkpoint_every", "drop_step"):
             if getattr(self, name) is not None:
                 _check_int(name, getattr(self, name), 1)
         if isinstance(self.lr, bool) or not isinstance(self.lr, (int, float)) or not self.lr > 0:
             raise ValueError(f"TrainConfig.lr must be a positive number, got {self.lr!r}")
+        if self.optimizer not in OPTIMIZERS or self.schedule not in SCHEDULES:
+            raise ValueError(f"TrainConfig: optimizer must be one of {', '.join(OPTIMIZERS)} and schedule one of {', '.join(SCHEDULES)}, "
+                             f"got {self.optimizer!r}, {self.schedule!r}")
+        if (self.schedule == "step_drop") != (self.drop_step is not None):
+            raise ValueError(f"TrainConfig.drop_step goes with schedule 'step_drop' (and only there), got {self.drop_step!r}")
         if self.clip is not None and not self.clip > 0:
             raise ValueError(f"TrainConfig.clip must be positive or None, got {self.clip!r}")
         if self.weight_decay < 0:
             raise ValueError(f"TrainConfig.weight_decay must be >= 0, got {self.weight_decay!r}")
         if self.checkpoint_every is not None and self.checkpoint_dir is None:
             raise ValueError("TrainConfig.checkpoint_every needs a checkpoint_dir")
+        try:
+            check(self.dtype)
+        except ValueError as exc:
+            raise ValueError(f"TrainConfig.dtype: {exc}") from None
+
+    @classmethod
+    def loss_curve(cls, task, dtype: str = "float32") -> TrainConfig:
+        """The training of the convergence and image experiments of Katharopoulos et al. 2020
+        (§4.1, §4.2) for a task config with ``steps``, ``lr``, ``lr_drop_step`` and ``log_every``:
+        RAdam (Liu et al. 2020), the rate dropping tenfold after ``lr_drop_step`` updates, no
+        clipping, the curve's points the mean training loss of ``log_every`` steps."""
+        schedule = "constant" if task.lr_drop_step is None else "step_drop"
+        return cls(steps=task.steps, lr=task.lr, optimizer="radam", schedule=schedule, drop_step=task.lr_drop_step, clip=None,
+                   dtype=dtype, log_every=task.log_every, log_mean=True, seed=None)
+
+    def multiplier(self) -> Callable[[int], float]:
+        """The learning-rate multiplier of ``LambdaLR`` after ``s`` updates, as ``schedule`` says."""
+        if self.schedule == "warmup_cosine":
+            return warmup_cosine(self.warmup, self.steps)
+        drop = self.drop_step if self.schedule == "step_drop" else math.inf
+        return lambda updates: LR_DROP if updates >= drop else 1.0
 
 
 def _check_int(name: str, value, minimum: int) -> None:
@@ -99,94 +147,18 @@ def warmup_cosine(warmup: int, steps: int) -> Callable[[int], float]:
     return multiplier
 
 
-class Distributed:
-    """This process's place in a data-parallel run: from torchrun's environment (``RANK``,
-    ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``), or a single process
-    when ``WORLD_SIZE`` is unset or 1. NCCL on CUDA devices, gloo on the CPU."""
-
-    def __init__(self, rank: int, world_size: int, device: torch.device):
-        self.rank, self.world_size, self.device = rank, world_size, torch.device(device)
-        self.is_main = rank == 0
-
-    @classmethod
-    def from_env(cls, device=None) -> Distributed:
-        """Join the process group torchrun describes (a no-op for one process). ``device``
-        defaults to ``cuda:LOCAL_RANK`` where CUDA is available, else the CPU."""
-        world_size = int(os.environ.get("WORLD_SIZE", "1"))
-        rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
-        if device is None:
-            device = f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"
-        device = torch.device(device)
-        if world_size > 1 and not torch_dist.is_initialized():
-            if device.type == "cuda":
-                torch.cuda.set_device(device)
-            backend = "nccl" if device.type == "cuda" else "gloo"
-            torch_dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=COLLECTIVE_TIMEOUT)
-        return cls(rank, world_size, device)
-
-    def wrap(self, model: nn.Module) -> nn.Module:
-        """``model`` in DistributedDataParallel (gradients averaged over ranks), or as is.
-        Parameters that a batch does not reach (an adaptive softmax's tail clusters when no
-        target falls in them) are allowed: their gradient is zero on that rank."""
-        if self.world_size == 1:
-            return model
-        device_ids = [self.device.index] if self.device.type == "cuda" else None
-        return DistributedDataParallel(model, device_ids=device_ids, find_unused_parameters=True)
-
-    def _all_reduce(self, value: float, op) -> float:
-        if self.world_size == 1:
-            return float(value)
-        tensor = torch.tensor([float(value)], dtype=torch.float64, device=self.device)
-        torch_dist.all_reduce(tensor, op=op)
-        return tensor.item()
-
-    def all_reduce_mean(self, value: float) -> float:
-        """The mean of ``value`` over the ranks."""
-        return self._all_reduce(value, torch_dist.ReduceOp.SUM) / self.world_size
-
-    def all_reduce_sum(self, value: float) -> float:
-        """The sum of ``value`` over the ranks."""
-        return self._all_reduce(value, torch_dist.ReduceOp.SUM)
-
-    def all_gather(self, obj) -> list:
-        """Every rank's ``obj`` (picklable), in rank order."""
-        if self.world_size == 1:
-            return [obj]
-        gathered = [None] * self.world_size
-        torch_dist.all_gather_object(gathered, obj)
-        return gathered
-
-    def barrier(self) -> None:
-        if self.world_size > 1:
-            torch_dist.barrier()
-
-    def close(self) -> None:
-        """Leave the process group (if this process joined one)."""
-        if self.world_size > 1 and torch_dist.is_initialized():
-            torch_dist.destroy_process_group()
-
-
-class BatchStream(Protocol):
-    """A data source: ``next()`` gives this rank's shard of the next global batch; its position
-    (``state_dict``) is saved with every checkpoint and restored on resume."""
-
-    def next(self) -> Any: ...
-
-    def state_dict(self) -> dict: ...
-
-    def load_state_dict(self, state: dict) -> None: ...
-
-
 @dataclass
 class TrainResult:
-    """``losses``: (step, loss averaged over ranks); ``evaluations``: (step, metrics) (main rank
-    only); ``wall_s``: the whole run including evaluations and checkpoints, summed over resumed
+    """``losses``: (step, loss averaged over ranks); ``evaluations``: (step, what ``evaluate``
+    returned) (main rank only); ``steps``: the last step trained; ``stopped``: why training
+    ended before ``steps`` (the early stop's reason, ``non-finite loss``), else None;
+    ``wall_s``: the whole run including evaluations and checkpoints, summed over resumed
     segments; ``units``: counted units seen, summed over ranks; ``units_per_s``: units per
     second of training alone (evaluation and checkpoint time excluded); ``peak_mem_bytes``:
     this rank's peak memory during its latest segment (``harness.measure.PeakMemory``)."""
 
     losses: list[tuple[int, float]]
-    evaluations: list[tuple[int, dict]]
+    evaluations: list[tuple[int, Any]]
     steps: int
     wall_s: float
     units: int
@@ -195,6 +167,7 @@ class TrainResult:
     memory_kind: str = "unavailable"
     train_s: float = 0.0
     resumed_from: int | None = None
+    stopped: str | None = None
 
 
 def training_metrics(result: TrainResult, dist: Distributed, model: nn.Module) -> dict:
@@ -216,6 +189,9 @@ def training_metrics(result: TrainResult, dist: Distributed, model: nn.Module) -
         "torch_threads": torch.get_num_threads(),
         "num_parameters": sum(p.numel() for p in model.parameters()),
     }
+
+
+# --- checkpoints ---------------------------------------------------------------------------
 
 
 def rng_state() -> dict:
@@ -242,13 +218,15 @@ def latest_checkpoint(directory) -> Path | None:
 
 
 class CheckpointError(ValueError):
-    """A checkpoint file that is not one this engine wrote (foreign, corrupt or truncated)."""
+    """A checkpoint file that is not one this engine wrote (foreign, corrupt, truncated, of
+    another training or cell), or one that could not be written (a full disk)."""
 
 
 #: The fields ``train`` writes into every checkpoint and reads back on resume, with their types.
 CHECKPOINT_FIELDS = {
-    "step": int, "world_size": int, "model": dict, "optimizer": dict, "scheduler": dict, "batches": list,
-    "rng": list, "losses": list, "evaluations": list, "units": int, "train_s": (int, float), "wall_s": (int, float), "config": dict,
+    "step": int, "world_size": int, "model": dict, "optimizer": dict, "scheduler": dict, "scaler": dict, "batches": list,
+    "rng": list, "pending": list, "losses": list, "evaluations": list, "units": int, "train_s": (int, float), "wall_s": (int, float),
+    "config": dict,
 }
 
 
@@ -287,11 +265,11 @@ def _check_cell(path, saved: dict) -> None:
         raise CheckpointError(f"{path}: a checkpoint of another cell: {shown}; remove it to start afresh")
 
 
-def load_checkpoint(path, device, fields: dict = CHECKPOINT_FIELDS) -> dict:
+def load_checkpoint(path, device) -> dict:
     """The payload of the checkpoint ``path``, read as data only: ``torch.load(weights_only=True)``
     admits tensors and plain containers and never runs code from the file (a pickle that asks
     for any other object is refused). A file that does not unpickle that way, or lacks one of
-    ``fields`` (name: type; default this engine's ``CHECKPOINT_FIELDS``), raises
+    ``CHECKPOINT_FIELDS`` (name: type), or is another cell's (``cell_checkpoints``), raises
     ``CheckpointError`` naming the path and what is wrong."""
     try:
         saved = torch.load(path, map_location=device, weights_only=True)
@@ -302,8 +280,8 @@ def load_checkpoint(path, device, fields: dict = CHECKPOINT_FIELDS) -> dict:
             "remove it or use another checkpoint directory"
         ) from None
     if not isinstance(saved, dict):
-        raise CheckpointError(f"{path}: expected a checkpoint (a dict of {', '.join(fields)}), got {type(saved).__name__}")
-    for name, kind in fields.items():
+        raise CheckpointError(f"{path}: expected a checkpoint (a dict of {', '.join(CHECKPOINT_FIELDS)}), got {type(saved).__name__}")
+    for name, kind in CHECKPOINT_FIELDS.items():
         value = saved.get(name)
         if not isinstance(value, kind) or isinstance(value, bool):
             expected = " or ".join(k.__name__ for k in kind) if isinstance(kind, tuple) else kind.__name__
@@ -314,9 +292,11 @@ def load_checkpoint(path, device, fields: dict = CHECKPOINT_FIELDS) -> dict:
 
 
 def save_checkpoint(directory: Path, step: int, payload: dict) -> None:
-    """Write ``step-XXXXXXXX.pt`` atomically (a new temporary file of its own, ``mkstemp``, so
+    """Write ``step-XXXXXXXXX.pt`` atomically (a new temporary file of its own, ``mkstemp``, so
     never through a planted link, then ``os.replace``), with the current cell's identity
-    (``cell_checkpoints``), and remove older checkpoints."""
+    (``cell_checkpoints``), and remove older checkpoints. A write that fails (a full disk)
+    removes the temporary file and raises ``CheckpointError`` naming the checkpoint: the
+    previous checkpoint stays the latest, and no truncated file is ever left for a resume."""
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"{CHECKPOINT_PREFIX}{step:09d}.pt"
     if _cell_identity is not None:
@@ -325,13 +305,38 @@ def save_checkpoint(directory: Path, step: int, payload: dict) -> None:
     try:
         with os.fdopen(handle, "wb") as file:
             torch.save(payload, file)
+            file.flush()
+            os.fsync(file.fileno())
         os.replace(temporary, path)
-    except BaseException:
-        os.unlink(temporary)
+    except BaseException as exc:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+        if isinstance(exc, (OSError, RuntimeError)):  # torch.save reports a failed write as a RuntimeError
+            reason = " ".join(str(exc).split())[:200] or type(exc).__name__
+            raise CheckpointError(f"{path}: could not write the checkpoint ({reason}); the previous one is kept") from None
         raise
     for older in directory.glob(f"{CHECKPOINT_PREFIX}*.pt"):
         if older != path:
             older.unlink()
+
+
+def _identity(config: TrainConfig, task: dict | None) -> dict:
+    """What a checkpoint must have been written under to be continued: the training's settings
+    (but where checkpoints go) and the task's own (``task.<name>``)."""
+    own = {name: value for name, value in asdict(config).items() if name not in _NOT_IDENTITY}
+    return {**own, **{f"task.{name}": value for name, value in (task or {}).items()}}
+
+
+def _restore(path, saved: dict, identity: dict, dist: Distributed) -> None:
+    """``CheckpointError`` unless ``saved`` (from ``path``) was written by this training at this world size."""
+    if saved["config"] != identity:
+        differing = sorted(k for k in {*saved["config"], *identity} if saved["config"].get(k) != identity.get(k))
+        raise CheckpointError(f"{path}: written by another training (differs in {', '.join(differing)}); remove it to start afresh")
+    if saved["world_size"] != dist.world_size:
+        raise CheckpointError(
+            f"{path}: saved by a run of world size {saved['world_size']}; resume it with the same "
+            f"world size (this run has {dist.world_size}), or use another checkpoint_dir"
+        )
 
 
 def train(
@@ -340,95 +345,121 @@ def train(
     batches: BatchStream,
     config: TrainConfig,
     *,
-    evaluate: Callable[[nn.Module], dict] | None = None,
+    evaluate: Callable[[nn.Module, int], Any] | None = None,
+    stop: Callable[[list], str | None] | None = None,
+    identity: dict | None = None,
     dist: Distributed | None = None,
     progress: bool = True,
 ) -> TrainResult:
-    """Train ``model`` (already on ``dist.device``) for ``config.steps`` steps; see the module
-    docstring. ``evaluate(model)`` runs on the main rank under ``torch.no_grad`` in eval mode."""
+    """Train ``model`` (already on ``dist.device``, in float32) for ``config.steps`` steps; see
+    the module docstring. ``evaluate(model, index)`` (``index``: the evaluations before it) runs
+    on the main rank in eval mode, under ``torch.no_grad`` and the config's autocast; after each,
+    ``stop(evaluations)`` may end training early with a reason. ``identity``: the task's
+    settings, which a checkpoint must match besides the config's."""
     dist = dist or Distributed(0, 1, next(model.parameters()).device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(config.warmup, config.steps))
+    precision = Precision(config.dtype, dist.device)
+    optimizer = OPTIMIZERS[config.optimizer](model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, config.multiplier())
+    identity = _identity(config, identity)
     losses: list[tuple[int, float]] = []
-    evaluations: list[tuple[int, dict]] = []
+    evaluations: list[tuple[int, Any]] = []
+    pending: list[float] = []  # the losses since the last point (log_mean)
     start_step, units, train_s, previous_wall_s, resumed_from = 0, 0, 0.0, 0.0, None
 
     checkpoint = latest_checkpoint(config.checkpoint_dir) if config.checkpoint_dir else None
     if checkpoint is not None:
         saved = load_checkpoint(checkpoint, dist.device)
-        if saved["world_size"] != dist.world_size:
-            raise ValueError(
-                f"{checkpoint}: saved by a run of world size {saved['world_size']}; resume it with the same "
-                f"world size (this run has {dist.world_size}), or use another checkpoint_dir"
-            )
+        _restore(checkpoint, saved, identity, dist)
         model.load_state_dict(saved["model"])
         optimizer.load_state_dict(saved["optimizer"])
         scheduler.load_state_dict(saved["scheduler"])
+        precision.scaler.load_state_dict(saved["scaler"])
         batches.load_state_dict(saved["batches"][dist.rank])
         set_rng_state(saved["rng"][dist.rank])
         start_step = resumed_from = saved["step"]
-        losses, evaluations = saved["losses"], saved["evaluations"]
+        losses, evaluations, pending = [tuple(p) for p in saved["losses"]], [tuple(e) for e in saved["evaluations"]], saved["pending"][dist.rank]
         units, train_s, previous_wall_s = saved["units"], saved["train_s"], saved["wall_s"]
-    else:
+    elif config.seed is not None:
         torch.manual_seed(config.seed * 1000 + dist.rank)
         random.seed(config.seed * 1000 + dist.rank)
     wrapped = dist.wrap(model)
 
+    def stop_reason() -> str | None:
+        """Why training ends now (every rank gets the main rank's answer), or None."""
+        if losses and not math.isfinite(losses[-1][1]):
+            return "non-finite loss"
+        return dist.all_gather(stop(evaluations) if dist.is_main and evaluations else None)[0] if stop is not None else None
+
     def run_evaluation(step: int) -> None:
-        if evaluate is not None and dist.is_main:
+        if dist.is_main:
             model.eval()
-            with torch.no_grad():
-                evaluations.append((step, evaluate(model)))
+            with torch.no_grad(), precision.autocast():
+                evaluations.append((step, evaluate(model, len(evaluations))))
             model.train()
         dist.barrier()
 
     def write_checkpoint(step: int) -> None:
-        batch_states, rng_states = dist.all_gather(batches.state_dict()), dist.all_gather(rng_state())
+        batch_states, rng_states, pending_losses = dist.all_gather(batches.state_dict()), dist.all_gather(rng_state()), dist.all_gather(pending)
         total_units = int(dist.all_reduce_sum(local_units))
         if dist.is_main:
             payload = {
-                "step": step, "world_size": dist.world_size, "model": model.state_dict(),
-                "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                "batches": batch_states, "rng": rng_states, "losses": losses, "evaluations": evaluations,
-                "units": units + total_units, "train_s": train_s + segment_train_s,
-                "wall_s": previous_wall_s + time.perf_counter() - started, "config": vars(config),
+                "step": step, "world_size": dist.world_size, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                "scheduler": scheduler.state_dict(), "scaler": precision.scaler.state_dict(), "batches": batch_states, "rng": rng_states,
+                "pending": pending_losses, "losses": losses, "evaluations": evaluations, "units": units + total_units,
+                "train_s": train_s + segment_train_s, "wall_s": previous_wall_s + time.perf_counter() - started, "config": identity,
             }
             save_checkpoint(Path(config.checkpoint_dir), step, payload)
         dist.barrier()
 
     model.train()
-    local_units, segment_train_s = 0, 0.0
+    local_units, segment_train_s, step = 0, 0.0, start_step
+    stopped = stop_reason()
     started = time.perf_counter()
     bar = tqdm(total=config.steps, initial=start_step, disable=not (progress and dist.is_main), desc="train", unit="step")
     with PeakMemory(dist.device) as peak:
-        for step in range(start_step + 1, config.steps + 1):
+        for step in range(start_step + 1, config.steps + 1) if stopped is None else ():
             synchronize(dist.device)
             step_started = time.perf_counter()
-            loss, count = loss_fn(wrapped, batches.next())
+            with precision.autocast():
+                loss, count = loss_fn(wrapped, batches.next())
             optimizer.zero_grad(set_to_none=True)
-            loss.backward()
+            precision.scaler.scale(loss).backward()
             if config.clip is not None:
+                precision.scaler.unscale_(optimizer)
                 torch.nn.utils.clip_grad_norm_(model.parameters(), config.clip)
-            optimizer.step()
+            precision.scaler.step(optimizer)  # optimizer.step(), unless float16 gradients overflowed
+            precision.scaler.update()
             scheduler.step()
             local_units += int(count)
-            if step % config.log_every == 0 or step == config.steps:
-                losses.append((step, dist.all_reduce_mean(loss.item())))
+            if config.log_mean:
+                pending.append(loss.item())
+            diverged = dist.world_size == 1 and config.log_mean and not math.isfinite(pending[-1])
+            if step % config.log_every == 0 or step == config.steps or diverged:
+                value = sum(pending) / len(pending) if config.log_mean else loss.item()
+                losses.append((step, dist.all_reduce_mean(value)))
+                pending = []
                 bar.set_postfix(loss=f"{losses[-1][1]:.3f}")
             synchronize(dist.device)
             segment_train_s += time.perf_counter() - step_started
             bar.update()
-            if (config.eval_every and step % config.eval_every == 0) or step == config.steps:
+            if losses and not math.isfinite(losses[-1][1]):
+                stopped = stop_reason()
+                break
+            if evaluate is not None and ((config.eval_every and step % config.eval_every == 0) or step == config.steps):
                 run_evaluation(step)
-            if config.checkpoint_every and (step % config.checkpoint_every == 0 or step == config.steps):
+                stopped = stop_reason()
+            if config.checkpoint_every and (step % config.checkpoint_every == 0 or step == config.steps or stopped):
                 write_checkpoint(step)
+            if stopped:
+                break
     bar.close()
+    model.eval()
     units += int(dist.all_reduce_sum(local_units))
     train_s += dist.all_reduce_mean(segment_train_s)
     return TrainResult(
         losses=losses,
         evaluations=evaluations,
-        steps=config.steps,
+        steps=step,
         wall_s=previous_wall_s + time.perf_counter() - started,
         units=units,
         units_per_s=units / train_s if train_s > 0 else 0.0,
@@ -436,4 +467,5 @@ def train(
         memory_kind=peak.kind,
         train_s=train_s,
         resumed_from=resumed_from,
+        stopped=stopped,
     )
