@@ -25,8 +25,10 @@ import contextlib
 import math
 import os
 import random
+import re
 import tempfile
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -429,7 +431,9 @@ def train(
                 torch.nn.utils.clip_grad_norm_(model.parameters(), config.clip)
             precision.scaler.step(optimizer)  # optimizer.step(), unless float16 gradients overflowed
             precision.scaler.update()
-            scheduler.step()
+            with warnings.catch_warnings():  # a step the scaler skipped is still a step of the schedule
+                warnings.filterwarnings("ignore", re.escape("Detected call of `lr_scheduler.step()` before `optimizer.step()`"))
+                scheduler.step()
             local_units += int(count)
             if config.log_mean:
                 pending.append(loss.item())

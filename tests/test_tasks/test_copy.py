@@ -10,8 +10,9 @@ from helpers import attnbench
 from torch import nn
 
 from harness.scenario import load_scenario
-from harness.tasks.copy import IGNORE, SEPARATOR, evaluate, make_batch, max_copy, padding
-from harness.tasks.loss_curve import LR_DROP, lr_multiplier, steps_to_threshold, train
+from harness.tasks.batches import GeneratorBatches
+from harness.tasks.copy import IGNORE, SEPARATOR, CopyConfig, evaluate, make_batch, max_copy, padding, steps_to_threshold
+from harness.tasks.training import LR_DROP, TrainConfig, train
 
 
 def gen(seed: int) -> torch.Generator:
@@ -54,17 +55,35 @@ def test_steps_to_threshold_is_the_first_point_at_or_below_it():
         steps_to_threshold(curve, math.nan)
 
 
+def _curve_config(**changes) -> TrainConfig:
+    task = CopyConfig(name="copy", steps=10000, lr=1e-3, lr_drop_step=3000, log_every=50)
+    return TrainConfig.loss_curve(task.model_copy(update=changes))
+
+
 def test_the_learning_rate_drops_tenfold_after_the_given_updates():
-    multiplier = lr_multiplier(3000)
+    multiplier = _curve_config().multiplier()
     assert multiplier(0) == multiplier(2999) == 1.0 and multiplier(3000) == multiplier(9999) == LR_DROP == 0.1
-    assert lr_multiplier(None)(10**6) == 1.0
+    assert _curve_config(lr_drop_step=None).multiplier()(10**6) == 1.0
+    assert _curve_config().optimizer == "radam" and _curve_config().clip is None
 
 
 def test_each_curve_point_is_the_mean_loss_since_the_previous_one():
     weight = nn.Linear(1, 1)
-    values = iter(range(1, 6))
-    curve = train(weight, lambda model, batch: (model.weight.sum() * 0 + batch, 3), lambda: float(next(values)), steps=5, lr=1e-3, lr_drop_step=2, log_every=2)
-    assert curve.losses == [[2, 1.5], [4, 3.5], [5, 5.0]] and curve.units == 15
+    losses = iter(range(1, 6))
+    values = GeneratorBatches(lambda _generator: float(next(losses)), 0)
+    config = _curve_config(steps=5, lr_drop_step=2, log_every=2)
+    curve = train(weight, lambda model, batch: (model.weight.sum() * 0 + batch, 3), values, config, progress=False)
+    assert curve.losses == [(2, 1.5), (4, 3.5), (5, 5.0)] and curve.units == 15
+
+
+def test_a_non_finite_loss_ends_the_curve_at_its_point():
+    weight = nn.Linear(1, 1)
+    losses = iter([1.0, 2.0, math.inf, 4.0])
+    values = GeneratorBatches(lambda _generator: next(losses), 0)
+    curve = train(weight, lambda model, batch: (model.weight.sum() * 0 + batch, 1), values, _curve_config(steps=4, log_every=2),
+                  progress=False)
+    assert curve.losses[:1] == [(2, 1.5)] and curve.losses[1][0] == 3 and not math.isfinite(curve.losses[1][1])
+    assert curve.steps == 3 and curve.stopped == "non-finite loss"
 
 
 class Oracle(nn.Module):

@@ -14,10 +14,10 @@ import torch.nn.functional as F
 from helpers import attnbench, needs_shared
 
 from harness.models import DecoderConfig, DecoderLM
+from harness.tasks.batches import WindowBatches
 from harness.tasks.command_line import parse_command_line
 from harness.tasks.lm import (
     LMConfig,
-    WindowBatches,
     evaluate_carry,
     evaluate_sliding,
     evaluate_windows,

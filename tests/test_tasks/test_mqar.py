@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from harness.tasks.mqar import IGNORE, MQARModel, make_batch, run_mqar, train
+from harness.tasks.mqar import IGNORE, MQARConfig, MQARModel, make_batch, run_mqar, train
 
 
 def gen(seed: int) -> torch.Generator:
@@ -76,13 +76,14 @@ def test_bad_parameters_name_the_parameter(kwargs, name):
 
 
 def test_train_rejects_bad_parameters():
-    model = MQARModel(64, 16, "softmax", n_layers=1)
+    model = MQARModel(64, 16, "softmax", n_layers=1, max_len=32)
     with pytest.raises(ValueError, match="vocab_size"):
-        train(model, seq_len=32, num_pairs=4, vocab_size=128, steps=1, seed=0)
-    with pytest.raises(ValueError, match="lr"):
-        train(model, seq_len=32, num_pairs=4, vocab_size=64, steps=1, lr=0, seed=0)
-    with pytest.raises(ValueError, match="steps"):
-        train(model, seq_len=32, num_pairs=4, vocab_size=64, steps=0, seed=0)
+        train(model, MQARConfig(name="mqar", num_pairs=4, vocab_size=128, steps=1), 32)
+    with pytest.raises(ValueError, match="seq_len=64 exceeds the model's max_len=32"):
+        train(model, MQARConfig(name="mqar", num_pairs=4, vocab_size=64, steps=1), 64)
+    for field, value in (("lr", 0), ("steps", 0)):
+        with pytest.raises(ValueError, match=field):
+            MQARConfig(name="mqar", **{field: value})
 
 
 # --- model -----------------------------------------------------------------------------
@@ -122,7 +123,8 @@ def test_softmax_learns_mqar():
     short run passes MQAR's phase transition depends on the seed (seed 643 stayed at 0.33), so
     this test trains from a fixed seed; the generator and model tests use fresh ones."""
     seed = 0
-    result = run_mqar("softmax", {}, seq_len=32, d_model=64, num_pairs=4, vocab_size=64, steps=300, lr=4e-3, seed=seed)
+    config = MQARConfig(name="mqar", num_pairs=4, vocab_size=64, steps=300, lr=4e-3, eval_every=75, seed=seed)
+    result = run_mqar("softmax", {}, config, seq_len=32, d_model=64)
     assert json.loads(json.dumps(result)) == result
     assert result["steps"] == 300 and result["evaluations"][-1][0] == 300
     assert result["accuracy"] >= result["final_accuracy"]

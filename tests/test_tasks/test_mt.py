@@ -16,16 +16,14 @@ from pydantic import ValidationError
 import variants
 from harness import runner
 from harness.scenario import load_scenario
+from harness.tasks.batches import Example, LengthBatches, collate
 from harness.tasks.command_line import parse_command_line
 from harness.tasks.mt import (
     PRESETS,
-    Example,
-    LengthBatches,
     MTConfig,
     _command_line,
     beam_search,
     bleu,
-    collate,
     greedy,
     label_smoothed_loss,
     main,

