@@ -22,7 +22,7 @@ from harness.files import UnsafeFileError
 from harness.locking import LOCK_NAME, LockedError, MachineRuns, ResultsDirectoryLock, machine_runs_dir
 from harness.results import ResultsChangedError, ResultsWriter, read_records
 from harness.scenario import load_scenario
-from harness.tasks.training import CheckpointError, cell_checkpoints, latest_checkpoint, load_checkpoint, save_checkpoint
+from harness.tasks.training import CHECKPOINT_FIELDS, CheckpointError, cell_checkpoints, latest_checkpoint, load_checkpoint, save_checkpoint
 
 HOLDER = {"pid": 1, "scenario": "s", "started_at": "2026-12-03T00:00:00+00:00", "out": "o"}
 RUN = {"run_id": "r", "started_at": "2026-12-03T00:00:00+00:00", "scenario": "s", "machine": {"machine_id": "m"}}
@@ -179,19 +179,24 @@ def _cell(cell_id, variant="delta", **params):
             "task": {"name": "mqar", "steps": 10}}
 
 
+def _payload(step: int) -> dict:
+    """A checkpoint payload with every field the trainer writes (empty values of their types)."""
+    return {name: (kind[0] if isinstance(kind, tuple) else kind)() for name, kind in CHECKPOINT_FIELDS.items()} | {"step": step}
+
+
 def test_a_checkpoint_of_another_cell_is_refused_naming_file_and_difference(tmp_path):
     with cell_checkpoints(_cell("a", "delta", beta=1.0)):
-        save_checkpoint(tmp_path, 5, {"step": 5, "weights": torch.ones(2)})
+        save_checkpoint(tmp_path, 5, _payload(5) | {"model": {"weights": torch.ones(2)}})
     path = latest_checkpoint(tmp_path)
     with cell_checkpoints(_cell("a", "delta", beta=1.0)):
-        assert load_checkpoint(path, "cpu", {"step": int})["step"] == 5
+        assert load_checkpoint(path, "cpu")["step"] == 5
     with cell_checkpoints(_cell("b", "linear")), pytest.raises(CheckpointError, match=rf"{path}: a checkpoint of another cell: cell_id 'a'.*variant"):
-        load_checkpoint(path, "cpu", {"step": int})
+        load_checkpoint(path, "cpu")
     with cell_checkpoints(_cell("a", "delta", beta=2.0)), pytest.raises(CheckpointError, match="params"):
-        load_checkpoint(path, "cpu", {"step": int})
-    torch.save({"step": 5}, tmp_path / "step-000000009.pt")  # one that names no cell
+        load_checkpoint(path, "cpu")
+    torch.save(_payload(5), tmp_path / "step-000000009.pt")  # one that names no cell
     with cell_checkpoints(_cell("a")), pytest.raises(CheckpointError, match="names no cell"):
-        load_checkpoint(tmp_path / "step-000000009.pt", "cpu", {"step": int})
+        load_checkpoint(tmp_path / "step-000000009.pt", "cpu")
 
 
 def test_a_checkpoint_is_never_written_through_a_planted_link(tmp_path):
@@ -199,9 +204,9 @@ def test_a_checkpoint_is_never_written_through_a_planted_link(tmp_path):
     (tmp_path / "ckpt").mkdir()
     for name in ("step-000000003.pt.tmp", ".step-000000003.pt.tmp"):
         (tmp_path / "ckpt" / name).symlink_to(victim)
-    save_checkpoint(tmp_path / "ckpt", 3, {"step": 3})
+    save_checkpoint(tmp_path / "ckpt", 3, _payload(3))
     assert victim.read_text() == "someone else's data\n"
-    assert load_checkpoint(latest_checkpoint(tmp_path / "ckpt"), "cpu", {"step": int})["step"] == 3
+    assert load_checkpoint(latest_checkpoint(tmp_path / "ckpt"), "cpu")["step"] == 3
 
 
 # --- 5. a worker frozen while starting costs its cell ----------------------------------------------

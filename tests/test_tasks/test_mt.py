@@ -342,7 +342,7 @@ def test_a_harness_cell_checkpoints_at_its_evaluations_and_continues(tmp_path, m
     fake_wmt(tmp_path, torch.Generator().manual_seed(0))
     task = {"name": "mt", "preset": "ci", "dataset": "wmt14", "data": str(tmp_path), "steps": 6, "warmup": 2, "eval_every": 3,
             "vocab_size": 300, "beam": 1, "threads": 1}
-    cell = {"variant": "delta", "params": {}, "backend": "torch", "axes": {"device": "cpu"}, "task": task,
+    cell = {"variant": "delta", "params": {}, "backend": "torch", "axes": {"device": "cpu", "dtype": "float32"}, "task": task,
             "checkpoint_dir": str(tmp_path / "cell")}
     first = run_cell(cell)
     assert first["resumed_from"] is None
