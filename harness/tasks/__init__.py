@@ -12,12 +12,36 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field
 
 #: The shipped task modules, imported (and so registered) the first time the registry is read.
 BUILTIN = ("harness.tasks.retrieval", "harness.tasks.mqar", "harness.tasks.lm", "harness.tasks.mt", "harness.tasks.copy", "harness.tasks.image_gen")
 _TASKS: dict[str, Task] = {}
 _builtin_loaded = False
+
+# Upper bounds of the sizes in a task's config: a value past one would take the machine's memory
+# (or longer than anyone waits) and is refused when the scenario loads, naming the field.
+MAX_VOCAB = 1 << 20  # tokens of a vocabulary (symbols, pairs of keys)
+MAX_WIDTH = 1 << 16  # a model's width (d_model, d_ff)
+MAX_LAYERS = 1 << 10  # layers, heads
+MAX_BATCH = 1 << 16  # sequences or images per batch
+MAX_LENGTH = 1 << 20  # tokens or pixels of one sequence
+MAX_STEPS = 10**9  # steps, and step counts (eval_every, patience, ...)
+MAX_SEED = 2**32 - 1
+
+Steps = Annotated[int, Field(ge=1, le=MAX_STEPS)]
+Seed = Annotated[int, Field(ge=0, le=MAX_SEED, description="seed of the initialisation and the data")]
+
+
+class TaskConfig(BaseModel):
+    """The base of every task's config (a scenario's ``task:`` section): unknown keys are
+    refused, numbers must be numbers (``steps: true`` or ``lr: "1e-3"`` is refused, not taken
+    as 1 or 0.001; the command line of a task converts its options' text itself), and no number
+    is infinite or NaN. Bounded fields use the ``MAX_*`` limits above."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 def _d_key_axis(config, axes: dict) -> list[int]:
@@ -84,8 +108,8 @@ class Task:
     """One kind of quality cell.
 
     - ``name``: the scenario's ``task.name``, and its cells' ``target``.
-    - ``config``: a pydantic model of the ``task:`` section whose first field is
-      ``name: Literal[name]``; a cell carries its ``model_dump()`` as ``cell["task"]``.
+    - ``config``: a pydantic model of the ``task:`` section (a ``TaskConfig``) whose first field
+      is ``name: Literal[name]``; a cell carries its ``model_dump()`` as ``cell["task"]``.
     - ``axes``: the axes of its cells (``dtype`` and ``device`` come with every task); the
       first is what its results are plotted against. An axis that is not one of the speed
       axes (``harness.scenario.AXES``) takes positive integers.
@@ -95,7 +119,8 @@ class Task:
     - ``d_keys(config, axes) -> [d_key, ...]``: the head widths its variants are built with,
       from the config and the swept axis values (lists); every variant configuration is built at
       each when the scenario is loaded, so an impossible one fails before anything runs.
-    - ``any_device``: runs on a GPU too (else on the CPU in float32 only).
+    - ``any_device``: runs on a GPU too (else on the CPU only); every task trains in each dtype of
+      ``harness.tasks.precision`` (``axes.dtype``: float32, bfloat16, float16).
     - ``metrics``: the columns it fills in the report's quality table, in order.
     - ``report(cells, figures, name) -> [Plot | Table]``: its own plots and tables, given the
       report's cells of this task (``harness.figures``); ``name`` prefixes plot file names.

@@ -60,7 +60,8 @@ def parse_command_line(parser: CommandLine, config_class: type[BaseModel], argv=
         parser.error(f"--params: expected a mapping in JSON or YAML such as '{{\"m\": 64}}', got {args.params!r}")
     given = {name: getattr(args, name) for name in config_class.model_fields if name != "name" and hasattr(args, name)}
     try:
-        config = config_class(**{name: _option_value(text, config_class.model_fields[name].annotation, name) for name, text in given.items()})
+        values = {name: _option_value(text, config_class.model_fields[name].annotation, name) for name, text in given.items()}
+        config = config_class.model_validate(values, strict=False)  # an option's text becomes a number here
     except OptionError as exc:
         parser.error(str(exc))
     except ValidationError as exc:

@@ -27,10 +27,10 @@ from typing import Literal
 
 import torch
 import torch.nn.functional as F
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from ..models import DecoderConfig, DecoderLM
-from . import Score, Task, register
+from . import MAX_BATCH, MAX_LAYERS, MAX_VOCAB, MAX_WIDTH, Score, Seed, Steps, Task, TaskConfig, register
 from .batches import GeneratorBatches
 from .precision import Precision
 from .training import TrainConfig, train
@@ -106,25 +106,23 @@ def evaluate(model: DecoderLM, seq_len: int, n_symbols: int, *, batch: int, batc
     return {"accuracy": correct / total, "exact": exact / sequences}
 
 
-class CopyConfig(BaseModel):
+class CopyConfig(TaskConfig):
     """A scenario's ``task:`` section for the copy task (Katharopoulos et al. 2020, §4.1)."""
 
-    model_config = ConfigDict(extra="forbid")
-
     name: Literal["copy"]
-    n_symbols: int = Field(10, ge=1)
-    n_layers: int = Field(4, ge=1)
-    n_heads: int = Field(8, ge=1)
-    d_model: int = Field(128, ge=1)
-    d_ff: int | None = Field(None, ge=1, description="default 4 d_model")
-    batch: int = Field(64, ge=1)
-    steps: int = Field(10000, ge=1)
+    n_symbols: int = Field(10, ge=1, le=MAX_VOCAB)
+    n_layers: int = Field(4, ge=1, le=MAX_LAYERS)
+    n_heads: int = Field(8, ge=1, le=MAX_LAYERS)
+    d_model: int = Field(128, ge=1, le=MAX_WIDTH)
+    d_ff: int | None = Field(None, ge=1, le=MAX_WIDTH, description="default 4 d_model")
+    batch: int = Field(64, ge=1, le=MAX_BATCH)
+    steps: Steps = 10000
     lr: float = Field(1e-3, gt=0)
-    lr_drop_step: int | None = Field(3000, ge=1, description="the learning rate drops tenfold after this many updates")
-    log_every: int = Field(50, ge=1, description="one point of the loss curve: the mean training loss of this many steps")
+    lr_drop_step: Steps | None = Field(3000, description="the learning rate drops tenfold after this many updates")
+    log_every: Steps = Field(50, description="one point of the loss curve: the mean training loss of this many steps")
     loss_threshold: float = Field(0.1, gt=0, description="steps_to_threshold: the first curve point at or below this loss (nats)")
-    eval_batches: int = Field(8, ge=1)
-    seed: int = 0
+    eval_batches: int = Field(8, ge=1, le=MAX_BATCH)
+    seed: Seed = 0
 
 
 def run_copy(variant: str, params: dict, config: CopyConfig, *, seq_len: int, device="cpu", dtype: str = "float32") -> dict:

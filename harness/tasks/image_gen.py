@@ -27,15 +27,15 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from typing import Literal
+from typing import Annotated, Literal
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from ..models import DecoderConfig, DecoderLM
-from . import Score, Task, register
+from . import MAX_BATCH, MAX_LAYERS, MAX_LENGTH, MAX_STEPS, MAX_WIDTH, Score, Seed, Steps, Task, TaskConfig, register
 from .batches import GeneratorBatches
 from .images import DATASETS, load, pixels
 from .precision import Precision
@@ -129,27 +129,25 @@ def generation_speed(model: DecoderLM, n_pixels: int, batch: int, repeats: int, 
     }
 
 
-class ImageGenConfig(BaseModel):
+class ImageGenConfig(TaskConfig):
     """A scenario's ``task:`` section for autoregressive image generation (§4.2)."""
-
-    model_config = ConfigDict(extra="forbid")
 
     name: Literal["image-gen"]
     dataset: Literal[DATASETS] = "digits"
     data_dir: str | None = Field(None, description="the directory of the MNIST IDX or CIFAR-10 binary files")
-    n_layers: int = Field(8, ge=1)
-    n_heads: int = Field(8, ge=1)
-    d_ff: int | None = Field(None, ge=1, description="default 4 d_model")
-    batch: int = Field(32, ge=1)
-    steps: int = Field(10000, ge=1)
+    n_layers: int = Field(8, ge=1, le=MAX_LAYERS)
+    n_heads: int = Field(8, ge=1, le=MAX_LAYERS)
+    d_ff: int | None = Field(None, ge=1, le=MAX_WIDTH, description="default 4 d_model")
+    batch: int = Field(32, ge=1, le=MAX_BATCH)
+    steps: Steps = 10000
     lr: float = Field(1e-4, gt=0)
-    lr_drop_step: int | None = Field(None, ge=1)
-    log_every: int = Field(50, ge=1)
+    lr_drop_step: Steps | None = None
+    log_every: Steps = 50
     test_images: int | None = Field(None, ge=1, description="score the first this many test images (default all)")
-    gen_batch: int = Field(16, ge=1, description="images generated at once when timing generation")
-    gen_repeats: int = Field(3, ge=1)
-    speed_pixels: list[int] = Field([784, 3072], description="lengths also timed with untrained weights")
-    seed: int = 0
+    gen_batch: int = Field(16, ge=1, le=MAX_BATCH, description="images generated at once when timing generation")
+    gen_repeats: int = Field(3, ge=1, le=MAX_STEPS)
+    speed_pixels: list[Annotated[int, Field(ge=1, le=MAX_LENGTH)]] = Field([784, 3072], description="lengths also timed with untrained weights")
+    seed: Seed = 0
 
 
 def _model(variant: str, params: dict, config: ImageGenConfig, d_model: int, context: int, device) -> DecoderLM:

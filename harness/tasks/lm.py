@@ -32,16 +32,16 @@ import sys
 import time
 from dataclasses import asdict, fields, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field, field_validator
 
 from variants import VariantError
 
 from ..files import write_json_atomic
 from ..models import LM_PRESETS, DecoderConfig, DecoderLM, SegmentConfig, lm_config
-from . import Score, Task, register
+from . import MAX_BATCH, MAX_LAYERS, MAX_LENGTH, MAX_VOCAB, MAX_WIDTH, Score, Seed, Steps, Task, TaskConfig, register
 from .batches import WindowBatches
 from .command_line import CommandLine, command_line, parse_command_line
 from .distributed import Distributed
@@ -155,35 +155,52 @@ def perplexity(nll: float) -> float:
 _SET_BY_RUN = ("vocab_size", "context", "dropout", "variant", "variant_params", "adaptive_cutoffs", "segment")
 
 
-class LMConfig(BaseModel):
+#: The largest value of each model size a run may override (``LMConfig.model_overrides``).
+_OVERRIDE_BOUNDS = {"n_layers": MAX_LAYERS, "n_heads": MAX_LAYERS, "d_model": MAX_WIDTH, "d_ff": MAX_WIDTH}
+
+
+def _check_override(name: str, value) -> None:
+    """ValueError naming ``model_overrides.<name>`` unless ``value`` is a size within its bound, a
+    boolean for ``tie_embeddings``, a positive number for ``adaptive_div_value``."""
+    if name in _OVERRIDE_BOUNDS:
+        ok, expected = isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= _OVERRIDE_BOUNDS[name], \
+            f"an integer from 1 to {_OVERRIDE_BOUNDS[name]}"
+    elif name == "tie_embeddings":
+        ok, expected = isinstance(value, bool), "true or false"
+    else:
+        ok, expected = isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < math.inf, "a positive number"
+    if not ok:
+        raise ValueError(f"{name}: expected {expected}, got {str(value)[:40]!r}")
+
+
+class LMConfig(TaskConfig):
     """Every setting of a language-modelling run, with its default: a scenario's ``task:``
     section, the settings options of ``python -m harness.tasks.lm`` and what ``run_lm`` takes.
     The model's context is the run's (``axes.seq_len``, ``--context``), not a setting."""
 
-    model_config = ConfigDict(extra="forbid")
-
     name: Literal["lm"] = "lm"
     preset: str = Field("cpu", description="model sizes: a preset of harness.models.LM_PRESETS (small, medium, cpu)")
-    steps: int = Field(700, ge=1, description="optimiser steps")
-    batch: int = Field(16, ge=1, description="windows per step (the global batch, over all processes)")
+    steps: Steps = Field(700, description="optimiser steps")
+    batch: int = Field(16, ge=1, le=MAX_BATCH, description="windows per step (the global batch, over all processes)")
     lr: float = Field(2e-3, gt=0, description="peak learning rate (AdamW)")
     warmup: int = Field(50, ge=0, validate_default=True, description="steps of linear warm-up, then cosine decay (at most steps)")
     dropout: float = Field(0.1, ge=0, lt=1, description="dropout on the embeddings and every residual branch")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
     clip: float | None = Field(1.0, gt=0, description="gradient norm clipping (none: no clipping)")
-    adaptive_cutoffs: list[int] | None = Field([2000, 10000], description="adaptive softmax cutoffs (none: a full softmax tied to the embedding)")
+    adaptive_cutoffs: list[Annotated[int, Field(le=MAX_VOCAB)]] | None = Field(
+        [2000, 10000], description="adaptive softmax cutoffs (none: a full softmax tied to the embedding)")
     eval_tokens: int | None = Field(None, ge=2, description="evaluate on the first N tokens of valid and test (none or all: the whole splits)")
     sliding_tokens: int | None = Field(2048, ge=2, description="sliding-window evaluation on the first N valid tokens (none or all: the whole split)")
     carry: bool = Field(True, description="also evaluate linear-time variants carrying their state across windows")
-    eval_every: int | None = Field(None, ge=1, description="steps between validation evaluations (none: at the end only)")
-    log_every: int = Field(25, ge=1, description="steps between recorded training losses (and the last step)")
+    eval_every: Steps | None = Field(None, description="steps between validation evaluations (none: at the end only)")
+    log_every: Steps = Field(25, description="steps between recorded training losses (and the last step)")
     data: str | None = Field(None, description="a WikiText directory (none: $ATTNBENCH_DATA/wikitext-2, else the shared data)")
-    threads: int | None = Field(None, ge=1, description="torch CPU threads (none: torch's default)")
+    threads: int | None = Field(None, ge=1, le=MAX_LAYERS, description="torch CPU threads (none: torch's default)")
     model_overrides: dict[str, Any] = Field({}, description="model sizes replacing the preset's, e.g. {n_layers: 1, d_model: 32}")
     segment: dict[str, Any] | None = Field(
         None, description="segment-level recurrence, {kind: xl | rmt | carry_state, length, segments, memory, bptt} or a kind "
         "(harness.models.SegmentConfig; length defaults to the context)")
-    seed: int = Field(0, description="seed of the initialisation, the batches and dropout")
+    seed: Seed = Field(0, description="seed of the initialisation, the batches and dropout")
 
     @field_validator("preset")
     @classmethod
@@ -219,6 +236,8 @@ class LMConfig(BaseModel):
         if unknown:
             raise ValueError(f"{', '.join(unknown)}: expected model fields among {', '.join(allowed)} "
                              "(the context is the run's; dropout, adaptive_cutoffs and segment are settings of their own)")
+        for name, size in value.items():
+            _check_override(name, size)
         if "preset" in info.data:
             sizes = {**LM_PRESETS[info.data["preset"]], **value}
             if sizes["d_model"] % sizes["n_heads"]:
@@ -235,6 +254,9 @@ class LMConfig(BaseModel):
                 SegmentConfig(**value)
             except TypeError as exc:
                 raise ValueError(f"unknown segment field ({exc}); expected kind, length, segments, memory, bptt") from None
+            for name in ("length", "segments", "memory", "bptt"):
+                if isinstance(value.get(name), int) and value[name] > MAX_LENGTH:
+                    raise ValueError(f"segment.{name}: expected at most {MAX_LENGTH}, got {value[name]}")
         return value
 
     @property

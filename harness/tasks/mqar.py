@@ -22,13 +22,13 @@ from typing import Literal
 
 import torch
 import torch.nn.functional as F
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 from torch import nn
 
 import variants
 from variants.conv import ShortConv
 
-from . import Score, Task, register
+from . import MAX_BATCH, MAX_VOCAB, Score, Seed, Steps, Task, TaskConfig, register
 from . import training as trainer
 from .batches import GeneratorBatches
 from .training import TrainConfig
@@ -194,19 +194,17 @@ def mqar_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE)
 
 
-class MQARConfig(BaseModel):
+class MQARConfig(TaskConfig):
     """A scenario's ``task:`` section for multi-query associative recall (Arora et al. 2023, Zoology)."""
 
-    model_config = ConfigDict(extra="forbid")
-
     name: Literal["mqar"]
-    steps: int = Field(2000, ge=1)
-    batch: int = Field(64, ge=1)
+    steps: Steps = 2000
+    batch: int = Field(64, ge=1, le=MAX_BATCH)
     lr: float = Field(1e-3, gt=0)
-    eval_every: int = Field(100, ge=1)
-    num_pairs: int | None = Field(None, ge=1)
-    vocab_size: int = Field(256, ge=4)
-    seed: int = 0
+    eval_every: Steps = 100
+    num_pairs: int | None = Field(None, ge=1, le=MAX_VOCAB)
+    vocab_size: int = Field(256, ge=4, le=MAX_VOCAB)
+    seed: Seed = 0
 
 
 # --- training --------------------------------------------------------------------------

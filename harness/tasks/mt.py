@@ -31,14 +31,14 @@ from typing import Literal
 
 import torch
 import torch.nn.functional as F
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field, field_validator
 
 import variants
 
 from ..files import write_json_atomic
 from ..measure import synchronize
 from ..models import config_from_preset
-from . import Score, Task, register
+from . import MAX_LAYERS, MAX_LENGTH, MAX_VOCAB, Score, Seed, Steps, Task, TaskConfig, register
 from .batches import Batch, Example, LengthBatches, collate, encode_examples, groups_by_source_length
 from .command_line import CommandLine, command_line, parse_command_line
 from .distributed import Distributed
@@ -89,32 +89,30 @@ def mt_config(preset: str, vocab_size: int, **overrides) -> Seq2SeqConfig:
     return config_from_preset(Seq2SeqConfig, {name: sizes["model"] for name, sizes in PRESETS.items()}, "MT", preset, vocab_size, overrides)
 
 
-class MTConfig(BaseModel):
+class MTConfig(TaskConfig):
     """Every setting of a translation run, with its default: a scenario's ``task:`` section, the
     settings options of ``python -m harness.tasks.mt`` and what ``run_mt`` takes. A setting left
     None takes the preset's value (``PRESETS``; ``resolved``)."""
-
-    model_config = ConfigDict(extra="forbid")
 
     name: Literal["mt"] = "mt"
     preset: str = Field("cpu", description=f"model sizes and the values of the settings left none: one of {', '.join(PRESETS)}")
     dataset: str = Field("multi30k", description=f"the data set: one of {', '.join(DATASETS)}")
     data: str | None = Field(None, description="the data set's directory (none: the shared data, or $ATTNBENCH_DATA)")
-    steps: int | None = Field(None, ge=1, description="optimiser steps (none: the preset's)")
-    batch_tokens: int | None = Field(None, ge=1, description="padded tokens per batch and process (none: the preset's)")
+    steps: Steps | None = Field(None, description="optimiser steps (none: the preset's)")
+    batch_tokens: int | None = Field(None, ge=1, le=MAX_LENGTH, description="padded tokens per batch and process (none: the preset's)")
     lr: float | None = Field(None, gt=0, description="peak learning rate, AdamW (none: the preset's)")
     warmup: int | None = Field(None, ge=0, validate_default=True, description="steps of linear warm-up, at most steps (none: the preset's)")
-    beam: int | None = Field(None, ge=1, description="beam width, 1 for greedy decoding (none: the preset's)")
+    beam: int | None = Field(None, ge=1, le=MAX_LAYERS, description="beam width, 1 for greedy decoding (none: the preset's)")
     length_penalty: float = Field(1.0, ge=0, description="beam search ranks hypotheses by log p / length^length_penalty")
-    vocab_size: int | None = Field(None, ge=300, description="joint sentencepiece vocabulary (none: the preset's)")
+    vocab_size: int | None = Field(None, ge=300, le=MAX_VOCAB, description="joint sentencepiece vocabulary (none: the preset's)")
     max_sentences: int | None = Field(None, ge=1, description="train on the first N pairs (none: the preset's; ci 200, the others all)")
     test_sentences: int | None = Field(None, ge=1, description="translate the first N test sentences (none: the preset's; ci 16, the others all)")
-    eval_every: int | None = Field(None, ge=1, description="steps between validation losses (none: at the end only)")
+    eval_every: Steps | None = Field(None, description="steps between validation losses (none: at the end only)")
     encoder: str | None = Field(None, description="variant of encoder self-attention (none: the run's variant, or fallback)")
     cross: str | None = Field(None, description="variant of cross-attention (none: the run's variant, or fallback)")
     fallback: str = Field("linear", description="encoder and cross variant when the run's variant is causal only")
-    threads: int | None = Field(None, ge=1, description="torch CPU threads (none: torch's default)")
-    seed: int = Field(0, description="seed of the initialisation, the batches and dropout")
+    threads: int | None = Field(None, ge=1, le=MAX_LAYERS, description="torch CPU threads (none: torch's default)")
+    seed: Seed = Field(0, description="seed of the initialisation, the batches and dropout")
 
     @field_validator("preset")
     @classmethod

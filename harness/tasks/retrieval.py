@@ -19,12 +19,12 @@ from typing import Literal, NamedTuple
 
 import torch
 import torch.nn.functional as F
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 from torch import nn
 
 import variants
 
-from . import Score, Task, register
+from . import MAX_BATCH, Score, Seed, Steps, Task, TaskConfig, register
 from . import training as trainer
 from .batches import GeneratorBatches
 from .training import TrainConfig
@@ -221,20 +221,18 @@ def retrieval_loss(v_hat: torch.Tensor, answer: torch.Tensor) -> torch.Tensor:
     return 0.5 * (target - v_hat).pow(2).sum(dim=-1).mean()
 
 
-class RetrievalConfig(BaseModel):
+class RetrievalConfig(TaskConfig):
     """A scenario's ``task:`` section for associative retrieval (Schlag et al. 2021, §6.1)."""
-
-    model_config = ConfigDict(extra="forbid")
 
     name: Literal["retrieval"] = "retrieval"
     setting: Literal[1, 2] = 1
-    max_steps: int = Field(20000, ge=1)
-    eval_every: int = Field(100, ge=1)
-    patience: int = Field(10, ge=1)
+    max_steps: Steps = 20000
+    eval_every: Steps = 100
+    patience: Steps = 10
     target_loss: float = Field(1e-3, gt=0)
     lr: float = Field(1e-3, gt=0)
-    batch: int = Field(32, ge=1)
-    seed: int = 0
+    batch: int = Field(32, ge=1, le=MAX_BATCH)
+    seed: Seed = 0
 
 
 # --- training --------------------------------------------------------------------------
