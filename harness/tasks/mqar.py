@@ -9,9 +9,7 @@ second token (as in Zoology's inputs); every other position is the filler 0. The
 query key's position is its value (the next token); every other target is ignored (−100).
 Hence 4N ≤ T is needed (2N for the pairs, 2N for the query slots).
 
-The model is a small Zoology-style stack: token + learned position embedding, ``n_layers``
-blocks of (short causal depthwise convolution, ``variants.AttentionLayer``, GELU MLP of 2×
-width), each a pre-LayerNorm residual, then a final LayerNorm and a projection to V.
+The model is a small Zoology-style stack (``harness.models.mqar.MQARModel``).
 """
 
 from __future__ import annotations
@@ -23,11 +21,9 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 from pydantic import Field
-from torch import nn
 
-import variants
-from variants.conv import ShortConv
-
+from ..models import check_positive_int
+from ..models.mqar import MQARModel
 from . import MAX_BATCH, MAX_VOCAB, Score, Seed, Steps, Task, TaskConfig, register
 from . import training as trainer
 from .batches import GeneratorBatches
@@ -55,11 +51,6 @@ class MQARResult:
 # --- data ------------------------------------------------------------------------------
 
 
-def _check_positive_int(name: str, value, minimum: int = 1) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
-
-
 def _check_generator(generator) -> None:
     if not isinstance(generator, torch.Generator):
         raise ValueError(f"generator must be a torch.Generator, got {type(generator).__name__}")
@@ -82,10 +73,10 @@ def resolve_num_pairs(seq_len: int, num_pairs: int | None) -> int:
 
 def _check_task(seq_len, num_pairs, vocab_size) -> int:
     """Validate (T, N, V); return N (T // 8 when ``num_pairs`` is None)."""
-    _check_positive_int("seq_len", seq_len, 4)
-    _check_positive_int("vocab_size", vocab_size, 4)
+    check_positive_int("seq_len", seq_len, 4)
+    check_positive_int("vocab_size", vocab_size, 4)
     num_pairs = resolve_num_pairs(seq_len, num_pairs)
-    _check_positive_int("num_pairs", num_pairs)
+    check_positive_int("num_pairs", num_pairs)
     if 4 * num_pairs > seq_len:
         raise ValueError(
             f"num_pairs={num_pairs} does not fit in seq_len={seq_len}: the pairs take 2N tokens and the N "
@@ -109,7 +100,7 @@ def make_batch(seq_len: int, num_pairs: int | None, vocab_size: int, batch: int,
     """``(inputs, targets)``, both ``[batch, seq_len]`` long; targets are −100 except at the N
     query positions, where they hold the queried key's value (see the module docstring)."""
     num_pairs = _check_task(seq_len, num_pairs, vocab_size)
-    _check_positive_int("batch", batch)
+    check_positive_int("batch", batch)
     _check_generator(generator)
     N = num_pairs
     keys = _draw_distinct(N, *key_range(vocab_size), batch, generator)  # [B, N]
@@ -128,65 +119,7 @@ def make_batch(seq_len: int, num_pairs: int | None, vocab_size: int, batch: int,
     return inputs, targets
 
 
-# --- model -----------------------------------------------------------------------------
-
-
-class MQARBlock(nn.Module):
-    """``x + conv(ln(x))``, ``x + attn(ln(x))``, ``x + mlp(ln(x))`` (pre-LayerNorm residuals)."""
-
-    def __init__(self, d_model: int, n_heads: int, variant: str, conv_size: int, **variant_params):
-        super().__init__()
-        self.ln_conv = nn.LayerNorm(d_model)
-        self.conv = ShortConv(d_model, conv_size)
-        self.ln_attn = nn.LayerNorm(d_model)
-        self.attn = variants.AttentionLayer(d_model, n_heads, variant, **variant_params)
-        self.ln_mlp = nn.LayerNorm(d_model)
-        self.mlp = nn.Sequential(nn.Linear(d_model, 2 * d_model), nn.GELU(), nn.Linear(2 * d_model, d_model))
-
-    def forward(self, x):
-        x = x + self.conv(self.ln_conv(x))
-        x = x + self.attn(self.ln_attn(x))
-        return x + self.mlp(self.ln_mlp(x))
-
-
-class MQARModel(nn.Module):
-    """Token + learned position embedding, ``n_layers`` MQARBlocks, final LayerNorm and an
-    output projection: ``inputs [B, T] -> logits [B, T, vocab_size]`` (T ≤ ``max_len``)."""
-
-    def __init__(
-        self,
-        vocab_size: int,
-        d_model: int,
-        variant: str,
-        *,
-        n_layers: int = 2,
-        n_heads: int = 1,
-        conv_size: int = 3,
-        max_len: int = 1024,
-        **variant_params,
-    ):
-        super().__init__()
-        for name, value in (("vocab_size", vocab_size), ("d_model", d_model), ("n_layers", n_layers),
-                            ("n_heads", n_heads), ("conv_size", conv_size), ("max_len", max_len)):
-            _check_positive_int(name, value)
-        self.vocab_size = vocab_size
-        self.max_len = max_len
-        self.embed = nn.Embedding(vocab_size, d_model)
-        self.positions = nn.Embedding(max_len, d_model)
-        self.blocks = nn.ModuleList(
-            MQARBlock(d_model, n_heads, variant, conv_size, **variant_params) for _ in range(n_layers)
-        )
-        self.ln_f = nn.LayerNorm(d_model)
-        self.head = nn.Linear(d_model, vocab_size, bias=False)
-
-    def forward(self, inputs):
-        length = inputs.shape[1]
-        if length > self.max_len:
-            raise ValueError(f"sequence length T={length} exceeds the model's max_len={self.max_len}")
-        x = self.embed(inputs) + self.positions(torch.arange(length, device=inputs.device))
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.ln_f(x))
+# --- loss ------------------------------------------------------------------------------
 
 
 def mqar_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

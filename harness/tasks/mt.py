@@ -3,7 +3,7 @@
 * Data: ``parallel_text`` (``{split}.{lang}`` files, a joint sentencepiece vocabulary). A
   source is its subwords then EOS; the decoder reads BOS + target and predicts target + EOS.
 * Batches (``harness.tasks.batches.LengthBatches``): every batch holds sentences of ONE source length (so no
-  padding ever reaches a non-causal attention, see ``mt_model``) and at most ``batch_tokens``
+  padding ever reaches a non-causal attention, see ``harness.models.seq2seq``) and at most ``batch_tokens``
   padded tokens (sentences × the longer of the source and the longest target).
 * Training: label-smoothed cross-entropy (Szegedy et al. 2016; ε = 0.1 as in Vaswani et al.
   2017, §5.4) with the shared trainer ``training.train`` (AdamW, warm-up and cosine decay,
@@ -38,11 +38,11 @@ import variants
 from ..files import write_json_atomic
 from ..measure import synchronize
 from ..models import config_from_preset
+from ..models.seq2seq import POSITIONS, Seq2Seq, Seq2SeqConfig
 from . import MAX_LAYERS, MAX_LENGTH, MAX_VOCAB, Score, Seed, Steps, Task, TaskConfig, register
 from .batches import Batch, Example, LengthBatches, collate, encode_examples, groups_by_source_length
 from .command_line import CommandLine, command_line, parse_command_line
 from .distributed import Distributed
-from .mt_model import POSITIONS, Seq2Seq, Seq2SeqConfig
 from .parallel_text import BOS, EOS, PAD, dataset_dir, read_parallel, train_vocabulary
 from .precision import Precision
 from .training import TrainConfig, train, training_metrics

@@ -7,7 +7,8 @@ import json
 import pytest
 import torch
 
-from harness.tasks.mqar import IGNORE, MQARConfig, MQARModel, make_batch, run_mqar, train
+from harness.models.mqar import MQARModel
+from harness.tasks.mqar import IGNORE, MQARConfig, make_batch, run_mqar, train
 
 
 def gen(seed: int) -> torch.Generator:

@@ -15,6 +15,7 @@ from pydantic import ValidationError
 
 import variants
 from harness import runner
+from harness.models.seq2seq import Seq2Seq, source_lengths
 from harness.scenario import load_scenario
 from harness.tasks.batches import Example, LengthBatches, collate
 from harness.tasks.command_line import parse_command_line
@@ -32,7 +33,6 @@ from harness.tasks.mt import (
     run_cell,
     run_mt,
 )
-from harness.tasks.mt_model import Seq2Seq, source_lengths
 from harness.tasks.parallel_text import BOS, EOS, PAD, data_root
 
 D_KEY = 16  # the ci preset: d_model 32, 2 heads

@@ -7,13 +7,13 @@ import json
 import pytest
 import torch
 
+from harness.models.retrieval import RetrievalModel
 from harness.tasks.retrieval import (
-    RetrievalModel,
+    RetrievalConfig,
     evaluate,
     make_batch,
     make_eval_batch,
     retrieval_loss,
-    RetrievalConfig,
     run_retrieval,
     train,
 )

@@ -7,6 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from harness.models.mqar import MQARModel
+from harness.models.retrieval import RetrievalModel
 from harness.tasks import mqar, retrieval
 from harness.tasks.training import CheckpointError, latest_checkpoint
 
@@ -31,14 +33,14 @@ def _interrupt_at(monkeypatch, module, call: int) -> None:
 
 def _retrieval(seed, checkpoint_dir=None, **changes):
     torch.manual_seed(seed)
-    model = retrieval.RetrievalModel(6, "linear", d_key=8)
+    model = RetrievalModel(6, "linear", d_key=8)
     config = retrieval.RetrievalConfig(max_steps=7, eval_every=2, patience=50, target_loss=1e-9, seed=seed, **changes)
     return retrieval.train(model, config, 6, checkpoint_dir=checkpoint_dir)
 
 
 def _mqar(seed, checkpoint_dir=None):
     torch.manual_seed(seed)
-    model = mqar.MQARModel(16, 16, "linear", max_len=16)
+    model = MQARModel(16, 16, "linear", max_len=16)
     config = mqar.MQARConfig(name="mqar", vocab_size=16, steps=7, batch=4, eval_every=2, seed=seed)
     return mqar.train(model, config, 16, checkpoint_dir=checkpoint_dir)
 

@@ -21,6 +21,7 @@ state carried from one segment to the next.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field, fields, replace
 
 import torch
@@ -232,7 +233,16 @@ class DecoderLM(nn.Module):
         """Logits ``[..., vocab_size]`` of final features ``h`` (log-probabilities for the adaptive softmax)."""
         if self.head is not None:
             return self.head(h)
-        return self.adaptive.log_prob(h.flatten(0, -2)).view(*h.shape[:-1], -1)
+        with self._adaptive_precision(h) as h:
+            return self.adaptive.log_prob(h.flatten(0, -2)).view(*h.shape[:-1], -1)
+
+    @contextlib.contextmanager
+    def _adaptive_precision(self, h):
+        """``h`` in the adaptive softmax's own dtype, with autocast off: under mixed precision
+        (``harness.tasks.precision``) its clusters would otherwise return 16-bit log-probabilities
+        that it then scatters into a float32 output (an error), so it runs in float32 there."""
+        with torch.autocast(h.device.type, enabled=False):
+            yield h.to(self.adaptive.head.weight.dtype)
 
     def _score(self, h, targets):
         """Logits of ``h: [B, T, d_model]``, or with ``targets: [B, T']`` (T' ≤ T) the negative
@@ -242,7 +252,8 @@ class DecoderLM(nn.Module):
             return self._output(h)
         h = h[:, h.shape[1] - targets.shape[1] :]
         if self.head is None:
-            return -self.adaptive(h.flatten(0, 1), targets.flatten()).output.view(targets.shape)
+            with self._adaptive_precision(h) as h:
+                return -self.adaptive(h.flatten(0, 1), targets.flatten()).output.view(targets.shape)
         logits = self.head(h).flatten(0, 1)
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # half precision: the loss in float32
         return F.cross_entropy(logits, targets.flatten(), reduction="none").view(targets.shape)

@@ -29,7 +29,7 @@ from torch import nn
 
 import variants
 
-from .parallel_text import PAD
+from ..tasks.parallel_text import PAD
 
 POSITIONS = ("encoder", "decoder", "cross")
 
