@@ -429,10 +429,10 @@ def train(
             if config.clip is not None:
                 precision.scaler.unscale_(optimizer)
                 torch.nn.utils.clip_grad_norm_(model.parameters(), config.clip)
-            precision.scaler.step(optimizer)  # optimizer.step(), unless float16 gradients overflowed
+            precision.scaler.step(optimizer)  # the optimiser's step, unless float16 gradients overflowed
             precision.scaler.update()
             with warnings.catch_warnings():  # a step the scaler skipped is still a step of the schedule
-                warnings.filterwarnings("ignore", re.escape("Detected call of `lr_scheduler.step()` before `optimizer.step()`"))
+                warnings.filterwarnings("ignore", re.escape("Detected call of `lr_scheduler.step()` before"))
                 scheduler.step()
             local_units += int(count)
             if config.log_mean:

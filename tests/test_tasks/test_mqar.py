@@ -6,8 +6,10 @@ import json
 
 import pytest
 import torch
+from helpers import attnbench
 
 from harness.models.mqar import MQARModel
+from harness.scenario import ScenarioError, load_scenario
 from harness.tasks.mqar import IGNORE, MQARConfig, make_batch, run_mqar, train
 
 
@@ -133,3 +135,27 @@ def test_softmax_learns_mqar():
     assert result["words_per_s"] > 300 * 64 * 32 / result["wall_s"]
     # chance is 1/32 (values are the upper half of 64 tokens)
     assert result["accuracy"] > 0.5, f"seed={seed}: {result['evaluations']}"
+
+
+# --- mixed precision, through the scenario and the command line -------------------------------
+
+
+def test_a_quality_scenario_takes_the_dtypes_of_the_policy_and_refuses_others():
+    """``dtype`` of a quality scenario is checked when it loads (harness.tasks.precision)."""
+    cells = load_scenario("quality/mqar", preset="ci", overrides=["dtype=[bfloat16, float16]"]).cells()
+    assert {cell["axes"]["dtype"] for cell in cells} == {"bfloat16", "float16"}
+    with pytest.raises(ScenarioError, match=r"axes\.dtype: a quality task trains in float32, bfloat16, float16 .*not 'float64'"):
+        load_scenario("quality/mqar", preset="ci", overrides=["dtype=float64"])
+
+
+@pytest.mark.slow
+def test_the_ci_preset_trains_in_bfloat16_through_attnbench_run(tmp_path):
+    """The issue's check: ``attnbench run quality/mqar --preset ci --set dtype=bfloat16`` trains, every cell ok."""
+    from harness.results import load
+
+    done = attnbench("run", "quality/mqar", "--preset", "ci", "--set", "dtype=bfloat16", "--set", "task.steps=4",
+                     "--set", "task.eval_every=2", "--out", str(tmp_path), "--no-progress")
+    assert done.returncode == 0, done.stderr
+    table = load([tmp_path])
+    assert set(table["status"]) == {"ok"} and set(table["axes.dtype"]) == {"bfloat16"}, table[["variant", "error"]]
+    assert table["metrics.loss"].between(0, 10).all() and table["metrics.accuracy"].between(0, 1).all()
