@@ -14,7 +14,6 @@ import math
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict
 
 import variants
 from harness import tasks
@@ -78,9 +77,7 @@ class TemperedSoftmax(AttentionCore):
         return batch * heads * length * (self.d_key + d_value)
 
 
-class SpreadConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class SpreadConfig(tasks.TaskConfig):
     name: Literal["toy_spread"]
     scale: float = 1.0
 
