@@ -667,9 +667,10 @@ def cell_id(cell: dict) -> str:
 
 
 def expand(scenario: Scenario, path: str = "<scenario>") -> list[dict]:
-    """Every cell of the sweep, in a deterministic order. Each variant configuration is built
-    once here, so an impossible parameter (a ν or m that cannot give the asked d_dot) fails
-    before anything is measured."""
+    """Every cell of the sweep, in a deterministic order. Each variant configuration is checked
+    here (``variants.supports``, which builds its torch core), so an impossible parameter (a ν or
+    m that cannot give the asked d_dot) fails before anything is measured, and a cell whose
+    backend does not compute it is marked skipped with the reason."""
     task = tasks.get(scenario.task.name) if scenario.task else None
     cells, seen = [], set()
     for name, params, field, axes in _variant_configs(scenario):
@@ -683,10 +684,9 @@ def expand(scenario: Scenario, path: str = "<scenario>") -> list[dict]:
         for d_dot in d_dots:
             core_params_at = dict(core_params, **({"d_dot": d_dot} if d_dot is not None else {}))
             full_params = core_params_at if "d_key" in names else dict(params, **core_params_at)
-            unsupported = {}
             d_keys = task.d_keys(scenario.task, axis_values) if task else axis_values["d_key"]
-            for d_key in [own_d_key] if own_d_key is not None else d_keys:
-                unsupported.update(_unsupported_backends(name, d_key, core_params_at, scenario, field, path))
+            places = list(itertools.product(axis_values["dtype"], axis_values["device"]))
+            unsupported = _unsupported_backends(name, [own_d_key] if own_d_key is not None else d_keys, places, core_params_at, scenario, field, path)
             for backend, mode in itertools.product(scenario.backends, scenario.modes):
                 for combo in itertools.product(*(axis_values[axis] for axis in names)):
                     cell_axes = dict(zip(names, combo))
@@ -713,7 +713,7 @@ def expand(scenario: Scenario, path: str = "<scenario>") -> list[dict]:
                         "model": scenario.model.model_dump() if scenario.target == "model" else None,
                         "task": _task_section(scenario.task, cell_axes),
                         "measure": scenario.measure.model_dump(),
-                        "skip": unsupported.get(backend),
+                        "skip": unsupported.get((backend, cell_axes["dtype"], cell_axes["device"])),
                     }
                     cell["cell_id"] = cell_id(cell)
                     if cell["cell_id"] not in seen:
@@ -737,17 +737,17 @@ def _options_of(scenario: Scenario, backend: str, name: str) -> dict:
     return variants.backend_options_for(name, backend, scenario.backend_options)
 
 
-def _unsupported_backends(name: str, d_key: int, params: dict, scenario: Scenario, field: str, path: str) -> dict:
-    """Build the variant once per backend: ``{backend: reason}`` for the backends it has no
-    implementation for (their cells are recorded as skipped); any other problem is an error."""
+def _unsupported_backends(name: str, d_keys: list, places: list, params: dict, scenario: Scenario, field: str, path: str) -> dict:
+    """``{(backend, dtype, device): reason}`` for the scenario's backends that do not compute the
+    variant at some d_key for inputs of that dtype on that device (``variants.supports``; their
+    cells are recorded as skipped); a parameter no backend takes is an error."""
     unsupported = {}
-    for backend in scenario.backends:
+    for d_key, (dtype, device) in itertools.product(d_keys, places):
         try:
-            variants.create(name, d_key, backend=backend, backend_options=_options_of(scenario, backend, name), **params)
-        except variants.UnsupportedBackend as exc:
-            unsupported[backend] = str(exc)
+            reasons = variants.supports(name, d_key, scenario.backends, dtype=dtype, device=device, **params)
         except variants.VariantError as exc:
             raise ScenarioError(f"{path}: {field}: parameters {quote(params)} at d_key={d_key}: {exc}") from None
+        unsupported.update({(backend, dtype, device): reason for backend, reason in reasons.items() if reason is not None})
     return unsupported
 
 

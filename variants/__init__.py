@@ -1,7 +1,8 @@
 """attnbench's variant library: one interface for every attention variant.
 
 ``names()`` lists the registered variants, ``create(name, d_key, backend=..., **params)`` builds an
-attention core (parallel form, recurrent ``step``, ``reference``), and ``AttentionLayer``
+attention core (parallel form, recurrent ``step``, ``reference``) on one of ``BACKENDS``
+(``supports(...)`` says which compute it), and ``AttentionLayer``
 wraps a core with its projections. ``core.example_inputs(...)`` draws valid inputs (q, k, v
 and the per-token inputs the core declares, ``TokenInput``); ``token_slice`` and
 ``time_slice`` cut them for ``step`` and ``prefill``. See docs/variants.md for every definition.
@@ -9,18 +10,15 @@ and the per-token inputs the core declares, ``TokenInput``); ``token_slice`` and
 
 # Importing the families registers them.
 from . import delta_rule, lsh, rwkv, softmax, sum_rule  # noqa: E402,F401
+from .backends import BACKENDS, backend_option_owners, backend_options_for, check_backend_options, create, supports
 from .base import (
-    BACKENDS,
     ActivatedLinear,
     AttentionCore,
+    BackendForm,
     TokenInput,
     UnsupportedBackend,
     VariantError,
     activated_linear,
-    backend_option_owners,
-    backend_options_for,
-    check_backend_options,
-    create,
     debug_checks,
     in_layout,
     names,
@@ -40,6 +38,7 @@ __all__ = [
     "ActivatedLinear",
     "AttentionCore",
     "AttentionLayer",
+    "BackendForm",
     "DecayGate",
     "FastWeightState",
     "KVCache",
@@ -55,6 +54,7 @@ __all__ = [
     "in_layout",
     "names",
     "register",
+    "supports",
     "time_slice",
     "token_slice",
 ]

@@ -28,7 +28,6 @@ import math
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
@@ -44,8 +43,9 @@ class UnsupportedBackend(VariantError):
     """A known backend that this variant (or this configuration of it) has no implementation for."""
 
 
-def register(name: str) -> Callable:
-    """Decorator of a core class or factory: make ``variants.create(name, ...)`` build it."""
+def register(name: str, *, core: type | None = None) -> Callable:
+    """Decorator of a core class or factory: make ``variants.create(name, ...)`` build it. A
+    factory function names the ``core`` class it builds (whose parameters and backends it has)."""
 
     def add(factory):
         if name in _REGISTRY:
@@ -53,6 +53,8 @@ def register(name: str) -> Callable:
         _REGISTRY[name] = factory
         if isinstance(factory, type):
             factory.variant_name = name
+        elif core is not None:
+            factory.core_class = core
         return factory
 
     return add
@@ -63,111 +65,36 @@ def names() -> list[str]:
     return sorted(_REGISTRY)
 
 
-#: The backends ``create`` knows. 'torch' and 'triton' are implementations of the core classes
-#: (their ``backend`` parameter); 'compile' and 'fla' wrap the torch core: ``variants.compiled``
-#: (torch.compile of its PyTorch forms) and ``variants.fla_backend`` (flash-linear-attention's kernels).
-BACKENDS = ("torch", "triton", "compile", "fla")
-
-
-def _wrapper(backend: str):
-    """The module that wraps a torch core for ``backend`` ('compile', 'fla'), or None."""
-    if backend == "compile":
-        from . import compiled
-
-        return compiled
-    if backend == "fla":
-        from . import fla_backend
-
-        return fla_backend
-    return None
-
-
-#: The backends that run a core's own PyTorch forms, and so take the backend options its class
-#: declares in ``OPTIONS`` (softmax's ``sdpa``): name -> (accepts(value), what it accepts).
-CORE_OPTION_BACKENDS = ("torch", "compile")
-
-
-def _core_options(backend: str, name: str | None) -> dict:
-    """The options the core class registered as ``name`` declares (every registered class's for
-    None), where ``backend`` runs its PyTorch forms; else none."""
-    if backend not in CORE_OPTION_BACKENDS:
-        return {}
-    factories = _REGISTRY.values() if name is None else [_REGISTRY[name]]
-    return {option: spec for factory in factories for option, spec in getattr(factory, "OPTIONS", {}).items()}
-
-
-def check_backend_options(backend: str, options: dict | None, name: str | None = None) -> dict:
-    """The options of ``backend`` (``backend_options`` of a scenario) for variant ``name`` (any
-    variant for None), checked: the wrapping backend's own ('compile': mode, dynamic) and, on the
-    backends that run the PyTorch forms, the core's (softmax: sdpa)."""
-    options = dict(options or {})
-    core = _core_options(backend, name)
-    for option, value in options.items():
-        if option in core:
-            accepts, accepted = core[option]
-            if not accepts(value):
-                raise VariantError(f"backend {backend!r}: option {option} must be one of {accepted}, got {value!r}")
-        elif name is not None and option in _core_options(backend, None):
-            owners = ", ".join(sorted(other for other, factory in _REGISTRY.items() if option in getattr(factory, "OPTIONS", {})))
-            raise VariantError(f"{name}: backend option {option} is {owners}'s only, got {option}={value!r}")
-    wrapper = _wrapper(backend)
-    rest = {option: value for option, value in options.items() if option not in core}
-    if wrapper is None:
-        if rest:
-            raise VariantError(f"backend {backend!r} takes no options, got {', '.join(rest)}")
-        return options
-    return {**wrapper.check_options(rest), **{option: options[option] for option in core if option in options}}
-
-
-def backend_option_owners() -> dict[str, tuple[str, ...]]:
-    """Every backend option's name -> the backends that take it (``{'mode': ('compile',), 'sdpa': ('torch', 'compile'), ...}``)."""
-    owners: dict[str, tuple[str, ...]] = {}
-    for backend in BACKENDS:
-        wrapper = _wrapper(backend)
-        for option in [*(wrapper.OPTIONS if wrapper else ()), *_core_options(backend, None)]:
-            owners[option] = (*owners.get(option, ()), backend)
-    return owners
-
-
-def backend_options_for(name: str, backend: str, options: dict) -> dict:
-    """Of a scenario's ``backend_options``, those that variant ``name`` takes on ``backend`` (a
-    scenario pinning softmax's SDPA kernel measures its other variants as they are)."""
-    wrapper = _wrapper(backend)
-    taken = {*(wrapper.OPTIONS if wrapper else ()), *_core_options(backend, name)}
-    return {option: value for option, value in options.items() if option in taken}
-
-
-def create(name: str, d_key: int, *, backend: str = "torch", backend_options: dict | None = None, **params: Any) -> AttentionCore:
-    """Build the attention core registered as ``name`` for head dimension ``d_key``.
-
-    ``backend`` picks the implementation: 'torch' (every variant), 'triton' (the linear-time
-    rules; a core class that takes no ``backend`` is torch only), 'compile' (the torch core
-    through torch.compile, ``backend_options`` mode and dynamic) or 'fla' (flash-linear-attention's
-    kernels where they compute the same function; ``UnsupportedBackend`` naming the difference
-    elsewhere). The core's own options (softmax's ``sdpa``, on 'torch' and 'compile') become its
-    attributes of the same name."""
+def registered(name: str) -> Callable[..., AttentionCore]:
+    """The class or factory registered as ``name``; VariantError naming the known ones."""
     if name not in _REGISTRY:
         raise VariantError(f"unknown variant {name!r}; known variants: {', '.join(names())}")
-    if not isinstance(d_key, int) or d_key < 1:
-        raise VariantError(f"{name}: d_key must be a positive int, got {d_key!r}")
-    if backend not in BACKENDS:
-        raise VariantError(f"{name}: backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
-    options = check_backend_options(backend, backend_options, name)
-    wrapper = _wrapper(backend)
-    if backend != "torch" and wrapper is None:
-        params["backend"] = backend
-    try:
-        core = _REGISTRY[name](d_key, **params)
-    except TypeError as exc:  # an unexpected keyword argument
-        if "'backend'" in str(exc):
-            raise UnsupportedBackend(f"{name}: has only the 'torch' backend, got backend={backend!r}") from None
-        raise VariantError(f"{name}: {exc}") from None
-    core.variant_name = name
-    core_options = _core_options(backend, name)
-    for option in core_options:
-        if option in options:
-            setattr(core, option, options.pop(option))
-    return core if wrapper is None else wrapper.wrap(core, **options)
+    return _REGISTRY[name]
+
+
+def core_class(factory) -> type:
+    """The core class a registered ``factory`` builds (itself for a class; AttentionCore if unknown)."""
+    return factory if isinstance(factory, type) else getattr(factory, "core_class", AttentionCore)
+
+
+class BackendForm:
+    """A family's implementation of its core on one backend, listed in the class's
+    ``backend_forms`` (``{"triton": ..., "fla": ...}``). Built from the torch core, it raises
+    UnsupportedBackend naming why the backend cannot compute this configuration, and changes
+    nothing until ``install``, which gives the core its attributes named in ``replaces`` (its
+    ``_run``, or its forms). ``refuses(dtype, device)`` names inputs it cannot take (None: any)."""
+
+    replaces: tuple[str, ...] = ()
+
+    def __init__(self, core):
+        self.core = core
+
+    def refuses(self, dtype: torch.dtype | None, device: torch.device | None) -> str | None:
+        return None
+
+    def install(self) -> None:
+        for name in self.replaces:
+            setattr(self.core, name, getattr(self, name))
 
 
 #: Set by ``debug_checks`` (or ATTNBENCH_DEBUG_CHECKS=1 in the environment): check token input
@@ -308,6 +235,13 @@ class AttentionCore(nn.Module):
     #: the memory layout the parallel form wants its inputs in (``example_inputs`` gives them so):
     #: 'bhtd' ([B, H, T, D] contiguous) or 'bthd' ([B, H, T, D] views of [B, T, H, D] storage, backend 'fla')
     input_layout = "bhtd"
+    #: the backend it runs on (set by ``create``)
+    backend = "torch"
+    #: its implementations on other backends than its PyTorch forms: backend name -> ``BackendForm``
+    #: class (or a function of the core returning one), or the reason the backend has none
+    backend_forms: dict = {}
+    #: its constructor parameters: name -> ``params.Param`` (checked by ``create``)
+    PARAMS: dict = {}
 
     def __init__(self, d_key: int):
         super().__init__()
@@ -444,9 +378,7 @@ class AttentionCore(nn.Module):
         if q.shape != k.shape:
             raise VariantError(f"{name}: q and k must have the same shape {layout}, got {tuple(q.shape)} and {tuple(k.shape)}")
         if v.shape[:-1] != q.shape[:-1]:
-            raise VariantError(
-                f"{name}: v must match q in every dim but the last {layout}, got q {tuple(q.shape)} and v {tuple(v.shape)}"
-            )
+            raise VariantError(f"{name}: v must match q in every dim but the last {layout}, got q {tuple(q.shape)} and v {tuple(v.shape)}")
         if q.shape[-1] != self.d_key:
             raise VariantError(f"{name}: the last dim of q and k must be d_key={self.d_key}, got {q.shape[-1]}")
         if self.d_value_is_d_key and v.shape[-1] != self.d_key:

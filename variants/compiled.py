@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import torch
 
-from .base import VariantError
-
 #: ``torch.compile``'s modes (its ``mode`` argument); None is its default.
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 #: The options ``backend='compile'`` takes (scenario ``backend_options``): name -> (accepts(value), what it accepts).
@@ -27,23 +25,10 @@ OPTIONS = {
 FORMS = ("_parallel", "_prefill", "_step")
 
 
-def check_options(options: dict) -> dict:
-    """``options`` (mode, dynamic) if valid, else a VariantError naming the option and what it accepts."""
-    for key, value in options.items():
-        if key not in OPTIONS:
-            raise VariantError(f"backend 'compile' takes the options {', '.join(OPTIONS)}, got {key!r}")
-        accepts, accepted = OPTIONS[key]
-        if not accepts(value):
-            raise VariantError(f"backend 'compile': option {key} must be one of {accepted}, got {value!r}")
-    return dict(options)
-
-
 def wrap(core, *, mode: str | None = None, dynamic: bool | None = None):
     """Make ``core``'s parallel form, prefill and step ``torch.compile``'d (in place; returns it)."""
-    check_options({"mode": mode or "default", "dynamic": dynamic})
     for form in FORMS:
         setattr(core, form, torch.compile(getattr(core, form), mode=mode, dynamic=dynamic))
-    core.backend = "compile"
     core.compile_options = {"mode": mode or "default", "dynamic": dynamic}
     return core
 

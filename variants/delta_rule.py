@@ -27,11 +27,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import kernels
-from .base import TokenInput, VariantError, activated_linear, register
+from . import fla_backend as fla
+from .base import TokenInput, UnsupportedBackend, VariantError, activated_linear, register
 from .chunk_scan import delta_rule_parallel
 from .chunked import delta_rule_chunked, safe_reciprocal
-from .fast_weights import FastWeightCore, FastWeightState
+from .fast_weights import FastWeightCore, FastWeightState, TritonForm
 from .feature_maps import EPS
 
 #: Write strength β_t of the delta rules (Schlag et al. 2021, eq. 21: β = σ(W_β x)).
@@ -86,21 +86,10 @@ class DeltaRule(FastWeightCore):
     supports_noncausal = False
     kernel_rule = "delta_rule"
 
-    def __init__(self, d_key, *, phi="elu1", sum_norm=True, normalize=False, precision="ieee", **options):
+    def __init__(self, d_key, *, phi="elu1", sum_norm=True, normalize=False, **options):
         super().__init__(d_key, phi=phi, sum_norm=sum_norm, normalize=normalize, **options)
-        kernels.check_precision(self.variant_name, self.backend, precision)
-        self.precision = precision
-        if self.backend == "triton" and normalize:
-            raise kernels.UnsupportedBackend(
-                "delta: backend='triton' implements the delta rule without attention normalisation; use normalize=False or backend='torch'"
-            )
 
     def _run(self, q, k, v, state, causal, beta, log_gate=None):
-        if self.backend == "triton":
-            kernel = self._kernel(q).delta_rule_triton
-            features_q, features_k = self.phi.for_queries(q), self.phi.for_keys(k)
-            read, weights = kernel(features_q, features_k, v, beta, state.weights, log_gate=log_gate, chunk_size=self.chunk_size, precision=self.precision)
-            return read, FastWeightState(weights, None)  # float32, the state dtype of every input dtype it takes
         scan = delta_rule_parallel if self.scan_choice(q.device) == "parallel" else delta_rule_chunked
         read, weights, normaliser = scan(
             q, k, v, beta, *state, self.chunk_size, phi=self.phi.for_queries, phi_k=self.phi.for_keys, log_gate=log_gate
@@ -147,7 +136,7 @@ class DeltaRule(FastWeightCore):
         return torch.stack(outputs, dim=2)
 
 
-@register("deltanet")
+@register("deltanet", core=DeltaRule)
 def deltanet(d_key, *, phi="silu_l2", sum_norm=False, **options):
     """The delta rule with DeltaNet's keys and queries: φ = SiLU then L2 normalisation (d_dot = d_key)."""
     return DeltaRule(d_key, phi=phi, sum_norm=sum_norm, **options)
@@ -167,3 +156,94 @@ class GatedDeltaRule(DeltaRule):
         if normalize:
             raise VariantError("gated_delta: normalize=True is not defined for the gated rule (the decay has no normaliser counterpart)")
         super().__init__(d_key, phi=phi, sum_norm=sum_norm, **options)
+
+
+# --- the delta rules on the other backends ----------------------------------------------------------
+
+
+class _Triton(TritonForm):
+    """The parallel form through ``kernels.delta_rule.delta_rule_triton`` (its gate on for the gated rule);
+    the kernels have no attention normaliser."""
+
+    def __init__(self, core):
+        if core.normalize:
+            raise UnsupportedBackend(
+                f"{core.variant_name}: backend='triton' implements the delta rule without attention normalisation; use normalize=False or backend='torch'"
+            )
+        super().__init__(core)
+
+    def _run(self, q, k, v, state, causal, beta, log_gate=None):
+        core = self.core
+        features_q, features_k = core.phi.for_queries(q), core.phi.for_keys(k)
+        read, weights = self.kernel(q).delta_rule_triton(
+            features_q, features_k, v, beta, state.weights, log_gate=log_gate, chunk_size=core.chunk_size, precision=core.precision
+        )
+        return read, FastWeightState(weights, None)  # float32, the state dtype of every input dtype it takes
+
+
+class _Fla(fla.FlaForm):
+    """The delta rule (φ and sum normalisation in PyTorch, no attention normaliser) and the gated
+    delta rule: fla's (gated) delta rule on φ(q), φ(k) with scale 1, β as ``beta``, g as ``g``."""
+
+    def __init__(self, core):
+        if core.normalize:
+            raise UnsupportedBackend(
+                f"{core.variant_name}: fla's delta rule has no attention normaliser (Schlag et al. 2021 eq. 26-28, normalize=True); use normalize=False"
+            )
+        self.gated = isinstance(core, GatedDeltaRule)
+        rule = "gated_delta_rule" if self.gated else "delta_rule"
+        super().__init__(core, {"chunk": f"chunk_{rule}", "recurrent": f"fused_recurrent_{rule}"})
+
+    def refuses(self, dtype, device):
+        """fla's chunk kernel (CUDA) of the ungated rule asserts 16-bit inputs."""
+        if device is not None and device.type == "cuda" and dtype == torch.float32 and not self.gated:
+            return f"{self.core.variant_name}: fla's chunk_delta_rule refuses float32 inputs (its assertion); use bfloat16 or float16"
+        return None
+
+    def _call(self, q, k, v, state, where, beta, log_gate=None):
+        core = self.core
+        ops = fla._ops("gated_delta_rule" if self.gated else "delta_rule")
+        kernel = getattr(ops, self.fla_kernels[where])
+        refused = self.refuses(q.dtype, q.device) if where == "chunk" else None
+        if refused:
+            raise UnsupportedBackend(refused)
+        initial = None if state is None else state.weights
+        if where == "recurrent" and torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, beta, log_gate)):
+            if self.gated:
+                raise UnsupportedBackend(
+                    f"{core.variant_name}: fla's fused_recurrent_gated_delta_rule has no backward (NotImplementedError in fla); "
+                    "training through fla runs its chunk kernel, on CUDA"
+                )
+            if initial is not None and not initial.requires_grad:  # fla's backward writes dh0 only for an h0 that requires grad
+                initial = initial.detach().requires_grad_()
+        gate = {"g": fla._fla(log_gate)} if self.gated else {}
+        chunk = {"chunk_size": core.chunk_size} if where == "chunk" else {}
+        out, final = kernel(
+            core.phi.for_queries(fla._fla(q)),
+            core.phi.for_keys(fla._fla(k)),
+            fla._fla(v),
+            **gate,
+            beta=fla._fla(beta),
+            scale=1.0,
+            initial_state=initial,
+            output_final_state=state is not None,
+            **chunk,
+        )
+        return fla._ours(out), None if state is None else FastWeightState(final.to(core.state_dtype(v.dtype)), None)
+
+    def _parallel(self, q, k, v, causal, beta, log_gate=None):
+        return self._call(q, k, v, None, fla._where(self.core.variant_name, q.device), beta, log_gate)[0]
+
+    def _prefill(self, q, k, v, state, beta, log_gate=None):
+        if state is None:
+            state = self.core.init_state(q.shape[0], q.shape[1], v.shape[-1], device=q.device, dtype=q.dtype)
+        return self._call(q, k, v, state, fla._where(self.core.variant_name, q.device), beta, log_gate)
+
+    def _step(self, q_t, k_t, v_t, state, beta, log_gate=None):
+        fla._where(self.core.variant_name, q_t.device)
+        gate = None if log_gate is None else log_gate.unsqueeze(2)
+        out, state = self._call(q_t.unsqueeze(2), k_t.unsqueeze(2), v_t.unsqueeze(2), state, "recurrent", beta.unsqueeze(2), gate)
+        return out.squeeze(2), state
+
+
+DeltaRule.backend_forms = {"triton": _Triton, "fla": _Fla}

@@ -12,8 +12,9 @@ from typing import NamedTuple
 import torch
 
 from . import kernels, precision
-from .base import AttentionCore, UnsupportedBackend, VariantError
+from .base import AttentionCore, BackendForm, UnsupportedBackend
 from .feature_maps import EPS, FeatureMap, SumNormalized, make_feature_map
+from .params import SEED, choice, flag, integer
 
 DEFAULT_CHUNK = 64
 #: The causal parallel form's scans (``scan=``): 'loop' (``chunked``: a Python loop over the chunks),
@@ -39,36 +40,38 @@ class FastWeightCore(AttentionCore):
     ``nu``; ``d_dot`` may stand in for m or ν; ``seed`` draws FAVOR+'s features). ``sum_norm``
     divides φ(q), φ(k) by the sum of their components; ``normalize`` divides each read by
     z·φ(q) (the attention normalisation of the sum rule, Katharopoulos et al. eq. 12; Schlag
-    et al. 2021 eq. 17 for the delta rule). ``chunk_size`` is the scan's chunk (None: ``DEFAULT_CHUNK``, or with
-    ``backend='triton'`` the kernels' default, ``kernels.default_chunk_size``); ``backend`` 'torch' or 'triton'.
+    et al. 2021 eq. 17 for the delta rule). ``precision`` ('ieee' or 'tf32', backend 'triton' only): the
+    dots of float32 inputs in the Triton kernels. ``chunk_size`` is the scan's chunk (None: ``DEFAULT_CHUNK``, or on
+    backend 'triton' the kernels' default, ``kernels.default_chunk_size``; ``chunk_size_given`` says which).
     ``scan`` (one of ``SCANS``; PyTorch forms only) picks how the causal form runs the chunks.
     """
 
+    PARAMS = {
+        "sum_norm": flag(),
+        "normalize": flag(),
+        "chunk_size": integer(high=None),
+        "m": integer(),
+        "nu": integer(),
+        "d_dot": integer(),
+        "seed": SEED,
+        "precision": choice("ieee", "tf32", backends=("triton",), default="ieee", scope="is a Triton kernel option"),
+        "scan": choice(*SCANS, quoted=False, backends=("torch", "compile"), default="auto", scope="picks a PyTorch form"),
+    }
     #: The Triton kernel module of the rule ('sum_rule' or 'delta_rule'), set by each rule.
     kernel_rule: str
 
-    def __init__(self, d_key, *, phi, sum_norm, normalize, chunk_size=None, m=None, nu=None, d_dot=None, seed=0, backend="torch", scan="auto"):
+    def __init__(self, d_key, *, phi, sum_norm, normalize, chunk_size=None, m=None, nu=None, d_dot=None, seed=0, precision="ieee", scan="auto"):
         super().__init__(d_key)
-        if chunk_size is not None and (type(chunk_size) is not int or chunk_size < 1):
-            raise VariantError(f"chunk_size must be a positive int, got {chunk_size!r}")
-        if scan not in SCANS:
-            raise VariantError(f"{self.variant_name}: scan must be one of {', '.join(SCANS)}, got {scan!r}")
-        kernels.check_backend(self.variant_name, backend)
-        if backend == "triton" and scan != "auto":
-            raise UnsupportedBackend(f"{self.variant_name}: scan={scan!r} picks a PyTorch form; backend='triton' runs its kernels (leave scan at 'auto')")
         self.scan = scan
-        self.backend = backend
         feature_map: FeatureMap = make_feature_map(phi, d_key, m=m, nu=nu, d_dot=d_dot, seed=seed)
-        if backend == "triton" and feature_map.d_dot > kernels.MAX_HEAD_DIM:
-            raise UnsupportedBackend(
-                f"{self.variant_name}: d_dot={feature_map.d_dot} exceeds the Triton kernels' limit of {kernels.MAX_HEAD_DIM}; use backend='torch'"
-            )
         self.phi = SumNormalized(feature_map) if sum_norm else feature_map
         self.phi_name = phi
         self.sum_norm = sum_norm
         self.normalize = normalize
         self.d_dot = feature_map.d_dot
-        self.chunk_size = self._kernel_chunk_size(chunk_size) if backend == "triton" else chunk_size or DEFAULT_CHUNK
+        self.chunk_size = chunk_size or DEFAULT_CHUNK
+        self.chunk_size_given = chunk_size is not None
+        self.precision = precision
         # without φ the plain rules stay bounded only for bounded keys (delta: while β‖k‖² < 2)
         self.example_unit_keys = phi == "identity"
 
@@ -82,7 +85,7 @@ class FastWeightCore(AttentionCore):
 
     def implementation_choices(self, q, k, v, *, causal=True, **token_inputs) -> dict:
         """``{"scan": 'loop' or 'parallel'}``: the scan a causal call on ``q``'s device runs (PyTorch forms)."""
-        return {"scan": self.scan_choice(q.device)} if causal and self.backend in ("torch", "compile") else {}
+        return {"scan": self.scan_choice(q.device)} if causal else {}
 
     def state_dtype(self, dtype):
         """At least float32 (``precision.state_dtype``), as the chunked scans and the Triton kernels keep it."""
@@ -143,19 +146,6 @@ class FastWeightCore(AttentionCore):
         """Parallel form from ``state``: ``(out, final_state)``; ``token_inputs`` as the rule declares them."""
         raise NotImplementedError
 
-    def _kernel_chunk_size(self, chunk_size: int | None) -> int:
-        """The chunk the Triton kernels run: ``chunk_size``, refused (UnsupportedBackend) unless they take it
-        at this d_dot, or their default when None."""
-        if chunk_size is None:
-            return kernels.default_chunk_size(self.kernel_rule, self.d_dot)
-        kernels.check_chunk_size(self.variant_name, self.kernel_rule, self.d_dot, chunk_size)
-        return chunk_size
-
-    def _kernel(self, q):
-        """The rule's Triton kernel module, after checking it can run on ``q``'s device."""
-        kernels.require_device(self.variant_name, q.device)
-        return kernels.load(self.kernel_rule)
-
     def _write(self, features_k, v_t, state, **token_inputs):
         """One write into the fast weights (token inputs ``[B, H]``): the new ``weights``."""
         raise NotImplementedError
@@ -165,4 +155,35 @@ class FastWeightCore(AttentionCore):
         raise NotImplementedError
 
     def _step_flops_per_head(self, d_value: int) -> int:
+        raise NotImplementedError
+
+
+class TritonForm(BackendForm):
+    """A rule on backend 'triton' (``backend_forms``): its ``_run`` through the rule's kernels
+    (``variants.kernels``), at the chunk they run: the core's ``chunk_size`` where given (refused
+    unless the kernels take it at this d_dot), else their default for it."""
+
+    replaces = ("_run", "chunk_size", "implementation_choices")
+
+    def __init__(self, core: FastWeightCore):
+        super().__init__(core)
+        name, rule, d_dot = core.variant_name, core.kernel_rule, core.d_dot
+        if d_dot > kernels.MAX_HEAD_DIM:
+            raise UnsupportedBackend(f"{name}: d_dot={d_dot} exceeds the Triton kernels' limit of {kernels.MAX_HEAD_DIM}; use backend='torch'")
+        if core.chunk_size_given:
+            kernels.check_chunk_size(name, rule, d_dot, core.chunk_size)
+            self.chunk_size = core.chunk_size
+        else:
+            self.chunk_size = kernels.default_chunk_size(rule, d_dot)
+
+    def kernel(self, q):
+        """The rule's Triton kernel module, after checking it can run on ``q``'s device."""
+        kernels.require_device(self.core.variant_name, q.device)
+        return kernels.load(self.core.kernel_rule)
+
+    def implementation_choices(self, q, k, v, *, causal=True, **token_inputs) -> dict:
+        """None to record: the kernels run one way (no ``scan``)."""
+        return {}
+
+    def _run(self, q, k, v, state, causal, **token_inputs):
         raise NotImplementedError

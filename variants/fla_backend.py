@@ -1,7 +1,9 @@
 """``backend='fla'``: flash-linear-attention's Triton kernels (package fla-core, ``attnbench[fla]``)
 for the variants whose function they compute exactly; ``UnsupportedBackend`` naming the
-difference for the others. The mapping of each variant is written down in docs/variants.md
-("The fla backend").
+difference for the others. This module holds what every mapping shares (``FlaForm``, the calls
+into fla); each family maps itself beside its own definition (``sum_rule``: linear attention,
+Based, ReBased; ``delta_rule``: the delta rules) and lists it in its ``backend_forms``. The
+mapping of each variant is written down in docs/variants.md ("The fla backend").
 
 Conventions mapped here, once for all: fla takes ``[B, T, H, D]`` (ours ``[B, H, T, D]``: a
 transpose of dims 1 and 2 each way; the wrapped core's ``input_layout`` 'bthd' makes
@@ -38,13 +40,11 @@ import sys
 
 import torch
 
-from .base import UnsupportedBackend, VariantError
-from .fast_weights import FastWeightState
+from .base import BackendForm, UnsupportedBackend
+from .fast_weights import DEFAULT_CHUNK
 
 #: The options ``backend='fla'`` takes (none: the kernel follows the device, see above).
 OPTIONS: dict = {}
-#: fla's ε in the normalised linear attention's denominator, φ(q)·z + ε (ours: feature_maps.EPS).
-FLA_LINEAR_EPS = 1e-10
 #: The largest query/key width of fla's parallel Based/ReBased kernels (their assertion).
 PARALLEL_MAX_DIM = 128
 #: The chunk sizes fla's chunk kernels run, by kernel: the delta rules check for 16, 32, 64
@@ -54,77 +54,6 @@ CHUNK_SIZES = {
     "chunk_delta_rule": (16, 32, 64),
     "chunk_gated_delta_rule": (16, 32, 64),
 }
-
-
-def check_options(options: dict) -> dict:
-    if options:
-        raise VariantError(f"backend 'fla' takes no options, got {', '.join(options)}")
-    return {}
-
-
-def wrap(core):
-    """Give ``core`` (a torch core) fla's kernels for its parallel form, prefill and step, or raise
-    ``UnsupportedBackend`` naming why fla does not compute this variant's function."""
-    name = core.variant_name
-    if importlib.util.find_spec("fla") is None:
-        raise UnsupportedBackend(f"{name}: backend 'fla' needs flash-linear-attention: pip install 'attnbench[fla]' (package fla-core)")
-    mapping = _mapping(core)
-    _check_chunk_size(core, mapping.kernels["chunk"])
-    core._parallel = mapping.parallel
-    core._prefill = mapping.prefill
-    core._step = mapping.step
-    core.implementation_choices = mapping.choices
-    core.input_layout = mapping.layout
-    if isinstance(mapping, _QuadraticMapping):
-        core.flops = mapping.flops
-    core.backend = "fla"
-    core.fla_kernels = mapping.kernels
-    return core
-
-
-def _check_chunk_size(core, kernel: str) -> None:
-    """Refuse a ``chunk_size`` that ``kernel`` does not run (UnsupportedBackend, naming those it does)."""
-    from .fast_weights import DEFAULT_CHUNK
-
-    accepted = CHUNK_SIZES.get(kernel, (DEFAULT_CHUNK,))
-    if core.chunk_size not in accepted:
-        runs = f"runs chunk_size {', '.join(map(str, accepted))}" if kernel in CHUNK_SIZES else f"has no chunk (leave chunk_size at {DEFAULT_CHUNK})"
-        raise UnsupportedBackend(f"{core.variant_name}: fla's {kernel} {runs}, got chunk_size={core.chunk_size}")
-
-
-def _mapping(core):
-    """The fla mapping of ``core``'s family, after checking that its definition matches fla's."""
-    from .delta_rule import DeltaRule, GatedDeltaRule
-    from .rwkv import RWKV
-    from .sum_rule import SumRule
-
-    name = core.variant_name
-    if isinstance(core, GatedDeltaRule):
-        return _DeltaMapping(core, gated=True)
-    if isinstance(core, DeltaRule):
-        if core.normalize:
-            raise UnsupportedBackend(
-                f"{name}: fla's delta rule has no attention normaliser (Schlag et al. 2021 eq. 26-28, normalize=True); use normalize=False"
-            )
-        return _DeltaMapping(core, gated=False)
-    if isinstance(core, SumRule):
-        if core.phi_name in ("taylor", "rebased"):
-            if core.d_key > PARALLEL_MAX_DIM:
-                kernel = "parallel_based" if core.phi_name == "taylor" else "parallel_rebased"
-                raise UnsupportedBackend(f"{name}: fla's {kernel} takes d_key <= {PARALLEL_MAX_DIM}, got {core.d_key}")
-            if core.sum_norm:
-                raise UnsupportedBackend(f"{name}: fla's parallel Based/ReBased kernels apply the map themselves and have no sum normalisation (sum_norm=True)")
-            return _QuadraticMapping(core)
-        return _LinearMapping(core)
-    if isinstance(core, RWKV):
-        raise UnsupportedBackend(
-            f"{name}: fla's fused_recurrent_rwkv4 (RWKV-4's WKV over [B, T, channels]) is not mapped yet "
-            "(mapped: linear, performer, dpfp, based, rebased, delta, deltanet, gated_delta)"
-        )
-    raise UnsupportedBackend(
-        f"{name}: flash-linear-attention has no kernel computing this variant's function "
-        "(mapped: linear, performer, dpfp, based, rebased, delta, deltanet, gated_delta)"
-    )
 
 
 def _ops(module: str):
@@ -181,149 +110,25 @@ def _causal_only(variant: str, causal: bool) -> None:
         raise UnsupportedBackend(f"{variant}: fla's kernels are causal only; causal=False is backend='torch'")
 
 
-class _Mapping:
-    """What every mapping shares: the kernels by where they run (``kernels``), the layout its
-    inputs should have (``layout``) and what a call on given inputs runs (``choices``)."""
+class FlaForm(BackendForm):
+    """What every mapping shares: its kernels by where they run (``kernels``, ``{"chunk": name,
+    "recurrent": name}``), refused at once when the core's chunk size is one the chunk kernel does
+    not run; the layout its inputs should have (``input_layout``) and what a call on given inputs
+    runs (``implementation_choices``). A mapping defines ``_parallel``, ``_prefill`` and ``_step``."""
 
-    layout = "bthd"
+    replaces = ("_parallel", "_prefill", "_step", "implementation_choices", "input_layout", "fla_kernels")
+    input_layout = "bthd"
 
-    def choices(self, q, k, v, *, causal=True, **token_inputs) -> dict:
+    def __init__(self, core, kernels: dict):
+        super().__init__(core)
+        self.fla_kernels = kernels
+        accepted = CHUNK_SIZES.get(kernels["chunk"], (DEFAULT_CHUNK,))
+        if core.chunk_size not in accepted:
+            kernel = kernels["chunk"]
+            runs = f"runs chunk_size {', '.join(map(str, accepted))}" if kernel in CHUNK_SIZES else f"has no chunk (leave chunk_size at {DEFAULT_CHUNK})"
+            raise UnsupportedBackend(f"{core.variant_name}: fla's {kernel} {runs}, got chunk_size={core.chunk_size}")
+
+    def implementation_choices(self, q, k, v, *, causal=True, **token_inputs) -> dict:
         """``{"fla_kernel": name, "chunk_size": C}`` for a call on ``q``'s device (C None for a kernel without chunks)."""
-        where = _where(self.core.variant_name, q.device)
-        kernel = self.kernels[where]
+        kernel = self.fla_kernels[_where(self.core.variant_name, q.device)]
         return {"fla_kernel": kernel, "chunk_size": self.core.chunk_size if kernel in CHUNK_SIZES else None}
-
-
-class _LinearMapping(_Mapping):
-    """The sum rule (linear, performer, dpfp, any φ): fla's linear attention on φ(q), φ(k);
-    ``normalize`` is fla's ``normalize``. Unnormalised: scale 1. Normalised, fla divides
-    s φ(q)ᵀS by s φ(q)·z + 1e-10 (s its ``scale``) where we divide φ(q)ᵀS by φ(q)·z + ε with ε = 1e-6;
-    s = 1e-10 / ε makes the two the same function exactly (the states S and z do not depend on s)."""
-
-    def __init__(self, core):
-        from .feature_maps import EPS
-
-        self.core = core
-        self.scale = FLA_LINEAR_EPS / EPS if core.normalize else 1.0
-        self.kernels = {"chunk": "chunk_linear_attn", "recurrent": "fused_recurrent_linear_attn"}
-
-    def _call(self, q, k, v, state, where):
-        core, ops = self.core, _ops("linear_attn")
-        kernel = ops.chunk_linear_attn if where == "chunk" else ops.fused_recurrent_linear_attn
-        initial = None
-        if state is not None:
-            initial = (state.weights, _fla(state.normaliser.unsqueeze(2))) if core.normalize else state.weights
-        out, final = kernel(  # φ acts on each token's last dim: applied in fla's layout, its output is in it too
-            core.phi.for_queries(_fla(q)), core.phi.for_keys(_fla(k)), _fla(v), scale=self.scale, initial_state=initial,
-            output_final_state=state is not None, normalize=core.normalize,
-        )
-        if state is None:
-            return _ours(out), None
-        if core.normalize:
-            weights, normaliser = final
-            return _ours(out), FastWeightState(weights.to(core.state_dtype(v.dtype)), normaliser[:, 0].to(core.state_dtype(v.dtype)))
-        return _ours(out), FastWeightState(final.to(core.state_dtype(v.dtype)), None)
-
-    def parallel(self, q, k, v, causal):
-        _causal_only(self.core.variant_name, causal)
-        return self._call(q, k, v, None, _where(self.core.variant_name, q.device))[0]
-
-    def prefill(self, q, k, v, state):
-        if state is None:
-            state = self.core.init_state(q.shape[0], q.shape[1], v.shape[-1], device=q.device, dtype=q.dtype)
-        return self._call(q, k, v, state, _where(self.core.variant_name, q.device))
-
-    def step(self, q_t, k_t, v_t, state):
-        _where(self.core.variant_name, q_t.device)
-        out, state = self._call(q_t.unsqueeze(2), k_t.unsqueeze(2), v_t.unsqueeze(2), state, "recurrent")
-        return out.squeeze(2), state
-
-
-class _DeltaMapping(_Mapping):
-    """The delta rule (φ and sum normalisation in PyTorch, no attention normaliser) and the gated
-    delta rule: fla's (gated) delta rule on φ(q), φ(k) with scale 1, β as ``beta``, g as ``g``."""
-
-    def __init__(self, core, gated: bool):
-        self.core, self.gated = core, gated
-        rule = "gated_delta_rule" if gated else "delta_rule"
-        self.kernels = {"chunk": f"chunk_{rule}", "recurrent": f"fused_recurrent_{rule}"}
-
-    def _call(self, q, k, v, state, where, beta, log_gate=None):
-        core = self.core
-        ops = _ops("gated_delta_rule" if self.gated else "delta_rule")
-        kernel = getattr(ops, self.kernels[where])
-        if where == "chunk" and not self.gated and q.dtype == torch.float32:
-            raise UnsupportedBackend(f"{core.variant_name}: fla's chunk_delta_rule refuses float32 inputs (its assertion); use bfloat16 or float16")
-        initial = None if state is None else state.weights
-        if where == "recurrent" and torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, beta, log_gate)):
-            if self.gated:
-                raise UnsupportedBackend(
-                    f"{core.variant_name}: fla's fused_recurrent_gated_delta_rule has no backward (NotImplementedError in fla); "
-                    "training through fla runs its chunk kernel, on CUDA"
-                )
-            if initial is not None and not initial.requires_grad:  # fla's backward writes dh0 only for an h0 that requires grad
-                initial = initial.detach().requires_grad_()
-        gate = {"g": _fla(log_gate)} if self.gated else {}
-        chunk = {"chunk_size": core.chunk_size} if where == "chunk" else {}
-        out, final = kernel(
-            core.phi.for_queries(_fla(q)), core.phi.for_keys(_fla(k)), _fla(v), **gate, beta=_fla(beta),
-            scale=1.0, initial_state=initial, output_final_state=state is not None, **chunk,
-        )
-        return _ours(out), None if state is None else FastWeightState(final.to(core.state_dtype(v.dtype)), None)
-
-    def parallel(self, q, k, v, causal, beta, log_gate=None):
-        return self._call(q, k, v, None, _where(self.core.variant_name, q.device), beta, log_gate)[0]
-
-    def prefill(self, q, k, v, state, beta, log_gate=None):
-        if state is None:
-            state = self.core.init_state(q.shape[0], q.shape[1], v.shape[-1], device=q.device, dtype=q.dtype)
-        return self._call(q, k, v, state, _where(self.core.variant_name, q.device), beta, log_gate)
-
-    def step(self, q_t, k_t, v_t, state, beta, log_gate=None):
-        _where(self.core.variant_name, q_t.device)
-        gate = None if log_gate is None else log_gate.unsqueeze(2)
-        out, state = self._call(q_t.unsqueeze(2), k_t.unsqueeze(2), v_t.unsqueeze(2), state, "recurrent", beta.unsqueeze(2), gate)
-        return out.squeeze(2), state
-
-
-class _QuadraticMapping(_Mapping):
-    """Based (φ = the 2nd-order Taylor map of exp(q·k/√d)): fla's ``parallel_based`` with scale
-    1/√d_key, whose 1 + s + s²/2 with s = q·k/√d is φ(q)·φ(k), normalised with the same ε = 1e-6.
-    ReBased: q' = γ_q ⊙ LayerNorm(q) + β_q (and k' with the keys' γ, β) in PyTorch, then fla's
-    ``parallel_rebased`` unscaled with ε = 1e-6, whose (q'·k')² is φ(q)·φ(k). These kernels form
-    no state: prefill and step are refused. Both take ``[B, T, H, D]`` and transpose it back to
-    ``[B, H, T, D]`` (made contiguous) for the kernel: our layout 'bhtd' passes through as views.
-    They compute tiled quadratic attention: ``flops`` counts it as softmax's is counted."""
-
-    layout = "bhtd"
-
-    def __init__(self, core):
-        self.core = core
-        self.based = core.phi_name == "taylor"
-        self.kernels = {"chunk": "parallel_based" if self.based else "parallel_rebased"}
-        self.kernels["recurrent"] = self.kernels["chunk"]
-
-    def parallel(self, q, k, v, causal):
-        from .feature_maps import EPS
-
-        core = self.core
-        _causal_only(core.variant_name, causal)
-        _where(core.variant_name, q.device)
-        if self.based:
-            q, k, v = (x.transpose(1, 2) for x in (q, k, v))  # fla's [B, T, H, D] as views: the kernel transposes back
-            return _ours(_ops("based").parallel_based(q, k, v, scale=core.d_key**-0.5, use_norm=core.normalize))
-        maps = core.phi.query, core.phi.key
-        q, k = (torch.nn.functional.layer_norm(x, (core.d_key,), m.gamma.to(x.dtype), m.beta.to(x.dtype)) for x, m in zip((q, k), maps))
-        q, k, v = (x.transpose(1, 2) for x in (q, k, v))
-        return _ours(_ops("rebased").parallel_rebased(q, k, v, eps=EPS, use_scale=False, use_normalize=core.normalize))
-
-    def flops(self, batch, heads, length, d_value, *, causal=True):
-        """q·k and the weighted sum of the values over the visible pairs, T(T+1)/2 of them when causal
-        (the Taylor or square map of each score is elementwise, not counted)."""
-        pairs = length * (length + 1) // 2 if causal else length * length
-        return 2 * batch * heads * pairs * (self.core.d_key + d_value)
-
-    def _no_state(self, *args, **kwargs):
-        raise UnsupportedBackend(f"{self.core.variant_name}: fla's {self.kernels['chunk']} forms no recurrent state; decoding is backend='torch'")
-
-    prefill = step = _no_state

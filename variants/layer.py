@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import VariantError, create
+from .backends import create
+from .base import VariantError
 from .conv import ShortConv, TokenShift
 
 

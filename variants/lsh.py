@@ -33,6 +33,7 @@ import torch
 
 from .base import AttentionCore, VariantError, register
 from .chunked import causal_read
+from .params import SEED, integer
 
 
 class LSHCache(NamedTuple):
@@ -83,12 +84,15 @@ class LSHAttention(AttentionCore):
 
     supports_noncausal = False
     shared_qk = True
+    PARAMS = {
+        "n_rounds": integer(optional=False),
+        "n_buckets": integer(2, optional=False),
+        "chunk_size": integer(high=None, optional=False),
+        "seed": SEED,
+    }
 
     def __init__(self, d_key, *, n_rounds: int = 1, n_buckets: int = 32, chunk_size: int = 64, seed: int = 0):
         super().__init__(d_key)
-        for label, value, minimum in (("n_rounds", n_rounds, 1), ("n_buckets", n_buckets, 2), ("chunk_size", chunk_size, 1)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-                raise VariantError(f"lsh: {label} must be an int >= {minimum}, got {value!r}")
         if n_buckets % 2:
             raise VariantError(f"lsh: n_buckets must be even (h(x) = argmax([xR; −xR])), got {n_buckets}")
         self.d_dot = None  # attends to a cache of every past token, like softmax
@@ -214,4 +218,3 @@ class LSHAttention(AttentionCore):
 
     def extra_repr(self) -> str:
         return f"d_key={self.d_key}, n_rounds={self.n_rounds}, n_buckets={self.n_buckets}, chunk_size={self.chunk_size}, seed={self.seed}"
-

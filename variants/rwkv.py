@@ -17,9 +17,9 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from .base import AttentionCore, VariantError, register
+from .base import AttentionCore, register
 from .chunked import _chunks, causal_read, wkv_chunked
-from .kernels import check_backend
+from .params import integer
 
 #: The chunked form's work per token grows with C (its [B, H, C, C, D] exponents): on a CPU,
 #: C = 8 was 3.1x faster forward and 1.3x in training than C = 32, with 0.4x the training
@@ -47,12 +47,11 @@ class RWKV(AttentionCore):
     token_shift = True
     supports_noncausal = False
     d_value_is_d_key = True
+    PARAMS = {"chunk_size": integer(high=None, optional=False)}
+    backend_forms = {"fla": "fla's fused_recurrent_rwkv4 (RWKV-4's WKV over [B, T, channels]) is not mapped yet"}
 
-    def __init__(self, d_key, *, chunk_size=DEFAULT_CHUNK, backend="torch"):
+    def __init__(self, d_key, *, chunk_size=DEFAULT_CHUNK):
         super().__init__(d_key)
-        check_backend("rwkv", backend, supported=("torch",))
-        if not isinstance(chunk_size, int) or chunk_size < 1:
-            raise VariantError(f"chunk_size must be a positive int, got {chunk_size!r}")
         self.chunk_size = chunk_size
         self.d_dot = 1  # one decayed average per channel
         self.log_decay = nn.Parameter(torch.linspace(-6.0, 1.0, d_key))

@@ -21,8 +21,9 @@ import torch.backends.cuda as cuda_backends
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from .base import AttentionCore, UnsupportedBackend, VariantError, register
+from .base import AttentionCore, UnsupportedBackend, register
 from .chunked import causal_read
+from .params import positive_number
 
 #: The SDPA kernels the backend option ``sdpa`` pins, by the name a scenario gives ('auto': PyTorch picks per call).
 SDPA_BACKENDS = {
@@ -99,13 +100,12 @@ class Softmax(AttentionCore):
 
     #: The backend options of the PyTorch forms (backends 'torch' and 'compile'): name -> (accepts(value), what it accepts).
     OPTIONS = {"sdpa": (_check_sdpa, " | ".join(SDPA_CHOICES))}
+    PARAMS = {"scale": positive_number()}
     sdpa = "auto"
 
     def __init__(self, d_key, *, scale: float | None = None):
         super().__init__(d_key)
         self.d_dot = None  # no fixed-size memory: the KV cache grows with the sequence
-        if scale is not None and (not isinstance(scale, (int, float)) or scale <= 0):
-            raise VariantError(f"softmax: scale must be a positive number, got {scale!r}")
         self.scale = 1 / math.sqrt(d_key) if scale is None else float(scale)
 
     def _parallel(self, q, k, v, causal):

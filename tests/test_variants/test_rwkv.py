@@ -127,7 +127,7 @@ def test_errors():
         core(x, x, x, causal=False)
     with pytest.raises(variants.VariantError, match=r"^rwkv: this variant takes no beta"):
         core(x, x, x, beta=torch.rand(2, 3, 5, dtype=torch.float64))
-    with pytest.raises(variants.UnsupportedBackend, match=r"rwkv: backend must be one of torch, got 'triton'"):
+    with pytest.raises(variants.UnsupportedBackend, match=r"rwkv: has only the 'torch' backend \(and 'compile' of its PyTorch forms\), got backend='triton'"):
         variants.create("rwkv", 4, backend="triton")
     with pytest.raises(variants.VariantError, match=r"chunk_size must be a positive int, got 0"):
         variants.create("rwkv", 4, chunk_size=0)

@@ -13,17 +13,15 @@ decides at import time whether its kernels run natively or through its interpret
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import os
 
 from ..base import UnsupportedBackend, VariantError
 
-BACKENDS = ("torch", "triton")
 #: The kernel modules, one per rule.
 RULES = ("sum_rule", "delta_rule")
 #: The largest d_dot and d_value the Triton kernels take.
 MAX_HEAD_DIM = 256
-#: ``precision`` of the Triton backend: the dots of float32 inputs, IEEE fp32 (default) or TF32 (sm_80 on).
+#: ``precision`` of the Triton kernels: the dots of float32 inputs, IEEE fp32 (default) or TF32 (sm_80 on).
 PRECISIONS = ("ieee", "tf32")
 #: The chunk sizes the Triton kernels take (``chunk_sizes`` narrows them per rule and d_dot): powers of two ≥ 16,
 #: since a chunk is padded to one (any other size only adds padding). ``attnbench kernels`` compiles every one.
@@ -31,23 +29,6 @@ CHUNK_SIZES = (16, 32, 64, 128)
 #: The delta rule's limits: its backward's [C, C] fp32 tiles need 200 KB of shared memory at C = 128 (over every
 #: target's), and its passes hold [C, d_dot] tiles, which fit a V100's 96 KB up to C · d_dot = 64 · 128.
 DELTA_MAX_CHUNK, DELTA_MAX_CHUNK_TIMES_D_DOT = 64, 64 * 128
-
-
-def check_backend(variant: str, backend: str, supported=BACKENDS) -> None:
-    """Refuse an unknown backend, or one this variant has no implementation for."""
-    if backend not in supported:
-        kind = UnsupportedBackend if backend in BACKENDS else VariantError
-        raise kind(f"{variant}: backend must be one of {', '.join(supported)}, got {backend!r}")
-    if backend == "triton" and importlib.util.find_spec("triton") is None:
-        raise VariantError(f"{variant}: backend='triton' needs the triton package: pip install 'attnbench[triton]'")
-
-
-def check_precision(variant: str, backend: str, precision) -> None:
-    """``precision`` is one of ``PRECISIONS``; "tf32" only with ``backend='triton'`` (the torch forms follow torch's own matmul settings)."""
-    if precision not in PRECISIONS:
-        raise VariantError(f"{variant}: precision must be one of {', '.join(map(repr, PRECISIONS))}, got {precision!r}")
-    if precision != "ieee" and backend != "triton":
-        raise UnsupportedBackend(f"{variant}: precision={precision!r} is a Triton kernel option; use backend='triton' or precision='ieee'")
 
 
 def chunk_sizes(rule: str, d_dot: int) -> tuple[int, ...]:
