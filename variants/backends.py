@@ -39,8 +39,9 @@ class Backend:
     runs = "runs its kernels"
     requires: tuple[str, str] | None = None
 
-    def form(self, core: AttentionCore):
-        """The family's ``BackendForm`` for ``core``, or None for the PyTorch forms; UnsupportedBackend where there is none."""
+    def declared(self, core: AttentionCore):
+        """What builds ``core``'s form here (its family's ``backend_forms`` entry), None for the PyTorch
+        forms; UnsupportedBackend where the family has none."""
         if self.runs_torch_forms:
             return None
         declared = core.backend_forms.get(self.name)
@@ -54,14 +55,17 @@ class Backend:
                 else f"backend must be one of {', '.join(has)}"
             )
             raise UnsupportedBackend(f"{core.variant_name}: {torch_only}, got backend={self.name!r}")
-        return declared(core)
+        return declared
 
     def check(self, core: AttentionCore, dtype=None, device=None):
-        """The form that runs ``core`` here (None: its PyTorch forms), or UnsupportedBackend with the reason."""
+        """The form that runs ``core`` here (None: its PyTorch forms), or UnsupportedBackend with the
+        reason: no form in its family, the backend's package missing, a parameter only other backends
+        honour, what the form refuses for this configuration or for inputs of ``dtype`` on ``device``."""
+        declared = self.declared(core)
         if self.requires is not None and importlib.util.find_spec(self.requires[0]) is None:
             raise UnsupportedBackend(f"{core.variant_name}: backend {self.name!r} needs {self.requires[1]}")
         parameters.check_backend(core, self.name, self.runs)
-        form = self.form(core)
+        form = None if declared is None else declared(core)
         reason = None if form is None else form.refuses(dtype, device)
         if reason is not None:
             raise UnsupportedBackend(reason)
@@ -109,12 +113,11 @@ class _Fla(Backend):
     name = "fla"
     requires = ("fla", "flash-linear-attention: pip install 'attnbench[fla]' (package fla-core)")
 
-    def form(self, core):
-        declared = core.backend_forms.get(self.name)
-        if callable(declared):
-            return declared(core)
+    def declared(self, core):
+        if callable(core.backend_forms.get(self.name)):
+            return core.backend_forms[self.name]
         mapped = ", ".join(name for name in names() if _has_form(core_class(registered(name)), self.name))
-        reason = declared or "flash-linear-attention has no kernel computing this variant's function"
+        reason = core.backend_forms.get(self.name) or "flash-linear-attention has no kernel computing this variant's function"
         raise UnsupportedBackend(f"{core.variant_name}: {reason} (mapped: {mapped})")
 
 

@@ -110,5 +110,5 @@ def check_backend(core, backend: str, runs: str) -> None:
     for name, spec in declared(type(core)).items():
         value = getattr(core, name, spec.default)
         if spec.backends is not None and backend not in spec.backends and value != spec.default:
-            on = " or ".join(f"backend={b!r}" for b in spec.backends)
-            raise UnsupportedBackend(f"{core.variant_name}: {name}={value!r} {spec.scope}; backend={backend!r} {runs} (use {on}, or leave {name} at {spec.default!r})")
+            use = " or ".join(f"backend={b!r}" for b in spec.backends) + f", or leave {name} at {spec.default!r}"
+            raise UnsupportedBackend(f"{core.variant_name}: {name}={value!r} {spec.scope}; backend={backend!r} {runs} (use {use})")

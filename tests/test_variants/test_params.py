@@ -60,7 +60,8 @@ def test_a_parameter_some_backends_honour_is_refused_on_the_others(monkeypatch):
     fla = "flash-linear-attention" if variants.supports("linear", 8, ["fla"])["fla"] is None else None
     reasons = variants.supports("scanned", 8, order="reverse")
     assert reasons["torch"] is None and reasons["compile"] is None
-    expected = "scanned: order='reverse' orders the PyTorch scan; backend='{}' runs its kernels (use backend='torch' or backend='compile', or leave order at 'auto')"
+    expected = "scanned: order='reverse' orders the PyTorch scan; backend='{}' runs its kernels"
+    expected += " (use backend='torch' or backend='compile', or leave order at 'auto')"
     assert reasons["triton"] == expected.format("triton")
     if fla:
         assert reasons["fla"] == expected.format("fla")
