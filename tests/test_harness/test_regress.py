@@ -62,7 +62,8 @@ def history(tmp_path_factory):
     subprocess.run(["tar", "-x", "-C", str(repo)], input=archive, check=True)
     _git(repo, "init", "-q")
     commits = {"plain": _commit(repo, "plain")}
-    _edit(repo, "variants/sum_rule.py", "    def _run(self, q, k, v, state, causal):\n", "    def _run(self, q, k, v, state, causal):\n" + SLEEP)
+    linear = "    def _run(self, q, k, v, state, causal):\n        if causal:\n            scan = sum_rule_parallel"  # SumRule's, not its Triton form's
+    _edit(repo, "variants/sum_rule.py", linear, linear.replace("causal):\n", "causal):\n" + SLEEP, 1))
     commits["slow"] = _commit(repo, "slow linear")
     (repo / "README.md").write_text((repo / "README.md").read_text() + "\nA line of prose.\n")
     commits["readme"] = _commit(repo, "README only")
