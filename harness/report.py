@@ -11,6 +11,7 @@ read it is in docs/reports.md.
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
 import importlib.resources
 import json
 import re
@@ -25,11 +26,10 @@ import seaborn as sns
 from matplotlib.ticker import MaxNLocator, NullLocator
 
 from . import tasks
-from .compare import UNSTABLE_SUFFIX, CompareResult, format_median, is_unstable
+from .compare import CELL_KEY, UNSTABLE_SUFFIX, CompareResult, format_median, identify, is_unstable, latest
 from .figures import FAILURE_MARK, Figures, Plot, Table, natural, natural_columns, new_figure, table
 from .formatting import MIB, flag, format_ratio, format_seconds, fraction, gib, mib, percent, present, si, text
 from .frontier import cell_flags, frontier_plot
-from .identity import CELL_KEY, identify, latest
 from .results import FAILED, load, read_records
 from .seeds import seed_table
 
@@ -599,12 +599,21 @@ def _statuses(cells: pd.DataFrame) -> str:
 
 def baseline_backend(runs: list[dict], cells: pd.DataFrame) -> str | None:
     """The backend a scenario's report divides the others by (``report.baseline_backend``): as its
-    latest run line records it; for a file written before run lines recorded it (commit 3601d8f),
-    'torch' when the cells have it. Read from the results file alone: the report never loads
-    a scenario."""
-    run = max(runs, key=lambda run: run["started_at"], default={})
+    latest run line records it, else as its scenario file says while that file is still the one
+    measured (same sha256, preset and overrides reloaded), else 'torch' when the cells have it."""
+    if not runs:
+        return "torch" if "torch" in set(cells["backend"]) else None
+    run = max(runs, key=lambda run: run["started_at"])
     if "report" in run:
         return (run["report"] or {}).get("baseline_backend")
+    path = Path(run.get("scenario_file") or "")
+    if path.is_file() and hashlib.sha256(path.read_bytes()).hexdigest() == run.get("scenario_sha256"):
+        from .scenario import ScenarioError, load_scenario
+
+        try:
+            return load_scenario(str(path), preset=run.get("preset"), overrides=run.get("overrides") or []).scenario.report.baseline_backend
+        except ScenarioError:
+            pass
     return "torch" if "torch" in set(cells["backend"]) else None
 
 

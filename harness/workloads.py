@@ -12,8 +12,6 @@ import contextlib
 import functools
 import gc
 import os
-from collections.abc import Callable
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -21,163 +19,13 @@ import torch
 import variants
 from variants.compiled import compiled_frames
 
-from . import tasks
-from .busyness import LoadMeter, other_cores_now, spare_threads
+from . import accuracy, tasks
+from .builders import BUILDERS, CellError, attention_inputs, build_core, build_decoder
+from .load import LoadMeter, other_cores_now, spare_threads
 from .machine import missing_tensor_cores
 from .measure import Clock, PeakMemory, on_device, sample_until_stable, synchronize, time_callable, usual_allocator
 from .roofline import DTYPES
 from .tasks.precision import TRAIN_DTYPES
-
-
-class CellError(ValueError):
-    """A cell that cannot be built as specified (recorded as an error, the sweep goes on)."""
-
-
-@dataclass
-class Workload:
-    """One iteration (``run``) with how many tokens and FLOPs it processes and the bytes no
-    implementation can avoid moving (``min_bytes``: docs/results.md, "Roofline")."""
-
-    run: Callable[[], torch.Tensor]
-    tokens: int
-    flops: int
-    min_bytes: int
-
-
-def tensor_bytes(tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
-def _module_bytes(module) -> int:
-    """Bytes of a module's parameters and buffers (read at least once per call)."""
-    return tensor_bytes(module.parameters()) + tensor_bytes(module.buffers())
-
-
-def _generator(device):
-    return torch.Generator(device=device).manual_seed(0)
-
-
-def _backend(cell) -> dict:
-    """The cell's backend and its options (``backend_options``), as ``variants.create`` takes them."""
-    return {"backend": cell["backend"], "backend_options": cell.get("backend_options") or {}}
-
-
-def _core(cell):
-    return variants.create(cell["variant"], cell["axes"]["d_key"], **_backend(cell), **cell["params"])
-
-
-def _attention_inputs(core, axes, device, dtype, requires_grad) -> dict:
-    """The core's own example inputs (q, k, v and whatever per-token inputs it declares) for the
-    cell's shape, drawn from a generator seeded 0 on ``device``."""
-    return core.example_inputs(
-        axes["batch"], axes["heads"], axes["seq_len"], axes["d_value"], device=device, dtype=dtype, generator=_generator(device),
-        requires_grad=requires_grad,
-    )
-
-
-def _core_workload(cell, device, dtype) -> Workload:
-    axes = cell["axes"]
-    core = _core(cell).to(device=device, dtype=dtype)
-    train = cell["mode"] == "train"
-    inputs = _attention_inputs(core, axes, device, dtype, train)
-    flops = core.flops(axes["batch"], axes["heads"], axes["seq_len"], axes["d_value"])
-    read = tensor_bytes(inputs.values())
-    output = axes["batch"] * axes["heads"] * axes["seq_len"] * axes["d_value"] * inputs["v"].element_size()
-    if not train:
-        return Workload(torch.no_grad()(lambda: core(**inputs)), axes["batch"] * axes["seq_len"], flops, read + output + _module_bytes(core))
-    leaves = list(inputs.values())
-    cotangent = torch.randn_like(inputs["v"])
-
-    def forward_backward():
-        out = core(**inputs)
-        torch.autograd.grad(out, leaves, cotangent)
-        return out.detach()
-
-    # inputs read and their gradients written, output written and its cotangent read
-    return Workload(forward_backward, axes["batch"] * axes["seq_len"], 3 * flops, 2 * (read + output) + _module_bytes(core))
-
-
-def _layer(cell, device, dtype):
-    axes = cell["axes"]
-    layer = variants.AttentionLayer(
-        axes["heads"] * axes["d_value"],
-        axes["heads"],
-        cell["variant"],
-        d_key=axes["d_key"],
-        d_value=axes["d_value"],
-        **_backend(cell),
-        **cell["params"],
-    )
-    return layer.to(device=device, dtype=dtype)
-
-
-def _layer_flops(layer, axes) -> int:
-    """The core's FLOPs plus 2 per weight per token for the projections."""
-    projections = sum(p.numel() for name, p in layer.named_parameters() if name.endswith("weight") and not name.startswith("core"))
-    tokens = axes["batch"] * axes["seq_len"]
-    return layer.core.flops(axes["batch"], axes["heads"], axes["seq_len"], axes["d_value"]) + 2 * projections * tokens
-
-
-def _layer_workload(cell, device, dtype) -> Workload:
-    axes = cell["axes"]
-    layer = _layer(cell, device, dtype)
-    x = torch.randn(axes["batch"], axes["seq_len"], axes["heads"] * axes["d_value"], generator=_generator(device), device=device)
-    x = x.to(dtype)
-    tokens, flops = axes["batch"] * axes["seq_len"], _layer_flops(layer, axes)
-    read = tensor_bytes([x]) + _module_bytes(layer)
-    if cell["mode"] != "train":
-        return Workload(torch.no_grad()(lambda: layer(x)), tokens, flops, read + tensor_bytes([x]))
-    x.requires_grad_(True)
-    leaves = [x, *layer.parameters()]
-
-    def forward_backward():
-        out = layer(x)
-        torch.autograd.grad(out.float().square().mean(), leaves)
-        return out.detach()
-
-    # x and the weights read and their gradients written, the output written
-    return Workload(forward_backward, tokens, 3 * flops, 2 * read + tensor_bytes([x]))
-
-
-def _model_workload(cell, device, dtype) -> Workload:
-    from .models import DecoderLM, lm_config
-
-    axes, spec = cell["axes"], cell["model"]
-    variant_params = dict(cell["params"], **_backend(cell))
-    config = lm_config(spec["preset"], spec["vocab_size"], variant=cell["variant"], variant_params=variant_params, **spec["overrides"])
-    d_head = config.d_model // config.n_heads
-    if (axes["heads"], axes["d_key"]) != (config.n_heads, d_head):
-        raise CellError(
-            f"model preset {spec['preset']!r} has {config.n_heads} heads of dimension {d_head}; "
-            f"set axes.heads={config.n_heads} and axes.d_key={d_head} (got heads={axes['heads']}, d_key={axes['d_key']})"
-        )
-    if axes["seq_len"] > config.context:
-        raise CellError(f"seq_len={axes['seq_len']} exceeds the model's context {config.context}")
-    model = DecoderLM(config).to(device=device, dtype=dtype)
-    gen = _generator(device)
-    tokens = torch.randint(config.vocab_size, (axes["batch"], axes["seq_len"] + 1), generator=gen, device=device)
-    inputs, targets = tokens[:, :-1], tokens[:, 1:]
-    count = axes["batch"] * axes["seq_len"]
-    attention = model.blocks[0].attn.core.flops(axes["batch"], config.n_heads, axes["seq_len"], d_head)
-    dense = sum(p.numel() for name, p in model.named_parameters() if p.dim() == 2 and "pos" not in name)
-    flops = 2 * dense * count + config.n_layers * attention
-    if cell["mode"] != "train":
-        logits = count * config.vocab_size * torch.finfo(dtype).bits // 8
-        return Workload(torch.no_grad()(lambda: model(inputs)), count, flops, tensor_bytes([inputs]) + _module_bytes(model) + logits)
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
-
-    def train_step():
-        optimizer.zero_grad(set_to_none=True)
-        loss = model.loss(inputs, targets)
-        loss.backward()
-        optimizer.step()
-        return loss.detach()
-
-    # the tokens read; the weights and Adam's two moments read and written (gradients fused away)
-    return Workload(train_step, count, 3 * flops, tensor_bytes([tokens]) + 6 * tensor_bytes(model.parameters()))
-
-
-BUILDERS = {"core": _core_workload, "layer": _layer_workload, "model": _model_workload}
 
 
 def _finite(output) -> bool:
@@ -262,7 +110,21 @@ def _measure(cell, device, dtype) -> dict:
     }
     if cell["target"] == "model":
         metrics["words_per_s"] = metrics["tokens_per_s"]
-    return _compile_record(cell, _result(finite, metrics), first_call_s, compiled_before)
+    result = _compile_record(cell, _result(finite, metrics), first_call_s, compiled_before)
+    result["metrics"].update(_accuracy(lambda: accuracy.measure(cell, device, dtype, workload)))
+    return result
+
+
+def _accuracy(check) -> dict:
+    """``check()``: ``metrics.rel_error``, its tolerance and ``inaccurate`` (``harness.accuracy``),
+    outside every timed call; no rel_error where the float64 reference ran out of memory
+    (``rel_error_skipped`` says so)."""
+    try:
+        return check()
+    except Exception as exc:
+        if not is_out_of_memory(exc):
+            raise
+        return {"rel_error": None, "rel_error_skipped": f"the float64 reference ran out of memory: {str(exc).splitlines()[0]}"}
 
 
 def _implementation_choices(cell, device, dtype) -> dict:
@@ -270,8 +132,8 @@ def _implementation_choices(cell, device, dtype) -> dict:
     fla: ``fla_kernel`` and ``chunk_size``), asked before anything runs, so that a pinned choice
     that cannot run them skips the cell with the core's reason (UnsupportedBackend). The inputs
     require grad in a train cell, as SDPA's dispatcher weighs that too."""
-    core = _core(cell).to(device=device, dtype=dtype)
-    return core.implementation_choices(**_attention_inputs(core, cell["axes"], device, dtype, cell["mode"] == "train"))
+    core = build_core(cell).to(device=device, dtype=dtype)
+    return core.implementation_choices(**attention_inputs(core, cell["axes"], device, dtype, cell["mode"] == "train"))
 
 
 def _kernel_identity(cell):
@@ -318,8 +180,8 @@ def _warm_up_libraries(cell, device, dtype) -> float:
         if cell["mode"] == "decode":
             with torch.no_grad():  # the decoder of the measurement (same shapes and strides), two steps: a growing KV cache recompiles once
                 new_tokens = cell["decode"]["new_tokens"]
-                _, prefill, step, _ = _decoder(cell, device, dtype, cell["axes"]["seq_len"], new_tokens)
-                _, seconds = clock(lambda: functools.reduce(lambda state, i: step(i, state)[1], range(min(2, new_tokens)), prefill()[1]))
+                decoder = build_decoder(cell, device, dtype, cell["axes"]["seq_len"], new_tokens)
+                _, seconds = clock(lambda: functools.reduce(lambda state, i: decoder.step(i, state)[1], range(min(2, new_tokens)), decoder.prefill()[1]))
         else:
             _, seconds = clock(BUILDERS[cell["target"]](cell, device, dtype).run)
     except Exception as exc:
@@ -364,7 +226,8 @@ def _measure_decode(cell, device, dtype) -> dict:
 
     with torch.no_grad():
         with PeakMemory(device) as peak:
-            core, prefill, step, step_bytes = _decoder(cell, device, dtype, context, new_tokens)
+            decoder = build_decoder(cell, device, dtype, context, new_tokens)
+            core, prefill, step, step_bytes = decoder[:4]
             decode_round()
         with usual_allocator():
             for _ in range(measure["warmup"]):
@@ -392,6 +255,7 @@ def _measure_decode(cell, device, dtype) -> dict:
         "min_bytes": sum(_state_traffic(core, axes, context + i) * torch.finfo(core.state_dtype(dtype)).bits // 8 + step_bytes for i in range(new_tokens)),
         "flops_per_s": flops / timing.median_s,
         "torch_threads": torch.get_num_threads(),
+        **_accuracy(lambda: accuracy.measure_decode(cell, device, dtype, decoder)),
     }
     return _result(finite, metrics)
 
@@ -401,29 +265,6 @@ def _state_traffic(core, axes, position: int) -> int:
     read; written, what it adds (a KV cache) or all of it (a state of fixed size)."""
     before, after = (core.state_numel(axes["batch"], axes["heads"], axes["d_value"], length) for length in (position, position + 1))
     return before + (after - before if after != before else after)
-
-
-def _decoder(cell, device, dtype, context, new_tokens):
-    """``(core, prefill() -> (out, state), step(i, state) -> (out, state), step_bytes)`` for a
-    decode cell; ``step_bytes``: what a step reads and writes besides the state (its token's
-    inputs, its output, the weights)."""
-    axes = cell["axes"]
-    total = dict(axes, seq_len=context + new_tokens)
-    if cell["target"] == "core":
-        core = _core(cell).to(device=device, dtype=dtype)
-        inputs = _attention_inputs(core, total, device, dtype, False)
-        # the prompt in the core's layout and each token's inputs contiguous, so that no timed call copies them
-        prompt = {name: variants.in_layout(x, core.input_layout) for name, x in variants.time_slice(inputs, 0, context).items()}
-        tokens = [{name: x.contiguous() for name, x in variants.token_slice(inputs, context + i).items()} for i in range(new_tokens)]
-        prefill = lambda: core.prefill(**prompt)  # noqa: E731
-        step = lambda i, state: core.step(**tokens[i], state=state)  # noqa: E731
-        output = axes["batch"] * axes["heads"] * axes["d_value"] * inputs["v"].element_size()
-        return core, prefill, step, tensor_bytes(variants.token_slice(inputs, context).values()) + output + _module_bytes(core)
-    layer = _layer(cell, device, dtype)
-    x = torch.randn(axes["batch"], context + new_tokens, axes["heads"] * axes["d_value"], generator=_generator(device), device=device)
-    x = x.to(dtype)
-    step_bytes = 2 * tensor_bytes([x[:, context]]) + _module_bytes(layer)  # the token in, its output out, the weights
-    return layer.core, (lambda: layer.prefill(x[:, :context])), (lambda i, state: layer.step(x[:, context + i], state)), step_bytes
 
 
 def _result(finite: bool, metrics: dict) -> dict:
@@ -436,4 +277,3 @@ def is_out_of_memory(exc: BaseException) -> bool:
         return True
     text = str(exc).lower()
     return isinstance(exc, RuntimeError) and ("out of memory" in text or "can't allocate memory" in text)
-

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from harness import roofline
+from harness.builders import BUILDERS, build_decoder
 from harness.results import load, read_records
-from harness.workloads import BUILDERS, _decoder, _state_traffic
+from harness.workloads import _state_traffic
 
 CALIBRATION = {"matmul_flops_per_s": {"float32": 1e11}, "bandwidth_bytes_per_s": 1e10}
 
@@ -83,10 +84,10 @@ def test_min_bytes_of_the_layer_counts_its_weights():
 def test_decode_state_traffic():
     """A KV cache is read whole and grows by one token; a fixed state is read and written whole."""
     cell = _cell("softmax", "decode")
-    core, *_ = _decoder(cell, torch.device("cpu"), torch.float32, 16, 1)
+    core, *_ = build_decoder(cell, torch.device("cpu"), torch.float32, 16, 1)
     assert _state_traffic(core, cell["axes"], 16) == 2 * 3 * (16 + 1) * (4 + 5)
     cell = _cell("linear", "decode")
-    core, *_ = _decoder(cell, torch.device("cpu"), torch.float32, 16, 1)
+    core, *_ = build_decoder(cell, torch.device("cpu"), torch.float32, 16, 1)
     state = core.state_numel(2, 3, 5, 16)
     assert _state_traffic(core, cell["axes"], 16) == 2 * state
 

@@ -136,7 +136,7 @@ def test_the_reports_side_by_side_tables_mark_unstable_times(tmp_path):
 
 def test_the_threads_of_a_cpu_measurement_leave_the_busy_cores_alone():
     """Half a core of other work takes a core; at least one thread is left; fewer threads stay."""
-    from harness.busyness import busy_cores, spare_threads
+    from harness.load import busy_cores, spare_threads
 
     assert [busy_cores(load) for load in (None, 0.0, 0.49, 0.5, 1.4, 1.5, 3.7)] == [0, 0, 0, 1, 1, 2, 4]
     assert [spare_threads(8, 8, load) for load in (None, 0.2, 0.6, 2.5, 7.9, 12.0)] == [8, 8, 7, 5, 1, 1]
@@ -153,7 +153,7 @@ def _cells(tmp_path, device: str = "cpu", **measure) -> list[dict]:
 
 
 def test_a_busy_machine_is_announced_before_cpu_cells(tmp_path):
-    from harness.busyness import busy_warning
+    from harness.load import busy_warning
 
     cells = _cells(tmp_path)
     line = busy_warning(cells, 1.6, 2)
@@ -191,7 +191,6 @@ def test_attnbench_run_says_so_before_the_first_cell(tmp_path, monkeypatch, caps
     the checks and before the worker starts (stopped there as Ctrl-C would, to stay quick)."""
     import harness.runner
     from harness.cli import EXIT_INTERRUPTED, main
-    from harness.executors.local import LocalExecutor
 
     _cells(tmp_path)
     monkeypatch.setattr(harness.runner, "other_cores_now", lambda: os.cpu_count() - 0.4)
@@ -201,7 +200,7 @@ def test_attnbench_run_says_so_before_the_first_cell(tmp_path, monkeypatch, caps
         before_first_cell.append(capsys.readouterr().err)
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(LocalExecutor, "start", start)
+    monkeypatch.setattr(harness.runner.LocalExecutor, "start", start)
     assert main(["run", str(tmp_path / "tiny.yaml"), "--out", str(tmp_path / "out"), "--no-progress"]) == EXIT_INTERRUPTED
     (err,) = before_first_cell
     assert err.startswith("warning: the machine is busy:") and "the CPU timings of 1 cell(s) will be unreliable" in err, err

@@ -153,18 +153,19 @@ def test_a_compiled_cell_records_its_compile_time_and_times_no_compilation(tmp_p
 
 
 def test_the_reports_baseline_backend(tmp_path):
-    """The run line's report.baseline_backend, else torch: the report reads results files only, so
-    a run line of a file older than that field (commit 3601d8f) gets torch even while the scenario
-    file it names says otherwise."""
+    """The run line's report.baseline_backend, else the scenario file's while it is the one measured, else torch."""
     cells = pd.DataFrame({"backend": ["torch", "compile"]})
     assert baseline_backend([], cells) == "torch"
     assert baseline_backend([], cells.iloc[1:]) is None
     assert baseline_backend([{"started_at": "1", "report": {"baseline_backend": "compile"}}], cells) == "compile"
     path = tmp_path / "s.yaml"
     path.write_text(BASE + "backends: [torch, compile]\nreport: {baseline_backend: compile}\n")
-    old = {"started_at": "2", "scenario_file": str(path), "scenario_sha256": hashlib.sha256(path.read_bytes()).hexdigest(), "preset": None, "overrides": []}
-    assert baseline_backend([old], cells) == "torch"
-    assert baseline_backend([old, {"started_at": "3", "report": {"baseline_backend": "compile"}}], cells) == "compile"
+    run = {"started_at": "2", "scenario_file": str(path), "scenario_sha256": hashlib.sha256(path.read_bytes()).hexdigest(), "preset": None, "overrides": []}
+    gone = {"started_at": "1", "scenario_file": str(tmp_path / "gone.yaml"), "scenario_sha256": "0"}
+    assert baseline_backend([gone], cells) == "torch"
+    assert baseline_backend([gone, run], cells) == "compile"
+    path.write_text(BASE + "backends: [torch, compile]\n")
+    assert baseline_backend([run], cells) == "torch", "a scenario file changed since the run is not the one measured"
 
 
 @pytest.mark.slow

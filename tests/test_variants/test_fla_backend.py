@@ -19,7 +19,7 @@ from helpers import assert_close, check_forms, config_id, make_inputs, to
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import variants
-from harness import workloads
+from harness import builders, workloads
 from harness.scenario import load_scenario
 from variants import fla_backend
 
@@ -331,9 +331,9 @@ def test_a_decode_cell_copies_no_input_in_its_prefill_or_steps(tmp_path, monkeyp
     (cell,) = load_scenario(str(path)).cells()
     core = variants.create(name, 4, backend="fla")
     monkeypatch.setattr(fla_backend._ops("linear_attn" if name == "linear" else "gated_delta_rule"), core.fla_kernels["recurrent"], _RecordingKernel())
-    _, prefill, step, _ = workloads._decoder(cell, torch.device("cpu"), torch.float32, 6, 3)
+    decoder = builders.build_decoder(cell, torch.device("cpu"), torch.float32, 6, 3)
     with torch.no_grad(), _Copies() as log:
-        _, state = prefill()
+        _, state = decoder.prefill()
         for i in range(3):
-            _, state = step(i, state)
+            _, state = decoder.step(i, state)
     assert log.copies == [], f"copies inside the timed prefill and steps: {log.copies}"

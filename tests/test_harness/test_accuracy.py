@@ -1,0 +1,109 @@
+"""Accuracy beside speed (issue 32, item 1): every timed cell's relative L2 error against the float64
+reference of the same variant on the same inputs (``harness.accuracy``), with its dtype's tolerance."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import variants
+from harness import accuracy, workloads
+from harness.builders import BUILDERS, build_decoder
+from harness.plugins import load_plugins
+from variants.precision import REL_ERROR_TOLERANCE
+
+PLUGIN = str(Path(__file__).with_name("inaccurate_plugin.py"))
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def _cell(variant, mode, *, target="core", dtype="float32", seq_len=12, **axes):
+    return {
+        "variant": variant, "params": {}, "backend": "torch", "target": target, "mode": mode,
+        "axes": {"seq_len": seq_len, "batch": 2, "heads": 2, "d_key": 8, "d_value": 8, "device": "cpu", "dtype": dtype, **axes},
+        "decode": {"new_tokens": 3}, "model": {"preset": "cpu", "vocab_size": 40, "overrides": {"n_layers": 1, "d_model": 32, "n_heads": 2, "d_ff": 64}},
+    }  # fmt: skip
+
+
+@pytest.fixture
+def off_by_one_percent():
+    """The plugin's variant, registered once per process."""
+    if "off_by_one_percent" not in variants.names():
+        load_plugins([PLUGIN])
+    return "off_by_one_percent"
+
+
+def _metrics(cell) -> dict:
+    device, dtype = torch.device("cpu"), DTYPES[cell["axes"]["dtype"]]
+    if cell["mode"] == "decode":
+        decoder = build_decoder(cell, device, dtype, cell["axes"]["seq_len"], cell["decode"]["new_tokens"])
+        return accuracy.measure_decode(cell, device, dtype, decoder)
+    return accuracy.measure(cell, device, dtype, BUILDERS[cell["target"]](cell, device, dtype))
+
+
+@pytest.mark.parametrize("mode", ["forward", "train", "decode"])
+@pytest.mark.parametrize("name", variants.names())
+def test_every_variant_is_within_float32_tolerance(name, mode):
+    metrics = _metrics(_cell(name, mode))
+    assert metrics["rel_error"] < 1e-5 and not metrics["inaccurate"], metrics
+    assert metrics["rel_error_tolerance"] == REL_ERROR_TOLERANCE[torch.float32] and metrics["rel_error_reference"] == "reference"
+
+
+@pytest.mark.parametrize(("target", "mode"), [("layer", "forward"), ("layer", "train"), ("layer", "decode"), ("model", "forward"), ("model", "train")])
+@pytest.mark.parametrize("name", ["softmax", "gated_delta"])
+def test_layers_and_models_are_checked_against_their_float64_twin(name, target, mode):
+    axes = {"heads": 2, "d_key": 16, "d_value": 16} if target == "model" else {}
+    metrics = _metrics(_cell(name, mode, target=target, **axes))
+    assert metrics["rel_error"] < 1e-5 and metrics["rel_error_reference"] == "torch float64", metrics
+
+
+@pytest.mark.parametrize("mode", ["forward", "train"])
+def test_bfloat16_is_judged_by_its_own_tolerance(mode):
+    metrics = _metrics(_cell("delta", mode, dtype="bfloat16"))
+    assert 1e-4 < metrics["rel_error"] < metrics["rel_error_tolerance"] == REL_ERROR_TOLERANCE[torch.bfloat16], metrics
+    assert not metrics["inaccurate"]
+
+
+@pytest.mark.parametrize("mode", ["forward", "train", "decode"])
+def test_a_variant_one_percent_off_is_inaccurate(mode, off_by_one_percent):
+    """The plugin's parallel form is 1.01 × right: forward and train are caught (about 1e-2 against
+    1e-4); its decode steps are right, and so judged."""
+    metrics = _metrics(_cell(off_by_one_percent, mode))
+    if mode == "decode":
+        assert metrics["rel_error"] < 1e-5 and not metrics["inaccurate"], metrics
+    else:
+        assert metrics["rel_error"] == pytest.approx(1e-2, rel=0.05) and metrics["inaccurate"], metrics
+
+
+def test_the_compared_rows_are_recorded(off_by_one_percent):
+    """The reference runs on the first ``REFERENCE_ROWS`` rows of batch and heads (recorded)."""
+    metrics = _metrics(_cell(off_by_one_percent, "forward", batch=3, heads=3))
+    assert metrics["rel_error_rows"] == accuracy.REFERENCE_ROWS == 1 and metrics["inaccurate"]
+
+
+def test_long_sequences_take_the_float64_torch_form(monkeypatch):
+    monkeypatch.setattr(accuracy, "REFERENCE_MAX_TOKENS", 8)
+    for mode in ("forward", "decode"):
+        metrics = _metrics(_cell("linear", mode))
+        assert metrics["rel_error_reference"] == "torch float64" and metrics["rel_error"] < 1e-5, metrics
+
+
+def test_tf32_dots_are_judged_as_ten_bits_of_mantissa():
+    assert accuracy.tolerance(torch.float32, {"precision": "tf32"}) == REL_ERROR_TOLERANCE[torch.float16]
+    assert accuracy.tolerance(torch.float32, {}) == REL_ERROR_TOLERANCE[torch.float32]
+    assert accuracy.record(float("nan"), torch.float32, {}, "reference")["inaccurate"]
+
+
+def test_a_reference_out_of_memory_leaves_the_timing_and_says_why():
+    def check():
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 8.00 GiB")
+
+    metrics = workloads._accuracy(check)
+    assert metrics["rel_error"] is None and "ran out of memory: CUDA out of memory" in metrics["rel_error_skipped"]
+
+
+def test_a_timed_cell_records_its_accuracy():
+    cell = _cell("linear", "train") | {"measure": {"warmup": 0, "repeats": 2, "target_rel_ci": None, "flush_l2": False, "cpus": None}}
+    result = workloads.measure_cell(cell)
+    assert result["status"] == "ok" and 0 < result["metrics"]["rel_error"] < 1e-5 and result["metrics"]["inaccurate"] is False, result
