@@ -64,6 +64,8 @@ MAX_DEPTH = 64
 MAX_FILE_BYTES = ("ATTNBENCH_MAX_SCENARIO_BYTES", 1_000_000)
 MAX_NODES = ("ATTNBENCH_MAX_SCENARIO_NODES", 100_000)
 MAX_CELLS = ("ATTNBENCH_MAX_CELLS", 100_000)
+#: The most tokens a decode cell generates (its steps' latencies are kept one by one).
+MAX_NEW_TOKENS = 1 << 16
 
 
 class Strict(BaseModel):
@@ -148,7 +150,7 @@ class Measure(StrictSettings):
 
 
 class Decode(StrictSettings):
-    new_tokens: int = Field(64, ge=1)
+    new_tokens: int = Field(64, ge=1, le=MAX_NEW_TOKENS, description="steps timed after the prefill (each a Python call; the state or cache grows with them)")
 
 
 class Rules(StrictSettings):

@@ -1,0 +1,40 @@
+"""Task configs (a scenario's ``task:`` section) are strict and bounded: an unknown key, a value
+of the wrong type or a size that would take the machine's memory is refused when the scenario
+loads, in one line naming the field (issue 36). Every shipped scenario and preset stays within
+the bounds (tests/test_harness/test_scenario.py expands each)."""
+
+from __future__ import annotations
+
+import pytest
+
+from harness.scenario import ScenarioError, load_scenario
+
+
+@pytest.mark.parametrize(
+    ("scenario", "override", "expected"),
+    [
+        ("quality/mqar", "task.bogus=1", "task.mqar.bogus: Extra inputs are not permitted"),
+        ("quality/mqar", "task.steps=true", "task.mqar.steps: Input should be a valid integer"),
+        ("quality/mqar", "task.lr='1e-3'", "task.mqar.lr: Input should be a valid number"),
+        ("quality/mqar", "task.vocab_size=1000000000000", "task.mqar.vocab_size: Input should be less than or equal to 1048576"),
+        ("quality/mqar", "task.batch=1000000000", "task.mqar.batch: Input should be less than or equal to 65536"),
+        ("quality/mqar", "task.seed=-1", "task.mqar.seed: Input should be greater than or equal to 0"),
+        ("quality/retrieval-capacity", "task.lr=.inf", "task.lr: expected a finite number"),
+        ("quality/retrieval-capacity", "task.max_steps=10000000000", "task.retrieval.max_steps: Input should be less than or equal to 1000000000"),
+        ("quality/copy", "task.d_model=100000000", "task.copy.d_model: Input should be less than or equal to 65536"),
+        ("quality/copy", "task.n_symbols=1000000000000", "task.copy.n_symbols: Input should be less than or equal to 1048576"),
+        ("quality/image-gen", "task.speed_pixels=[1000000000]", "task.image-gen.speed_pixels.0: Input should be less than or equal to 1048576"),
+        ("quality/lm-wikitext", "task.model_overrides.n_layers=abc", "task.lm.model_overrides: n_layers: expected an integer from 1 to 1024"),
+        ("quality/lm-wikitext", "task.model_overrides.d_model=1000000000", "task.lm.model_overrides: d_model: expected an integer from 1 to 65536"),
+        ("quality/lm-wikitext", "task.segment={kind: rmt, memory: 100000000}", "task.lm.segment: segment.memory: expected at most 1048576"),
+        ("quality/mt-multi30k", "task.vocab_size=1000000000", "task.mt.vocab_size: Input should be less than or equal to 1048576"),
+        ("decode", "decode.new_tokens=1000000000", "decode.new_tokens: Input should be less than or equal to 65536"),
+    ],
+)
+def test_a_task_setting_out_of_bounds_or_of_the_wrong_type_is_refused_in_one_line(scenario, override, expected):
+    with pytest.raises(ScenarioError) as caught:
+        load_scenario(scenario, preset="ci", overrides=[override])
+    message = str(caught.value)
+    assert expected in message, message
+    assert len(message.splitlines()) == 2, "the file, then one line naming the field"
+
