@@ -86,14 +86,15 @@ def _run(args) -> int:
 
 
 def _executor(args, plugins: list[str]):
-    """The executor ``--executor`` names: the local worker, or Ray (harness.ray_executor)."""
-    from . import runner
+    """The executor ``--executor`` names: the local worker, or Ray (harness.executors.ray)."""
+    from .executors.local import LocalExecutor
+    from .runner import RunError
 
     if args.executor == "local":
         if args.address or args.cells_per_node != 1:
-            raise runner.RunError("--address and --cells-per-node are options of --executor ray")
-        return runner.LocalExecutor(plugins)
-    from .ray_executor import RayExecutor
+            raise RunError("--address and --cells-per-node are options of --executor ray")
+        return LocalExecutor(plugins)
+    from .executors.ray import RayExecutor
 
     return RayExecutor(plugins, address=args.address, cells_per_node=args.cells_per_node)
 

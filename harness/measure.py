@@ -183,7 +183,7 @@ def _glibc():
 @contextmanager
 def usual_allocator():
     """Time with the allocator every other process has. A worker that measures CPU peak
-    memory starts with glibc's mmap threshold at 64 KiB and trimming on (runner.WORKER_ENV),
+    memory starts with glibc's mmap threshold at 64 KiB and trimming on (worker.WORKER_ENV),
     so that freed tensors leave the resident set; every large allocation then costs fresh
     pages (measured: chunked linear attention and the delta rule at T=1024 took 2.3x the CPU
     time). Inside this block glibc gets the thresholds its dynamic defaults settle at
@@ -212,7 +212,7 @@ class PeakMemory:
     resident set (VmHWM, reset through /proc/self/clear_refs) above its resident set at
     the start, after freed heap blocks are handed back (kind ``rss_peak_delta``); this
     counts every allocation, PyTorch's or not. It is exact in a worker whose large
-    allocations are mmapped (runner.WORKER_ENV); elsewhere glibc may serve small blocks
+    allocations are mmapped (worker.WORKER_ENV); elsewhere glibc may serve small blocks
     from pages that were already resident. Where
     neither is available, ``bytes`` is None (kind ``unavailable``).
     """

@@ -8,7 +8,8 @@
 3. The configurations whose files the diff changes are measured (all with ``all_variants``).
 4. Their cells are measured in rounds, base and head alternating (base head, head base, ...),
    each side in a fresh worker process running its own revision's ``harness`` and
-   ``variants`` (``runner.Worker(code_root=...)``), with its own Triton cache.
+   ``variants`` (``worker.Worker(code_root=...)``), with its own Triton cache, through the
+   run loop of ``attnbench run`` (``runner.measure_cells``).
 5. Each cell's rounds are pooled into one record, one results file per side is written and
    the two are compared (``harness.compare``).
 
@@ -35,8 +36,10 @@ from tqdm import tqdm
 
 from . import machine, runner
 from .compare import EXIT_OK, EXIT_REGRESSION, CompareResult, compare
+from .executors import main_device, unmeasured
+from .executors.local import LocalExecutor
 from .measure import Timing
-from .results import ResultsWriter
+from .results import ResultsWriter, cell_record, run_header
 from .scenario import LoadedScenario, describe
 
 SIDES = ("base", "head")
@@ -224,10 +227,28 @@ def pool(records: list[dict]) -> dict:
     return {**first, "metrics": metrics, "duration_s": sum(record["duration_s"] for record in records)}
 
 
+class _Rounds:
+    """The run loop's journal of one revision's round: each cell's record kept with its earlier rounds' (``pool`` makes one of them)."""
+
+    def __init__(self, measured: dict, run_id: str):
+        self.measured, self.run_id = measured, run_id
+
+    def run_line(self, fingerprint: dict, node_id) -> None:
+        """Nothing yet: each side's file gets its run line with the pooled records."""
+
+    def starting(self, cell: dict) -> None:
+        pass
+
+    def cell_line(self, cell: dict, observation: dict) -> None:
+        self.measured[cell["cell_id"]].append(cell_record(cell, observation, self.run_id, observation["machine"]))
+
+
 def measure_rounds(revisions, cells: dict[str, list[dict]], rounds: int, fingerprints: dict, run_ids: dict, progress: bool) -> dict:
     """``{side: {cell_id: [record per round]}}``: each side's ``cells[side]`` measured ``rounds``
-    times, the sides alternating (base head, head base, ...) so that drift hits both alike;
-    each side's round in a fresh worker of its own checkout."""
+    times by the run loop (``runner.measure_cells``), the sides alternating (base head, head
+    base, ...) so that drift hits both alike; each side's round in a fresh worker of its own
+    checkout, kept from cell to cell (regress compares time, not peak memory) unless a cell
+    failed or asks for a fresh one (``measure.fresh_worker``)."""
     measured = {side: {cell["cell_id"]: [] for cell in side_cells} for side, side_cells in cells.items()}
     bar = tqdm(total=rounds * sum(map(len, cells.values())), unit="cell", disable=not progress, dynamic_ncols=True)
     try:
@@ -235,17 +256,11 @@ def measure_rounds(revisions, cells: dict[str, list[dict]], rounds: int, fingerp
             for revision in revisions if number % 2 == 0 else revisions[::-1]:
                 if not cells[revision.side]:
                     continue
-                worker = runner.Worker(code_root=revision.root, env=revision.env)
-                try:
-                    for cell in cells[revision.side]:
-                        bar.set_description(f"round {number + 1}/{rounds} {revision.side}: {describe(cell)}")
-                        record = runner.measure_record(worker, cell, run_ids[revision.side], fingerprints[revision.side])
-                        measured[revision.side][cell["cell_id"]].append(record)
-                        bar.update()
-                        if cell["measure"].get("fresh_worker"):  # only when asked: regress compares time
-                            worker.restart()
-                finally:
-                    worker.close()
+                side = revision.side
+                executor = LocalExecutor(code_root=revision.root, env=revision.env, shared=True, fingerprint=fingerprints[side])
+                journal = _Rounds(measured[side], run_ids[side])
+                label = lambda cell, number=number, side=side: f"round {number + 1}/{rounds} {side}: {describe(cell)}"
+                runner.measure_cells(executor, cells[side], fingerprints[side], journal, bar, label)
     finally:
         bar.close()
     return measured
@@ -253,18 +268,7 @@ def measure_rounds(revisions, cells: dict[str, list[dict]], rounds: int, fingerp
 
 def _incorrect_record(cell: dict, check: dict, run_id: str, fingerprint: dict) -> dict:
     """The record of a cell that is not timed because its revision computes the wrong thing."""
-    record = {key: cell[key] for key in ("cell_id", "scenario", "variant", "backend", "params", "axes", "mode", "target")}
-    return {
-        **record,
-        "run_id": run_id,
-        "status": "error",
-        "error": "incorrect, not timed: " + "; ".join(check["problems"]),
-        "metrics": {},
-        "machine_id": fingerprint["machine_id"],
-        "commit": fingerprint["git"]["commit"],
-        "started_at": runner.utc_now(),
-        "duration_s": 0.0,
-    }
+    return cell_record(cell, unmeasured("error", "incorrect, not timed: " + "; ".join(check["problems"])), run_id, fingerprint)
 
 
 # --- the whole run ------------------------------------------------------------------------
@@ -373,7 +377,7 @@ def _say_checks(result: RegressResult, say) -> None:
 
 def _measure_and_compare(revisions, cells, checks, loaded, rounds, out_dir, factor, alpha, command, progress, say):
     """Measure the correct sides of ``cells`` in rounds, write base.jsonl and head.jsonl, compare."""
-    common = machine.fingerprint(runner.main_device(cells))
+    common = machine.fingerprint(main_device(cells))
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     folder = out_dir / f"regress-{loaded.name}-{stamp}"
     fingerprints, run_ids, paths, timed = {}, {}, {}, {}
@@ -396,7 +400,7 @@ def _measure_and_compare(revisions, cells, checks, loaded, rounds, out_dir, fact
         paths[side] = folder / f"{side}.jsonl"
         writer = ResultsWriter(paths[side])
         writer.write_run(
-            runner.run_header(
+            run_header(
                 loaded, run_ids[side], command, fingerprints[side], commit=revision.commit, dirty=bool(revision.dirty_files),
                 revision={"side": side, "label": revision.label, "commit": revision.commit, "dirty_files": revision.dirty_files},
                 rounds=rounds,

@@ -8,12 +8,14 @@ docs/results.md.
 
 from __future__ import annotations
 
+import datetime as dt
 import fcntl
 import json
 import math
 import os
 from collections.abc import Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pandas as pd
 
@@ -21,12 +23,18 @@ from .files import open_regular
 from .locking import LockedError
 from .stats import median_rel_ci
 
+if TYPE_CHECKING:
+    from .scenario import LoadedScenario
+
 SCHEMA_VERSION = 2
 #: The oldest schema the reader upgrades.
 OLDEST_SCHEMA = 1
 STATUSES = ("ok", "oom", "error", "crashed", "nan", "skipped")
 #: The statuses of a cell that ran and failed; ``attnbench run --resume --retry-failed`` runs them again.
 FAILED = ("oom", "error", "crashed", "nan")
+#: The statuses of a cell that make a run fail (exit code 1, ``RunSummary.failures``): every
+#: failed status but ``oom``, which a sweep to the memory limit expects.
+FAILING = tuple(status for status in FAILED if status != "oom")
 #: The timing metrics of an ``ok`` cell: when present, finite numbers >= 0 (``samples_s`` a list of them).
 TIMINGS = ("median_s", "p20_s", "p80_s", "iqr_s", "samples_s")
 
@@ -197,6 +205,75 @@ class ResultsWriter:
             reason = exc.strerror or str(exc)
             raise ResultsWriteError(f"cannot append to {self.path} ({reason}); it still holds every line written before") from None
         self.size += written
+
+
+# --- the records ---------------------------------------------------------------------------
+
+
+def utc_now() -> str:
+    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def run_header(loaded: LoadedScenario, run_id: str, command: str, fingerprint: dict, *, commit=None, dirty=None,
+               resumed_from=None, **extra) -> dict:
+    """The ``run`` line of a results file: the scenario as loaded, the command, the machine and
+    the commit measured (the fingerprint's, unless ``commit``/``dirty`` say otherwise)."""
+    return {
+        "run_id": run_id,
+        "started_at": utc_now(),
+        "scenario": loaded.name,
+        "scenario_file": str(loaded.path),
+        "scenario_sha256": loaded.sha256,
+        "preset": loaded.preset,
+        "overrides": loaded.overrides,
+        "report": loaded.scenario.report.model_dump(),
+        "command": command,
+        "machine": fingerprint,
+        "commit": fingerprint["git"]["commit"] if commit is None else commit,
+        "dirty": fingerprint["git"]["dirty"] if dirty is None else dirty,
+        "resumed_from": resumed_from,
+        **extra,
+    }
+
+
+def cell_record(cell: dict, observation: dict, run_id: str, fingerprint: dict) -> dict:
+    """The results record of ``cell`` from its ``observe``-ation: with the GPU's throttle state,
+    the roofline fraction and the machine and the commit of ``fingerprint`` (the machine that
+    measured it) and, for a Ray executor's cell, the ``node_id`` of the Ray node."""
+    from .roofline import roofline  # torch: not for the readers of results files
+
+    result, before, after = observation["result"], observation["throttle_before"], observation["throttle_after"]
+    metrics = dict(result["metrics"])
+    if cell["mode"] != "quality":
+        metrics.update(roofline(metrics, fingerprint.get("calibration"), cell["axes"]["dtype"]))
+    if before is not None or after is not None:
+        metrics.update(
+            throttle_before=before,
+            throttle_after=after,
+            throttled=bool((before or {}).get("throttled") or (after or {}).get("throttled")),
+        )
+    task = {"task": cell["task"]} if cell.get("task") else {}
+    node = {"node_id": observation["node_id"]} if observation.get("node_id") else {}
+    return {
+        "run_id": run_id,
+        "cell_id": cell["cell_id"],
+        "scenario": cell["scenario"],
+        "variant": cell["variant"],
+        "backend": cell["backend"],
+        "params": cell["params"],
+        "axes": cell["axes"],
+        **task,
+        "mode": cell["mode"],
+        "target": cell["target"],
+        "status": result["status"],
+        "error": result["error"],
+        "metrics": metrics,
+        "machine_id": fingerprint["machine_id"],
+        **node,
+        "commit": fingerprint["git"]["commit"],
+        "started_at": observation["started_at"],
+        "duration_s": observation["duration_s"],
+    }
 
 
 def repair_tail(path) -> bool:

@@ -13,9 +13,9 @@ import json
 
 import pandas as pd
 
-from .compare import axes_text, nested
 from .figures import Table, natural_columns, table
 from .formatting import si, text
+from .identity import axes_text, nested
 from .tasks import Score
 
 SEED = "axes.seed"

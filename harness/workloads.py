@@ -21,7 +21,7 @@ from variants.compiled import compiled_frames
 
 from . import accuracy, tasks
 from .builders import BUILDERS, CellError, attention_inputs, build_core, build_decoder
-from .load import LoadMeter, other_cores_now, spare_threads
+from .busyness import LoadMeter, other_cores_now, spare_threads
 from .machine import missing_tensor_cores
 from .measure import Clock, PeakMemory, on_device, sample_until_stable, synchronize, time_callable, usual_allocator
 from .roofline import DTYPES

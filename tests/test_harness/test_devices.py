@@ -6,13 +6,15 @@ pynvml are replaced by fakes that record the device index they are asked about."
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import sys
 import types
 
 import pytest
 import torch
 
-from harness import machine, measure, roofline, runner, workloads
+from harness import executors, machine, measure, roofline, worker, workloads
+from harness.executors import local
 from harness.scenario import load_scenario
 
 
@@ -111,18 +113,18 @@ class _CalibratingWorker:
     def __init__(self, *args, **kwargs):
         self.measured = 0
 
-    def measure(self, request, timeout_s):
-        return {"status": "ok", "error": None, "metrics": dict(request["calibrate"])}
+    def calibrate(self, request):
+        return {"status": "ok", "error": None, "metrics": dataclasses.asdict(request)}
 
 
 def test_each_device_is_fingerprinted_and_calibrated_as_itself(monkeypatch):
     fingerprinted, throttles = [], []
-    monkeypatch.setattr(runner, "Worker", _CalibratingWorker)
+    monkeypatch.setattr(local, "Worker", _CalibratingWorker)
     monkeypatch.setattr(machine, "fingerprint", lambda device: fingerprinted.append(device) or {"machine_id": f"id of {device}", "gpu": None})
     monkeypatch.setattr(machine, "throttle_state", lambda device: throttles.append(device) or {"sm_clock_mhz": 1000})
     monkeypatch.setenv("ATTNBENCH_CALIBRATE", "1")
     cells = [_cell("cuda:1"), _cell("cpu")]
-    lines = runner.LocalExecutor().start(cells, {"machine_id": "the runner's"})
+    lines = local.LocalExecutor().start(cells, {"machine_id": "the runner's"})
     assert fingerprinted == ["cuda:1", "cpu"] and throttles == ["cuda:1", "cpu"]
     assert [(line["machine_id"], line["calibration"]["device"]) for line in lines] == [("id of cuda:1", "cuda:1"), ("id of cpu", "cpu")]
 
@@ -133,8 +135,8 @@ def test_the_worker_calibrates_on_the_gpu_named(monkeypatch, current_device, tmp
     monkeypatch.setattr(roofline, "matmul_flops_per_s", lambda dtype, device, seconds: devices.append((device, list(current_device))) or 1.0)
     monkeypatch.setattr(roofline, "copy_bytes_per_s", lambda device, seconds: devices.append((device, list(current_device))) or 1.0)
     monkeypatch.setattr(roofline, "datasheet", lambda name: None)
-    request = {"machine_id": "m", "dtypes": ["float32"], "device": "cuda:1", "gpu_name": "x", "sm_clock_mhz": None, "cpus": None}
-    result = runner._calibrate(request)
+    request = worker.Calibration(machine_id="m", dtypes=["float32"], device="cuda:1", gpu_name="x", sm_clock_mhz=None, cpus=None)
+    result = worker.calibrated(request)
     assert result["metrics"]["device"] == "cuda:1"
     assert devices == [(torch.device("cuda:1"), [1])] * 2
 
@@ -155,7 +157,7 @@ def test_the_fingerprint_and_throttle_state_of_cuda_1_describe_gpu_1(monkeypatch
         gpu = machine.fingerprint("cuda:1")["gpu"]
         assert (gpu["name"], gpu["uuid"], gpu["pci_bus_id"]) == ("GPU one", "GPU-gpu-b", NVML_BUS_IDS["gpu-b"])
         assert machine.throttle_state("cuda:1")["sm_clock_mhz"] == 200 and machine.throttle_state("cuda:0")["sm_clock_mhz"] == 100
-        assert runner.main_device([_cell("cpu"), _cell("cuda:1")]) == "cuda:1"
+        assert executors.main_device([_cell("cpu"), _cell("cuda:1")]) == "cuda:1"
     finally:
         machine._nvml.cache_clear()
 

@@ -18,9 +18,10 @@ import pytest
 import torch
 
 from harness import runner
+from harness import worker as workers
 from harness.files import UnsafeFileError
 from harness.locking import LOCK_NAME, LockedError, MachineRuns, ResultsDirectoryLock, machine_runs_dir
-from harness.results import ResultsChangedError, ResultsWriter, read_records
+from harness.results import ResultsChangedError, ResultsWriter, read_records, run_header
 from harness.scenario import load_scenario
 from harness.tasks.training import CHECKPOINT_FIELDS, CheckpointError, cell_checkpoints, latest_checkpoint, load_checkpoint, save_checkpoint
 
@@ -163,7 +164,7 @@ def _copy(source, target):
 def test_resume_refuses_other_set_overrides_naming_them(tmp_path):
     path = tmp_path / "tiny.jsonl"
     measured = _tiny(tmp_path, "measure.repeats=3")
-    ResultsWriter(path).write_run(runner.run_header(measured, "r", "attnbench run", FINGERPRINT))
+    ResultsWriter(path).write_run(run_header(measured, "r", "attnbench run", FINGERPRINT))
     with pytest.raises(runner.RunError, match=r"without --set measure.repeats=3 .*with --set measure.repeats=4"):
         runner._resume_state(ResultsWriter(path, create=False), _tiny(tmp_path, "measure.repeats=4"), FINGERPRINT, False)
     with pytest.raises(runner.RunError, match="without --set measure.repeats=3"):
@@ -219,10 +220,10 @@ def _frozen_start(self, context, child):
 
 
 def test_a_worker_that_does_not_start_in_time_costs_its_cell_and_the_sweep_goes_on(monkeypatch):
-    monkeypatch.setattr(runner, "WORKER_START_TIMEOUT_S", 0.5)
-    monkeypatch.setattr(runner.Worker, "_start_spawned", _frozen_start)
+    monkeypatch.setattr(workers, "WORKER_START_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(workers.Worker, "_start_spawned", _frozen_start)
     started = time.monotonic()
-    worker = runner.Worker()
+    worker = workers.Worker()
     try:
         for _ in range(2):  # each cell tries a fresh worker once, and goes on
             result = worker.measure({"cell_id": "c"}, 10)
@@ -244,7 +245,7 @@ def test_a_cell_over_its_memory_limit_is_oom_and_the_worker_goes_on(tmp_path):
                     "measure: {warmup: 0, repeats: 1, target_rel_ci: null, max_memory: 500000000, fresh_worker: false}\n")
     small, big = load_scenario(str(path)).cells()
     assert big["axes"]["seq_len"] == 65536  # q, k and v take 268 MB each
-    worker = runner.Worker()
+    worker = workers.Worker()
     try:
         result = worker.measure(big, 60)
         assert result["status"] == "oom", result
@@ -256,14 +257,14 @@ def test_a_cell_over_its_memory_limit_is_oom_and_the_worker_goes_on(tmp_path):
 def test_the_memory_limit_is_max_memory_else_a_share_of_ram_on_the_cpu():
     ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     cell = {"measure": {"max_memory": None}, "axes": {"device": "cpu"}}
-    assert runner.memory_limit(cell) == int(runner.MEMORY_SHARE * ram)
-    assert runner.memory_limit({**cell, "axes": {"device": "cuda:1"}}) is None
-    assert runner.memory_limit({"measure": {"max_memory": 1 << 30}, "axes": {"device": "cuda:0"}}) == 1 << 30
+    assert workers.memory_limit(cell) == int(workers.MEMORY_SHARE * ram)
+    assert workers.memory_limit({**cell, "axes": {"device": "cuda:1"}}) is None
+    assert workers.memory_limit({"measure": {"max_memory": 1 << 30}, "axes": {"device": "cuda:0"}}) == 1 << 30
     before = resource.getrlimit(resource.RLIMIT_DATA)
     try:
-        runner.limit_memory(1 << 40)
+        workers.limit_memory(1 << 40)
         assert resource.getrlimit(resource.RLIMIT_DATA)[0] == (1 << 40 if before[1] == resource.RLIM_INFINITY else min(1 << 40, before[1]))
-        runner.limit_memory(None)  # a later cell without a limit gets the whole hard limit back
+        workers.limit_memory(None)  # a later cell without a limit gets the whole hard limit back
         assert resource.getrlimit(resource.RLIMIT_DATA) == (before[1], before[1])
     finally:
         resource.setrlimit(resource.RLIMIT_DATA, before)

@@ -77,9 +77,9 @@ class _FakeLibc:
 
 
 def test_timing_gets_the_usual_allocator_and_the_exact_rss_settings_come_back(monkeypatch):
-    """In a worker started with runner.WORKER_ENV, timing runs with glibc's usual thresholds."""
+    """In a worker started with worker.WORKER_ENV, timing runs with glibc's usual thresholds."""
     from harness import measure
-    from harness.runner import WORKER_ENV
+    from harness.worker import WORKER_ENV
 
     libc = _FakeLibc()
     monkeypatch.setattr(measure, "_glibc", lambda: libc)

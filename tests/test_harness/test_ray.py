@@ -1,4 +1,4 @@
-"""The Ray executor (``attnbench run --executor ray``, harness.ray_executor) on a local Ray
+"""The Ray executor (``attnbench run --executor ray``, harness.executors.ray) on a local Ray
 instance started by the run: the same cells as the local executor, a Ray worker killed mid-cell,
 the driver killed and resumed; without Ray, the install hint."""
 

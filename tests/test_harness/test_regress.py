@@ -26,7 +26,7 @@ import torch
 import variants
 from harness.cli import main
 from harness.compare import EXIT_OK, EXIT_REGRESSION
-from harness.regress import changed_files, pool, regress, worktrees
+from harness.regress import Revision, changed_files, measure_rounds, pool, regress, worktrees
 from harness.results import read_records
 from harness.scenario import load_scenario
 
@@ -62,7 +62,8 @@ def history(tmp_path_factory):
     subprocess.run(["tar", "-x", "-C", str(repo)], input=archive, check=True)
     _git(repo, "init", "-q")
     commits = {"plain": _commit(repo, "plain")}
-    _edit(repo, "variants/sum_rule.py", "    def _run(self, q, k, v, state, causal):\n", "    def _run(self, q, k, v, state, causal):\n" + SLEEP)
+    linear = "    def _run(self, q, k, v, state, causal):\n        if causal:\n            scan = sum_rule_parallel"  # SumRule's, not its Triton form's
+    _edit(repo, "variants/sum_rule.py", linear, linear.replace("causal):\n", "causal):\n" + SLEEP, 1))
     commits["slow"] = _commit(repo, "slow linear")
     (repo / "README.md").write_text((repo / "README.md").read_text() + "\nA line of prose.\n")
     commits["readme"] = _commit(repo, "README only")
@@ -178,6 +179,43 @@ def test_rounds_are_pooled_into_one_record():
     assert pooled["metrics"]["tokens_per_s"] == 10 / 3.0 and pooled["metrics"]["round_medians_s"] == [2.0, 5.0]
     assert pooled["metrics"]["peak_mem_bytes"] == 3 and pooled["duration_s"] == 2.0
     assert pool([record([1.0, 2.0]), record([3.0], status="error")])["status"] == "error"
+
+
+def test_a_failed_cell_costs_its_worker_and_the_next_cell_gets_a_fresh_one(monkeypatch, tmp_path):
+    """As in ``attnbench run`` (issue 36): after an ``error``, a ``nan`` or a ``crashed`` cell the
+    revision's worker is replaced (a sticky CUDA error would fail every later cell in it); after
+    ``ok`` or ``oom`` it is kept. Each side's round starts a worker of its own; the sides alternate."""
+    from harness import worker as workers
+
+    log, starts = [], []
+
+    def start(self):
+        self.measured, self.start_error, self.process = 0, None, None
+        starts.append(self.code_root)
+
+    def measure(self, cell, timeout_s):
+        self.measured += 1
+        log.append((self.code_root.name, cell["variant"], len(starts)))
+        return {"status": cell["variant"], "error": None if cell["variant"] == "ok" else "injected", "metrics": {}}
+
+    monkeypatch.setattr(workers.Worker, "_start", start)
+    monkeypatch.setattr(workers.Worker, "measure", measure)
+    monkeypatch.setattr(workers.Worker, "close", lambda self: None)
+    statuses = ["ok", "error", "ok", "nan", "ok", "crashed", "ok", "oom", "ok"]
+    cells = [
+        {"cell_id": f"{number}", "scenario": "s", "variant": status, "backend": "torch", "params": {}, "mode": "forward", "target": "core",
+         "axes": {"device": "cpu", "dtype": "float32"}, "skip": None, "measure": {"fresh_worker": None, "timeout_s": 60}}
+        for number, status in enumerate(statuses)
+    ]
+    revisions = [Revision(side, side, side * 10, tmp_path / side) for side in ("base", "head")]
+    fingerprints = {side: {"machine_id": "m", "git": {"commit": side * 10, "dirty": False}} for side in ("base", "head")}
+    measured = measure_rounds(revisions, {"base": cells, "head": cells}, 2, fingerprints, {"base": "b", "head": "h"}, progress=False)
+    assert [[record["status"] for record in measured["base"][cell["cell_id"]]] for cell in cells] == [[status] * 2 for status in statuses]
+    workers_of = [[start - first for _, _, start in log[first_cell:first_cell + len(statuses)]]
+                  for first_cell, first in zip(range(0, 4 * len(statuses), len(statuses)), (1, 5, 9, 13))]
+    # a new worker after the error, the nan and the crash; the same one after ok and oom
+    assert workers_of == [[0, 0, 1, 1, 2, 2, 3, 3, 3]] * 4, log
+    assert [side for side, _, _ in log[:: len(statuses)]] == ["base", "head", "head", "base"]
 
 
 @pytest.mark.parametrize("name", variants.names())

@@ -289,14 +289,14 @@ def test_the_page_renders_in_headless_chromium(report, page, tmp_path):
 
 def test_labels_order_numbers_by_value_and_name_a_variants_own_d_key():
     from harness.figures import natural
-    from harness.report import _base_label
+    from harness.report.cells import base_label
 
     labels = ["rwkv(chunk_size=32)", "rwkv(chunk_size=4)", "rwkv(chunk_size=16)", "linear"]
     assert sorted(labels, key=natural) == ["linear", "rwkv(chunk_size=4)", "rwkv(chunk_size=16)", "rwkv(chunk_size=32)"]
     record = {"variant": "based", "params_text": "", "backend": "torch", "axes.d_key": 16.0, "axes.d_value": 64.0}
-    assert _base_label(record, show_backend=False) == "based(d_key=16)"
-    assert _base_label({**record, "axes.d_key": 64.0}, show_backend=True) == "based[torch]"
-    assert _base_label({**record, "params_text": "d_key=16", "axes.d_key": None}, show_backend=False) == "based(d_key=16)"
+    assert base_label(record, show_backend=False) == "based(d_key=16)"
+    assert base_label({**record, "axes.d_key": 64.0}, show_backend=True) == "based[torch]"
+    assert base_label({**record, "params_text": "d_key=16", "axes.d_key": None}, show_backend=False) == "based(d_key=16)"
 
 
 @pytest.mark.slow

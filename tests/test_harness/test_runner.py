@@ -166,7 +166,7 @@ def test_bad_scenario_exits_2_with_the_file_and_field(tmp_path):
 @pytest.mark.slow
 def test_malloc_tuning_is_for_speed_workers_only():
     """Speed cells get the exact-RSS malloc settings; quality cells (training runs) glibc's defaults."""
-    from harness.runner import WORKER_ENV, Worker
+    from harness.worker import WORKER_ENV, Worker
 
     speed, quality = Worker(), Worker(tune_malloc=False)
     try:
@@ -263,7 +263,7 @@ def test_cpu_peak_memory_does_not_depend_on_the_cells_before(tmp_path):
 
 class _ScriptedWorker:
     """A worker whose cells end with the status their variant names; it counts its starts, and
-    restarts itself after a crash or a timeout as ``runner.Worker`` does."""
+    restarts itself after a crash or a timeout as ``worker.Worker`` does."""
 
     def __init__(self, *args, **kwargs):
         self.starts, self.measured, self.log = 1, 0, []
@@ -289,14 +289,15 @@ def _cuda_cell(status: str) -> dict:
 
 
 def test_a_failed_cuda_cell_gets_a_fresh_worker_and_an_ok_or_oom_one_keeps_it(monkeypatch):
-    from harness import machine, runner
+    from harness import machine
+    from harness.executors import local
 
-    monkeypatch.setattr(runner, "Worker", _ScriptedWorker)
+    monkeypatch.setattr(local, "Worker", _ScriptedWorker)
     monkeypatch.setattr(machine, "fingerprint", lambda device: {"machine_id": device, "gpu": None})
     monkeypatch.setenv("ATTNBENCH_CALIBRATE", "0")
     statuses = ["ok", "error", "ok", "oom", "ok", "nan", "ok", "crashed", "ok", "timeout", "ok", "skipped", "ok"]
     cells = [_cuda_cell(status) for status in statuses]
-    executor = runner.LocalExecutor()
+    executor = local.LocalExecutor()
     executor.start(cells, {"machine_id": "cuda:0"})
     recorded = [observation["result"]["status"] for _, observation in executor.measure(cells, lambda cell: None)]
     assert recorded == [{"timeout": "error"}.get(status, status) for status in statuses]
@@ -317,7 +318,7 @@ def test_a_failed_cuda_cell_gets_a_fresh_worker_and_an_ok_or_oom_one_keeps_it(mo
     ("skipped", "cuda", "forward", None, False),
 ])
 def test_which_cells_need_a_fresh_worker(status, device, mode, fresh_worker, expected):
-    from harness.runner import needs_fresh_worker
+    from harness.worker import needs_fresh_worker
 
     cell = {"axes": {"device": device}, "mode": mode, "measure": {"fresh_worker": fresh_worker}}
     assert needs_fresh_worker(cell, status) is expected

@@ -144,7 +144,7 @@ def test_fixed_sampling_has_no_verdict():
 
 
 def test_other_processes_cpu_time_is_all_busy_time_minus_our_own(monkeypatch):
-    import harness.load as load
+    import harness.busyness as load
 
     busy, own = iter([100.0, 103.5]), iter([10.0, 11.0])
     monkeypatch.setattr(load, "busy_cpu_s", lambda: next(busy))
@@ -168,7 +168,7 @@ def test_a_busy_process_beside_is_seen():
     """While a CPU-bound process runs, other processes keep at least half a core busy, however loaded the machine already is."""
     import time
 
-    from harness.load import LoadMeter
+    from harness.busyness import LoadMeter
 
     process = burner()
     try:

@@ -74,7 +74,7 @@ def test_a_side_measured_unstable_is_marked_and_not_judged(tmp_path, side):
     """Three times slower is "worse" (exit 1) when both sides are stable; with either side unstable
     the cell is "unstable: not compared" (no ratio, exit 0) and its median carries a * in the text
     table and the report's comparison."""
-    from harness.report import _compare_table
+    from harness.report.tables import compare_table
 
     stable = compare(_results(tmp_path / "base.jsonl", unstable=False), _results(tmp_path / "head.jsonl", scale=3, unstable=False))
     assert stable.table["mark"].iloc[0] == "worse" and stable.exit_code == EXIT_REGRESSION and " *" not in stable.format_table()
@@ -87,7 +87,7 @@ def test_a_side_measured_unstable_is_marked_and_not_judged(tmp_path, side):
     assert cell[f"{side}_unstable"] and result.exit_code == EXIT_OK, result.format_table()
     text = result.format_table().splitlines()
     assert sum(" *" in line for line in text) == 1 and any(line.startswith("* measured unstable") for line in text), text
-    shown = _compare_table(result)
+    shown = compare_table(result)
     marked = [shown.rows[row][shown.headers.index(column)].endswith(" *") for column in ("base", "head")]
     assert marked == [side == "base", side == "head"] and "marked *" in shown.caption, shown.rows[row]
     template = (Path(harness.__file__).parent / "templates" / "report.html.j2").read_text()
@@ -108,7 +108,8 @@ def test_only_unstable_cells_compare_nothing(tmp_path):
 def test_the_reports_side_by_side_tables_mark_unstable_times(tmp_path):
     """Machines and backends side by side: an unstable time and its ratio carry a *, the caption
     says why, and the geometric mean leaves that ratio out."""
-    from harness.report import _backend_table, _ratio_tables, machine_ratios, prepare
+    from harness.report.cells import prepare
+    from harness.report.tables import backend_table, machine_ratios, ratio_tables
     from harness.results import load
 
     records = [record for record in read_records(SCHEMA_1) if record.get("status") != "error"]
@@ -118,7 +119,7 @@ def test_the_reports_side_by_side_tables_mark_unstable_times(tmp_path):
     compiled["metrics"].update(median_s=2 * ok["metrics"]["median_s"], unstable=True)
     here = tmp_path / "here.jsonl"
     here.write_text("".join(json.dumps(record) + "\n" for record in [*records, compiled]))
-    backends = _backend_table(prepare(load(here)), "torch")
+    backends = backend_table(prepare(load(here)), "torch")
     assert backends.rows[0][-1] == "2.000 *" and "Geometric means: none." in backends.caption and "marked *" in backends.caption, backends
 
     elsewhere = [json.loads(json.dumps(record)) for record in [*records, compiled]]
@@ -128,7 +129,7 @@ def test_the_reports_side_by_side_tables_mark_unstable_times(tmp_path):
             record["machine"].update(machine_id="m2", hostname="other")
     there = tmp_path / "there.jsonl"
     there.write_text("".join(json.dumps(record) + "\n" for record in elsewhere))
-    tables = {table.title: table for table in _ratio_tables(machine_ratios(prepare(load([here, there]))))}
+    tables = {table.title: table for table in ratio_tables(machine_ratios(prepare(load([here, there]))))}
     (side_by_side,) = tables.values()
     marked = sorted(row[-1].endswith(" *") for row in side_by_side.rows)
     assert marked == [False, True] and "over 1 cells" in side_by_side.caption and "marked *" in side_by_side.caption, side_by_side
@@ -136,7 +137,7 @@ def test_the_reports_side_by_side_tables_mark_unstable_times(tmp_path):
 
 def test_the_threads_of_a_cpu_measurement_leave_the_busy_cores_alone():
     """Half a core of other work takes a core; at least one thread is left; fewer threads stay."""
-    from harness.load import busy_cores, spare_threads
+    from harness.busyness import busy_cores, spare_threads
 
     assert [busy_cores(load) for load in (None, 0.0, 0.49, 0.5, 1.4, 1.5, 3.7)] == [0, 0, 0, 1, 1, 2, 4]
     assert [spare_threads(8, 8, load) for load in (None, 0.2, 0.6, 2.5, 7.9, 12.0)] == [8, 8, 7, 5, 1, 1]
@@ -153,7 +154,7 @@ def _cells(tmp_path, device: str = "cpu", **measure) -> list[dict]:
 
 
 def test_a_busy_machine_is_announced_before_cpu_cells(tmp_path):
-    from harness.load import busy_warning
+    from harness.busyness import busy_warning
 
     cells = _cells(tmp_path)
     line = busy_warning(cells, 1.6, 2)
@@ -191,6 +192,7 @@ def test_attnbench_run_says_so_before_the_first_cell(tmp_path, monkeypatch, caps
     the checks and before the worker starts (stopped there as Ctrl-C would, to stay quick)."""
     import harness.runner
     from harness.cli import EXIT_INTERRUPTED, main
+    from harness.executors.local import LocalExecutor
 
     _cells(tmp_path)
     monkeypatch.setattr(harness.runner, "other_cores_now", lambda: os.cpu_count() - 0.4)
@@ -200,7 +202,7 @@ def test_attnbench_run_says_so_before_the_first_cell(tmp_path, monkeypatch, caps
         before_first_cell.append(capsys.readouterr().err)
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(harness.runner.LocalExecutor, "start", start)
+    monkeypatch.setattr(LocalExecutor, "start", start)
     assert main(["run", str(tmp_path / "tiny.yaml"), "--out", str(tmp_path / "out"), "--no-progress"]) == EXIT_INTERRUPTED
     (err,) = before_first_cell
     assert err.startswith("warning: the machine is busy:") and "the CPU timings of 1 cell(s) will be unreliable" in err, err

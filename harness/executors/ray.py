@@ -1,6 +1,6 @@
 """Measure a sweep's cells as Ray tasks on the nodes of a Ray cluster (``attnbench run --executor ray``).
 
-Each cell is one Ray task, which measures it in a ``harness.runner.Worker`` process on its node
+Each cell is one Ray task, which measures it in a ``harness.worker.Worker`` process on its node
 (a fresh one where the local executor would start one, ``needs_fresh_worker``: after a CPU speed
 cell or a failed cell), so a timeout, an out-of-memory kill or a crash maps to the same status
 as locally. The task asks Ray for what
@@ -20,8 +20,10 @@ from __future__ import annotations
 import os
 import sys
 
-from . import machine
-from .runner import RunError, Worker, calibration, needs_fresh_worker, observe, utc_now
+from .. import machine
+from ..runner import RunError
+from ..worker import Worker, needs_fresh_worker
+from . import calibration, observe, unmeasured
 
 INSTALL = "--executor ray needs Ray, which is not installed: pip install 'attnbench[ray]'"
 #: Seconds between checks for Ctrl-C while waiting for cells.
@@ -57,7 +59,7 @@ def _cpus(cell: dict) -> int:
 
 
 #: The workers a Ray worker process keeps between its tasks, as the local executor keeps its
-#: worker between cells that need no fresh one (``runner.needs_fresh_worker``): by plugins,
+#: worker between cells that need no fresh one (``worker.needs_fresh_worker``): by plugins,
 #: threads, malloc tuning and the GPU Ray gave the task. They die with the Ray worker process.
 _KEPT: dict[tuple, Worker] = {}
 
@@ -223,10 +225,7 @@ class RayExecutor:
         return None
 
     def _here(self, cell: dict, status: str, error: str) -> dict:
-        return {
-            "result": {"status": status, "error": error, "metrics": {}}, "throttle_before": None, "throttle_after": None,
-            "started_at": utc_now(), "duration_s": 0.0, "machine": self.driver, "node_id": None,
-        }
+        return {**unmeasured(status, error), "machine": self.driver, "node_id": None}
 
     def _result(self, ref, cell: dict) -> dict:
         """The observation of a finished task, with its node's calibration: one Ray killed for
@@ -261,4 +260,3 @@ class RayExecutor:
 def _first_line(exc: BaseException) -> str:
     lines = [line for line in str(exc).splitlines() if line.strip()]
     return lines[0] if lines else type(exc).__name__
-

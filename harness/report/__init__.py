@@ -1,0 +1,136 @@
+"""An HTML report of results files: what was measured where, plots per scenario, machines
+side by side, and optionally a comparison of two commits.
+
+``build_report(paths, out_dir)`` writes ``out_dir/index.html`` (self-contained: every plot
+is embedded as a PNG data URI), ``out_dir/cells.csv`` (one row per cell) and every plot as a
+PNG file under ``out_dir/plots/``. It reads results files only (``harness.results``), never
+the runner or a scenario file, so a report can be made on a laptop from files measured on a
+cluster. The page is put together here from ``cells`` (what the report makes of each cell),
+``plots``, ``tables`` and ``header`` (machines and runs). How to read it is in docs/reports.md.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import importlib.resources
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import jinja2
+import pandas as pd
+
+from .. import tasks
+from ..compare import CompareResult
+from ..figures import Figures, Plot, Table
+from ..frontier import cell_flags, frontier_plot
+from ..results import load
+from ..seeds import seed_table
+from .cells import machine_styles, palette, prepare, tasks_of
+from .header import machine_sections, runs_of
+from .plots import METRICS, latency_plot, metric_plot
+from .tables import backend_table, compare_table, failures_table, machine_ratios, model_table, quality_table, ratio_tables, timing_table
+
+
+@dataclass
+class ScenarioSection:
+    name: str
+    target: str
+    x: str
+    statuses: str
+    plots: list[Plot]
+    tables: list[Table]
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "-", text).strip("-") or "scenario"
+
+
+def _statuses(cells: pd.DataFrame) -> str:
+    counts = cells["status"].value_counts()
+    unstable = int(cells["metrics.unstable"].map(lambda value: value is True).sum())
+    busy = cells["metrics.load.other_cores"].dropna()
+    load = f"; other processes used {busy.mean():.1f} cores on average while they were measured" if len(busy) else ""
+    return f"{len(cells)} cells: " + ", ".join(f"{count} {status}" for status, count in counts.items()) + f"; {unstable} unstable" + load
+
+
+def baseline_backend(runs: list[dict], cells: pd.DataFrame) -> str | None:
+    """The backend a scenario's report divides the others by (``report.baseline_backend``): as its
+    latest run line records it; for a file written before run lines recorded it (commit 3601d8f),
+    'torch' when the cells have it. Read from the results file alone: the report never loads
+    a scenario."""
+    run = max(runs, key=lambda run: run["started_at"], default={})
+    if "report" in run:
+        return (run["report"] or {}).get("baseline_backend")
+    return "torch" if "torch" in set(cells["backend"]) else None
+
+
+def _scenario_section(name: str, cells: pd.DataFrame, figures: Figures, baseline: str | None = None) -> ScenarioSection:
+    slug = _slug(name)
+    plots = [metric_plot(cells, metric, figures, slug) for metric in METRICS] + [latency_plot(cells, figures, slug)]
+    task_sections = []
+    for task in tasks_of(cells):
+        own = cells[cells["target"] == task.name]
+        task_sections += [*(task.report(own, figures, slug) if task.report else []), *(_score_sections(own, task.score, figures, slug) if task.score else [])]
+    plots += [part for part in task_sections if isinstance(part, Plot)]
+    tables = [model_table(cells), backend_table(cells, baseline), *(part for part in task_sections if isinstance(part, Table)),
+              quality_table(cells), failures_table(cells), timing_table(cells)]
+    targets = ", ".join(cells["target"].dropna().unique())
+    return ScenarioSection(name, targets, cells["x_axis"].iloc[0], _statuses(cells),
+                           [p for p in plots if p is not None], [t for t in tables if t is not None])
+
+
+def _score_sections(cells: pd.DataFrame, score: tasks.Score, figures: Figures, slug: str) -> list:
+    """A task's headline metric over seeds (``harness.seeds``) and against speed (``harness.frontier``)."""
+    return [seed_table(cells, score), frontier_plot(cells, score, figures, slug)]
+
+
+def _csv_value(value):
+    return json.dumps(value) if isinstance(value, (list, dict)) else value
+
+
+def write_cells_csv(frame: pd.DataFrame, path: Path, cells: pd.DataFrame | None = None) -> None:
+    """Every cell of ``load``, one row each; list values (raw samples, latencies) as JSON. Given
+    the report's ``cells`` (``prepare``), a quality cell also says whether its variant is on its
+    task's quality–speed frontier (``quality_frontier``, ``harness.frontier``)."""
+    if cells is not None:
+        flags = [cell_flags(cells[cells["target"] == task.name], task.score) for task in tasks_of(cells) if task.score]
+        if flags:
+            frame = frame.assign(quality_frontier=pd.concat(flags).reindex(frame.index))
+    frame.map(_csv_value).to_csv(path, index=False)
+
+
+def _template() -> jinja2.Template:
+    source = importlib.resources.files("harness").joinpath("templates/report.html.j2").read_text(encoding="utf-8")
+    return jinja2.Environment(autoescape=True, undefined=jinja2.StrictUndefined).from_string(source)
+
+
+def build_report(paths, out_dir, *, title: str | None = None, compare_base: CompareResult | None = None) -> Path:
+    """Write the report of the results files or directories ``paths`` into ``out_dir``
+    (index.html, cells.csv, plots/*.png); return the path of index.html."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    frame = load(paths)
+    if frame.empty:
+        raise ValueError("the results files hold no cells: nothing to report")
+    cells = prepare(frame)
+    write_cells_csv(frame, out_dir / "cells.csv", cells)
+    runs = runs_of(frame["file"].unique())
+    figures = Figures(out_dir, palette(cells), machine_styles(cells))
+    scenarios = [
+        _scenario_section(name, group, figures, baseline_backend([run for run in runs if run["scenario"] == name], group))
+        for name, group in cells.groupby("scenario", sort=True)
+    ]
+    page = _template().render(
+        title=title or "attnbench report: " + ", ".join(section.name for section in scenarios),
+        generated=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        files=list(frame["file"].unique()),
+        machines=machine_sections(cells, runs),
+        scenarios=scenarios,
+        side_by_side=ratio_tables(machine_ratios(cells)),
+        comparison=compare_table(compare_base) if compare_base is not None else None,
+    )
+    index = out_dir / "index.html"
+    index.write_text(page, encoding="utf-8")
+    return index

@@ -1,0 +1,113 @@
+"""The report's cells: ``results.load``'s frame with each cell's identity, machine name, line
+label (``series``) and its scenario's x axis (``prepare``); colours and line styles."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import seaborn as sns
+
+from .. import tasks
+from ..figures import natural
+from ..identity import CELL_KEY, identify, latest
+
+#: Axes that can be the x axis of a plot, in order of preference (after a task's own axes).
+X_CANDIDATES = ("seq_len", "batch", "heads", "d_key", "d_value", "new_tokens")
+#: Axes that, when they vary within one line, become part of its label.
+LABEL_AXES = X_CANDIDATES + ("dtype", "device", "model")
+TIMED_MODES = ("forward", "train", "decode")
+DASHES = ("-", "--", ":", "-.")
+#: What one measurement is, per machine: a cell measured again supersedes the earlier one.
+MEASUREMENT = CELL_KEY + ["machine_key", "axes.device"]
+#: Metric columns the plots and tables read (added, empty, when no cell has them).
+PLOTTED = [
+    f"metrics.{name}"
+    for name in ("median_s", "p20_s", "p80_s", "tokens", "tokens_per_s", "peak_mem_bytes", "memory_kind", "words_per_s", "throttled",
+                 "rel_ci", "unstable", "roofline_fraction", "bound", "load.other_cores")
+]
+
+
+def base_label(record: dict, show_backend: bool) -> str:
+    """``performer(m=32)``, with ``[backend]`` when the report holds several backends, and a
+    variant's own query/key width where it differs from the values' (``based(d_key=16)``)."""
+    params = record["params_text"]
+    d_key, d_value = record.get("axes.d_key"), record.get("axes.d_value")
+    if pd.notna(d_key) and pd.notna(d_value) and d_key != d_value:
+        params = ", ".join(filter(None, [params, f"d_key={d_key:g}"]))
+    return record["variant"] + (f"({params})" if params else "") + (f"[{record['backend']}]" if show_backend else "")
+
+
+def _varying_axes(cells: pd.DataFrame, x: str) -> list[str]:
+    """The axes (other than ``x``) that take several values along one line of one machine."""
+    group = ["_label", "machine_key", "mode", f"axes.{x}"]
+    return [
+        axis for axis in LABEL_AXES
+        if axis != x and f"axes.{axis}" in cells and cells.groupby(group, dropna=False)[f"axes.{axis}"].nunique().max() > 1
+    ]
+
+
+def tasks_of(cells: pd.DataFrame) -> list[tasks.Task]:
+    """The registered tasks whose cells these are (a plugin's task not loaded here has none)."""
+    targets = set(cells["target"].dropna())
+    return [task for task in tasks.tasks() if task.name in targets]
+
+
+def x_axis(cells: pd.DataFrame) -> str:
+    """The swept axis to plot against: the first of the cells' task axes and ``X_CANDIDATES``
+    that varies, else the first of them the cells have, else device (a task without axes)."""
+    candidates = [*(axis for task in tasks_of(cells) for axis in task.axes), *X_CANDIDATES]
+    for axis in candidates:
+        if f"axes.{axis}" in cells and cells[f"axes.{axis}"].nunique() > 1:
+            return axis
+    return next((axis for axis in candidates if f"axes.{axis}" in cells), "device")
+
+
+def _series(cells: pd.DataFrame, x: str) -> pd.Series:
+    """Each cell's line label: variant, parameters, backend, and any other axis that varies."""
+    extra = _varying_axes(cells, x)
+    return pd.Series(
+        [
+            " ".join([record["_label"], *(f"{axis}={record[f'axes.{axis}']}" for axis in extra)])
+            for record in cells.to_dict("records")
+        ],
+        index=cells.index,
+        dtype=object,
+    )
+
+
+def _machine_names(cells: pd.DataFrame) -> dict[str, str]:
+    """machine_id -> display name, in order of appearance; the id is added where names collide."""
+    first = cells.drop_duplicates("machine_key")
+    names = dict(zip(first["machine_key"], first["machine"]))
+    collide = pd.Series(names).duplicated(keep=False)
+    return {key: f"{name} #{key[:6]}" if collide[key] else name for key, name in names.items()}
+
+
+def prepare(frame: pd.DataFrame) -> pd.DataFrame:
+    """The cells of ``load`` with what the report needs: the identity columns (machines are
+    matched without the device name), the machine's display name, each scenario's x axis
+    and each cell's line label (``series``); the latest measurement of each cell only."""
+    cells = identify(frame, ignore_axes=("device",))
+    cells = latest(cells, MEASUREMENT)
+    show_backend = cells["backend"].nunique() > 1
+    cells["_label"] = [base_label(record, show_backend) for record in cells.to_dict("records")]
+    cells["machine"] = cells["machine_key"].map(_machine_names(cells))
+    x_of = {name: x_axis(group) for name, group in cells.groupby("scenario")}
+    cells["x_axis"] = cells["scenario"].map(x_of)
+    cells["series"] = pd.concat([_series(group, x_of[name]) for name, group in cells.groupby("scenario")])
+    missing = [column for column in PLOTTED if column not in cells]
+    return cells.drop(columns="_label").assign(**dict.fromkeys(missing, np.nan))
+
+
+def palette(cells: pd.DataFrame) -> dict[str, tuple]:
+    """One colour per line label for the whole report, so a variant looks the same in every plot."""
+    labels = sorted(cells["series"].unique(), key=natural)
+    if len(labels) > 20:
+        return dict(zip(labels, sns.color_palette("husl", len(labels))))
+    tab20 = sns.color_palette("tab20")
+    return dict(zip(labels, tab20[0::2] + tab20[1::2]))  # the ten strong colours first, then their light shades
+
+
+def machine_styles(cells: pd.DataFrame) -> dict[str, str]:
+    """One line style per machine (solid for the first)."""
+    return {name: DASHES[index % len(DASHES)] for index, name in enumerate(cells["machine"].unique())}

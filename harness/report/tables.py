@@ -1,0 +1,205 @@
+"""The report's tables: failures, model, quality, every timed cell, backends and machines side
+by side, and compare's table."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import pandas as pd
+
+from ..compare import UNSTABLE_SUFFIX, CompareResult, format_median, is_unstable
+from ..figures import Table, natural_columns, table
+from ..formatting import flag, format_ratio, format_seconds, fraction, mib, percent, present, si, text
+from ..identity import CELL_KEY
+from .cells import TIMED_MODES, base_label, tasks_of
+
+#: The quality table's columns after those of the tasks (``harness.tasks.Task.metrics``).
+COMMON_QUALITY_METRICS = ("words_per_s", "peak_mem_bytes", "wall_s")
+#: The caption of a table with a median measured unstable (shown with compare.UNSTABLE_SUFFIX).
+UNSTABLE_NOTE = ("A time marked * was measured unstable (its median never reached measure.target_rel_ci): do not trust it; "
+                 "ratios with one are left out of means.")
+
+
+def cell_columns(cells: pd.DataFrame) -> list[tuple[str, str, Callable]]:
+    """The columns that name a cell: line label, machine (when several), mode, axes."""
+    machine = [("machine", "machine", text)] if cells["machine"].nunique() > 1 else []
+    return [("variant", "series", text), *machine, ("mode", "mode", text), ("axes", "axes_text", text)]
+
+
+def failures_table(cells: pd.DataFrame) -> Table | None:
+    failures = cells[cells["status"] != "ok"].sort_values(["status", "series", "mode"], key=natural_columns)
+    if failures.empty:
+        return None
+    columns = cell_columns(cells) + [("status", "status", text), ("message", "error", text)]
+    caption = "Every cell without valid numbers (oom, error, nan, skipped) and its message; failed cells are the 'x' marks on the plots."
+    return table("Cells that failed or were skipped", failures, columns, caption, classes="status")
+
+
+def model_table(cells: pd.DataFrame) -> Table | None:
+    """Model-level cells in the paper's shape: variant, d_dot, words/s, memory."""
+    model = cells[cells["target"] == "model"].sort_values(["series", "mode"], key=natural_columns)
+    if model.empty:
+        return None
+    columns = [
+        ("variant", "variant", text), ("d_dot", "params.d_dot", text), ("params", "params_text", text),
+        *cell_columns(cells)[1:], ("words/s", "metrics.words_per_s", si), ("memory", "metrics.peak_mem_bytes", mib),
+        ("status", "status", text),
+    ]
+    return table("Model: words per second and memory", model, columns, "words/s: tokens per second of one training step (one word per token).")
+
+
+def quality_table(cells: pd.DataFrame) -> Table | None:
+    """Every quality metric the cells have: their tasks' own columns, then throughput, memory, time."""
+    quality = cells[cells["mode"] == "quality"]
+    metrics = dict.fromkeys([*(metric for task in tasks_of(quality) for metric in task.metrics), *COMMON_QUALITY_METRICS])
+    found = [metric for metric in metrics if f"metrics.{metric}" in quality and quality[f"metrics.{metric}"].notna().any()]
+    if not found:
+        return None
+    quality = quality[quality[[f"metrics.{m}" for m in found]].notna().any(axis=1)].sort_values(["series", "mode"], key=natural_columns)
+    columns = cell_columns(cells) + [(_quality_header(m), f"metrics.{m}", _quality_format(m)) for m in found]
+    return table("Quality", quality, columns)
+
+
+def _quality_header(metric: str) -> str:
+    """``words_per_s`` -> ``words/s``, ``peak_mem_bytes`` -> ``peak memory``, ``wall_s`` -> ``wall (s)``."""
+    if metric.endswith("_per_s"):
+        return metric.removesuffix("_per_s") + "/s"
+    return {"peak_mem_bytes": "peak memory", "wall_s": "wall (s)"}.get(metric, metric)
+
+
+def _quality_format(metric: str) -> Callable:
+    return si if metric.endswith("_per_s") else mib if metric.endswith("_bytes") else text
+
+
+def timing_table(cells: pd.DataFrame) -> Table | None:
+    ok = cells[(cells["status"] == "ok") & cells["mode"].isin(TIMED_MODES)]
+    if ok.empty:
+        return None
+    ok = ok.sort_values(["mode", "series", f"axes.{cells['x_axis'].iloc[0]}"])
+    columns = cell_columns(cells) + [
+        ("median", "metrics.median_s", format_seconds), ("p20", "metrics.p20_s", format_seconds), ("p80", "metrics.p80_s", format_seconds),
+        ("±CI", "metrics.rel_ci", percent), ("stability", "metrics.unstable", flag),
+        ("tokens/s", "metrics.tokens_per_s", si), ("roofline", "metrics.roofline_fraction", fraction), ("bound", "metrics.bound", text),
+        ("peak memory", "metrics.peak_mem_bytes", mib), ("other cores", "metrics.load.other_cores", fraction), ("throttled", "metrics.throttled", text),
+    ]
+    caption = ("±CI: half the 95 % interval of the median, relative; unstable: it stayed wider than measure.target_rel_ci. roofline: the "
+               "fraction of the machine's calibrated limit (docs/results.md, 'Roofline'). other cores: the cores other processes kept busy meanwhile.")
+    ok = ok.assign(stability=ok["metrics.unstable"].map(lambda value: "unstable" if value is True else "stable"))
+    return table("Every timed cell", ok, columns, caption, classes="stability")
+
+
+# --- backends side by side ----------------------------------------------------------------
+
+
+def backend_ratios(cells: pd.DataFrame, baseline: str) -> pd.DataFrame:
+    """Every timed cell of a backend other than ``baseline`` with the baseline backend's cell of the
+    same measurement (scenario, variant, params, axes, mode, target, machine): ``baseline_s`` (its
+    median time), ``ratio`` (the cell's median over it; missing where either cell failed),
+    ``baseline_unstable`` and ``unstable`` (either cell measured unstable).
+    ``cells`` from ``prepare``; the rows carry ``variant_label`` (the line label without the backend)."""
+    timed = cells[cells["mode"].isin(TIMED_MODES)]
+    timed = timed.assign(variant_label=[base_label(record, False) for record in timed.to_dict("records")])
+    key = [column for column in CELL_KEY if column != "backend"] + ["machine_key"]
+    base = timed[(timed["backend"] == baseline) & (timed["status"] == "ok")]
+    renamed = {"metrics.median_s": "baseline_s", "metrics.unstable": "baseline_unstable"}
+    pairs = timed[timed["backend"] != baseline].merge(base[key + list(renamed)].rename(columns=renamed), on=key)
+    pairs["baseline_unstable"] = pairs["baseline_unstable"].map(is_unstable)
+    return pairs.assign(ratio=(pairs["metrics.median_s"] / pairs["baseline_s"]).where(pairs["status"] == "ok"),
+                        unstable=pairs["baseline_unstable"] | pairs["metrics.unstable"].map(is_unstable))
+
+
+def backend_table(cells: pd.DataFrame, baseline: str | None) -> Table | None:
+    """Per variant, mode and axes: the baseline backend's median time and each other backend's
+    ratio to it (its status where it has no time: skipped, error, ...); None with one backend."""
+    if baseline is None or cells["backend"].nunique() < 2:
+        return None
+    pairs = backend_ratios(cells, baseline)
+    if pairs.empty:
+        return None
+    backends = [backend for backend in dict.fromkeys(cells["backend"]) if backend != baseline]
+    rows = []
+    for _, group in pairs.groupby(["variant_label", "machine", "mode", "axes_text"], sort=False):
+        first = group.iloc[0]
+        row = {"variant_label": first["variant_label"], "machine": first["machine"], "mode": first["mode"], "axes_text": first["axes_text"],
+               "baseline_s": format_median(first["baseline_s"], first["baseline_unstable"])}
+        for record in group.to_dict("records"):
+            row[record["backend"]] = marked_ratio(record["ratio"], record["unstable"]) if present(record["ratio"]) else record["status"]
+            if present(record.get("metrics.compile_s")):
+                row[f"{record['backend']}_compile_s"] = record["metrics.compile_s"]
+        rows.append(row)
+    frame = pd.DataFrame(rows).sort_values(["mode", "variant_label", "axes_text"], key=natural_columns)
+    machine = [("machine", "machine", text)] if cells["machine"].nunique() > 1 else []
+    columns = [("variant", "variant_label", text), *machine, ("mode", "mode", text), ("axes", "axes_text", text),
+               (f"{baseline} (median)", "baseline_s", text), *((f"{b} / {baseline}", b, text) for b in backends)]
+    notes = []
+    if "compile_compile_s" in frame:
+        columns.append(("compile time", "compile_compile_s", format_seconds))
+        notes.append("compile time: the untimed first call of the compile backend (tracing, compiling, one run: metrics.compile_s).")
+    ratios = pairs[~pairs["unstable"]].dropna(subset="ratio")
+    means = "; ".join(f"{backend} {np.exp(np.log(group['ratio']).mean()):.3f} over {len(group)} cells" for backend, group in ratios.groupby("backend"))
+    if pairs["unstable"].any():
+        notes.append(UNSTABLE_NOTE)
+    caption = " ".join([f"Each backend's median time over {baseline}'s on the same cell (report.baseline_backend); below 1 is faster.",
+                        f"Geometric means: {means or 'none'}.", *notes])
+    return table(f"Backends against {baseline}", frame, columns, caption)
+
+
+# --- machines side by side ----------------------------------------------------------------
+
+
+def machine_ratios(cells: pd.DataFrame) -> pd.DataFrame:
+    """For each scenario measured on several machines: every matching ok cell's median time on
+    each other machine over that on the scenario's first machine (matched on scenario,
+    variant, backend, params, axes without the device, mode, target). ``cells`` from ``prepare``."""
+    ok = cells[cells["status"] == "ok"]
+    rows = []
+    for _, scenario in ok.groupby("scenario", sort=True):
+        machines = list(dict.fromkeys(scenario["machine"]))
+        reference = scenario[scenario["machine"] == machines[0]]
+        for machine in machines[1:]:
+            other = scenario[scenario["machine"] == machine]
+            pairs = reference.merge(other, on=CELL_KEY, suffixes=("_ref", ""))
+            pairs["reference"], pairs["median_s_ref"], pairs["median_s"] = machines[0], pairs["metrics.median_s_ref"], pairs["metrics.median_s"]
+            pairs["unstable_ref"], pairs["unstable"] = pairs["metrics.unstable_ref"].map(is_unstable), pairs["metrics.unstable"].map(is_unstable)
+            rows.append(pairs.assign(ratio=pairs["median_s"] / pairs["median_s_ref"]))
+    columns = ["scenario", "series", "mode", "axes_text", "reference", "machine", "median_s_ref", "median_s", "ratio", "unstable_ref", "unstable"]
+    return pd.concat(rows, ignore_index=True)[columns] if rows else pd.DataFrame(columns=columns)
+
+
+def ratio_tables(ratios: pd.DataFrame) -> list[Table]:
+    tables = []
+    for (scenario, reference, machine), group in ratios.groupby(["scenario", "reference", "machine"], sort=False):
+        either = group["unstable_ref"] | group["unstable"]
+        stable = group.loc[~either, "ratio"]
+        geomean = f"{np.exp(np.log(stable).mean()):.3f}" if len(stable) else "none"
+        group = group.assign(
+            ref_text=[format_median(s, u) for s, u in zip(group["median_s_ref"], group["unstable_ref"])],
+            text=[format_median(s, u) for s, u in zip(group["median_s"], group["unstable"])],
+            ratio_text=[marked_ratio(r, u) for r, u in zip(group["ratio"], either)],
+        )
+        columns = [("variant", "series", text), ("mode", "mode", text), ("axes", "axes_text", text),
+                   (reference, "ref_text", text), (machine, "text", text), ("ratio", "ratio_text", text)]
+        caption = f"median time on {machine} / on {reference}, per matching cell; geometric mean {geomean} over {len(stable)} cells."
+        caption += f" {UNSTABLE_NOTE}" if either.any() else ""
+        tables.append(table(f"{scenario}: {machine} / {reference}", group.sort_values(["mode", "series"], key=natural_columns), columns, caption))
+    return tables
+
+
+def marked_ratio(ratio, unstable: bool) -> str:
+    """A ratio (``format_ratio``), with compare.UNSTABLE_SUFFIX when a time in it was measured unstable."""
+    return format_ratio(ratio) + (UNSTABLE_SUFFIX if unstable else "")
+
+
+def compare_table(result: CompareResult) -> Table:
+    """compare's table; a median measured unstable is shown with a * (``format_median``)."""
+    columns = [
+        ("scenario", "scenario", text), ("variant", "variant", text), ("params", "params", text), ("axes", "axes", text),
+        ("mode", "mode", text), ("base", "base_text", text), ("head", "head_text", text),
+        ("ratio", "ratio", format_ratio), ("CI low", "ci_low", format_ratio), ("CI high", "ci_high", format_ratio),
+        ("mark", "mark", text), ("note", "note", text),
+    ]
+    shown = result.table.assign(**{f"{side}_text": [format_median(seconds, unstable) for seconds, unstable in
+                                                    zip(result.table[f"{side}_median_s"], result.table[f"{side}_unstable"])] for side in ("base", "head")})
+    caption = result.summary() + (f" {UNSTABLE_NOTE}" if result.unstable_shown() else "")
+    return table("Comparison of two commits", shown, columns, caption, classes="mark")
