@@ -47,9 +47,11 @@ def _varying_axes(cells: pd.DataFrame, x: str) -> list[str]:
 
 
 def tasks_of(cells: pd.DataFrame) -> list[tasks.Task]:
-    """The registered tasks whose cells these are (a plugin's task not loaded here has none)."""
-    targets = set(cells["target"].dropna())
-    return [task for task in tasks.tasks() if task.name in targets]
+    """The registered tasks whose cells these are (a plugin's task not loaded here has none). Only
+    quality cells have one, so a report of speed cells imports no task module (nor the variants
+    and torch they import): it reads the results files alone."""
+    targets = set(cells.loc[cells["mode"] == "quality", "target"].dropna())
+    return [task for task in tasks.tasks() if task.name in targets] if targets else []
 
 
 def x_axis(cells: pd.DataFrame) -> str:

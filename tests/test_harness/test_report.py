@@ -287,6 +287,18 @@ def test_the_page_renders_in_headless_chromium(report, page, tmp_path):
     assert white < 0.97 * image.size[0] * image.size[1], "the screenshot is almost all white"
 
 
+def test_a_report_of_speed_cells_reads_the_results_files_alone(tmp_path):
+    """It imports neither the runner, the scenario loader, the variants nor torch (issue 33): a
+    report is made from results files, on any machine."""
+    results = Path(__file__).with_name("schema-1.jsonl")
+    program = ("import sys; from harness.report import build_report; build_report([sys.argv[1]], sys.argv[2]); "
+               "print(sorted(m for m in sys.modules if m.split('.')[0] in ('variants', 'torch') or m in ('harness.runner', 'harness.scenario')))")
+    done = subprocess.run([sys.executable, "-c", program, str(results), str(tmp_path)], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parents[2]), os.environ.get("PYTHONPATH")]))})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == "[]" and (tmp_path / "index.html").exists()
+
+
 def test_labels_order_numbers_by_value_and_name_a_variants_own_d_key():
     from harness.figures import natural
     from harness.report.cells import base_label
