@@ -235,8 +235,9 @@ class AttentionCore(nn.Module):
     #: the memory layout the parallel form wants its inputs in (``example_inputs`` gives them so):
     #: 'bhtd' ([B, H, T, D] contiguous) or 'bthd' ([B, H, T, D] views of [B, T, H, D] storage, backend 'fla')
     input_layout = "bhtd"
-    #: the backend it runs on (set by ``create``)
+    #: the backend it runs on (set by ``create``), and whether its forms go through torch.compile
     backend = "torch"
+    compiled = False
     #: its implementations on other backends than its PyTorch forms: backend name -> ``BackendForm``
     #: class (or a function of the core returning one), or the reason the backend has none
     backend_forms: dict = {}

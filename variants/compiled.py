@@ -29,6 +29,7 @@ def wrap(core, *, mode: str | None = None, dynamic: bool | None = None):
     """Make ``core``'s parallel form, prefill and step ``torch.compile``'d (in place; returns it)."""
     for form in FORMS:
         setattr(core, form, torch.compile(getattr(core, form), mode=mode, dynamic=dynamic))
+    core.compiled = True
     core.compile_options = {"mode": mode or "default", "dynamic": dynamic}
     return core
 

@@ -76,12 +76,12 @@ class FastWeightCore(AttentionCore):
         self.example_unit_keys = phi == "identity"
 
     def scan_choice(self, device: torch.device) -> str:
-        """The scan the causal PyTorch form runs on ``device``: ``scan``, or for 'auto' 'parallel' under
-        ``backend='compile'`` (its graph does not grow with T) and off the CPU (a few launches a call,
+        """The scan the causal PyTorch form runs on ``device``: ``scan``, or for 'auto' 'parallel' where the
+        forms are ``compiled`` (backend 'compile': its graph does not grow with T) and off the CPU (a few launches a call,
         not a few per chunk), 'loop' on the CPU (faster there eagerly: docs/performance.md)."""
         if self.scan != "auto":
             return self.scan
-        return "parallel" if self.backend == "compile" or device.type != "cpu" else "loop"
+        return "parallel" if self.compiled or device.type != "cpu" else "loop"
 
     def implementation_choices(self, q, k, v, *, causal=True, **token_inputs) -> dict:
         """``{"scan": 'loop' or 'parallel'}``: the scan a causal call on ``q``'s device runs (PyTorch forms)."""
