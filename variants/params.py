@@ -33,7 +33,7 @@ QUOTE = 60
 class Param:
     """One constructor parameter: its ``rules``, each ``(accepts(value), what it expects)``, the first
     refusing one named in the error; where only some ``backends`` honour it, its ``default`` (the one
-    value the others take) and ``scope`` (what the option is, "a Triton kernel option")."""
+    value the others take) and ``scope``, what it does, for the refusal ("is a Triton kernel option")."""
 
     rules: tuple[tuple[Callable[[Any], bool], str], ...]
     backends: tuple[str, ...] | None = None
@@ -51,7 +51,7 @@ def _is_int(value) -> bool:
 
 def integer(low: int = 1, high: int | None = MAX_WIDTH, optional: bool = True) -> Param:
     """An int (not a bool or a float) >= ``low`` and at most ``high``; None too where ``optional``."""
-    given = lambda v: optional and v is None  # noqa: E731
+    given = lambda v: optional and v is None
     kind = "a positive int" if low == 1 else f"an int >= {low}"
     rules = [(lambda v: given(v) or (_is_int(v) and v >= low), kind)]
     if high is not None:
@@ -73,7 +73,7 @@ def choice(*values, quoted: bool = True, **restricted) -> Param:
 
 def positive_number() -> Param:
     """A finite number > 0, or None."""
-    accepts = lambda v: v is None or (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0)  # noqa: E731
+    accepts = lambda v: v is None or (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0)
     return Param(((accepts, "a finite number > 0"),))
 
 
