@@ -22,6 +22,7 @@ import contextlib
 
 import torch
 
+from variants import AttentionCore
 from variants.precision import REL_ERROR_TOLERANCE, rel_error
 
 from .builders import build_core, build_layer, build_model
@@ -156,8 +157,10 @@ def measure_decode(cell: dict, device, dtype, decoder) -> dict:
 
 def _exact_reference(core, length: int):
     """The float64 reference of a core and its name: ``core.reference`` up to
-    ``REFERENCE_MAX_TOKENS`` tokens, the torch form beyond."""
-    return (core.reference, "reference") if length <= REFERENCE_MAX_TOKENS else (core, "torch float64")
+    ``REFERENCE_MAX_TOKENS`` tokens, the torch form beyond or where the variant defines no
+    reference (a plugin's may not)."""
+    defined = type(core)._reference is not AttentionCore._reference
+    return (core.reference, "reference") if defined and length <= REFERENCE_MAX_TOKENS else (core, "torch float64")
 
 
 @contextlib.contextmanager

@@ -95,12 +95,25 @@ def test_tf32_dots_are_judged_as_ten_bits_of_mantissa():
     assert accuracy.record(float("nan"), torch.float32, {}, "reference")["inaccurate"]
 
 
-def test_a_reference_out_of_memory_leaves_the_timing_and_says_why():
+@pytest.mark.parametrize(
+    ("error", "said"),
+    [(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 8.00 GiB"), "the float64 reference ran out of memory: CUDA out of memory"),
+     (RuntimeError("shapes do not match\nmore"), "the accuracy check failed: RuntimeError: shapes do not match")],
+)  # fmt: skip
+def test_a_failed_check_leaves_the_timing_and_says_why(error, said):
     def check():
-        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 8.00 GiB")
+        raise error
 
     metrics = workloads._accuracy(check)
-    assert metrics["rel_error"] is None and "ran out of memory: CUDA out of memory" in metrics["rel_error_skipped"]
+    assert set(metrics) == {"rel_error", "rel_error_skipped"} and metrics["rel_error"] is None and metrics["rel_error_skipped"].startswith(said), metrics
+
+
+def test_a_variant_without_a_reference_is_checked_against_its_float64_form(monkeypatch):
+    from variants.sum_rule import SumRule
+
+    monkeypatch.delattr(SumRule, "_reference")
+    metrics = _metrics(_cell("linear", "forward"))
+    assert metrics["rel_error_reference"] == "torch float64" and metrics["rel_error"] < 1e-5, metrics
 
 
 def test_a_timed_cell_records_its_accuracy():
