@@ -55,14 +55,14 @@ class RunSummary:
     other_cpu_s: float = 0.0  #: CPU seconds other processes used during the cells
     load_wall_s: float = 0.0  #: wall seconds of the cells those were counted over
     cores: int | None = None
-    failures: list = field(default_factory=list)  #: (describe(cell), status, message) of each cell measured FAILING
-    earlier_failures: list = field(default_factory=list)  #: the same of the cells a resumed file holds FAILING and this run left alone
+    failures: list = field(default_factory=list)  #: (describe(cell), status, message) of each cell measured FAILING or inaccurate (``problem``)
+    earlier_failures: list = field(default_factory=list)  #: the same of the cells a resumed file holds so and this run left alone
 
     def count(self, cell: dict, record: dict) -> None:
         """Add a finished cell: its status, whether it was unstable, the load it saw."""
         self.statuses[record["status"]] = self.statuses.get(record["status"], 0) + 1
-        if record["status"] in FAILING:
-            self.failures.append((describe(cell), record["status"], record["error"]))
+        if (found := problem(record)) is not None:
+            self.failures.append((describe(cell), *found))
         metrics = record["metrics"]
         if metrics.get("unstable") is not None:
             self.timed += 1
@@ -84,19 +84,37 @@ class RunSummary:
 
     @property
     def failed(self) -> bool:
-        """Whether a cell of the file ends this run ``FAILING``: measured so now, or earlier and not retried."""
+        """Whether a cell of the file ends this run ``FAILING`` or inaccurate: measured so now, or earlier and not retried."""
         return bool(self.failures or self.earlier_failures)
 
     def failure_lines(self, names: int = 3) -> list[str]:
-        """"2 cells failed: fault_error[torch] forward/core ... (error: RuntimeError: injected failure); ..." and,
-        after a resume, the same of the cells failed earlier; empty when none failed."""
+        """"2 cells failed: fault_error[torch] forward/core ... (error: RuntimeError: injected failure); ...",
+        "1 cell inaccurate: ... (inaccurate: rel_error 1.0e-02 > 0.0001 against reference)" and, after a resume,
+        the same of the cells so earlier; empty when none failed."""
         lines = []
-        for failures, what in ((self.failures, "failed"), (self.earlier_failures, "failed in an earlier run (--retry-failed runs them again)")):
-            if failures:
-                listed = "; ".join(f"{name} ({status}: {_first_line(message)})" for name, status, message in failures[:names])
-                more = f"; and {len(failures) - names} more" if len(failures) > names else ""
-                lines.append(f"{len(failures)} {'cell' if len(failures) == 1 else 'cells'} {what}: {listed}{more}")
+        for failures, earlier in ((self.failures, False), (self.earlier_failures, True)):
+            for inaccurate in (False, True):
+                chosen = [failure for failure in failures if (failure[1] == "inaccurate") == inaccurate]
+                if not chosen:
+                    continue
+                what = "inaccurate" if inaccurate else "failed"
+                what += (" in an earlier run" + ("" if inaccurate else " (--retry-failed runs them again)")) if earlier else ""
+                listed = "; ".join(f"{name} ({status}: {_first_line(message)})" for name, status, message in chosen[:names])
+                more = f"; and {len(chosen) - names} more" if len(chosen) > names else ""
+                lines.append(f"{len(chosen)} {'cell' if len(chosen) == 1 else 'cells'} {what}: {listed}{more}")
         return lines
+
+
+def problem(record: dict) -> tuple[str, str] | None:
+    """``(status, message)`` of a cell record that makes a run exit 1: a ``FAILING`` status, or an ok
+    cell whose output is beyond its dtype's tolerance of the float64 reference (``metrics.inaccurate``,
+    ``harness.accuracy``); None otherwise."""
+    if record["status"] in FAILING:
+        return record["status"], record["error"]
+    metrics = record.get("metrics") or {}
+    if record["status"] == "ok" and metrics.get("inaccurate"):
+        return "inaccurate", f"rel_error {metrics['rel_error']:.1e} > {metrics['rel_error_tolerance']:g} against {metrics['rel_error_reference']}"
+    return None
 
 
 def _first_line(text: str | None) -> str:
@@ -192,10 +210,10 @@ def _resume_state(writer: ResultsWriter, loaded: LoadedScenario, fingerprint: di
 
 
 def _failures_in(path: Path, cells: list[dict], cell_ids: set) -> list[tuple]:
-    """(describe(cell), status, message) of each of ``cells`` in ``cell_ids`` whose latest record in ``path`` is ``FAILING``."""
+    """(describe(cell), status, message) of each of ``cells`` in ``cell_ids`` whose latest record in ``path`` is a ``problem``."""
     latest = {record["cell_id"]: record for record in read_records(path) if record["kind"] == "cell"}
-    return [(describe(cell), latest[cell["cell_id"]]["status"], latest[cell["cell_id"]]["error"])
-            for cell in cells if cell["cell_id"] in cell_ids and latest[cell["cell_id"]]["status"] in FAILING]
+    found = [(cell, problem(latest[cell["cell_id"]])) for cell in cells if cell["cell_id"] in cell_ids]
+    return [(describe(cell), *problem_found) for cell, problem_found in found if problem_found is not None]
 
 
 

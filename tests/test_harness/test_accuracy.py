@@ -120,3 +120,21 @@ def test_a_timed_cell_records_its_accuracy():
     cell = _cell("linear", "train") | {"measure": {"warmup": 0, "repeats": 2, "target_rel_ci": None, "flush_l2": False, "cpus": None}}
     result = workloads.measure_cell(cell)
     assert result["status"] == "ok" and 0 < result["metrics"]["rel_error"] < 1e-5 and result["metrics"]["inaccurate"] is False, result
+
+
+def test_an_inaccurate_cell_is_named_and_the_run_exits_1(tmp_path, capsys):
+    """Done-when of issue 32 item 1: the 1 %-off plugin variant's cell is ok (timed) but inaccurate,
+    named in the summary, and the run exits 1; linear beside it is accurate."""
+    from harness.cli import EXIT_CELLS_FAILED, main
+    from harness.results import read_records
+
+    scenario = tmp_path / "wrong.yaml"
+    scenario.write_text("name: wrong\nvariants: {off_by_one_percent: {}, linear: {}}\nmodes: [forward]\n"
+                        "axes: {seq_len: 16, batch: 1, heads: 1, d_key: 8}\nmeasure: {warmup: 0, repeats: 2, target_rel_ci: null}\n")
+    code = main(["run", str(scenario), "--plugin", PLUGIN, "--out", str(tmp_path / "out"), "--no-progress"])
+    printed = capsys.readouterr()
+    assert code == EXIT_CELLS_FAILED, printed
+    assert "1 cell inaccurate: off_by_one_percent[torch] forward/core" in printed.out + printed.err, printed
+    cells = {record["variant"]: record for record in read_records(next((tmp_path / "out").glob("wrong-*.jsonl"))) if record["kind"] == "cell"}
+    assert cells["off_by_one_percent"]["status"] == "ok" and cells["off_by_one_percent"]["metrics"]["inaccurate"] is True
+    assert cells["linear"]["metrics"]["inaccurate"] is False and cells["linear"]["metrics"]["rel_error"] < 1e-5
