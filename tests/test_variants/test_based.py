@@ -111,9 +111,10 @@ def test_short_conv_is_the_causal_depthwise_sum(seed):
 
 
 def test_mqar_uses_the_library_short_conv():
-    from harness.tasks import mqar
+    """The MQAR model's convolution is ``variants.conv.ShortConv`` (tested above), not a copy of it."""
+    from harness.models.mqar import MQARBlock
 
-    assert mqar.ShortConv is ShortConv
+    assert type(MQARBlock(8, 2, "softmax", conv_size=3).conv) is ShortConv
 
 
 @pytest.mark.parametrize(
