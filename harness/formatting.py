@@ -64,6 +64,11 @@ def fraction(value) -> str:
     return "-" if not present(value) else f"{value:.3g}"
 
 
+def relative_error(value) -> str:
+    """A relative error: ``1.2e-07``; ``-`` for a missing value."""
+    return "-" if not present(value) else f"{value:.1e}"
+
+
 def flag(value) -> str:
     """``unstable`` for a true flag, empty for false, ``-`` when unknown."""
     return "-" if not present(value) else "unstable" if value else ""

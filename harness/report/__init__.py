@@ -29,7 +29,7 @@ from ..results import load
 from ..seeds import seed_table
 from .cells import machine_styles, palette, prepare, tasks_of
 from .header import machine_sections, runs_of
-from .plots import METRICS, latency_plot, metric_plot
+from .plots import METRICS, accuracy_plot, latency_plot, metric_plot
 from .tables import backend_table, compare_table, failures_table, machine_ratios, model_table, quality_table, ratio_tables, timing_table
 
 
@@ -68,7 +68,7 @@ def baseline_backend(runs: list[dict], cells: pd.DataFrame) -> str | None:
 
 def _scenario_section(name: str, cells: pd.DataFrame, figures: Figures, baseline: str | None = None) -> ScenarioSection:
     slug = _slug(name)
-    plots = [metric_plot(cells, metric, figures, slug) for metric in METRICS] + [latency_plot(cells, figures, slug)]
+    plots = [metric_plot(cells, metric, figures, slug) for metric in METRICS] + [latency_plot(cells, figures, slug), accuracy_plot(cells, figures, slug)]
     task_sections = []
     for task in tasks_of(cells):
         own = cells[cells["target"] == task.name]

@@ -1,4 +1,5 @@
-"""The report's plots: each metric against a scenario's x axis (one panel per mode), decode latency."""
+"""The report's plots: each metric against a scenario's x axis (one panel per mode), decode latency,
+speed against accuracy."""
 
 from __future__ import annotations
 
@@ -165,3 +166,35 @@ def latency_plot(cells: pd.DataFrame, figures: Figures, name: str) -> Plot | Non
     figures.legend(figure, decode, False)
     title = "Decode latency per generated token (median over rounds)"
     return figures.save(figure, f"{name}-decode-latency", title, f"{title}, after a prefill of the context; one panel per context length.")
+
+
+#: The marker of each dtype on the speed-against-error plot.
+DTYPE_MARKERS = {"float32": "o", "bfloat16": "s", "float16": "^", "float64": "D"}
+
+
+def accuracy_plot(cells: pd.DataFrame, figures: Figures, name: str) -> Plot | None:
+    """Tokens/s against the relative error from the float64 reference (``metrics.rel_error``), one
+    point per timed cell, one panel per mode: a form that is fast because it is wrong sits to the
+    right. Colour: the line label (variant and backend); marker: the dtype; dashed: each dtype's tolerance."""
+    if "metrics.rel_error" not in cells:
+        return None
+    timed = cells[cells["mode"].isin(TIMED_MODES) & (cells["status"] == "ok")]
+    timed = timed[timed["metrics.rel_error"].map(lambda value: present(value) and value > 0) & timed["metrics.tokens_per_s"].notna()]
+    if timed.empty:
+        return None
+    modes = [mode for mode in TIMED_MODES if mode in set(timed["mode"])]
+    figure, axes = new_figure(len(modes))
+    for ax, mode in zip(axes, modes):
+        own = timed[timed["mode"] == mode]
+        for record in own.to_dict("records"):
+            ax.plot(record["metrics.rel_error"], record["metrics.tokens_per_s"], color=figures.colours[record["series"]],
+                    marker=DTYPE_MARKERS.get(record["axes.dtype"], "x"), linestyle="none", markersize=6, alpha=0.8)
+        for tolerance in own["metrics.rel_error_tolerance"].dropna().unique():
+            ax.axvline(tolerance, color="grey", linestyle="--", linewidth=1)
+        ax.set(title=mode, xscale="log", yscale="log", xlabel="relative error from float64", ylabel="tokens / s")
+    figures.legend(figure, timed, False)
+    markers = ", ".join(f"{marker} {dtype}" for dtype, marker in DTYPE_MARKERS.items() if dtype in set(timed["axes.dtype"]))
+    title = "Speed against accuracy"
+    caption = (f"{title}: each timed cell's tokens/s against its relative L2 error from the float64 reference (metrics.rel_error); "
+               f"markers: {markers}; dashed: the dtypes' tolerances, beyond which a cell is inaccurate and its speed not to be compared.")
+    return figures.save(figure, f"{name}-accuracy", title, caption)

@@ -10,7 +10,7 @@ import pandas as pd
 
 from ..compare import UNSTABLE_SUFFIX, CompareResult, format_median, is_unstable
 from ..figures import Table, natural_columns, table
-from ..formatting import flag, format_ratio, format_seconds, fraction, mib, percent, present, si, text
+from ..formatting import flag, format_ratio, format_seconds, fraction, mib, percent, present, relative_error, si, text
 from ..identity import CELL_KEY
 from .cells import TIMED_MODES, base_label, tasks_of
 
@@ -79,14 +79,23 @@ def timing_table(cells: pd.DataFrame) -> Table | None:
     ok = ok.sort_values(["mode", "series", f"axes.{cells['x_axis'].iloc[0]}"])
     columns = cell_columns(cells) + [
         ("median", "metrics.median_s", format_seconds), ("p20", "metrics.p20_s", format_seconds), ("p80", "metrics.p80_s", format_seconds),
-        ("±CI", "metrics.rel_ci", percent), ("stability", "metrics.unstable", flag),
+        ("±CI", "metrics.rel_ci", percent), ("stability", "metrics.unstable", flag), ("error", "error_text", text),
         ("tokens/s", "metrics.tokens_per_s", si), ("roofline", "metrics.roofline_fraction", fraction), ("bound", "metrics.bound", text),
         ("peak memory", "metrics.peak_mem_bytes", mib), ("other cores", "metrics.load.other_cores", fraction), ("throttled", "metrics.throttled", text),
     ]
-    caption = ("±CI: half the 95 % interval of the median, relative; unstable: it stayed wider than measure.target_rel_ci. roofline: the "
-               "fraction of the machine's calibrated limit (docs/results.md, 'Roofline'). other cores: the cores other processes kept busy meanwhile.")
-    ok = ok.assign(stability=ok["metrics.unstable"].map(lambda value: "unstable" if value is True else "stable"))
+    caption = ("±CI: half the 95 % interval of the median, relative; unstable: it stayed wider than measure.target_rel_ci. error: the "
+               "relative L2 error against the float64 reference (metrics.rel_error), '!' beyond its dtype's tolerance (inaccurate: its speed "
+               "is not to be compared). roofline: the fraction of the machine's calibrated limit (docs/results.md, 'Roofline'). other cores: "
+               "the cores other processes kept busy meanwhile.")
+    ok = ok.assign(stability=ok["metrics.unstable"].map(lambda value: "unstable" if value is True else "stable"), error_text=_error_texts(ok))
     return table("Every timed cell", ok, columns, caption, classes="stability")
+
+
+def _error_texts(cells: pd.DataFrame) -> pd.Series:
+    """Each cell's ``metrics.rel_error`` (``relative_error``), with ' !' where it is inaccurate."""
+    errors = cells.get("metrics.rel_error", pd.Series(np.nan, index=cells.index))
+    inaccurate = cells.get("metrics.inaccurate", pd.Series(False, index=cells.index)).map(lambda value: value is True)
+    return pd.Series([relative_error(e) + (" !" if bad else "") for e, bad in zip(errors, inaccurate)], index=cells.index)
 
 
 # --- backends side by side ----------------------------------------------------------------

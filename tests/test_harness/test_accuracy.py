@@ -138,3 +138,7 @@ def test_an_inaccurate_cell_is_named_and_the_run_exits_1(tmp_path, capsys):
     cells = {record["variant"]: record for record in read_records(next((tmp_path / "out").glob("wrong-*.jsonl"))) if record["kind"] == "cell"}
     assert cells["off_by_one_percent"]["status"] == "ok" and cells["off_by_one_percent"]["metrics"]["inaccurate"] is True
     assert cells["linear"]["metrics"]["inaccurate"] is False and cells["linear"]["metrics"]["rel_error"] < 1e-5
+    assert main(["report", str(tmp_path / "out"), "-o", str(tmp_path / "report")]) == 0
+    page = (tmp_path / "report" / "index.html").read_text()
+    assert "Speed against accuracy" in page and (tmp_path / "report" / "plots" / "wrong-accuracy.png").is_file()
+    assert "1.0e-02 !" in page, "the inaccurate cell's error is marked in the table of timed cells"
