@@ -19,6 +19,12 @@ strength ``BETA``, the gated rule's ``LOG_GATE``). Each is passed as the keyword
 ``_parallel``, ``_reference``, ``_prefill`` and ``_step`` as keywords ``name``.
 ``core.example_inputs(...)`` draws valid inputs of every kind; ``token_slice`` and
 ``time_slice`` cut them for ``step`` and ``prefill``.
+
+Packed sequences: the parallel form, ``reference`` and ``prefill`` take ``cu_seqlens``, int32 offsets
+``[N + 1]`` of N sequences packed in one row (fla's convention: q, k, v ``[1, H, total_T, D]``); no token
+attends across a boundary. Grouped heads, where a core declares ``head_grouping`` ('gqa': k and v have
+fewer heads than q; 'gva': v more than q and k): each of the fewer heads serves a group of consecutive
+heads of the more; the output and the token inputs have the larger number.
 """
 
 from __future__ import annotations
@@ -75,6 +81,31 @@ def registered(name: str) -> Callable[..., AttentionCore]:
 def core_class(factory) -> type:
     """The core class a registered ``factory`` builds (itself for a class; AttentionCore if unknown)."""
     return factory if isinstance(factory, type) else getattr(factory, "core_class", AttentionCore)
+
+
+#: The backends that take ``cu_seqlens`` and grouped heads (not the kernels, nor 'compile' yet).
+PACKED_BACKENDS = ("torch",)
+#: The head groupings a core may declare (``head_grouping``): what they allow, for messages.
+HEAD_GROUPINGS = {
+    "gqa": "k and v share their heads, a divisor of q's (GQA)",
+    "gva": "q and k share their heads, a divisor of v's (GVA)",
+}
+
+
+def repeat_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """``x [B, h, ...]`` on ``heads`` heads (a multiple of h): each head repeated for its group of
+    consecutive heads (as GQA shares a key/value head among consecutive query heads)."""
+    return x if x.shape[1] == heads else x.repeat_interleave(heads // x.shape[1], dim=1)
+
+
+def state_heads(k: torch.Tensor, v: torch.Tensor) -> int:
+    """The heads of the decoding state: k's and v's (GQA: the key/value heads; GVA: the value heads)."""
+    return max(k.shape[1], v.shape[1])
+
+
+def sequences(bounds) -> list[tuple[int, int]]:
+    """``(start, stop)`` of each packed sequence, from ``bounds`` (``cu_seqlens`` as ints)."""
+    return list(zip(bounds[:-1], bounds[1:]))
 
 
 class BackendForm:
@@ -241,6 +272,8 @@ class AttentionCore(nn.Module):
     #: its implementations on other backends than its PyTorch forms: backend name -> ``BackendForm``
     #: class (or a function of the core returning one), or the reason the backend has none
     backend_forms: dict = {}
+    #: the grouped heads its PyTorch forms take: None, 'gqa' or 'gva' (``HEAD_GROUPINGS``)
+    head_grouping: str | None = None
     #: its constructor parameters: name -> ``params.Param`` (checked by ``create``)
     PARAMS: dict = {}
 
@@ -250,17 +283,24 @@ class AttentionCore(nn.Module):
         self.d_dot = d_key
 
     # --- the three faces -------------------------------------------------------
-    def forward(self, q, k, v, *, causal: bool = True, **token_inputs) -> torch.Tensor:
+    def forward(self, q, k, v, *, causal: bool = True, cu_seqlens=None, **token_inputs) -> torch.Tensor:
         """Parallel form: ``q, k: [B, H, T, Dk]``, ``v: [B, H, T, Dv]``, each token input ``[B, H, T]``
-        -> ``[B, H, T, Dv]``. Token input ranges are checked on CPU tensors (no device sync) or
-        under ``debug_checks``."""
-        given = self._check_sequence(q, k, v, causal, token_inputs, always=False)
-        return self._parallel(q, k, v, causal, **given)
+        -> ``[B, H, T, Dv]`` (``cu_seqlens``, grouped heads: the module docstring). Token input ranges
+        are checked on CPU tensors (no device sync) or under ``debug_checks``."""
+        given = self._check_sequence(q, k, v, causal, token_inputs, always=False, cu_seqlens=cu_seqlens)
+        if cu_seqlens is None:
+            return self._parallel(q, k, v, causal, **given)
+        return self._parallel_packed(q, k, v, causal, cu_seqlens.tolist(), **given)
 
-    def reference(self, q, k, v, *, causal: bool = True, **token_inputs) -> torch.Tensor:
-        """The plainest correct implementation of the same function (for tests)."""
-        given = self._check_sequence(q, k, v, causal, token_inputs, always=True)
-        return self._reference(q, k, v, causal, **given)
+    def reference(self, q, k, v, *, causal: bool = True, cu_seqlens=None, **token_inputs) -> torch.Tensor:
+        """The plainest correct implementation of the same function (for tests): grouped heads repeated,
+        packed sequences one by one."""
+        given = self._check_sequence(q, k, v, causal, token_inputs, always=True, cu_seqlens=cu_seqlens)
+        heads = max(q.shape[1], k.shape[1], v.shape[1])
+        q, k, v = (repeat_heads(x, heads) for x in (q, k, v))
+        if cu_seqlens is None:
+            return self._reference(q, k, v, causal, **given)
+        return self._per_sequence(self._reference, q, k, v, causal, cu_seqlens.tolist(), given)
 
     def step(self, q_t, k_t, v_t, state, **token_inputs_t):
         """Recurrent form: ``q_t, k_t: [B, H, Dk]``, ``v_t: [B, H, Dv]``, each token input ``name_t: [B, H]``
@@ -269,12 +309,15 @@ class AttentionCore(nn.Module):
         given = self._check_token(q_t, k_t, v_t, token_inputs_t)
         return self._step(q_t, k_t, v_t, state, **given)
 
-    def prefill(self, q, k, v, *, state=None, **token_inputs):
+    def prefill(self, q, k, v, *, state=None, cu_seqlens=None, **token_inputs):
         """Causal parallel form that also returns the decoding state after its last token,
-        continuing from ``state`` when given: ``(out [B, H, T, Dv], state)``. Ranges are checked as
-        in the parallel form (a decode cell times its prefill)."""
-        given = self._check_sequence(q, k, v, True, token_inputs, always=False)
-        return self._prefill(q, k, v, state, **given)
+        continuing from ``state`` when given: ``(out [B, H, T, Dv], state)``; with ``cu_seqlens``, the
+        states of the N sequences as a batch of N (where the core's state allows it). Ranges are
+        checked as in the parallel form (a decode cell times its prefill)."""
+        given = self._check_sequence(q, k, v, True, token_inputs, always=False, cu_seqlens=cu_seqlens)
+        if cu_seqlens is None:
+            return self._prefill(q, k, v, state, **given)
+        return self._prefill_packed(q, k, v, state, cu_seqlens.tolist(), **given)
 
     def init_state(self, batch: int, heads: int, d_value: int, *, device=None, dtype=None):
         """The empty decoding state (a KV cache, or the fast weight matrix and normaliser)."""
@@ -287,9 +330,9 @@ class AttentionCore(nn.Module):
     def step_loop(self, inputs: dict[str, torch.Tensor], state=None):
         """The recurrent form over a whole sequence, token by token, from ``state`` (default: empty):
         ``inputs`` as ``example_inputs`` gives them -> ``(out [B, H, T, Dv], state)``."""
-        q, v = inputs["q"], inputs["v"]
+        q, k, v = inputs["q"], inputs["k"], inputs["v"]
         if state is None:
-            state = self.init_state(q.shape[0], q.shape[1], v.shape[-1], device=q.device, dtype=q.dtype)
+            state = self.init_state(q.shape[0], state_heads(k, v), v.shape[-1], device=q.device, dtype=q.dtype)
         outputs = []
         for t in range(q.shape[2]):
             out, state = self.step(**token_slice(inputs, t), state=state)
@@ -349,9 +392,25 @@ class AttentionCore(nn.Module):
     def _step(self, q_t, k_t, v_t, state, **token_inputs):
         raise NotImplementedError
 
+    def _parallel_packed(self, q, k, v, causal, bounds, **token_inputs):
+        """The parallel form over packed sequences (``bounds``: ``cu_seqlens`` as ints); here one call
+        of ``_parallel`` per sequence, which a family replaces by a form that does not serialise."""
+        return self._per_sequence(self._parallel, q, k, v, causal, bounds, token_inputs)
+
+    def _prefill_packed(self, q, k, v, state, bounds, **token_inputs):
+        raise VariantError(f"{self.variant_name}: prefill takes no cu_seqlens (only the sum and delta rules return packed states); prefill each sequence")
+
+    @staticmethod
+    def _per_sequence(form, q, k, v, causal, bounds, token_inputs: dict) -> torch.Tensor:
+        """``form(q, k, v, causal, **token_inputs)`` on each packed sequence alone, joined along time."""
+        pieces = [
+            form(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], causal, **{name: x[:, :, a:b] for name, x in token_inputs.items()}) for a, b in sequences(bounds)
+        ]
+        return torch.cat(pieces, 2)
+
     # --- checks --------------------------------------------------------------------
-    def _check_sequence(self, q, k, v, causal, token_inputs: dict, *, always: bool) -> dict:
-        """Check q, k, v ``[B, H, T, D]`` and the token inputs ``[B, H, T]``; the declared inputs by name."""
+    def _check_sequence(self, q, k, v, causal, token_inputs: dict, *, always: bool, cu_seqlens=None) -> dict:
+        """Check q, k, v ``[B, H, T, D]``, ``cu_seqlens`` and the token inputs ``[B, H, T]``; the declared inputs by name."""
         name = self.variant_name
         for label, x in (("q", q), ("k", k), ("v", v)):
             if not isinstance(x, torch.Tensor) or x.dim() != 4:
@@ -362,7 +421,24 @@ class AttentionCore(nn.Module):
             raise VariantError(f"{name}: the sequence is empty (T = 0); give at least one token")
         if not causal and not self.supports_noncausal:
             raise VariantError(f"{name}: this variant is causal only; causal=False is not defined for it")
-        return self._check_token_inputs(token_inputs, q.shape[:3], "[B, H, T]", "", always)
+        if cu_seqlens is not None:
+            self._check_cu_seqlens(q, cu_seqlens)
+        shape = (q.shape[0], max(q.shape[1], v.shape[1]), q.shape[2])
+        return self._check_token_inputs(token_inputs, shape, "[B, H, T]", "", always)
+
+    def _check_cu_seqlens(self, q, cu_seqlens) -> None:
+        """int32 offsets ``[N + 1]`` from 0 to T, increasing (every sequence has a token), one packed row."""
+        name = self.variant_name
+        if self.backend not in PACKED_BACKENDS:
+            raise UnsupportedBackend(f"{name}: backend={self.backend!r} takes no cu_seqlens (packed sequences run on backend='torch')")
+        if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1 or len(cu_seqlens) < 2:
+            got = f"{cu_seqlens.dtype} {tuple(cu_seqlens.shape)}" if isinstance(cu_seqlens, torch.Tensor) else type(cu_seqlens).__name__
+            raise VariantError(f"{name}: cu_seqlens must be a 1-d int32 tensor of N + 1 offsets, got {got}")
+        if q.shape[0] != 1:
+            raise VariantError(f"{name}: with cu_seqlens the sequences are packed into one row, q [1, H, total_T, D]; got batch {q.shape[0]}")
+        bounds = cu_seqlens.tolist()
+        if bounds[0] != 0 or bounds[-1] != q.shape[2] or any(b <= a for a, b in sequences(bounds)):
+            raise VariantError(f"{name}: cu_seqlens must increase from 0 to T={q.shape[2]} (no empty sequence), got {bounds}")
 
     def _check_token(self, q_t, k_t, v_t, token_inputs: dict) -> dict:
         """Check q_t, k_t, v_t ``[B, H, D]`` and the token inputs ``name_t: [B, H]``."""
@@ -372,20 +448,33 @@ class AttentionCore(nn.Module):
                 shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
                 raise VariantError(f"{name}: {label} must be a 3-d tensor [B, H, D], got {shape}")
         self._check_common(q_t, k_t, v_t, "[B, H, D]")
-        return self._check_token_inputs(token_inputs, q_t.shape[:2], "[B, H]", "_t", False)
+        return self._check_token_inputs(token_inputs, (q_t.shape[0], max(q_t.shape[1], v_t.shape[1])), "[B, H]", "_t", False)
 
     def _check_common(self, q, k, v, layout: str) -> None:
         name = self.variant_name
-        if q.shape != k.shape:
-            raise VariantError(f"{name}: q and k must have the same shape {layout}, got {tuple(q.shape)} and {tuple(k.shape)}")
-        if v.shape[:-1] != q.shape[:-1]:
-            raise VariantError(f"{name}: v must match q in every dim but the last {layout}, got q {tuple(q.shape)} and v {tuple(v.shape)}")
+        if q.shape[:1] + q.shape[2:] != k.shape[:1] + k.shape[2:]:
+            raise VariantError(f"{name}: q and k must have the same shape {layout} but for the heads, got {tuple(q.shape)} and {tuple(k.shape)}")
+        if v.shape[:1] + v.shape[2:-1] != q.shape[:1] + q.shape[2:-1]:
+            raise VariantError(f"{name}: v must match q in every dim but the heads and the last {layout}, got q {tuple(q.shape)} and v {tuple(v.shape)}")
+        self._check_heads(q.shape[1], k.shape[1], v.shape[1])
         if q.shape[-1] != self.d_key:
             raise VariantError(f"{name}: the last dim of q and k must be d_key={self.d_key}, got {q.shape[-1]}")
         if self.d_value_is_d_key and v.shape[-1] != self.d_key:
             raise VariantError(f"{name}: the operator is per channel; v's last dim must be d_key={self.d_key}, got {v.shape[-1]}")
         if not (q.dtype == k.dtype == v.dtype):
             raise VariantError(f"{name}: q, k and v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+
+    def _check_heads(self, q: int, k: int, v: int) -> None:
+        """Equal heads, or the grouping the core declares (``head_grouping``), on a backend that takes it."""
+        if q == k == v:
+            return
+        name, grouping = self.variant_name, self.head_grouping
+        allowed = {"gqa": k == v and q % k == 0, "gva": q == k and v % q == 0}.get(grouping, False)
+        if not allowed:
+            takes = HEAD_GROUPINGS[grouping] if grouping else "this variant takes no grouped heads: q, k and v have the same heads"
+            raise VariantError(f"{name}: {takes}; got q {q}, k {k}, v {v} heads")
+        if self.backend not in PACKED_BACKENDS:
+            raise UnsupportedBackend(f"{name}: backend={self.backend!r} takes no grouped heads (q {q}, k {k}, v {v}; they run on backend='torch')")
 
     def _check_token_inputs(self, given: dict, shape, layout: str, suffix: str, always: bool) -> dict:
         """Exactly the declared token inputs (keywords ``name + suffix``; None is not given), each of

@@ -17,6 +17,11 @@ does not grow with T (on a GPU, the launches; under ``torch.compile``, the graph
 The price is work and memory: the delta rules build and compose d_dot × d_dot transitions (about
 N (C d_dot² + d_dot³ + 2 d_dot² Dv) multiply-adds more than the loop: 1.6× its FLOPs at
 d_dot = Dv = C = 64), and every chunk's intermediates, φ(q) and φ(k) exist at once.
+Over packed sequences (``bounds``, ``cu_seqlens`` as ints) each sequence is padded to whole chunks
+(``_Chunks``), so that no chunk straddles a boundary, and the scans restart there: the cumulative sums
+from the sequence's own initial state, the affine scan through a transition A = 0 at each sequence's
+first chunk (whose offset takes A S₀ of that sequence's S₀). Still one pass, whatever N.
+
 Precision as in ``chunked``: the states, the transitions A, B and every product with them in
 ``state_dtype``; the products within a chunk in ``chunk_dtype``; the output in the input dtype.
 """
@@ -26,6 +31,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .base import sequences
 from .chunked import _identity, _solve_unit_lower, causal_read, chunk_dtype, safe_reciprocal
 from .feature_maps import EPS
 
@@ -40,15 +46,68 @@ def _in_chunks(x: torch.Tensor | None, chunk_size: int) -> torch.Tensor | None:
     return x.unflatten(2, (x.shape[2] // chunk_size, chunk_size))
 
 
-def _joined(chunks: torch.Tensor, length: int) -> torch.Tensor:
-    """``[B, H, N, C, D]`` -> ``[B, H, T, D]``: the chunks' outputs without the padding."""
-    joined = chunks.flatten(2, 3)
-    return joined if joined.shape[2] == length else joined[:, :, :length]
+class _Chunks:
+    """The chunks of a scan over ``length`` tokens: T cut into N chunks of ``chunk_size`` (the last padded),
+    or over packed sequences (``bounds``; B = 1) each sequence padded to whole chunks, sequence n starting
+    from row n of a state ``[N_seq, H, ...]``. Padding is zeros: tokens that write nothing."""
 
+    def __init__(self, length: int, chunk_size: int, bounds, device):
+        self.length, self.size, self.bounds = length, chunk_size, bounds
+        self.count = -(-length // chunk_size)
+        if bounds is None:
+            return
+        counts = [-(-(b - a) // chunk_size) for a, b in sequences(bounds)]
+        firsts = [sum(counts[:n]) for n in range(len(counts))]
+        self.count = sum(counts)
+        self.first = torch.tensor(firsts, device=device)
+        self.last = self.first + torch.tensor(counts, device=device) - 1
+        self.sequence = torch.repeat_interleave(torch.arange(len(counts), device=device), torch.tensor(counts, device=device))
+        spans = [torch.arange(b - a, device=device) + first * chunk_size for (a, b), first in zip(sequences(bounds), firsts)]
+        self.positions = torch.cat(spans)  # each token's place in the padded layout
 
-def _before_each(initial: torch.Tensor, increments: torch.Tensor) -> torch.Tensor:
-    """``initial + Σ_{m<n} increments_m`` for every chunk n (dim 2): an exclusive cumulative sum."""
-    return torch.cat([initial.unsqueeze(2), increments[:, :, :-1]], 2).cumsum(2)
+    def cut(self, x: torch.Tensor | None) -> torch.Tensor | None:
+        """``[B, H, T, ...]`` -> ``[B, H, N, C, ...]`` (None stays None)."""
+        if x is None or self.bounds is None:
+            return _in_chunks(x, self.size)
+        spread = x.new_zeros(*x.shape[:2], self.count * self.size, *x.shape[3:]).index_copy(2, self.positions, x)
+        return spread.unflatten(2, (self.count, self.size))
+
+    def join(self, chunks: torch.Tensor) -> torch.Tensor:
+        """``[B, H, N, C, D]`` -> ``[B, H, T, D]``: the chunks' outputs without the padding."""
+        joined = chunks.flatten(2, 3)
+        if self.bounds is not None:
+            return joined.index_select(2, self.positions)
+        return joined if joined.shape[2] == self.length else joined[:, :, : self.length]
+
+    def _starts(self, initial: torch.Tensor) -> torch.Tensor:
+        """A state ``[N_seq, H, ...]`` as ``[1, H, N_seq, ...]``."""
+        return initial.transpose(0, 1).unsqueeze(0)
+
+    def before_each(self, initial: torch.Tensor, increments: torch.Tensor) -> torch.Tensor:
+        """``initial + Σ_{m<n} increments_m`` for every chunk n (dim 2), over the chunks of n's sequence
+        from its own initial row: an exclusive cumulative sum."""
+        if self.bounds is None:
+            return torch.cat([initial.unsqueeze(2), increments[:, :, :-1]], 2).cumsum(2)
+        exclusive = increments.cumsum(2) - increments
+        restart = self._starts(initial) - exclusive[:, :, self.first]
+        return exclusive + restart[:, :, self.sequence]
+
+    def finals(self, per_chunk: torch.Tensor) -> torch.Tensor:
+        """``[B, H, N, ...]`` -> the entries of each sequence's last chunk (``[N_seq, H, ...]`` where packed)."""
+        if self.bounds is None:
+            return per_chunk[:, :, -1]
+        return per_chunk[:, :, self.last].squeeze(0).transpose(0, 1)
+
+    def affine(self, transitions: torch.Tensor, offsets: torch.Tensor, initial: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The states before and after each chunk of X_n = A_n X_{n-1} + B_n (``affine_scan``), each
+        sequence from its row of ``initial``: at its first chunk A = 0 and B + A S₀."""
+        if self.bounds is None:
+            ends = affine_scan(transitions, offsets, initial)
+            return torch.cat([initial.unsqueeze(2), ends[:, :, :-1]], 2), ends
+        starts = self._starts(initial)
+        offsets = offsets.index_add(2, self.first, transitions[:, :, self.first] @ starts)
+        ends = affine_scan(transitions.index_fill(2, self.first, 0), offsets, torch.zeros_like(starts[:, :, 0]))
+        return torch.cat([torch.zeros_like(ends[:, :, :1]), ends[:, :, :-1]], 2).index_copy(2, self.first, starts), ends
 
 
 def affine_scan(transitions: torch.Tensor, offsets: torch.Tensor, initial: torch.Tensor) -> torch.Tensor:
@@ -79,43 +138,44 @@ def _prefix(transitions: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     return woven if steps % 2 == 0 else torch.cat([woven, even[..., -1:, :, :]], -3)
 
 
-def sum_rule_parallel(q, k, v, weights, normaliser, chunk_size: int, phi=_identity, phi_k=None):
+def sum_rule_parallel(q, k, v, weights, normaliser, chunk_size: int, phi=_identity, phi_k=None, bounds=None):
     """``chunked.sum_rule_chunked`` (same arguments and result) with every chunk at once and the
     states before them by a cumulative sum over the chunks."""
     phi_k = phi if phi_k is None else phi_k
-    wide, narrow, length = weights.dtype, chunk_dtype(q.dtype, normaliser is not None), q.shape[2]
-    q_c, k_c, v_c = (_in_chunks(x, chunk_size) for x in (phi(q.to(narrow)), phi_k(k.to(narrow)), v.to(narrow)))
+    wide, narrow = weights.dtype, chunk_dtype(q.dtype, normaliser is not None)
+    chunks = _Chunks(q.shape[2], chunk_size, bounds, q.device)
+    q_c, k_c, v_c = (chunks.cut(x) for x in (phi(q.to(narrow)), phi_k(k.to(narrow)), v.to(narrow)))
     scores = torch.tril(q_c @ k_c.transpose(-1, -2))
     writes = (k_c.transpose(-1, -2) @ v_c).to(wide)
-    states = _before_each(weights, writes)
+    states = chunks.before_each(weights, writes)
     read = causal_read(scores.matmul, v_c, dim=3) + q_c.to(wide) @ states
     if normaliser is not None:
         key_sums = k_c.sum(3, dtype=wide)
-        normalisers = _before_each(normaliser, key_sums)
+        normalisers = chunks.before_each(normaliser, key_sums)
         read = read / (scores.sum(-1, keepdim=True, dtype=wide) + q_c.to(wide) @ normalisers.unsqueeze(-1) + EPS)
-        normaliser = normalisers[:, :, -1] + key_sums[:, :, -1]
-    return _joined(read.to(v.dtype), length), states[:, :, -1] + writes[:, :, -1], normaliser
+        normaliser = chunks.finals(normalisers) + chunks.finals(key_sums)
+    return chunks.join(read.to(v.dtype)), chunks.finals(states) + chunks.finals(writes), normaliser
 
 
-def delta_rule_parallel(q, k, v, beta, weights, normaliser, chunk_size: int, phi=_identity, phi_k=None, log_gate=None):
+def delta_rule_parallel(q, k, v, beta, weights, normaliser, chunk_size: int, phi=_identity, phi_k=None, log_gate=None, bounds=None):
     """``chunked.delta_rule_chunked`` (same arguments, equations and result) with every chunk's
     U, W (the UT transform) at once and the states before the chunks by ``affine_scan``."""
     if log_gate is not None and normaliser is not None:
         raise ValueError("the gated delta rule has no attention normaliser; pass normaliser=None")
     phi_k = phi if phi_k is None else phi_k
-    wide, narrow, length, d_value = weights.dtype, chunk_dtype(q.dtype, normaliser is not None), q.shape[2], v.shape[-1]
-    features_k = phi_k(k.to(narrow))
-    q_c, k_c, v_c = (_in_chunks(x, chunk_size) for x in (phi(q.to(narrow)), features_k, v.to(narrow)))
-    write = erase = _in_chunks(beta, chunk_size).unsqueeze(-1)
-    if normaliser is not None:
-        z = normaliser.unsqueeze(2) + features_k.cumsum(2, dtype=wide)  # z_t, every t
-        normaliser, z = z[:, :, -1], _in_chunks(z, chunk_size)
+    wide, narrow, d_value = weights.dtype, chunk_dtype(q.dtype, normaliser is not None), v.shape[-1]
+    chunks = _Chunks(q.shape[2], chunk_size, bounds, q.device)
+    q_c, k_c, v_c = (chunks.cut(x) for x in (phi(q.to(narrow)), phi_k(k.to(narrow)), v.to(narrow)))
+    write = erase = chunks.cut(beta).unsqueeze(-1)
+    if normaliser is not None:  # z_t at every t: the sums before each chunk, then within it
+        z = chunks.before_each(normaliser, k_c.sum(3, dtype=wide)).unsqueeze(3) + k_c.cumsum(3, dtype=wide)
+        normaliser = chunks.finals(z[:, :, :, -1])
         erase = write * safe_reciprocal(((z - k_c) * k_c).sum(-1, keepdim=True))
     keys_keys, queries_keys = k_c @ k_c.transpose(-1, -2), q_c @ k_c.transpose(-1, -2)
     erased_keys, state_queries, written_keys, end_decay = k_c, q_c, k_c, None
     if log_gate is not None:
         # G_t within each chunk in the state's dtype (as chunked.delta_rule_chunked)
-        cumulative = _in_chunks(log_gate, chunk_size).to(wide).cumsum(-1)
+        cumulative = chunks.cut(log_gate).to(wide).cumsum(-1)
         future = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).triu(1)
         decay = torch.exp((cumulative[..., :, None] - cumulative[..., None, :]).masked_fill(future, float("-inf"))).to(q_c.dtype)
         keys_keys, queries_keys = keys_keys * decay, queries_keys * decay
@@ -128,10 +188,9 @@ def delta_rule_parallel(q, k, v, beta, weights, normaliser, chunk_size: int, phi
     written_keys = written_keys.to(wide).transpose(-1, -2)
     identity = torch.eye(weights.shape[-2], dtype=wide, device=q.device)
     kept = identity if end_decay is None else end_decay[..., None] * identity
-    ends = affine_scan(kept - written_keys @ erasures, written_keys @ new_values, weights)
-    states = torch.cat([weights.unsqueeze(2), ends[:, :, :-1]], 2)
+    states, ends = chunks.affine(kept - written_keys @ erasures, written_keys @ new_values, weights)
     new_values = new_values - erasures @ states
     read = state_queries.to(wide) @ states + causal_read(torch.tril(queries_keys).matmul, new_values.to(q_c.dtype), dim=3)
     if normaliser is not None:
         read = read / ((q_c * z).sum(-1, keepdim=True) + EPS)
-    return _joined(read.to(v.dtype), length), ends[:, :, -1], normaliser
+    return chunks.join(read.to(v.dtype)), chunks.finals(ends), normaliser

@@ -9,7 +9,9 @@ only the state is carried, so memory stays linear in T, no T×T matrix is formed
 T-long prefix sum is materialised. T need not be a multiple of C: the last chunk is
 simply shorter. The inputs are cut by one ``split`` (a slice per chunk makes the backward
 scatter each chunk's gradient into a zero tensor of the full length: quadratic in T) and
-the outputs gathered by ``_Output``.
+the outputs gathered by ``_Output``. Over packed sequences (``bounds``, ``cu_seqlens`` as ints) no
+chunk straddles a boundary and each sequence starts from its own row of the initial state
+(``_packed_chunks``): the scan is still one loop over the chunks, and returns the N final states.
 
 Precision: the state is kept in ``state_dtype`` (float32 for bfloat16 and float16 inputs, as the
 Triton kernels keep theirs), and every product with the state, and the delta rule's triangular
@@ -40,13 +42,36 @@ def _chunks(length: int, chunk_size: int):
     return [(start, min(start + chunk_size, length)) for start in range(0, length, chunk_size)]
 
 
-def _split_time(chunk_size: int, *sequences):
-    """Per chunk, a tuple of views of each ``[B, H, T, ...]`` sequence (None stays None).
+def _split_time(chunk_size, *sequences):
+    """Per chunk (of ``chunk_size``, or of each of a list of sizes), a tuple of views of each
+    ``[B, H, T, ...]`` sequence (None stays None).
 
     One ``split`` per sequence: its backward joins the chunk gradients once, whereas a slice
     per chunk would scatter each into a zero tensor of the full length (quadratic in T)."""
-    _check_chunk_size(chunk_size)
+    if not isinstance(chunk_size, list):
+        _check_chunk_size(chunk_size)
     return zip(*(x.split(chunk_size, 2) if x is not None else itertools.repeat(None) for x in sequences))
+
+
+def _packed_chunks(chunk_size: int, bounds, initial: tuple, *sequences):
+    """Per chunk of the ``[B, H, T, ...]`` sequences (None stays None), ``(start, ends, views)``: the
+    state its sequence starts from where it is that sequence's first chunk (row n of each of ``initial``
+    for sequence n of ``bounds``; ``initial`` itself for ``bounds=None``, one sequence), else None;
+    whether it ends its sequence; its views. Chunks of ``chunk_size``, none straddling a boundary."""
+    length = next(x.shape[2] for x in sequences if x is not None)
+    edges = (0, length) if bounds is None else bounds
+    plan = []  # (size, sequence starting here or None, ends its sequence)
+    for n, (a, b) in enumerate(zip(edges[:-1], edges[1:])):
+        plan += [(min(chunk_size, b - t), n if t == a else None, t + chunk_size >= b) for t in range(a, b, chunk_size)]
+    sizes = chunk_size if bounds is None else [size for size, _, _ in plan]
+    for (_, n, ends), views in zip(plan, _split_time(sizes, *sequences)):
+        start = None if n is None else initial if bounds is None else tuple(None if x is None else x[n : n + 1] for x in initial)
+        yield start, ends, views
+
+
+def _finals(finals: list[tuple]) -> tuple:
+    """The states after each sequence as one batch (row n: sequence n)."""
+    return tuple(parts[0] if len(parts) == 1 or parts[0] is None else torch.cat(parts) for parts in zip(*finals))
 
 
 class _Output:
@@ -100,6 +125,7 @@ def causal_read(read, values: torch.Tensor, dim: int = 2, *, every_channel: bool
     poison = values - values
     poison = (poison.sum(-1, keepdim=True) if every_channel else poison).detach().cumsum(dim)
     out = read(torch.nan_to_num(values, nan=0.0, posinf=0.0, neginf=0.0))
+    poison = poison if poison.shape[1] == out.shape[1] else poison.repeat_interleave(out.shape[1] // poison.shape[1], 1)  # grouped heads
     return out + poison.narrow(dim, poison.shape[dim] - out.shape[dim], out.shape[dim])
 
 
@@ -115,7 +141,7 @@ def _identity(x):
     return x
 
 
-def sum_rule_chunked(q, k, v, weights, normaliser, chunk_size: int, phi=_identity, phi_k=None):
+def sum_rule_chunked(q, k, v, weights, normaliser, chunk_size: int, phi=_identity, phi_k=None, bounds=None):
     """Causal sum rule: y_t = φ(q_t)ᵀ S_t / (φ(q_t)·z_t + ε), S_t = S_0 + Σ_{i≤t} φ(k_i) v_iᵀ,
     z_t = z_0 + Σ_{i≤t} φ(k_i).
 
@@ -123,12 +149,15 @@ def sum_rule_chunked(q, k, v, weights, normaliser, chunk_size: int, phi=_identit
     ``normaliser=None`` there is no denominator: y_t = φ(q_t)ᵀ S_t. ``phi`` maps the queries
     and, unless a separate ``phi_k`` is given (ReBased's learnable maps), the keys.
     ``q, k: [B, H, T, Dk]``, ``v: [B, H, T, Dv]``, ``weights`` S_0: ``[B, H, F, Dv]``,
-    ``normaliser`` z_0: ``[B, H, F]`` or None. Returns ``(y [B, H, T, Dv], S_T, z_T)``.
+    ``normaliser`` z_0: ``[B, H, F]`` or None. Returns ``(y [B, H, T, Dv], S_T, z_T)``. Packed sequences
+    (``bounds``, B = 1): S_0, z_0 and S_T, z_T are ``[N, H, ...]``, row n sequence n's.
     """
+    _check_chunk_size(chunk_size)
     phi_k = phi if phi_k is None else phi_k
-    output, wide = _Output(v), weights.dtype
+    output, wide, finals = _Output(v), weights.dtype, []
     narrow = chunk_dtype(q.dtype, normaliser is not None)
-    for q_c, k_c, v_c in _split_time(chunk_size, q, k, v):
+    for start, ends, (q_c, k_c, v_c) in _packed_chunks(chunk_size, bounds, (weights, normaliser), q, k, v):
+        weights, normaliser = start or (weights, normaliser)
         q_c, k_c, v_c = phi(q_c.to(narrow)), phi_k(k_c.to(narrow)), v_c.to(narrow)
         scores = torch.tril(q_c @ k_c.transpose(-1, -2))
         read = causal_read(scores.matmul, v_c) + q_c.to(wide) @ weights
@@ -138,7 +167,8 @@ def sum_rule_chunked(q, k, v, weights, normaliser, chunk_size: int, phi=_identit
             normaliser = normaliser + k_c.sum(2, dtype=wide)
         output.write(read.to(v.dtype))
         weights = weights + k_c.transpose(-1, -2) @ v_c
-    return output.joined(), weights, normaliser
+        finals += [(weights, normaliser)] if ends else []
+    return output.joined(), *_finals(finals)
 
 
 def _solve_unit_lower(strictly_lower: torch.Tensor, rhs: torch.Tensor, wide: torch.dtype) -> torch.Tensor:
@@ -147,7 +177,7 @@ def _solve_unit_lower(strictly_lower: torch.Tensor, rhs: torch.Tensor, wide: tor
     return torch.linalg.solve_triangular(strictly_lower.to(wide), rhs.to(wide), upper=False, unitriangular=True)
 
 
-def delta_rule_chunked(q, k, v, beta, weights, normaliser, chunk_size: int, phi=_identity, phi_k=None, log_gate=None):
+def delta_rule_chunked(q, k, v, beta, weights, normaliser, chunk_size: int, phi=_identity, phi_k=None, log_gate=None, bounds=None):
     """Causal delta rule through the WY / UT-transform representation, optionally gated.
 
     S_t = α_t S_{t-1} + φ(k_t) u_tᵀ with u_t = b_t v_t − a_t (α_t S_{t-1})ᵀ φ(k_t), y_t = S_tᵀ φ(q_t).
@@ -163,15 +193,17 @@ def delta_rule_chunked(q, k, v, beta, weights, normaliser, chunk_size: int, phi=
         U' = U − W S,   O = diag(γ) Q S + (tril(Q Kᵀ) ⊙ D) U',   S ← γ_C S + (diag(γ_C / γ) K)ᵀ U'.
     ``q, k: [B, H, T, Dk]``, ``v: [B, H, T, Dv]``, ``beta, log_gate: [B, H, T]``, ``weights`` S_0:
     ``[B, H, F, Dv]``, ``normaliser`` z_0: ``[B, H, F]`` or None (always None with ``log_gate``);
-    ``phi``/``phi_k`` as in ``sum_rule_chunked``. Returns ``(y, S_T, z_T)``.
+    ``phi``/``phi_k`` and packed sequences (``bounds``) as in ``sum_rule_chunked``. Returns ``(y, S_T, z_T)``.
     """
     if log_gate is not None and normaliser is not None:
         raise ValueError("the gated delta rule has no attention normaliser; pass normaliser=None")
+    _check_chunk_size(chunk_size)
     phi_k = phi if phi_k is None else phi_k
     d_value = v.shape[-1]
-    output, wide = _Output(v), weights.dtype
+    output, wide, finals = _Output(v), weights.dtype, []
     narrow = chunk_dtype(q.dtype, normaliser is not None)
-    for q_c, k_c, v_c, beta_c, gate_c in _split_time(chunk_size, q, k, v, beta, log_gate):
+    for start, ends, (q_c, k_c, v_c, beta_c, gate_c) in _packed_chunks(chunk_size, bounds, (weights, normaliser), q, k, v, beta, log_gate):
+        weights, normaliser = start or (weights, normaliser)
         q_c, k_c, v_c = phi(q_c.to(narrow)), phi_k(k_c.to(narrow)), v_c.to(narrow)
         write = erase = beta_c.unsqueeze(-1)
         if normaliser is not None:
@@ -200,7 +232,8 @@ def delta_rule_chunked(q, k, v, beta, weights, normaliser, chunk_size: int, phi=
         if log_gate is not None:
             weights = state_decay[:, :, -1:] * weights
         weights = weights + written_keys.to(wide).transpose(-1, -2) @ new_values
-    return output.joined(), weights, normaliser
+        finals += [(weights, normaliser)] if ends else []
+    return output.joined(), *_finals(finals)
 
 
 def wkv_chunked(k, v, decay, bonus, numerator, denominator, max_exponent, chunk_size: int):

@@ -85,15 +85,15 @@ class DeltaRule(FastWeightCore):
     token_inputs = (BETA,)
     supports_noncausal = False
     kernel_rule = "delta_rule"
+    head_grouping = "gva"
 
     def __init__(self, d_key, *, phi="elu1", sum_norm=True, normalize=False, **options):
         super().__init__(d_key, phi=phi, sum_norm=sum_norm, normalize=normalize, **options)
 
-    def _run(self, q, k, v, state, causal, beta, log_gate=None):
+    def _run(self, q, k, v, state, causal, beta, log_gate=None, bounds=None):
+        packed = {} if bounds is None else {"bounds": bounds}
         scan = delta_rule_parallel if self.scan_choice(q.device) == "parallel" else delta_rule_chunked
-        read, weights, normaliser = scan(
-            q, k, v, beta, *state, self.chunk_size, phi=self.phi.for_queries, phi_k=self.phi.for_keys, log_gate=log_gate
-        )
+        read, weights, normaliser = scan(q, k, v, beta, *state, self.chunk_size, phi=self.phi.for_queries, phi_k=self.phi.for_keys, log_gate=log_gate, **packed)
         return read, FastWeightState(weights, normaliser)
 
     def _write(self, features_k, v_t, state, beta, log_gate=None):

@@ -2,7 +2,10 @@
 
 Schlag et al. 2021 frame every linear attention as a fast weight programmer: an update
 rule (sum, delta) writes key/value outer products into a matrix, and a query reads it.
-This module holds the parts that do not depend on the rule.
+This module holds the parts that do not depend on the rule, and the shapes every rule takes:
+grouped heads (the sum rule's GQA, the delta rules' GVA: the fewer heads repeated to the output's,
+``base.repeat_heads``; the decoding state is on the state heads, ``base.state_heads``) and packed
+sequences (``cu_seqlens``: either scan restarting the state at each boundary).
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from typing import NamedTuple
 import torch
 
 from . import kernels, precision
-from .base import AttentionCore, BackendForm, UnsupportedBackend
+from .base import AttentionCore, BackendForm, UnsupportedBackend, repeat_heads, state_heads
 from .feature_maps import EPS, FeatureMap, SumNormalized, make_feature_map
 from .params import SEED, choice, flag, integer
 
@@ -83,7 +86,7 @@ class FastWeightCore(AttentionCore):
             return self.scan
         return "parallel" if self.compiled or device.type != "cpu" else "loop"
 
-    def implementation_choices(self, q, k, v, *, causal=True, **token_inputs) -> dict:
+    def implementation_choices(self, q, k, v, *, causal=True, cu_seqlens=None, **token_inputs) -> dict:
         """``{"scan": 'loop' or 'parallel'}``: the scan a causal call on ``q``'s device runs (PyTorch forms)."""
         return {"scan": self.scan_choice(q.device)} if causal else {}
 
@@ -98,30 +101,53 @@ class FastWeightCore(AttentionCore):
         return FastWeightState(weights, normaliser)
 
     def _prefill(self, q, k, v, state: FastWeightState | None, **token_inputs):
-        if state is None:
-            state = self.init_state(q.shape[0], q.shape[1], v.shape[-1], device=q.device, dtype=q.dtype)
-        return self._run(q, k, v, state, True, **token_inputs)
+        return self._grouped_run(q, k, v, state, q.shape[0], None, **token_inputs)
 
     def _parallel(self, q, k, v, causal, **token_inputs):
-        state = self.init_state(q.shape[0], q.shape[1], v.shape[-1], device=q.device, dtype=q.dtype)
-        return self._run(q, k, v, state, causal, **token_inputs)[0]
+        return self._grouped_run(q, k, v, None, q.shape[0], None, causal, **token_inputs)[0]
+
+    def _prefill_packed(self, q, k, v, state, bounds, **token_inputs):
+        """The outputs and the N sequences' states ``[N, H, ...]``, from ``state`` (``[N, H, ...]``; default empty)."""
+        return self._grouped_run(q, k, v, state, len(bounds) - 1, bounds, **token_inputs)
+
+    def _parallel_packed(self, q, k, v, causal, bounds, **token_inputs):
+        if not causal:  # every read meets its whole sequence
+            return super()._parallel_packed(q, k, v, causal, bounds, **token_inputs)
+        return self._grouped_run(q, k, v, None, len(bounds) - 1, bounds, **token_inputs)[0]
+
+    def _grouped_run(self, q, k, v, state, batch, bounds, causal=True, **token_inputs):
+        """``_run`` (with ``bounds`` where packed) on the output's heads, from ``state`` (on the state
+        heads; default empty, ``batch`` rows): grouped q, k, v repeated, and the state of GQA's
+        key/value heads repeated to the query heads and back (its copies within a group are equal)."""
+        heads, kept = max(q.shape[1], v.shape[1]), state_heads(k, v)
+        if state is None:
+            state = self.init_state(batch, kept, v.shape[-1], device=q.device, dtype=q.dtype)
+        state = FastWeightState(*(None if x is None else repeat_heads(x, heads) for x in state))
+        packed = {} if bounds is None else {"bounds": bounds}
+        out, state = self._run(*(repeat_heads(x, heads) for x in (q, k, v)), state, causal, **packed, **token_inputs)
+        return out, FastWeightState(*(None if x is None else x[:, :: heads // kept] for x in state))
 
     def _step(self, q_t, k_t, v_t, state, **token_inputs):
-        """One token, in the state's dtype (every product of a step meets the state); the output in q's."""
-        wide = state.weights.dtype
+        """One token, in the state's dtype (every product of a step meets the state); the output in q's.
+        GVA: q_t, k_t repeated to the value heads; GQA: the queries of a group read their head's state."""
+        wide, heads = state.weights.dtype, state.weights.shape[1]
+        q_t, k_t = repeat_heads(q_t, max(q_t.shape[1], heads)), repeat_heads(k_t, heads)
         features_q, features_k = self.phi.for_queries(q_t.to(wide)), self.phi.for_keys(k_t.to(wide))
         normaliser = state.normaliser + features_k if self.normalize else None
         weights = self._write(features_k, v_t.to(wide), state, **token_inputs)
-        read = (features_q.unsqueeze(-2) @ weights).squeeze(-2)
+        features_q = features_q.unflatten(1, (heads, -1))  # [B, heads, g, d_dot]
+        read = features_q @ weights
         if self.normalize:
-            read = read / ((features_q * normaliser).sum(-1, keepdim=True) + EPS)
-        return read.to(q_t.dtype), FastWeightState(weights, normaliser)
+            read = read / ((features_q * normaliser.unsqueeze(2)).sum(-1, keepdim=True) + EPS)
+        return read.flatten(1, 2).to(q_t.dtype), FastWeightState(weights, normaliser)
 
-    def flops(self, batch, heads, length, d_value, *, causal=True):
+    def flops(self, batch, heads, length, d_value, *, causal=True, heads_k=None, heads_v=None):
         """Matmul FLOPs of the chunked scan (φ itself not counted): per chunk of n tokens the
         rule's intra-chunk products plus reading and writing the d_dot × Dv state, and the
         normaliser's read φ(q)·z; the chunk algorithm's work, whichever ``scan`` runs it (the
-        parallel delta scan's d_dot × d_dot transitions are extra work, not counted)."""
+        parallel delta scan's d_dot × d_dot transitions are extra work, not counted). Grouped heads
+        (``heads_k``, ``heads_v``; default ``heads``): on the output's heads, where the form repeats the fewer."""
+        heads = max(heads, heads_v or heads)
         normaliser = 2 * length * self.d_dot if self.normalize else 0
         if not causal:
             return batch * heads * (4 * length * self.d_dot * d_value + normaliser)
@@ -129,11 +155,16 @@ class FastWeightCore(AttentionCore):
         per_head = chunks * self._chunk_flops(self.chunk_size, d_value) + (self._chunk_flops(rest, d_value) if rest else 0)
         return batch * heads * (per_head + normaliser)
 
-    def step_flops(self, batch, heads, d_value, position):
-        return batch * heads * self._step_flops_per_head(d_value)
+    def step_flops(self, batch, heads, d_value, position, *, heads_k=None, heads_v=None):
+        """Per step: the write on the state heads, the read on the output's heads."""
+        kept, reads = max(heads_k or heads, heads_v or heads), max(heads, heads_v or heads)
+        read = 2 * self.d_dot * d_value * (reads - kept)  # GQA: the extra query heads' reads
+        return batch * (kept * self._step_flops_per_head(d_value) + read)
 
-    def state_numel(self, batch, heads, d_value, length):
-        return batch * heads * self.d_dot * (d_value + (1 if self.normalize else 0))
+    def state_numel(self, batch, heads, d_value, length, *, heads_k=None, heads_v=None):
+        """The fast weights (and normaliser) on the state heads: GQA's key/value heads, GVA's value heads."""
+        kept = max(heads_k or heads, heads_v or heads)
+        return batch * kept * self.d_dot * (d_value + (1 if self.normalize else 0))
 
     def extra_repr(self) -> str:
         return (

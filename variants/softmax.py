@@ -8,6 +8,10 @@ the plain math form), chosen per call from the device, dtype, shapes and strides
 option ``sdpa`` (``create(..., backend_options={"sdpa": "flash"})``, backends 'torch' and
 'compile') pins one of them, and ``implementation_choices`` says which one a call runs, so that
 two machines' softmax rows say whether they compared the same kernel.
+
+Grouped-query attention (GQA): k and v may have fewer heads than q (SDPA's ``enable_gqa``; the KV
+cache holds the key/value heads). Packed sequences (``cu_seqlens``): one SDPA call with a
+block-causal mask (a query sees the keys of its own sequence up to itself).
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import torch.backends.cuda as cuda_backends
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from .base import AttentionCore, UnsupportedBackend, register
+from .base import AttentionCore, UnsupportedBackend, register, sequences
 from .chunked import causal_read
 from .params import positive_number
 
@@ -102,6 +106,7 @@ class Softmax(AttentionCore):
     OPTIONS = {"sdpa": (_check_sdpa, " | ".join(SDPA_CHOICES))}
     PARAMS = {"scale": positive_number()}
     sdpa = "auto"
+    head_grouping = "gqa"
 
     def __init__(self, d_key, *, scale: float | None = None):
         super().__init__(d_key)
@@ -113,13 +118,22 @@ class Softmax(AttentionCore):
             return self._attend(q, k, v)
         return self._causal(q, k, v, is_causal=True)
 
+    def _parallel_packed(self, q, k, v, causal, bounds):
+        """One SDPA call over the packed row, a query seeing only keys of its own sequence (up to itself when causal)."""
+        sequence = torch.cat([torch.full((b - a,), n, device=q.device) for n, (a, b) in enumerate(sequences(bounds))])
+        visible = sequence[:, None] == sequence[None, :]
+        if not causal:
+            return self._attend(q, k, v, attn_mask=visible)
+        return self._causal(q, k, v, attn_mask=visible.tril())
+
     def _attend(self, q, k, v, **mask):
-        """SDPA on the kernel ``sdpa`` pins (any for 'auto')."""
+        """SDPA on the kernel ``sdpa`` pins (any for 'auto'); grouped heads through its ``enable_gqa``."""
+        grouped = {"enable_gqa": True} if q.shape[1] != k.shape[1] else {}
         if self.sdpa == "auto":
-            return F.scaled_dot_product_attention(q, k, v, scale=self.scale, **mask)
+            return F.scaled_dot_product_attention(q, k, v, scale=self.scale, **mask, **grouped)
         pinned = sdpa_kernel(SDPA_BACKENDS[self.sdpa]) if torch.compiler.is_compiling() else _Pinned(self.sdpa)
         with pinned:
-            return F.scaled_dot_product_attention(q, k, v, scale=self.scale, **mask)
+            return F.scaled_dot_product_attention(q, k, v, scale=self.scale, **mask, **grouped)
 
     def _causal(self, q, k, v, **mask):
         """Causal SDPA in which a non-finite key or value at position p reaches no output before p,
@@ -137,7 +151,7 @@ class Softmax(AttentionCore):
         pinned = contextlib.nullcontext() if self.sdpa == "auto" else _Pinned(self.sdpa)
         with pinned:
             try:
-                choice = torch._fused_sdp_choice(q, k, v, is_causal=causal, scale=self.scale)
+                choice = torch._fused_sdp_choice(q, k, v, is_causal=causal, scale=self.scale, enable_gqa=q.shape[1] != k.shape[1])
             except RuntimeError:  # "No viable backend for scaled_dot_product_attention was found"
                 choice = int(SDPBackend.ERROR)
         if choice not in names:
@@ -164,10 +178,12 @@ class Softmax(AttentionCore):
         return KVCache(keys, values, 0)
 
     def _step(self, q_t, k_t, v_t, state):
+        """The queries of a group ``[B, H_kv, g, Dk]`` against their key/value head's cache."""
         state = state.append(k_t, v_t)
         keys, values = state.filled()
-        weights = torch.softmax((keys @ q_t.unsqueeze(-1)).squeeze(-1) * self.scale, dim=-1)
-        return (weights.unsqueeze(-2) @ values).squeeze(-2), state
+        grouped = q_t.unflatten(1, (keys.shape[1], -1))
+        weights = torch.softmax(grouped @ keys.transpose(-1, -2) * self.scale, dim=-1)
+        return (weights @ values).flatten(1, 2), state
 
     def _reference(self, q, k, v, causal):
         scores = (q @ k.transpose(-1, -2)) * self.scale
@@ -184,8 +200,10 @@ class Softmax(AttentionCore):
     def step_flops(self, batch, heads, d_value, position):
         return 2 * batch * heads * (position + 1) * (self.d_key + d_value)
 
-    def state_numel(self, batch, heads, d_value, length):
-        return batch * heads * length * (self.d_key + d_value)
+    def state_numel(self, batch, heads, d_value, length, *, heads_k=None, heads_v=None):
+        """The KV cache, on the ``heads_k`` = ``heads_v`` key/value heads (GQA; default ``heads``). FLOPs
+        do not depend on them: every query head still meets every visible key."""
+        return batch * (heads_k or heads) * length * (self.d_key + d_value)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, scale={self.scale:.4g}, sdpa={self.sdpa}"

@@ -30,14 +30,16 @@ class SumRule(FastWeightCore):
     ('ieee' or 'tf32', backend='triton' only): the dots of float32 inputs in the Triton kernels."""
 
     kernel_rule = "sum_rule"
+    head_grouping = "gqa"
 
     def __init__(self, d_key, *, phi="elu1", normalize=True, sum_norm=False, **options):
         super().__init__(d_key, phi=phi, sum_norm=sum_norm, normalize=normalize, **options)
 
-    def _run(self, q, k, v, state, causal):
+    def _run(self, q, k, v, state, causal, bounds=None):
         if causal:
+            packed = {} if bounds is None else {"bounds": bounds}
             scan = sum_rule_parallel if self.scan_choice(q.device) == "parallel" else sum_rule_chunked
-            read, weights, normaliser = scan(q, k, v, *state, self.chunk_size, phi=self.phi.for_queries, phi_k=self.phi.for_keys)
+            read, weights, normaliser = scan(q, k, v, *state, self.chunk_size, phi=self.phi.for_queries, phi_k=self.phi.for_keys, **packed)
             return read, FastWeightState(weights, normaliser)
         # non-causal: every read meets the whole state, so all of it is in the state's dtype
         wide = state.weights.dtype

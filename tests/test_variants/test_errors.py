@@ -116,8 +116,8 @@ SEQUENCE_CASES = [
     ("3-d k", (B, H, T, DK), (B, T, DK), (B, H, T, DV), r"k must be a 4-d tensor"),
     ("3-d v", (B, H, T, DK), (B, H, T, DK), (B, T, DV), r"v must be a 4-d tensor"),
     ("q/k mismatch", (B, H, T, DK), (B, H, T + 1, DK), (B, H, T, DV), r"q and k must have the same shape.*\(2, 3, 5, 4\) and \(2, 3, 6, 4\)"),
-    ("v other T", (B, H, T, DK), (B, H, T, DK), (B, H, T + 2, DV), r"v must match q in every dim but the last.*\(2, 3, 7, 6\)"),
-    ("v other B", (B, H, T, DK), (B, H, T, DK), (B + 1, H, T, DV), r"v must match q in every dim but the last"),
+    ("v other T", (B, H, T, DK), (B, H, T, DK), (B, H, T + 2, DV), r"v must match q in every dim but the heads and the last.*\(2, 3, 7, 6\)"),
+    ("v other B", (B, H, T, DK), (B, H, T, DK), (B + 1, H, T, DV), r"v must match q in every dim but the heads and the last"),
     ("last dim", (B, H, T, DK + 1), (B, H, T, DK + 1), (B, H, T, DV), rf"the last dim of q and k must be d_key={DK}, got {DK + 1}"),
 ]
 
@@ -136,8 +136,9 @@ def test_bad_sequence_shapes(name, case):
 TOKEN_CASES = [
     ("4-d q_t", (B, H, 1, DK), (B, H, DK), (B, H, DV), r"q_t must be a 3-d tensor \[B, H, D\], got \(2, 3, 1, 4\)"),
     ("4-d v_t", (B, H, DK), (B, H, DK), (B, H, 1, DV), r"v_t must be a 3-d tensor"),
-    ("q/k mismatch", (B, H, DK), (B, H + 1, DK), (B, H, DV), r"q and k must have the same shape"),
-    ("v other H", (B, H, DK), (B, H, DK), (B, H + 1, DV), r"v must match q in every dim but the last"),
+    ("q/k mismatch", (B, H, DK), (B + 1, H, DK), (B, H, DV), r"q and k must have the same shape"),
+    ("v other B", (B, H, DK), (B, H, DK), (B + 1, H, DV), r"v must match q in every dim but the heads and the last"),
+    ("v other H", (B, H, DK), (B, H, DK), (B, H + 1, DV), r".*(a divisor of|takes no grouped heads).*got q 3, k 3, v 4 heads"),
     ("last dim", (B, H, DK - 1), (B, H, DK - 1), (B, H, DV), rf"the last dim of q and k must be d_key={DK}, got {DK - 1}"),
 ]
 
