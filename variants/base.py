@@ -86,10 +86,7 @@ def core_class(factory) -> type:
 #: The backends that take ``cu_seqlens`` and grouped heads (not the kernels, nor 'compile' yet).
 PACKED_BACKENDS = ("torch",)
 #: The head groupings a core may declare (``head_grouping``): what they allow, for messages.
-HEAD_GROUPINGS = {
-    "gqa": "k and v share their heads, a divisor of q's (GQA)",
-    "gva": "q and k share their heads, a divisor of v's (GVA)",
-}
+HEAD_GROUPINGS = {"gqa": "k and v share their heads, a divisor of q's (GQA)", "gva": "q and k share their heads, a divisor of v's (GVA)"}
 
 
 def repeat_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
