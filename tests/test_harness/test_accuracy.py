@@ -3,6 +3,7 @@ reference of the same variant on the same inputs (``harness.accuracy``), with it
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,8 @@ import torch
 import variants
 from harness import accuracy, workloads
 from harness.builders import BUILDERS, build_decoder
-from harness.plugins import load_plugins
+from harness.plugins import load_plugins, module_name
+from variants import base
 from variants.precision import REL_ERROR_TOLERANCE
 
 PLUGIN = str(Path(__file__).with_name("inaccurate_plugin.py"))
@@ -27,10 +29,19 @@ def _cell(variant, mode, *, target="core", dtype="float32", seq_len=12, **axes):
 
 
 @pytest.fixture
-def off_by_one_percent():
-    """The plugin's variant, registered once per process."""
-    if "off_by_one_percent" not in variants.names():
-        load_plugins([PLUGIN])
+def own_registry(monkeypatch):
+    """Variants a test registers (the plugin's) are gone after it: other tests check that every
+    registered variant has a test configuration."""
+    monkeypatch.setattr(base, "_REGISTRY", dict(base._REGISTRY))
+    monkeypatch.delitem(sys.modules, module_name(PLUGIN), raising=False)
+    yield
+    sys.modules.pop(module_name(PLUGIN), None)
+
+
+@pytest.fixture
+def off_by_one_percent(own_registry):
+    """The plugin's variant, registered for one test."""
+    load_plugins([PLUGIN])
     return "off_by_one_percent"
 
 
@@ -122,7 +133,7 @@ def test_a_timed_cell_records_its_accuracy():
     assert result["status"] == "ok" and 0 < result["metrics"]["rel_error"] < 1e-5 and result["metrics"]["inaccurate"] is False, result
 
 
-def test_an_inaccurate_cell_is_named_and_the_run_exits_1(tmp_path, capsys):
+def test_an_inaccurate_cell_is_named_and_the_run_exits_1(tmp_path, capsys, own_registry):
     """Done-when of issue 32 item 1: the 1 %-off plugin variant's cell is ok (timed) but inaccurate,
     named in the summary, and the run exits 1; linear beside it is accurate."""
     from harness.cli import EXIT_CELLS_FAILED, main
