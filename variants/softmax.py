@@ -10,8 +10,7 @@ option ``sdpa`` (``create(..., backend_options={"sdpa": "flash"})``, backends 't
 two machines' softmax rows say whether they compared the same kernel.
 
 Grouped-query attention (GQA): k and v may have fewer heads than q (SDPA's ``enable_gqa``; the KV
-cache holds the key/value heads). Packed sequences (``cu_seqlens``): one SDPA call with a
-block-causal mask (a query sees the keys of its own sequence up to itself).
+cache holds the key/value heads). Packed sequences (``cu_seqlens``): ``packed_choice``.
 """
 
 from __future__ import annotations
@@ -118,8 +117,18 @@ class Softmax(AttentionCore):
             return self._attend(q, k, v)
         return self._causal(q, k, v, is_causal=True)
 
+    def packed_choice(self, device: torch.device) -> str:
+        """How the parallel form runs packed sequences on ``device``: 'per_sequence', one SDPA call each, on
+        the CPU (7x faster than the mask there: 8 sequences, 2048 tokens, docs/variants.md); elsewhere
+        'block_mask', one call over the packed row with a block-causal mask (one launch; not yet
+        measured against per-sequence calls on a GPU)."""
+        return "per_sequence" if device.type == "cpu" else "block_mask"
+
     def _parallel_packed(self, q, k, v, causal, bounds):
-        """One SDPA call over the packed row, a query seeing only keys of its own sequence (up to itself when causal)."""
+        """``packed_choice``: one SDPA call per sequence, or over the row, a query seeing only keys of its
+        own sequence (up to itself when causal)."""
+        if self.packed_choice(q.device) == "per_sequence":
+            return super()._parallel_packed(q, k, v, causal, bounds)
         sequence = torch.cat([torch.full((b - a,), n, device=q.device) for n, (a, b) in enumerate(sequences(bounds))])
         visible = sequence[:, None] == sequence[None, :]
         if not causal:
@@ -142,8 +151,8 @@ class Softmax(AttentionCore):
         attend = lambda keys, values: self._attend(q, keys, values, **mask)  # noqa: E731
         return causal_read(lambda keys: causal_read(lambda values: attend(keys, values), v), k, every_channel=True)
 
-    def implementation_choices(self, q, k, v, *, causal: bool = True, **token_inputs) -> dict:
-        """``{"sdpa_backend": name}``: the SDPA kernel the parallel form runs on these inputs, as
+    def implementation_choices(self, q, k, v, *, causal: bool = True, cu_seqlens=None, **token_inputs) -> dict:
+        """``{"sdpa_backend": name}`` (and ``"packed"``, ``packed_choice``, with ``cu_seqlens``): the SDPA kernel the parallel form runs on these inputs, as
         SDPA's own dispatcher picks it (``torch._fused_sdp_choice``; under a pin, among the pinned
         one only). On the CPU PyTorch has two: its flash kernel ('flash') and 'math'.
         UnsupportedBackend names the pinned kernel and the inputs when it cannot run them."""
@@ -160,7 +169,7 @@ class Softmax(AttentionCore):
                 f"softmax: the SDPA kernel sdpa={self.sdpa} cannot run {q.device.type} {str(q.dtype).removeprefix('torch.')} inputs "
                 f"[B, H, T, D] = {shape} (PyTorch has no such kernel for them); pin another ({', '.join(SDPA_CHOICES)})"
             )
-        return {"sdpa_backend": names[choice]}
+        return {"sdpa_backend": names[choice]} | ({} if cu_seqlens is None else {"packed": self.packed_choice(q.device)})
 
     def _prefill(self, q, k, v, state: KVCache | None):
         """Causal parallel form that also returns the KV cache after the last token."""

@@ -17,6 +17,7 @@ LENGTHS = (7, 1, 13, 4)
 CU_SEQLENS = torch.tensor([0, 7, 8, 21, 25], dtype=torch.int32)
 PACKED = [
     ("softmax", {}),
+    ("softmax", {"packed": "block_mask"}),
     ("linear", {"chunk_size": 4}),
     ("linear", {"phi": "identity", "normalize": False, "chunk_size": 4}),
     ("delta", {"chunk_size": 4}),
@@ -55,7 +56,10 @@ def test_packed_equals_each_sequence_alone(config, causal, seed):
     """The parallel form and reference on a packed row == each sequence alone, and so do the gradients
     of q, k, v and the token inputs."""
     name, params = config
-    core = variants.create(name, 6, **params).double()
+    params = dict(params)
+    core = variants.create(name, 6, **{key: value for key, value in params.items() if key != "packed"}).double()
+    if "packed" in params:  # softmax's choice off the CPU
+        core.packed_choice = lambda device: params["packed"]
     if not causal and not core.supports_noncausal:
         pytest.skip("causal only")
     inputs = make_inputs(core, 1, 2, int(CU_SEQLENS[-1]), 3, dtype=F64, seed=seed, requires_grad=True)
@@ -200,3 +204,10 @@ def test_grouped_flops():
     assert linear.step_flops(1, 8, 8, 0, heads_k=2, heads_v=2) == 2 * linear.step_flops(1, 1, 8, 0) + 6 * 2 * linear.d_dot * 8
     assert delta.flops(1, 2, 16, 8, heads_k=2, heads_v=8) == delta.flops(1, 8, 16, 8)
     assert delta.state_numel(1, 2, 8, 16, heads_k=2, heads_v=8) == delta.state_numel(1, 8, 8, 16)
+
+
+def test_softmax_records_how_it_runs_packed_sequences():
+    core = variants.create("softmax", 4)
+    inputs = core.example_inputs(1, 2, 25, 3)
+    assert core.implementation_choices(**inputs, cu_seqlens=CU_SEQLENS)["packed"] == "per_sequence"  # on the CPU
+    assert "packed" not in core.implementation_choices(**inputs)
