@@ -41,6 +41,9 @@ def sequence_forms(core, inputs):
 def test_a_non_finite_input_does_not_reach_earlier_outputs(config, where, value, seed):
     core = build(config, 6)
     inputs = make_inputs(core, 2, 2, LENGTH, 5, dtype=torch.float64, seed=seed)
+    # The query meeting the bad key is positive in its channel: softmax's score q·k is then +inf (a NaN
+    # output), where a negative q_0 makes it −inf, the key's weight exactly 0 and the output rightly finite.
+    inputs["q"][:, :, POSITION, 0] = inputs["q"][:, :, POSITION, 0].abs()
     bad = poisoned(inputs, where, value)
     for (form, clean), (_, out) in zip(sequence_forms(core, inputs), sequence_forms(core, bad), strict=True):
         assert torch.isfinite(out[:, :, :POSITION]).all(), f"{config_id(config)} {form}: a {value} in {where} at {POSITION} reached earlier outputs"
