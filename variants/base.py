@@ -49,9 +49,10 @@ class UnsupportedBackend(VariantError):
     """A known backend that this variant (or this configuration of it) has no implementation for."""
 
 
-def register(name: str, *, core: type | None = None) -> Callable:
+def register(name: str, *, core: type | None = None, fixes: tuple[str, ...] = ()) -> Callable:
     """Decorator of a core class or factory: make ``variants.create(name, ...)`` build it. A
-    factory function names the ``core`` class it builds (whose parameters and backends it has)."""
+    factory function names the ``core`` class it builds (whose parameters and backends it has)
+    and the parameters of that class it sets itself (``fixes``: refused when given)."""
 
     def add(factory):
         if name in _REGISTRY:
@@ -61,6 +62,7 @@ def register(name: str, *, core: type | None = None) -> Callable:
             factory.variant_name = name
         elif core is not None:
             factory.core_class = core
+            factory.fixed_params = fixes
         return factory
 
     return add

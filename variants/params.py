@@ -96,9 +96,12 @@ def _shown(value) -> str:
 
 
 def check(variant: str, factory, params: dict) -> None:
-    """Refuse a value a declared parameter does not accept: VariantError naming it and what it expects."""
+    """Refuse a value a declared parameter does not accept, or a parameter the factory sets itself:
+    VariantError naming it and what it expects."""
     specs = declared(factory)
     for name, value in params.items():
+        if name in getattr(factory, "fixed_params", ()):
+            raise VariantError(f"{variant}: {name} is set by the variant itself, not a parameter of it, got {_shown(value)}")
         problem = specs[name].problem(value) if name in specs else None
         if problem is not None:
             raise VariantError(f"{variant}: {name} must be {problem}, got {_shown(value)}")

@@ -70,7 +70,7 @@ class SumRule(FastWeightCore):
         return read / (scores.sum(-1, keepdim=True) + EPS) if self.normalize else read
 
 
-@register("performer", core=SumRule)
+@register("performer", core=SumRule, fixes=("phi",))
 def performer(d_key, *, m=None, d_dot=None, **options):
     """Performer: the sum rule with FAVOR+ (m random features, d_dot = 2m; default m = d_key).
     ``core.phi.redraw(seed)`` draws new features."""
@@ -79,7 +79,7 @@ def performer(d_key, *, m=None, d_dot=None, **options):
     return SumRule(d_key, phi="favor", m=m, d_dot=d_dot, **options)
 
 
-@register("dpfp", core=SumRule)
+@register("dpfp", core=SumRule, fixes=("phi",))
 def dpfp(d_key, *, nu=None, d_dot=None, **options):
     """The sum rule with DPFP-ν (Schlag et al. 2021, eq. 37; d_dot = 2·d_key·ν; default ν = 1)."""
     if nu is None and d_dot is None:
@@ -87,14 +87,14 @@ def dpfp(d_key, *, nu=None, d_dot=None, **options):
     return SumRule(d_key, phi="dpfp", nu=nu, d_dot=d_dot, **options)
 
 
-@register("based", core=SumRule)
+@register("based", core=SumRule, fixes=("phi",))
 def based(d_key, **options):
     """Based (Arora et al. 2024, §4.1): the normalised sum rule with the 2nd-order Taylor map of
     exp(q·k/√d_key), d_dot = 1 + d_key + d_key², on a low d_key (the paper projects to 16)."""
     return SumRule(d_key, phi="taylor", **options)
 
 
-@register("rebased", core=SumRule)
+@register("rebased", core=SumRule, fixes=("phi",))
 def rebased(d_key, **options):
     """ReBased (Aksenov et al. 2024, §4): the normalised sum rule with the learnable kernel
     (γ ⊙ LayerNorm(x) + β)², separate γ, β for queries and keys; d_dot = d_key²."""

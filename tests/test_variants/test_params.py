@@ -28,6 +28,8 @@ from variants.sum_rule import SumRule
         ("delta", {"sum_norm": 1}, "delta: sum_norm must be true or false, got 1"),
         ("rwkv", {"chunk_size": True}, "rwkv: chunk_size must be a positive int, got True"),
         ("softmax", {"scale": float("nan")}, "softmax: scale must be a finite number > 0, got nan"),
+        ("based", {"phi": "elu1"}, "based: phi is set by the variant itself, not a parameter of it, got 'elu1'"),
+        ("performer", {"phi": "favor"}, "performer: phi is set by the variant itself, not a parameter of it, got 'favor'"),
         ("linear", {"precision": "x" * 500}, "linear: precision must be one of 'ieee', 'tf32', got '" + "x" * 59 + "…"),
     ],
 )
