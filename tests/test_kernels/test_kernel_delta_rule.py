@@ -137,7 +137,10 @@ def check(case, seed, *, dtype=torch.float32, gated=False, cotangents=("y", "S_T
 
 CASES = [
     # batch, heads, T, d_dot, d_value, chunk_size, initial state, features
-    pytest.param((1, 1, 1, 16, 16, None, False, "unit"), id="T1"),
+    # T = 1 in 6 heads: a head's dq and dβ are each one dot product (dq = β (v·dy) k), whose relative error
+    # u·Σ|v_j dy_j| / |v·dy| is unbounded as v ⊥ dy (bf16 dq 64 % with one head, 7 % of seeds failed); the
+    # relative L2 over 6 heads' independent products is large only when all 6 cancel at once.
+    pytest.param((2, 3, 1, 16, 16, None, False, "unit"), id="T1-bh6"),
     pytest.param((1, 1, 1, 8, 8, None, True, "unit"), id="T1-s0"),
     pytest.param((2, 3, 17, 16, 8, 16, True, "unit"), id="T17-bh6-F16-Dv8-c16-s0"),
     pytest.param((1, 1, 63, 5, 7, None, True, "unit"), id="T63-F5-Dv7-s0"),
