@@ -31,7 +31,7 @@ from harness.results import read_records
 from harness.scenario import load_scenario
 
 ROOT = Path(__file__).resolve().parents[2]
-SLEEP = "        import time\n        time.sleep(0.05)  # injected by tests/test_harness/test_regress.py\n"
+SLEEP = "            import time\n            time.sleep(0.05)  # injected by tests/test_harness/test_regress.py\n"
 
 
 def _git(repo: Path, *args: str) -> str:
@@ -62,8 +62,8 @@ def history(tmp_path_factory):
     subprocess.run(["tar", "-x", "-C", str(repo)], input=archive, check=True)
     _git(repo, "init", "-q")
     commits = {"plain": _commit(repo, "plain")}
-    linear = "    def _run(self, q, k, v, state, causal):\n        if causal:\n            scan = sum_rule_parallel"  # SumRule's, not its Triton form's
-    _edit(repo, "variants/sum_rule.py", linear, linear.replace("causal):\n", "causal):\n" + SLEEP, 1))
+    scan = "            scan = sum_rule_parallel if"  # in SumRule's causal _run (the torch form), not its Triton form's
+    _edit(repo, "variants/sum_rule.py", scan, SLEEP + scan)
     commits["slow"] = _commit(repo, "slow linear")
     (repo / "README.md").write_text((repo / "README.md").read_text() + "\nA line of prose.\n")
     commits["readme"] = _commit(repo, "README only")
