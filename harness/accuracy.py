@@ -19,6 +19,8 @@ backend and the same weights, dropout off. Every call here is outside the timed 
 from __future__ import annotations
 
 import contextlib
+import copy
+import math
 
 import torch
 
@@ -31,6 +33,8 @@ from .builders import build_core, build_layer, build_model
 REFERENCE_ROWS = 1
 #: Longest sequence ``core.reference`` runs on (a core's [T, T] or T-step float64 reference).
 REFERENCE_MAX_TOKENS = 1024
+#: How far beyond its plainest form's own error in the dtype a cell may be (``reference_floor``).
+ILL_CONDITIONED_FACTOR = 10
 #: The tolerance of float32 inputs multiplied in TF32 (10 bits of mantissa, as fp16): ``precision: tf32``.
 TF32_TOLERANCE = REL_ERROR_TOLERANCE[torch.float16]
 
@@ -43,17 +47,39 @@ def tolerance(dtype: torch.dtype, params: dict) -> float:
     return REL_ERROR_TOLERANCE[dtype]
 
 
-def record(error: float, dtype: torch.dtype, params: dict, reference: str) -> dict:
-    """The accuracy metrics of a cell: ``rel_error``, ``rel_error_tolerance``, ``inaccurate``, and
-    what the reference was (``rel_error_reference``) on which rows (``rel_error_rows``)."""
+def record(error: float, dtype: torch.dtype, params: dict, reference: str, floor: float | None = None) -> dict:
+    """The accuracy metrics of a cell: ``rel_error``, ``rel_error_tolerance``, ``inaccurate``, what the
+    reference was (``rel_error_reference``) on which rows (``rel_error_rows``) and, for a core, the
+    error of its plainest form itself in the cell's dtype (``rel_error_floor``, ``reference_floor``):
+    the tolerance is the dtype's, or ``ILL_CONDITIONED_FACTOR`` times that floor where the function
+    is so ill-conditioned in the dtype that even the plainest form is further off."""
     bound = tolerance(dtype, params)
+    if floor is not None and math.isfinite(floor):  # a plainest form that overflows in the dtype says nothing of the cell
+        bound = max(bound, ILL_CONDITIONED_FACTOR * floor)
     return {
         "rel_error": error,
         "rel_error_tolerance": bound,
         "inaccurate": not error <= bound,  # NaN is inaccurate
         "rel_error_reference": reference,
         "rel_error_rows": REFERENCE_ROWS,
+        **({} if floor is None else {"rel_error_floor": floor}),
     }
+
+
+def reference_floor(double, inputs: dict, dtype: torch.dtype, leaves) -> float | None:
+    """The error of a core's plainest form (``core.reference``) run in ``dtype`` against itself in
+    float64, on the compared rows and the first ``REFERENCE_MAX_TOKENS`` tokens of ``inputs``
+    (outputs and, with ``leaves``, their gradients, as the cell is judged): what the dtype can do
+    on this function and these inputs. ReBased's normaliser a_t = Σ (q'·k')², taken through its
+    features, is one such function in float32: its gradient's error grows as u·ā_t / a_t^1.5
+    (ā_t: the same sum over |features|) where a_t is small. float32 only: in 16 bits the plainest
+    forms keep 16-bit states (the delta rule's loop is 1e-2 off in bfloat16, where the cell's float32
+    state is 1e-3 off), which says more of them than of the function. None without a reference."""
+    if dtype != torch.float32 or not _defines_reference(double):
+        return None
+    narrow = copy.deepcopy(double).to(dtype)
+    prefix = {name: _rows(x.detach(), 2)[:, :, :REFERENCE_MAX_TOKENS] for name, x in inputs.items()}
+    return forward_error(narrow.reference, double.reference, prefix, 2, leaves=leaves)
 
 
 def twin(module: torch.nn.Module, build_torch) -> torch.nn.Module:
@@ -123,10 +149,12 @@ def measure(cell: dict, device, dtype, workload) -> dict:
     weights' gradients (a model, whose inputs are tokens). Dropout is off meanwhile."""
     module, inputs, train = workload.module, workload.inputs, cell["mode"] == "train"
     if cell["target"] == "core":
-        reference, name = _exact_reference(twin(module, lambda: build_core(cell, "torch")), cell["axes"]["seq_len"])
+        double = twin(module, lambda: build_core(cell, "torch"))
+        reference, name = _exact_reference(double, cell["axes"]["seq_len"])
+        leaves = list(inputs) if train else ()
         with _without_dropout(module):
-            error = forward_error(module, reference, inputs, 2, leaves=list(inputs) if train else ())
-        return record(error, dtype, cell["params"], name)
+            error = forward_error(module, reference, inputs, 2, leaves=leaves)
+        return record(error, dtype, cell["params"], name, reference_floor(double, inputs, dtype, leaves))
     if cell["target"] == "layer":
         double = twin(module, lambda: build_layer(cell, device, torch.float64, "torch"))
     else:
@@ -159,8 +187,11 @@ def _exact_reference(core, length: int):
     """The float64 reference of a core and its name: ``core.reference`` up to
     ``REFERENCE_MAX_TOKENS`` tokens, the torch form beyond or where the variant defines no
     reference (a plugin's may not)."""
-    defined = type(core)._reference is not AttentionCore._reference
-    return (core.reference, "reference") if defined and length <= REFERENCE_MAX_TOKENS else (core, "torch float64")
+    return (core.reference, "reference") if _defines_reference(core) and length <= REFERENCE_MAX_TOKENS else (core, "torch float64")
+
+
+def _defines_reference(core) -> bool:
+    return type(core)._reference is not AttentionCore._reference
 
 
 @contextlib.contextmanager
