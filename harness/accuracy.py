@@ -82,17 +82,12 @@ def reference_floor(double, inputs: dict, dtype: torch.dtype, leaves) -> float |
     return forward_error(narrow.reference, double.reference, prefix, 2, leaves=leaves)
 
 
-def twin(module: torch.nn.Module, build_torch) -> torch.nn.Module:
-    """``build_torch()`` (the same module with the torch backend) in float64 with ``module``'s
-    parameters and buffers, in eval mode (no dropout)."""
-    double = build_torch().to(device=_device_of(module), dtype=torch.float64)
+def twin(module: torch.nn.Module, build_torch, device) -> torch.nn.Module:
+    """``build_torch()`` (the same module with the torch backend) in float64 on the cell's ``device``
+    with ``module``'s parameters and buffers, in eval mode (no dropout)."""
+    double = build_torch().to(device=device, dtype=torch.float64)
     double.load_state_dict(module.state_dict())
     return double.eval()
-
-
-def _device_of(module) -> torch.device:
-    tensor = next(iter(module.state_dict().values()), None)
-    return tensor.device if tensor is not None else torch.device("cpu")
 
 
 def _rows(x: torch.Tensor, dims: int) -> torch.Tensor:
@@ -149,16 +144,16 @@ def measure(cell: dict, device, dtype, workload) -> dict:
     weights' gradients (a model, whose inputs are tokens). Dropout is off meanwhile."""
     module, inputs, train = workload.module, workload.inputs, cell["mode"] == "train"
     if cell["target"] == "core":
-        double = twin(module, lambda: build_core(cell, "torch"))
+        double = twin(module, lambda: build_core(cell, "torch"), device)
         reference, name = _exact_reference(double, cell["axes"]["seq_len"])
         leaves = list(inputs) if train else ()
         with _without_dropout(module):
             error = forward_error(module, reference, inputs, 2, leaves=leaves)
         return record(error, dtype, cell["params"], name, reference_floor(double, inputs, dtype, leaves))
     if cell["target"] == "layer":
-        double = twin(module, lambda: build_layer(cell, device, torch.float64, "torch"))
+        double = twin(module, lambda: build_layer(cell, device, torch.float64, "torch"), device)
     else:
-        double = twin(module, lambda: build_model(cell, device, torch.float64, "torch")[0])
+        double = twin(module, lambda: build_model(cell, device, torch.float64, "torch")[0], device)
     with _without_dropout(module):
         error = forward_error(module, double, inputs, 1, leaves=("x",) if train and "x" in inputs else (), weights=train and "x" not in inputs)
     return record(error, dtype, cell["params"], "torch float64")
@@ -175,10 +170,10 @@ def measure_decode(cell: dict, device, dtype, decoder) -> dict:
             out, state = decoder.step(i, state)
             steps.append(out)
         if cell["target"] == "core":
-            reference, name = _exact_reference(twin(decoder.module, lambda: build_core(cell, "torch")), context + new_tokens)
+            reference, name = _exact_reference(twin(decoder.module, lambda: build_core(cell, "torch"), device), context + new_tokens)
             expected = reference(**reference_inputs(decoder.inputs, 2, False))[:, :, context:]
             return record(rel_error(_rows(torch.stack(steps, 2), 2), expected), dtype, cell["params"], name)
-        double = twin(decoder.module, lambda: build_layer(cell, device, torch.float64, "torch"))
+        double = twin(decoder.module, lambda: build_layer(cell, device, torch.float64, "torch"), device)
         expected = double(**reference_inputs(decoder.inputs, 1, False))[:, context:]
         return record(rel_error(_rows(torch.stack(steps, 1), 1), expected), dtype, cell["params"], "torch float64")
 

@@ -226,7 +226,7 @@ def _measure_decode(cell, device, dtype) -> dict:
     with torch.no_grad():
         with PeakMemory(device) as peak:
             decoder = build_decoder(cell, device, dtype, context, new_tokens)
-            core, prefill, step, step_bytes = decoder[:4]
+            core, prefill, step, step_bytes = decoder.core, decoder.prefill, decoder.step, decoder.step_bytes
             decode_round()
         with usual_allocator():
             for _ in range(measure["warmup"]):
