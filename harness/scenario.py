@@ -384,7 +384,7 @@ _MODELS: dict[tuple, type[Scenario]] = {}
 def scenario_model() -> type[Scenario]:
     """``Scenario`` whose ``task`` is one of the registered tasks' configs, told apart by
     ``task.name`` (errors read ``task.<name>.<field>``)."""
-    configs = tuple(task.config for task in tasks.tasks())
+    configs = tuple(tasks.resolve(task.config) for task in tasks.tasks())
     if configs not in _MODELS:
         union = Annotated[Union[configs], Field(discriminator="name")] if len(configs) > 1 else configs[0]
         _MODELS[configs] = create_model("Scenario", __base__=Scenario, task=(union | None, None))

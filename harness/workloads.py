@@ -164,7 +164,7 @@ def _measure_quality(cell, device, dtype) -> dict:
     if cell["axes"]["dtype"] not in TRAIN_DTYPES or (device.type != "cpu" and not task.any_device):
         where = "" if task.any_device else " on the CPU (axes.device: cpu)"
         raise CellError(f"task {task.name!r} trains in {', '.join(TRAIN_DTYPES)} (axes.dtype){where}")
-    metrics = task.run(cell)
+    metrics = tasks.resolve(task.run)(cell)
     return _result(bool(np.isfinite(metrics.get("loss", 0.0))), metrics)
 
 

@@ -1,10 +1,15 @@
 """Quality tasks: small models built on attnbench variants, trained and evaluated as one cell.
 
-Every task registers itself once, in its own module, with ``register(Task(...))``: the model
-of a scenario's ``task:`` section, the axes of its cells, how one cell runs, and its own
-plots and tables in the report. ``harness.scenario``, ``harness.workloads`` and
-``harness.report`` read this registry and name no task; a plugin (``--plugin``) registers a
-task exactly as the shipped ones do. docs/extending.md has the recipe.
+Every task registers itself once with ``register(Task(...))``: the model of a scenario's
+``task:`` section, the axes of its cells, how one cell runs, and its own plots and tables in
+the report. ``harness.scenario``, ``harness.workloads`` and ``harness.report`` read this
+registry and name no task; a plugin (``--plugin``) registers a task exactly as the shipped ones
+do. docs/extending.md has the recipe.
+
+A shipped task lives in two modules: ``<task>_report.py`` registers it and holds how its results
+read (metrics, score, report sections), and names its config and run as ``"module:attribute"``
+(``resolve``) in ``<task>.py``, which trains. So the report, which reads results files only,
+never imports a model, a variant or the training.
 """
 
 from __future__ import annotations
@@ -16,8 +21,8 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-#: The shipped task modules, imported (and so registered) the first time the registry is read.
-BUILTIN = ("harness.tasks.retrieval", "harness.tasks.mqar", "harness.tasks.lm", "harness.tasks.mt", "harness.tasks.copy", "harness.tasks.image_gen")
+#: The shipped tasks' registering modules, imported the first time the registry is read.
+BUILTIN = tuple(f"harness.tasks.{task}_report" for task in ("retrieval", "mqar", "lm", "mt", "copy", "image_gen"))
 _TASKS: dict[str, Task] = {}
 _builtin_loaded = False
 
@@ -109,7 +114,8 @@ class Task:
 
     - ``name``: the scenario's ``task.name``, and its cells' ``target``.
     - ``config``: a pydantic model of the ``task:`` section (a ``TaskConfig``) whose first field
-      is ``name: Literal[name]``; a cell carries its ``model_dump()`` as ``cell["task"]``.
+      is ``name: Literal[name]``; a cell carries its ``model_dump()`` as ``cell["task"]``. It and
+      ``run`` may be given as ``"module:attribute"``, imported when first needed (``resolve``).
     - ``axes``: the axes of its cells (``dtype`` and ``device`` come with every task); the
       first is what its results are plotted against. An axis that is not one of the speed
       axes (``harness.scenario.AXES``) takes positive integers.
@@ -131,14 +137,22 @@ class Task:
     """
 
     name: str
-    config: type
+    config: type | str
     axes: tuple[str, ...]
-    run: Callable[[dict], dict]
+    run: Callable[[dict], dict] | str
     d_keys: Callable[[Any, dict], list[int]] = _d_key_axis
     any_device: bool = False
     metrics: tuple[str, ...] = ()
     report: Callable[..., list] | None = None
     score: Score | None = None
+
+
+def resolve(reference):
+    """``reference`` itself, or the attribute a ``"module:attribute"`` text names, imported now."""
+    if not isinstance(reference, str):
+        return reference
+    module, _, attribute = reference.partition(":")
+    return getattr(importlib.import_module(module), attribute)
 
 
 def register(task: Task) -> Task:

@@ -41,7 +41,7 @@ from variants import VariantError
 
 from ..files import write_json_atomic
 from ..models import LM_PRESETS, DecoderConfig, DecoderLM, SegmentConfig, lm_config
-from . import MAX_BATCH, MAX_LAYERS, MAX_LENGTH, MAX_VOCAB, MAX_WIDTH, Score, Seed, Steps, Task, TaskConfig, register
+from . import MAX_BATCH, MAX_LAYERS, MAX_LENGTH, MAX_VOCAB, MAX_WIDTH, Seed, Steps, TaskConfig
 from .batches import WindowBatches
 from .command_line import CommandLine, command_line, parse_command_line
 from .distributed import Distributed
@@ -380,13 +380,6 @@ def _segment_evaluation(model, corpus, length, precision, eval_tokens) -> dict:
         for split in ("valid", "test"):
             metrics[f"{split}_ppl_segment"] = perplexity(evaluate_segments(model, corpus[split], limit=eval_tokens))
     return metrics
-
-
-register(Task(
-    name="lm", config=LMConfig, axes=("seq_len",), run=run_cell, d_keys=lambda config, axes: [config.head_width], any_device=True,
-    metrics=("valid_ppl", "test_ppl", "valid_ppl_sliding", "valid_ppl_carry", "valid_ppl_segment", "test_ppl_segment"),
-    score=Score("valid_ppl", higher_is_better=False),
-))
 
 
 # --- command line ----------------------------------------------------------------------

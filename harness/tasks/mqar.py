@@ -24,7 +24,7 @@ from pydantic import Field
 
 from ..models import check_positive_int
 from ..models.mqar import MQARModel
-from . import MAX_BATCH, MAX_VOCAB, Score, Seed, Steps, Task, TaskConfig, register
+from . import MAX_BATCH, MAX_VOCAB, Seed, Steps, TaskConfig
 from . import training as trainer
 from .batches import GeneratorBatches
 from .training import TrainConfig
@@ -227,35 +227,3 @@ def run_cell(cell: dict) -> dict:
     axes = cell["axes"]
     return run_mqar(cell["variant"], dict(cell["params"], backend=cell["backend"]), MQARConfig.model_validate(cell["task"]),
                     seq_len=axes["seq_len"], d_model=axes["d_model"], dtype=axes["dtype"], checkpoint_dir=cell.get("checkpoint_dir"))
-
-
-def _accuracy_plot(cells, figures, name: str):
-    """Accuracy against sequence length, one line per variant, one panel per model width."""
-    ok = cells[(cells["status"] == "ok") & cells["metrics.accuracy"].notna()]
-    if ok.empty:
-        return None
-    from ..figures import new_figure
-    from ..seeds import draw_over_seeds
-
-    widths = sorted(ok["axes.d_model"].unique())
-    figure, axes = new_figure(len(widths))
-    for ax, width in zip(axes, widths):
-        for series, group in ok[ok["axes.d_model"] == width].groupby("series"):
-            draw_over_seeds(ax, group, "axes.seq_len", "metrics.accuracy", figures.colours[series])
-        ax.set(title=f"d_model {int(width)}", xlabel="sequence length", ylabel="accuracy", ylim=(0, 1.02))
-    figures.legend(figure, ok, False)
-    title = "MQAR accuracy against sequence length"
-    caption = (f"{title}: best evaluation accuracy on the queried values (the mean over seeds, a band from the lowest to the highest "
-               "where several were run); one panel per model width.")
-    return figures.save(figure, f"{name}-mqar", title, caption)
-
-
-def report_sections(cells, figures, name: str) -> list:
-    """The accuracy plot."""
-    return [_accuracy_plot(cells, figures, name)] if "metrics.accuracy" in cells else []
-
-
-register(Task(
-    name="mqar", config=MQARConfig, axes=("seq_len", "d_model"), run=run_cell, d_keys=lambda config, axes: axes["d_model"],
-    metrics=("accuracy",), report=report_sections, score=Score("accuracy", higher_is_better=True, threshold=0.9),
-))

@@ -39,7 +39,7 @@ from ..files import write_json_atomic
 from ..measure import synchronize
 from ..models import config_from_preset
 from ..models.seq2seq import POSITIONS, Seq2Seq, Seq2SeqConfig
-from . import MAX_LAYERS, MAX_LENGTH, MAX_VOCAB, Score, Seed, Steps, Task, TaskConfig, register
+from . import MAX_LAYERS, MAX_LENGTH, MAX_VOCAB, Seed, Steps, TaskConfig
 from .batches import Batch, Example, LengthBatches, collate, encode_examples, groups_by_source_length
 from .command_line import CommandLine, command_line, parse_command_line
 from .distributed import Distributed
@@ -404,12 +404,6 @@ def run_cell(cell: dict) -> dict:
     config = MTConfig.model_validate(cell["task"])
     return run_mt(cell["variant"], params, config, device=cell["axes"]["device"], dtype=cell["axes"]["dtype"],
                   out_dir=cell.get("checkpoint_dir"), checkpoint_every=config.resolved().eval_every)
-
-
-register(Task(
-    name="mt", config=MTConfig, axes=(), run=run_cell, d_keys=lambda config, axes: [config.head_width], any_device=True,
-    metrics=("bleu", "valid_loss", "sentences_per_s"), score=Score("bleu", higher_is_better=True),
-))
 
 
 def _command_line() -> CommandLine:
