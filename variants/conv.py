@@ -29,6 +29,21 @@ class ShortConv(nn.Module):
             return self.conv(F.pad(x.transpose(1, 2), (self.kernel_size - 1, 0))).transpose(1, 2)
         return self.conv(torch.cat([window, x], 1).transpose(1, 2)).transpose(1, 2)
 
+    def packed(self, x, bounds):
+        """The convolution over sequences packed in ``x: [1, total_T, d]`` (``bounds``: ``cu_seqlens``
+        as ints), each from zeros: a tap that would read across a sequence's start reads zero."""
+        taps = F.pad(x, (0, 0, self.kernel_size - 1, 0)).unfold(1, self.kernel_size, 1)  # [1, T, d, K]: tap j reads t − K + 1 + j
+        reads = torch.arange(x.shape[1], device=x.device)[:, None] - self.kernel_size + 1 + torch.arange(self.kernel_size, device=x.device)
+        starts = torch.repeat_interleave(torch.tensor(bounds[:-1], device=x.device), torch.tensor(bounds, device=x.device).diff())
+        taps = taps * (reads >= starts[:, None]).to(x.dtype)[:, None, :]
+        return (taps * self.conv.weight.squeeze(1)).sum(-1) + self.conv.bias
+
+    def packed_windows(self, x, bounds):
+        """Each packed sequence's decoding window after its last token, ``[N, K − 1, d]`` (zeros before its start)."""
+        starts, stops = (torch.tensor(b, device=x.device)[:, None] for b in (bounds[:-1], bounds[1:]))
+        reads = stops - self.kernel_size + 1 + torch.arange(self.kernel_size - 1, device=x.device)  # [N, K − 1]
+        return x[0, reads.clamp(min=0)] * (reads >= starts).to(x.dtype)[..., None]
+
     def init_window(self, batch: int, *, device=None, dtype=None):
         return torch.zeros(batch, self.kernel_size - 1, self.conv.in_channels, device=device, dtype=dtype)
 
@@ -59,4 +74,10 @@ class TokenShift(nn.Module):
         if previous is None:
             previous = torch.zeros_like(x[:, 0])
         shifted = torch.cat([previous.unsqueeze(1), x[:, :-1]], 1)
+        return self.mix * x + (1 - self.mix) * shifted
+
+    def packed(self, x, bounds):
+        """The shift over sequences packed in ``x: [1, total_T, d]`` (``bounds``), each from zeros."""
+        shifted = torch.cat([torch.zeros_like(x[:, :1]), x[:, :-1]], 1)
+        shifted[:, bounds[:-1]] = 0
         return self.mix * x + (1 - self.mix) * shifted
