@@ -33,6 +33,7 @@ def _default_scenarios() -> list[tuple[str, str | None]]:
 def _run(args) -> int:
     from . import runner
     from .plugins import load_plugins
+    from .profiling import missing_tool
     from .scenario import ScenarioError, describe, load_scenario
 
     plugins = _plugins(args)
@@ -57,12 +58,17 @@ def _run(args) -> int:
     if args.retry_failed and not args.resume:
         print("error: --retry-failed re-runs the failed cells of a results file: use it with --resume", file=sys.stderr)
         return 2
+    if args.profile in ("ncu", "nsys") and args.executor != "local":
+        print(f"error: --profile {args.profile} wraps the local worker; with --executor {args.executor} use --profile (torch.profiler)", file=sys.stderr)
+        return 2
+    if args.profile and (reason := missing_tool(args.profile)):
+        print(f"--profile {args.profile}: skipped, {reason}; the cells are measured without it (metrics.profile.skipped)", file=sys.stderr)
     command = "attnbench " + " ".join(shlex.quote(arg) for arg in sys.argv[1:])
     written, failed = [], False
     for scenario in loaded:
         summary = runner.run(
             scenario, args.out, resume=args.resume or False, retry_failed=args.retry_failed, plugins=plugins, command=command,
-            progress=not args.no_progress, executor=_executor(args, plugins),
+            progress=not args.no_progress, executor=_executor(args, plugins), profile=args.profile,
         )
         counts = ", ".join(f"{count} {status}" for status, count in sorted(summary.statuses.items())) or "nothing new"
         done = f", {summary.skipped_as_done} already done" if summary.skipped_as_done else ""
@@ -272,6 +278,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--address", help="with --executor ray: the cluster (auto, HOST:PORT or ray://HOST:PORT; default: start Ray on this machine)")
     run.add_argument("--cells-per-node", type=int, default=1, metavar="N",
                      help="with --executor ray: CPU speed cells run side by side on one node, each on 1/N of its CPUs (default 1)")
+    run.add_argument("--profile", nargs="?", const="torch", choices=["torch", "ncu", "nsys"],
+                     help="after timing, profile one more call of each cell: torch (default) writes a trace per cell beside the results file; "
+                     "ncu, nsys wrap the worker of each CUDA cell (docs/profiling.md)")
     run.set_defaults(handler=_run)
 
     report = commands.add_parser("report", help="write an HTML report (plots, tables, machines) from results files")

@@ -177,6 +177,11 @@ def _machines_note(pair: dict) -> str:
     )
 
 
+def timing_of(value) -> str:
+    """A cell's timing mode (``metrics.timing``): ``events`` where a record has none (measured before the modes)."""
+    return value if present(value) else "events"
+
+
 def _judge_statuses(pair: dict) -> tuple[str, str] | None:
     """(mark, note) when the statuses alone decide the mark; None when both sides are ok."""
     base, head = pair["status_base"], pair["status_head"]
@@ -211,6 +216,9 @@ def _judge(pair: dict, *, factor: float, alpha: float, seed: int) -> dict:
         return {"mark": "removed" if pair["_merge"] == "left_only" else "new", "note": ""}
     if pair["machine_key_base"] != pair["machine_key_head"]:
         return {"mark": "not comparable", "note": _machines_note(pair)}
+    timings = [timing_of(pair.get(f"metrics.timing_{side}")) for side in ("base", "head")]
+    if pair["mode"] != "quality" and timings[0] != timings[1]:
+        return {"mark": "not comparable", "note": f"timed differently: base measure.timing {timings[0]}, head {timings[1]}; measure both in one mode"}
     decided = _judge_statuses(pair)
     if decided is not None:
         return dict(zip(("mark", "note"), decided))
@@ -289,7 +297,7 @@ def compare(base_paths, head_paths, *, factor: float = 1.1, alpha: float = 0.05,
     if factor < 1 or not 0 < alpha < 1:
         raise CompareError(f"factor must be >= 1 and alpha in (0, 1); got factor={factor}, alpha={alpha}")
     columns = CELL_KEY + ["status", "error", "machine_key", "machine", "gpu", "params_text", "axes_text", "metrics.median_s", "metrics.samples_s",
-               "metrics.round_samples_s", "metrics.unstable", "metrics.rel_ci", "metrics.load.other_cores"]
+               "metrics.round_samples_s", "metrics.unstable", "metrics.rel_ci", "metrics.load.other_cores", "metrics.timing"]
     base, head = _side(base_paths), _side(head_paths)
     pairs = base.reindex(columns=columns).merge(head.reindex(columns=columns), on=CELL_KEY, how="outer", suffixes=("_base", "_head"), indicator=True)
     pairs = pairs.sort_values(CELL_KEY, kind="stable").reset_index(drop=True)

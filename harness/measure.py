@@ -1,10 +1,14 @@
 """Honest timing and memory: warm up, synchronise, repeat until the median is known well
 enough (or the time is spent), keep every sample.
 
-CPU: ``time.perf_counter`` around synchronous work. GPU: a CUDA event pair around every
-call, with the L2 cache flushed before each (as ``triton.testing.do_bench`` does), so a
-kernel is not timed on data a previous iteration left in cache. Nothing here knows any
-variant: a measured thing is a callable.
+What one sample is depends on the timing mode (``measure.timing``, ``TIMINGS``; docs/results.md,
+"Timing modes"): ``events`` (CPU: ``time.perf_counter`` around synchronous work; GPU: a CUDA
+event pair around every call, with the L2 cache flushed before each, as
+``triton.testing.do_bench`` does, so a kernel is not timed on data a previous iteration left in
+cache), ``cudagraph`` (the call captured once into a CUDA graph after the warm-up, each replay
+timed as ``events``), ``profiler`` (the device time torch.profiler records for one call) or
+``wall`` (perf_counter from before the call until the device has finished it). Nothing here
+knows any variant: a measured thing is a callable.
 """
 
 from __future__ import annotations
@@ -12,6 +16,8 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
+import sys
+import tempfile
 import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -21,6 +27,12 @@ import numpy as np
 import torch
 
 from .stats import median_rel_ci
+
+#: The timing modes of ``measure.timing``; decode cells time each step and take ``DECODE_TIMINGS``.
+TIMINGS = ("events", "cudagraph", "profiler", "wall")
+DECODE_TIMINGS = ("events", "wall")
+#: What an error about ``cudagraph`` on the CPU offers instead.
+CPU_TIMINGS = "events, profiler or wall time the CPU"
 
 #: Bytes written between GPU iterations to evict the L2 cache (H100/H200: 50 MiB of L2).
 L2_FLUSH_BYTES = 256 * 1024 * 1024
@@ -107,10 +119,15 @@ def on_device(device):
     return torch.cuda.device(device) if device.type == "cuda" else nullcontext()
 
 
+class TimingError(ValueError):
+    """A timing mode the cell cannot be timed in: ``cudagraph`` off a CUDA device, a call that
+    cannot be captured into a CUDA graph, a per-call mode asked of a decode cell."""
+
+
 class Clock:
     """Times one call, ``clock(fn) -> (result, seconds)``: CUDA events on a GPU (after an L2
     flush when ``flush_l2``), recorded on the current stream of the clock's device (not of
-    the current device: ``cuda:1`` is timed on GPU 1), perf_counter on the CPU."""
+    the current device: ``cuda:1`` is timed on GPU 1), perf_counter on the CPU (timing ``events``)."""
 
     def __init__(self, device, flush_l2: bool):
         self.device = torch.device(device)
@@ -118,13 +135,17 @@ class Clock:
         if self.device.type == "cuda" and flush_l2:
             self.flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.int8, device=self.device)
 
+    def flush_l2(self) -> None:
+        """Evict the L2 cache (a no-op on the CPU or without ``flush_l2``), queued before the call on the same stream."""
+        if self.flush is not None:
+            self.flush.zero_()
+
     def __call__(self, fn):
         if self.device.type != "cuda":
             start = time.perf_counter()
             result = fn()
             return result, time.perf_counter() - start
-        if self.flush is not None:
-            self.flush.zero_()
+        self.flush_l2()
         stream = torch.cuda.current_stream(self.device)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record(stream)
@@ -132,6 +153,114 @@ class Clock:
         end.record(stream)
         end.synchronize()
         return result, start.elapsed_time(end) / 1e3
+
+
+class WallClock(Clock):
+    """Timing ``wall``: the whole call as the caller's code sees it, perf_counter from before the
+    call until the device has finished it (a synchronisation after the call, outside it), so
+    Python, dispatch and kernel launches count; the L2 flush (GPU) is done and waited for first."""
+
+    def __call__(self, fn):
+        self.flush_l2()
+        synchronize(self.device)
+        start = time.perf_counter()
+        result = fn()
+        synchronize(self.device)
+        return result, time.perf_counter() - start
+
+
+class ProfilerClock(Clock):
+    """Timing ``profiler``: the device time torch.profiler records for one call. On a GPU the
+    summed durations of the kernels, copies and fills it ran (Kineto's CUPTI activities; launch
+    gaps and host time left out), after the L2 flush; on the CPU the summed self time of its
+    operators (time inside ATen operators; Python between them left out). Kineto's one-time
+    start-up (seconds) is paid when the clock is made, outside every sample."""
+
+    def __init__(self, device, flush_l2: bool):
+        super().__init__(device, flush_l2)
+        self.activities = [torch.profiler.ProfilerActivity.CPU]
+        if self.device.type == "cuda":
+            self.activities.append(torch.profiler.ProfilerActivity.CUDA)
+        with quiet_profiler(self.activities):
+            pass
+
+    def __call__(self, fn):
+        self.flush_l2()
+        synchronize(self.device)
+        with quiet_profiler(self.activities) as profile:
+            result = fn()
+            synchronize(self.device)
+        return result, device_seconds(profile.events(), self.device)
+
+
+@contextmanager
+def quiet_profiler(activities, **options):
+    """``torch.profiler.profile(activities, **options)``, with the two lines Kineto writes to the
+    process's stderr at each start and stop (``USDT: ... profiler_start``) left out, so a
+    thousand profiled samples do not flood the run's terminal; anything else written meanwhile
+    is passed on."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as captured:
+        os.dup2(captured.fileno(), 2)
+        try:
+            with torch.profiler.profile(activities=activities, **options) as profile:
+                yield profile
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            captured.seek(0)
+            kept = [line for line in captured.read().splitlines(keepends=True) if not line.startswith(b"USDT:")]
+            if kept:
+                os.write(2, b"".join(kept))
+
+
+def device_seconds(events, device: torch.device) -> float:
+    """The device time of profiled ``events`` (torch.profiler's ``FunctionEvent``s), in seconds:
+    on a GPU the summed durations of its device activities (kernels, memory copies and fills),
+    on the CPU the summed self time of its operators (user annotations, which span others, left out)."""
+    measured = [event for event in events if not event.is_user_annotation]
+    if device.type == "cuda":
+        return sum(event.time_range.elapsed_us() for event in measured if event.device_type == torch.autograd.DeviceType.CUDA) / 1e6
+    return sum(event.self_cpu_time_total for event in measured) / 1e6
+
+
+def clock_for(timing: str, device, flush_l2: bool) -> Clock:
+    """The clock of one ``measure.timing`` mode (``cudagraph``: events, on the replays); a
+    ``TimingError`` for ``cudagraph`` off a CUDA device, before anything runs."""
+    device = torch.device(device)
+    if timing not in TIMINGS:
+        raise TimingError(f"measure.timing: expected one of {', '.join(TIMINGS)}, got {timing!r}")
+    if timing == "cudagraph" and device.type != "cuda":
+        raise TimingError(f"measure.timing: 'cudagraph' replays a CUDA graph and needs a CUDA device, not {device.type!r} ({CPU_TIMINGS})")
+    return {"profiler": ProfilerClock, "wall": WallClock}.get(timing, Clock)(device, flush_l2)
+
+
+def graph_replay(fn, device):
+    """``fn`` captured once into a CUDA graph on ``device``: a callable that replays it and
+    returns the captured call's output (overwritten by each replay). ``fn`` has been warmed up
+    eagerly (compiled, autotuned); one more eager call on a side stream first does the lazy
+    initialisations (cuBLAS workspaces) capture must not see. A call that cannot be captured
+    (a host synchronisation, an optimiser that is not ``capturable``) is a ``TimingError``."""
+    current = torch.cuda.current_stream(device)
+    side = torch.cuda.Stream(device)
+    side.wait_stream(current)
+    with torch.cuda.stream(side):
+        fn()
+    current.wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            output = fn()
+    except Exception as exc:  # noqa: BLE001 - every capture failure is named in one line
+        first = (str(exc).strip().splitlines() or [""])[0][:200]
+        raise TimingError(f"measure.timing: 'cudagraph' could not capture the call ({type(exc).__name__}: {first}); time it with 'events'") from None
+
+    def replay():
+        graph.replay()
+        return output
+
+    return replay
 
 
 def time_interleaved(fns: dict, *, warmup: int = 2, repeats: int = 7, device="cpu", flush_l2: bool = True) -> dict:
@@ -153,15 +282,19 @@ def time_interleaved(fns: dict, *, warmup: int = 2, repeats: int = 7, device="cp
 
 
 def time_callable(fn, *, warmup: int = 2, repeats: int = 7, device="cpu", flush_l2: bool = True, target_rel_ci: float | None = None,
-                  max_time_s: float = 0.0) -> Timing:
-    """Run ``fn()`` ``warmup`` times untimed, then time calls one by one: ``repeats`` of them,
-    and with ``target_rel_ci`` more until the median is that sure (``sample_until_stable``)."""
+                  max_time_s: float = 0.0, timing: str = "events") -> Timing:
+    """Run ``fn()`` ``warmup`` times untimed, then time calls one by one in the ``timing`` mode
+    (``clock_for``; ``cudagraph``: the replays of one call captured after the warm-up):
+    ``repeats`` of them, and with ``target_rel_ci`` more until the median is that sure
+    (``sample_until_stable``)."""
     if warmup < 0 or repeats < 1:
         raise ValueError(f"need warmup >= 0 and repeats >= 1, got warmup={warmup}, repeats={repeats}")
-    clock = Clock(device, flush_l2)
+    clock = clock_for(timing, device, flush_l2)
     for _ in range(warmup):
         fn()
     synchronize(clock.device)
+    if timing == "cudagraph":
+        fn = graph_replay(fn, clock.device)
     return sample_until_stable(lambda: clock(fn)[1], repeats=repeats, target_rel_ci=target_rel_ci, max_time_s=max_time_s)
 
 

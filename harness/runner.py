@@ -23,7 +23,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from . import machine
+from . import machine, profiling
 from .busyness import busy_warning, other_cores_now
 from .executors import main_device
 from .executors.local import LocalExecutor
@@ -266,7 +266,10 @@ class ResultsJournal:
 
     def cell_line(self, cell: dict, observation: dict) -> None:
         node_fp = observation["machine"]
+        trace = observation["result"].pop("trace", None)
         record = cell_record(cell, observation, self.run_line(node_fp, observation["node_id"]), node_fp)
+        if trace is not None:  # --profile: the trace goes beside the results file, its name into the record
+            record["metrics"]["profile"]["trace"] = profiling.write_trace(self.writer.path, cell["cell_id"], trace)
         others = self.overlapping.pop(cell["cell_id"], None)
         if others and node_fp["machine_id"] == self.machine_id:
             record["concurrent_runs"] = others
@@ -277,12 +280,13 @@ class ResultsJournal:
 
 
 def run(loaded: LoadedScenario, out_dir, *, resume=False, retry_failed: bool = False, plugins=(), command: str = "",
-        progress: bool = True, executor=None) -> RunSummary:
+        progress: bool = True, executor=None, profile: str | None = None) -> RunSummary:
     """Measure every cell of ``loaded`` not yet in the results file; return a summary. One run
     at a time writes into a directory (``ResultsDirectoryLock``); other runs measuring on the
     machine meanwhile are warned about and recorded with each cell they overlap. ``executor``
     measures the cells (default: a ``LocalExecutor``; harness.executors.ray spreads them over a
-    Ray cluster)."""
+    Ray cluster). ``profile`` (``--profile``: torch, ncu or nsys) profiles each cell once more
+    after its timing (``harness.profiling``)."""
     out_dir = Path(out_dir)
     if resume not in (False, True, None):
         resume = resumable_file(resume, loaded)
@@ -290,10 +294,10 @@ def run(loaded: LoadedScenario, out_dir, *, resume=False, retry_failed: bool = F
     holder = {"pid": os.getpid(), "scenario": loaded.name, "started_at": utc_now(), "out": str(directory)}
     executor = executor or LocalExecutor(plugins)
     with ResultsDirectoryLock(directory, holder), MachineRuns(holder) as machine_runs:
-        return _run_locked(loaded, out_dir, resume, retry_failed, executor, command, progress, machine_runs)
+        return _run_locked(loaded, out_dir, resume, retry_failed, executor, command, progress, machine_runs, profile)
 
 
-def _run_locked(loaded, out_dir, resume, retry_failed, executor, command, progress, machine_runs) -> RunSummary:
+def _run_locked(loaded, out_dir, resume, retry_failed, executor, command, progress, machine_runs, profile=None) -> RunSummary:
     cells = loaded.cells()
     path = results_path(out_dir, loaded.name, resume)
     fingerprint = machine.fingerprint(main_device(cells))
@@ -305,7 +309,7 @@ def _run_locked(loaded, out_dir, resume, retry_failed, executor, command, progre
         except BaseException:
             writer.close()
             raise
-    todo = [with_checkpoint_dir(cell, path) for cell in cells if cell["cell_id"] not in done]
+    todo = [profiling.request(with_checkpoint_dir(cell, path), profile, path) for cell in cells if cell["cell_id"] not in done]
     summary = RunSummary(path=path, total=len(cells), skipped_as_done=len(cells) - len(todo))
     if done:
         summary.earlier_failures = _failures_in(path, cells, done)

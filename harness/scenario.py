@@ -27,7 +27,7 @@ import variants
 
 from . import tasks
 from .formatting import quote
-from .measure import MAX_SAMPLES
+from .measure import CPU_TIMINGS, DECODE_TIMINGS, MAX_SAMPLES, TIMINGS
 from .models import LM_PRESETS, lm_config
 from .tasks import precision
 
@@ -147,6 +147,7 @@ class Measure(StrictSettings):
     flush_l2: bool = True
     fresh_worker: bool | None = Field(None, description="a new worker process for each cell; default: for CPU speed cells (exact peak RSS), not on a GPU")
     max_memory: int | None = Field(None, ge=1 << 20, description="bytes of host memory a worker may take (a cell over it: oom); null: 80 % of RAM on the CPU")
+    timing: Literal[TIMINGS] = Field("events", description="what one sample times: events, cudagraph, profiler or wall (docs/results.md, Timing modes)")
 
 
 class Decode(StrictSettings):
@@ -257,6 +258,22 @@ class Scenario(Strict):
         baseline = self.report.baseline_backend
         if baseline is not None and baseline not in self.backends:
             raise ValueError(f"report.baseline_backend: expected one of the scenario's backends ({', '.join(self.backends)}), got {quote(baseline)}")
+        return self
+
+    @model_validator(mode="after")
+    def _timing(self):
+        """``measure.timing`` fits the cells: a speed scenario's; ``cudagraph`` and ``profiler`` time one
+        call (not decode's steps); ``cudagraph`` replays a CUDA graph (no CPU device, a variant's own axes included)."""
+        timing = self.measure.timing
+        if timing == "events":
+            return self
+        if self.task is not None:
+            raise ValueError(f"measure.timing: a quality task times its own training (words/s), not {timing!r}; leave it at 'events'")
+        if timing not in DECODE_TIMINGS and "decode" in self.modes:
+            raise ValueError(f"measure.timing: {timing!r} times one call; decode cells (modes) time each step with {' or '.join(DECODE_TIMINGS)}")
+        devices = {device for _, _, _, axes in _variant_configs(self) for device in _sweep(axes.device)}
+        if timing == "cudagraph" and "cpu" in devices:
+            raise ValueError(f"measure.timing: 'cudagraph' replays a CUDA graph and needs a CUDA device; axes.device has 'cpu' ({CPU_TIMINGS})")
         return self
 
     @field_validator("target")

@@ -42,6 +42,10 @@ CHECKOUT_WORKER = (
     "else: from harness.runner import _serve as serve\n"
     "serve(Connection(int(sys.argv[1])), sys.argv[2:])"
 )
+#: The checkout this module belongs to (a wrapped worker's ``PYTHONPATH``).
+CHECKOUT_ROOT = Path(__file__).resolve().parent.parent
+#: Seconds a worker under a profiler's wrapper may take to stop: the tool writes its report then.
+WRAPPED_CLOSE_TIMEOUT_S = 600
 #: A worker's host memory limit where ``measure.max_memory`` is null: this share of physical memory.
 MEMORY_SHARE = 0.8
 
@@ -189,11 +193,15 @@ class Worker:
     ``env`` adds environment variables for the worker (e.g. its own ``TRITON_CACHE_DIR``).
     ``tune_malloc`` sets ``WORKER_ENV`` for exact per-cell peak RSS on the CPU; it costs
     page faults on every large allocation (measured: +50% CPU time in an MQAR training run),
-    so the runner turns it off for scenarios of quality cells (whole training runs)."""
+    so the runner turns it off for scenarios of quality cells (whole training runs).
+    ``wrapper`` starts the worker under a command (``nsys profile ... -o REPORT``,
+    harness.profiling.wrapper) as a fresh interpreter too, with this checkout first on
+    ``PYTHONPATH``; closing it waits for the command to finish (the tool writes its report)."""
 
-    def __init__(self, plugins=(), *, code_root=None, env=None, tune_malloc: bool = True):
+    def __init__(self, plugins=(), *, code_root=None, env=None, tune_malloc: bool = True, wrapper: list[str] | None = None):
         self.plugins = list(plugins)
         self.code_root = code_root
+        self.wrapper = list(wrapper or [])
         self.env = {**(WORKER_ENV if tune_malloc else {}), **(env or {})}
         self.process = None
         self._start()
@@ -202,8 +210,8 @@ class Worker:
         self.measured = 0  #: cells (and calibrations) sent to this process since it started
         context = multiprocessing.get_context("spawn")
         self.conn, child = context.Pipe()
-        if self.code_root is not None:
-            self._start_checkout(child)
+        if self.code_root is not None or self.wrapper:
+            self._start_command(child)
         else:
             self._start_spawned(context, child)
         child.close()
@@ -220,10 +228,16 @@ class Worker:
                 raise RuntimeError(f"the worker process did not start (exit code {self.process.exitcode}); see the messages above")
             self.start_error = f"the worker process did not start within {WORKER_START_TIMEOUT_S:g} s (killed; WORKER_START_TIMEOUT_S)"
 
-    def _start_checkout(self, child) -> None:
-        env = {**os.environ, **self.env, "PYTHONPATH": str(self.code_root)}
-        command = [sys.executable, "-c", CHECKOUT_WORKER, str(child.fileno()), *self.plugins]
-        popen = subprocess.Popen(command, cwd=self.code_root, env=env, pass_fds=[child.fileno()], preexec_fn=_worker_preexec)
+    def _start_command(self, child) -> None:
+        """A fresh interpreter running ``CHECKOUT_WORKER``: another checkout's (in its directory, only it on
+        ``PYTHONPATH``) or, under a ``wrapper``, this checkout's (here, first on ``PYTHONPATH``)."""
+        if self.code_root is not None:
+            cwd, path = self.code_root, str(self.code_root)
+        else:
+            cwd, path = None, os.pathsep.join(filter(None, [str(CHECKOUT_ROOT), os.environ.get("PYTHONPATH")]))
+        env = {**os.environ, **self.env, "PYTHONPATH": path}
+        command = [*self.wrapper, sys.executable, "-c", CHECKOUT_WORKER, str(child.fileno()), *self.plugins]
+        popen = subprocess.Popen(command, cwd=cwd, env=env, pass_fds=[child.fileno()], preexec_fn=_worker_preexec)
         self.process = _CheckoutProcess(popen)
 
     def _start_spawned(self, context, child) -> None:
@@ -297,7 +311,7 @@ class Worker:
         if self.process is not None and self.process.is_alive():
             try:
                 self.conn.send(None)
-                self.process.join(10)
+                self.process.join(WRAPPED_CLOSE_TIMEOUT_S if self.wrapper else 10)
             except (BrokenPipeError, OSError):
                 pass
         self.kill()

@@ -19,11 +19,22 @@ import torch
 import variants
 from variants.compiled import compiled_frames
 
-from . import accuracy, tasks
+from . import accuracy, profiling, tasks
 from .builders import BUILDERS, CellError, attention_inputs, build_core, build_decoder
 from .busyness import LoadMeter, other_cores_now, spare_threads
 from .machine import missing_tensor_cores
-from .measure import Clock, PeakMemory, on_device, sample_until_stable, synchronize, time_callable, usual_allocator
+from .measure import (
+    DECODE_TIMINGS,
+    Clock,
+    PeakMemory,
+    TimingError,
+    clock_for,
+    on_device,
+    sample_until_stable,
+    synchronize,
+    time_callable,
+    usual_allocator,
+)
 from .roofline import DTYPES
 from .tasks.precision import TRAIN_DTYPES
 
@@ -77,6 +88,11 @@ def _sampling(measure: dict) -> dict:
     return {"repeats": measure["repeats"], "target_rel_ci": measure.get("target_rel_ci"), "max_time_s": measure.get("max_time_s", 0.0)}
 
 
+def _timing(cell) -> str:
+    """The cell's ``measure.timing`` (``events`` for a cell of a scenario loaded before there were modes)."""
+    return cell["measure"].get("timing", "events")
+
+
 def _measure(cell, device, dtype) -> dict:
     measure = cell["measure"]
     if cell["mode"] == "quality":
@@ -95,9 +111,10 @@ def _measure(cell, device, dtype) -> dict:
         workload = BUILDERS[cell["target"]](cell, device, dtype)
         finite = _finite(workload.run())
     with usual_allocator():
-        timing = time_callable(workload.run, warmup=measure["warmup"], device=device, flush_l2=measure["flush_l2"], **_sampling(measure))
+        timing = time_callable(workload.run, warmup=measure["warmup"], device=device, flush_l2=measure["flush_l2"], timing=_timing(cell), **_sampling(measure))
     metrics = {
         **timing.summary(),
+        "timing": _timing(cell),
         "tokens": workload.tokens,
         "tokens_per_s": workload.tokens / timing.median_s,
         "peak_mem_bytes": peak.bytes,
@@ -112,6 +129,17 @@ def _measure(cell, device, dtype) -> dict:
         metrics["words_per_s"] = metrics["tokens_per_s"]
     result = _compile_record(cell, _result(finite, metrics), first_call_s, compiled_before)
     result["metrics"].update(_accuracy(lambda: accuracy.measure(cell, device, dtype, workload)))
+    return _profiled(cell, result, workload.run, device)
+
+
+def _profiled(cell, result: dict, call, device) -> dict:
+    """``result`` with ``metrics.profile`` and the ``trace`` of one more ``call()`` after the timed
+    ones, where ``--profile`` asked (``harness.profiling.profile``; the runner writes the trace)."""
+    found, trace = profiling.profile(cell, call, device)
+    if found is not None:
+        result["metrics"]["profile"] = found
+    if trace is not None:
+        result["trace"] = trace
     return result
 
 
@@ -165,7 +193,7 @@ def _measure_quality(cell, device, dtype) -> dict:
         where = "" if task.any_device else " on the CPU (axes.device: cpu)"
         raise CellError(f"task {task.name!r} trains in {', '.join(TRAIN_DTYPES)} (axes.dtype){where}")
     metrics = tasks.resolve(task.run)(cell)
-    return _result(bool(np.isfinite(metrics.get("loss", 0.0))), metrics)
+    return _profiled(cell, _result(bool(np.isfinite(metrics.get("loss", 0.0))), metrics), None, device)
 
 
 def _warm_up_libraries(cell, device, dtype) -> float:
@@ -213,7 +241,9 @@ def _measure_decode(cell, device, dtype) -> dict:
     axes, measure, new_tokens = cell["axes"], cell["measure"], cell["decode"]["new_tokens"]
     if cell["target"] not in ("core", "layer"):
         raise CellError(f"decode mode measures target 'core' or 'layer', not {cell['target']!r}")
-    context, clock = axes["seq_len"], Clock(device, flush_l2=False)
+    if _timing(cell) not in DECODE_TIMINGS:
+        raise TimingError(f"measure.timing: {_timing(cell)!r} times one call; a decode cell times each step with {' or '.join(DECODE_TIMINGS)}")
+    context, clock = axes["seq_len"], clock_for(_timing(cell), device, flush_l2=False)
 
     def decode_round():
         (_, state), prefill_s = clock(prefill)
@@ -243,6 +273,7 @@ def _measure_decode(cell, device, dtype) -> dict:
     flops = sum(core.step_flops(axes["batch"], axes["heads"], axes["d_value"], context + i) for i in range(new_tokens))
     metrics = {
         **timing.summary(),
+        "timing": _timing(cell),
         "tokens": tokens,
         "tokens_per_s": tokens / timing.median_s,
         "step_latency_s": np.median([step_s for _, step_s, _ in rounds], axis=0).tolist(),
@@ -256,7 +287,7 @@ def _measure_decode(cell, device, dtype) -> dict:
         "torch_threads": torch.get_num_threads(),
         **_accuracy(lambda: accuracy.measure_decode(cell, device, dtype, decoder)),
     }
-    return _result(finite, metrics)
+    return _profiled(cell, _result(finite, metrics), torch.no_grad()(decode_round), device)
 
 
 def _state_traffic(core, axes, position: int) -> int:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .. import machine
+from .. import machine, profiling
 from ..worker import Worker, needs_fresh_worker
 from . import calibration, observe
 
@@ -28,8 +28,8 @@ class LocalExecutor:
         GPU 1), so that each cell is recorded with its own device's machine and roofline; the
         fingerprints to write run lines for now (``fingerprint``, the main device's, when no
         cell is left to measure)."""
-        tune_malloc = any(cell["mode"] != "quality" for cell in todo)
-        self.worker = Worker(self.plugins, code_root=self.code_root, env=self.env, tune_malloc=tune_malloc)
+        self.tune_malloc = any(cell["mode"] != "quality" for cell in todo)
+        self.worker = self._worker()
         if self.fingerprint is not None:
             self.fingerprints = {cell["axes"]["device"]: self.fingerprint for cell in todo}
             return [self.fingerprint]
@@ -39,13 +39,25 @@ class LocalExecutor:
             self.fingerprints[device] = {**fp, "calibration": calibration(self.worker, on_device, fp)}
         return list(self.fingerprints.values()) or [{**fingerprint, "calibration": None}]
 
+    def _worker(self, wrapper=None) -> Worker:
+        return Worker(self.plugins, code_root=self.code_root, env=self.env, tune_malloc=self.tune_malloc, wrapper=wrapper)
+
     def measure(self, todo: list[dict], starting):
-        """Measure ``todo`` in order, calling ``starting(cell)`` before each; yield ``(cell, observation)``."""
+        """Measure ``todo`` in order, calling ``starting(cell)`` before each; yield ``(cell, observation)``.
+        A cell profiled with ncu or nsys (``profiling.wrapper``) gets a worker of its own under the
+        tool, closed after it so that the tool writes its report."""
         for cell in todo:
             starting(cell)
+            wrapper = profiling.wrapper(cell.get("profile"))
+            if wrapper:
+                self.worker.close()
+                self.worker = self._worker(wrapper)
             observation = observe(self.worker, cell)
             yield cell, {**observation, "machine": self.fingerprints[cell["axes"]["device"]], "node_id": None}
-            if self.worker.measured and needs_fresh_worker(cell, observation["result"]["status"], self.shared):
+            if wrapper:
+                self.worker.close()
+                self.worker = self._worker()
+            elif self.worker.measured and needs_fresh_worker(cell, observation["result"]["status"], self.shared):
                 self.worker.restart()
 
     def run_fields(self, node_id) -> dict:

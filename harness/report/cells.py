@@ -9,6 +9,7 @@ import seaborn as sns
 
 from .. import tasks
 from ..figures import natural
+from ..formatting import present
 from ..identity import CELL_KEY, identify, latest
 
 #: Axes that can be the x axis of a plot, in order of preference (after a task's own axes).
@@ -17,8 +18,9 @@ X_CANDIDATES = ("seq_len", "batch", "heads", "d_key", "d_value", "new_tokens")
 LABEL_AXES = X_CANDIDATES + ("dtype", "device", "model")
 TIMED_MODES = ("forward", "train", "decode")
 DASHES = ("-", "--", ":", "-.")
-#: What one measurement is, per machine: a cell measured again supersedes the earlier one.
-MEASUREMENT = CELL_KEY + ["machine_key", "axes.device"]
+#: What one measurement is, per machine and timing mode (``timing``: metrics.timing, ``events``
+#: in files from before the modes): a cell measured again in the same mode supersedes the earlier one.
+MEASUREMENT = CELL_KEY + ["machine_key", "axes.device", "timing"]
 #: Metric columns the plots and tables read (added, empty, when no cell has them).
 PLOTTED = [
     f"metrics.{name}"
@@ -88,11 +90,15 @@ def _machine_names(cells: pd.DataFrame) -> dict[str, str]:
 def prepare(frame: pd.DataFrame) -> pd.DataFrame:
     """The cells of ``load`` with what the report needs: the identity columns (machines are
     matched without the device name), the machine's display name, each scenario's x axis
-    and each cell's line label (``series``); the latest measurement of each cell only."""
+    and each cell's line label (``series``; with its timing mode where the report holds several);
+    the latest measurement of each cell in each timing mode only."""
     cells = identify(frame, ignore_axes=("device",))
+    timing = cells["metrics.timing"] if "metrics.timing" in cells else pd.Series(np.nan, index=cells.index)
+    cells["timing"] = timing.where(timing.map(present), "events").where(cells["mode"] != "quality")
     cells = latest(cells, MEASUREMENT)
-    show_backend = cells["backend"].nunique() > 1
-    cells["_label"] = [base_label(record, show_backend) for record in cells.to_dict("records")]
+    show_backend, show_timing = cells["backend"].nunique() > 1, cells["timing"].nunique() > 1
+    cells["_label"] = [base_label(record, show_backend) + (f" ({record['timing']})" if show_timing and present(record["timing"]) else "")
+                       for record in cells.to_dict("records")]
     cells["machine"] = cells["machine_key"].map(_machine_names(cells))
     x_of = {name: x_axis(group) for name, group in cells.groupby("scenario")}
     cells["x_axis"] = cells["scenario"].map(x_of)

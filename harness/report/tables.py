@@ -78,17 +78,57 @@ def timing_table(cells: pd.DataFrame) -> Table | None:
         return None
     ok = ok.sort_values(["mode", "series", f"axes.{cells['x_axis'].iloc[0]}"])
     columns = cell_columns(cells) + [
-        ("median", "metrics.median_s", format_seconds), ("p20", "metrics.p20_s", format_seconds), ("p80", "metrics.p80_s", format_seconds),
+        ("timing", "timing", text), ("median", "metrics.median_s", format_seconds), ("p20", "metrics.p20_s", format_seconds),
+        ("p80", "metrics.p80_s", format_seconds),
         ("±CI", "metrics.rel_ci", percent), ("stability", "metrics.unstable", flag), ("error", "error_text", text),
         ("tokens/s", "metrics.tokens_per_s", si), ("roofline", "metrics.roofline_fraction", fraction), ("bound", "metrics.bound", text),
         ("peak memory", "metrics.peak_mem_bytes", mib), ("other cores", "metrics.load.other_cores", fraction), ("throttled", "metrics.throttled", text),
     ]
-    caption = ("±CI: half the 95 % interval of the median, relative; unstable: it stayed wider than measure.target_rel_ci. error: the "
+    caption = ("timing: what one sample timed (measure.timing: events, cudagraph, profiler or wall; docs/results.md, 'Timing modes'); "
+               "times of two modes are not comparable. ±CI: half the 95 % interval of the median, relative; unstable: it stayed wider than "
+               "measure.target_rel_ci. error: the "
                "relative L2 error against the float64 reference (metrics.rel_error), '!' beyond its dtype's tolerance (inaccurate: its speed "
                "is not to be compared). roofline: the fraction of the machine's calibrated limit (docs/results.md, 'Roofline'). other cores: "
                "the cores other processes kept busy meanwhile.")
     ok = ok.assign(stability=ok["metrics.unstable"].map(lambda value: "unstable" if value is True else "stable"), error_text=_error_texts(ok))
     return table("Every timed cell", ok, columns, caption, classes="stability")
+
+
+def profile_table(cells: pd.DataFrame) -> Table | None:
+    """Each profiled cell's (``attnbench run --profile``) top ``PROFILE_TOP`` operators (CPU) or kernels
+    (GPU) by self time, as its record keeps them (``metrics.profile``; the report reads no trace), with
+    the trace's file; an ncu or nsys cell's report; why a cell was not profiled."""
+    if "metrics.profile.tool" not in cells:
+        return None
+    profiled = cells[cells["metrics.profile.tool"].map(present)].sort_values(["mode", "series"], key=natural_columns)
+    if profiled.empty:
+        return None
+    rows = [{**record, **row} for record in profiled.to_dict("records") for row in _profile_rows(record)]
+    columns = cell_columns(cells) + [("tool", "metrics.profile.tool", text), ("operator or kernel", "name", text), ("calls", "calls", text),
+                                     ("self time", "self_s", format_seconds), ("share", "share", _share), ("file", "file", text)]
+    caption = (f"One call of each cell profiled after its timing (--profile): its {PROFILE_TOP} largest operators (CPU: self CPU time) or "
+               "kernels (GPU: self device time) and their share of the call's total; the file is beside the results file (a trace opens "
+               "in ui.perfetto.dev or chrome://tracing; docs/profiling.md).")
+    return table("Profiles: top operators by self time", pd.DataFrame(rows), columns, caption)
+
+
+#: The operators or kernels of each profiled cell the report lists (its record keeps harness.profiling.TOP_OPERATORS).
+PROFILE_TOP = 5
+
+
+def _profile_rows(record: dict) -> list[dict]:
+    """The rows of one profiled cell: its top operators, else its ncu/nsys report, else why it was skipped."""
+    if present(record.get("metrics.profile.skipped")):
+        return [{"name": f"not profiled: {record['metrics.profile.skipped']}"}]
+    if present(record.get("metrics.profile.report")):
+        return [{"name": "(see the report)", "file": record["metrics.profile.report"]}]
+    top = record.get("metrics.profile.top")
+    top = top[:PROFILE_TOP] if isinstance(top, list) else []
+    return [dict(row, file=record.get("metrics.profile.trace") if index == 0 else "") for index, row in enumerate(top)] or [{"name": "no operator"}]
+
+
+def _share(value) -> str:
+    return "-" if not present(value) else f"{100 * value:.1f}%"
 
 
 def _error_texts(cells: pd.DataFrame) -> pd.Series:
@@ -109,7 +149,7 @@ def backend_ratios(cells: pd.DataFrame, baseline: str) -> pd.DataFrame:
     ``cells`` from ``prepare``; the rows carry ``variant_label`` (the line label without the backend)."""
     timed = cells[cells["mode"].isin(TIMED_MODES)]
     timed = timed.assign(variant_label=[base_label(record, False) for record in timed.to_dict("records")])
-    key = [column for column in CELL_KEY if column != "backend"] + ["machine_key"]
+    key = [column for column in CELL_KEY if column != "backend"] + ["machine_key", "timing"]
     base = timed[(timed["backend"] == baseline) & (timed["status"] == "ok")]
     renamed = {"metrics.median_s": "baseline_s", "metrics.unstable": "baseline_unstable"}
     pairs = timed[timed["backend"] != baseline].merge(base[key + list(renamed)].rename(columns=renamed), on=key)
@@ -168,7 +208,7 @@ def machine_ratios(cells: pd.DataFrame) -> pd.DataFrame:
         reference = scenario[scenario["machine"] == machines[0]]
         for machine in machines[1:]:
             other = scenario[scenario["machine"] == machine]
-            pairs = reference.merge(other, on=CELL_KEY, suffixes=("_ref", ""))
+            pairs = reference.merge(other, on=[*CELL_KEY, "timing"], suffixes=("_ref", ""))
             pairs["reference"], pairs["median_s_ref"], pairs["median_s"] = machines[0], pairs["metrics.median_s_ref"], pairs["metrics.median_s"]
             pairs["unstable_ref"], pairs["unstable"] = pairs["metrics.unstable_ref"].map(is_unstable), pairs["metrics.unstable"].map(is_unstable)
             rows.append(pairs.assign(ratio=pairs["median_s"] / pairs["median_s_ref"]))
