@@ -1,8 +1,8 @@
 """Honest timing and memory: warm up, synchronise, repeat until the median is known well
 enough (or the time is spent), keep every sample.
 
-What one sample is depends on the timing mode (``measure.timing``, ``TIMINGS``; docs/results.md,
-"Timing modes"): ``events`` (CPU: ``time.perf_counter`` around synchronous work; GPU: a CUDA
+What one sample is depends on the timing mode (``measure.timing``, ``TIMINGS``;
+docs/profiling.md): ``events`` (CPU: ``time.perf_counter`` around synchronous work; GPU: a CUDA
 event pair around every call, with the L2 cache flushed before each, as
 ``triton.testing.do_bench`` does, so a kernel is not timed on data a previous iteration left in
 cache), ``cudagraph`` (the call captured once into a CUDA graph after the warm-up, each replay

@@ -147,7 +147,7 @@ class Measure(StrictSettings):
     flush_l2: bool = True
     fresh_worker: bool | None = Field(None, description="a new worker process for each cell; default: for CPU speed cells (exact peak RSS), not on a GPU")
     max_memory: int | None = Field(None, ge=1 << 20, description="bytes of host memory a worker may take (a cell over it: oom); null: 80 % of RAM on the CPU")
-    timing: Literal[TIMINGS] = Field("events", description="what one sample times: events, cudagraph, profiler or wall (docs/results.md, Timing modes)")
+    timing: Literal[TIMINGS] = Field("events", description="what one sample times: events, cudagraph, profiler or wall (docs/profiling.md)")
 
 
 class Decode(StrictSettings):

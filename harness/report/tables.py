@@ -84,7 +84,7 @@ def timing_table(cells: pd.DataFrame) -> Table | None:
         ("tokens/s", "metrics.tokens_per_s", si), ("roofline", "metrics.roofline_fraction", fraction), ("bound", "metrics.bound", text),
         ("peak memory", "metrics.peak_mem_bytes", mib), ("other cores", "metrics.load.other_cores", fraction), ("throttled", "metrics.throttled", text),
     ]
-    caption = ("timing: what one sample timed (measure.timing: events, cudagraph, profiler or wall; docs/results.md, 'Timing modes'); "
+    caption = ("timing: what one sample timed (measure.timing: events, cudagraph, profiler or wall; docs/profiling.md); "
                "times of two modes are not comparable. ±CI: half the 95 % interval of the median, relative; unstable: it stayed wider than "
                "measure.target_rel_ci. error: the "
                "relative L2 error against the float64 reference (metrics.rel_error), '!' beyond its dtype's tolerance (inaccurate: its speed "
