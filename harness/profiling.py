@@ -108,7 +108,12 @@ def top_operators(averages, device: torch.device, count: int = TOP_OPERATORS) ->
     def self_us(entry) -> float:
         return entry.self_device_time_total if gpu else entry.self_cpu_time_total
 
-    entries = [entry for entry in averages if not entry.is_user_annotation and self_us(entry) > 0]
+    # On a GPU the kernels, copies and fills are entries of their own, and an operator's self device time is
+    # that of its kernels again: the device's entries alone are summed (as torch's own table totals them).
+    entries = [
+        entry for entry in averages
+        if not entry.is_user_annotation and self_us(entry) > 0 and (not gpu or entry.device_type == torch.autograd.DeviceType.CUDA)
+    ]
     total = sum(self_us(entry) for entry in entries)
     chosen = sorted(entries, key=self_us, reverse=True)[:count]
     top = [{"name": entry.key, "calls": entry.count, "self_s": self_us(entry) / 1e6, "share": self_us(entry) / total} for entry in chosen]
