@@ -1,4 +1,4 @@
-"""The ``attnbench`` command line: run, report, compare, regress, list, env, demo, data."""
+"""The ``attnbench`` command line: run, report, compare, regress, bisect, list, env, demo, data."""
 
 from __future__ import annotations
 
@@ -154,22 +154,48 @@ def _compare(args) -> int:
     return result.exit_code
 
 
-def _regress(args) -> int:
-    from .compare import EXIT_INCOMPARABLE
-    from .regress import RegressError, regress
-    from .scenario import ScenarioError, load_scenario
+def _regress_scenario(args):
+    """The scenario of ``regress`` and ``bisect``: the one named, else regress-cpu (its gpu preset where CUDA is present)."""
+    from .scenario import load_scenario
 
     spec, preset = args.scenario or "regress-cpu", args.preset
     if args.scenario is None and preset is None and _default_scenarios() is GPU_DEFAULT:
         preset = "gpu"
+    return load_scenario(spec, preset=preset, overrides=args.set or [])
+
+
+def _regress_options(args) -> dict:
+    """The options ``regress`` and ``bisect`` pass to ``harness.regress.regress``."""
+    return dict(
+        all_variants=args.all_variants, rounds=args.rounds, threads=args.threads or None, out_dir=args.out, factor=args.factor, alpha=args.alpha,
+        command="attnbench " + " ".join(shlex.quote(arg) for arg in sys.argv[1:]), progress=not args.no_progress,
+    )  # fmt: skip
+
+
+def _bisect(args) -> int:
+    from .bisect import EXIT_ERROR, bisect
+    from .regress import RegressError
+    from .scenario import ScenarioError
+
     try:
-        loaded = load_scenario(spec, preset=preset, overrides=args.set or [])
-        result = regress(
-            args.repo, loaded, base=args.base, head=args.head, all_variants=args.all_variants, rounds=args.rounds,
-            threads=args.threads or None, out_dir=args.out,
-            factor=args.factor, alpha=args.alpha, command="attnbench " + " ".join(shlex.quote(arg) for arg in sys.argv[1:]),
-            progress=not args.no_progress,
-        )
+        result = bisect(args.repo, _regress_scenario(args), good=args.good, bad=args.bad, **_regress_options(args))
+    except (ScenarioError, RegressError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        print("interrupted: the worktrees were removed", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    print(f"attnbench bisect: exit code {result.exit_code}")
+    return result.exit_code
+
+
+def _regress(args) -> int:
+    from .compare import EXIT_INCOMPARABLE
+    from .regress import RegressError, regress
+    from .scenario import ScenarioError
+
+    try:
+        result = regress(args.repo, _regress_scenario(args), base=args.base, head=args.head, **_regress_options(args))
     except (ScenarioError, RegressError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_INCOMPARABLE
@@ -308,22 +334,29 @@ def build_parser() -> argparse.ArgumentParser:
     regress = commands.add_parser(
         "regress", help="check and benchmark two git revisions in one interleaved run (exit 0: ok, 1: regression or incorrect, 2: not comparable)"
     )
-    regress.add_argument("scenario", nargs="?", help="scenario file or shipped name (default: regress-cpu; its gpu preset where CUDA is present)")
     regress.add_argument("--base", required=True, metavar="REV", help="the revision to compare against (a commit, branch or tag)")
     regress.add_argument("--head", metavar="REV", help="the revision to check (default: the working tree, uncommitted changes included)")
-    regress.add_argument("--all-variants", action="store_true", help="measure every cell, not only those of the variants the diff touches")
-    regress.add_argument("--rounds", type=int, default=3, help="rounds of base and head, alternating, each in fresh processes (default: 3)")
-    regress.add_argument(
-        "--threads", type=int, default=1, help="CPU threads of each measuring process (OMP_NUM_THREADS; default 1, 0: PyTorch's default)"
-    )
-    regress.add_argument("--out", type=Path, default=Path("results"), help="directory for regress-SCENARIO-TIME/{base,head}.jsonl (default: results/)")
-    regress.add_argument("--preset", help="apply the scenario's named preset")
-    regress.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a field of the scenario, as for run")
-    regress.add_argument("--factor", type=float, default=1.1, help="a regression must be slower by more than this ratio")
-    regress.add_argument("--alpha", type=float, default=0.05, help="significance level of the bootstrap interval")
-    regress.add_argument("--repo", type=Path, default=Path("."), help="the git repository (default: the one holding the current directory)")
-    regress.add_argument("--no-progress", action="store_true", help="no progress bar")
     regress.set_defaults(handler=_regress)
+    bisect = commands.add_parser(
+        "bisect", help="the first commit of GOOD..BAD at which regress's worse cells became worse (0: found, 1: undecided, 2: cannot bisect, 3: none worse)"
+    )
+    bisect.add_argument("--good", required=True, metavar="REV", help="a revision where the cells are fast (an ancestor of --bad)")
+    bisect.add_argument("--bad", required=True, metavar="REV", help="a revision where regress --base GOOD marks cells worse")
+    bisect.set_defaults(handler=_bisect)
+    for shared in (regress, bisect):
+        shared.add_argument("scenario", nargs="?", help="scenario file or shipped name (default: regress-cpu; its gpu preset where CUDA is present)")
+        shared.add_argument("--all-variants", action="store_true", help="measure every cell, not only those of the variants the diff touches")
+        shared.add_argument("--rounds", type=int, default=3, help="rounds of base and head, alternating, each in fresh processes (default: 3)")
+        shared.add_argument(
+            "--threads", type=int, default=1, help="CPU threads of each measuring process (OMP_NUM_THREADS; default 1, 0: PyTorch's default)"
+        )
+        shared.add_argument("--out", type=Path, default=Path("results"), help="directory of the regress- or bisect-SCENARIO-TIME/ folder (default: results/)")
+        shared.add_argument("--preset", help="apply the scenario's named preset")
+        shared.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a field of the scenario, as for run")
+        shared.add_argument("--factor", type=float, default=1.1, help="a regression must be slower by more than this ratio")
+        shared.add_argument("--alpha", type=float, default=0.05, help="significance level of the bootstrap interval")
+        shared.add_argument("--repo", type=Path, default=Path("."), help="the git repository (default: the one holding the current directory)")
+        shared.add_argument("--no-progress", action="store_true", help="no progress bar")
 
     listing = commands.add_parser("list", help="list the variants and the shipped scenarios")
     listing.set_defaults(handler=_list)

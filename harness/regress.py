@@ -159,11 +159,16 @@ def _config_name(config: dict) -> str:
     return f"{config['variant']}{'(' + params + ')' if params else ''}[{config['backend']}]"
 
 
-def configurations(loaded: LoadedScenario) -> dict[str, dict]:
-    """What to check: each variant configuration of the scenario, with both backends, at the
-    smallest d_key of its cells; ``decode`` when the scenario measures decoding."""
+def scenario_cells(loaded: LoadedScenario, only: set[str] | None = None) -> list[dict]:
+    """The scenario's cells, only those whose ``cell_id`` is in ``only`` when given."""
+    return [cell for cell in loaded.cells() if only is None or cell["cell_id"] in only]
+
+
+def configurations(loaded: LoadedScenario, only: set[str] | None = None) -> dict[str, dict]:
+    """What to check: each variant configuration of the scenario's cells (``only``: of these cell ids),
+    with both backends, at the smallest d_key of its cells; ``decode`` when the scenario measures decoding."""
     configs = {}
-    for cell in loaded.cells():
+    for cell in scenario_cells(loaded, only):
         for backend in BACKENDS_CHECKED:
             config = configs.setdefault(
                 _config_key(cell["variant"], backend, cell["params"]),
@@ -313,10 +318,13 @@ def regress(
     command: str = "",
     progress: bool = True,
     say=print,
+    cells: set[str] | None = None,
 ) -> RegressResult:
     """Check, then measure ``loaded``'s cells on revisions ``base`` and ``head`` (None: the
     working tree) of the repository at ``repo``, with ``threads`` CPU threads per process
-    (None: PyTorch's default); ``say`` prints each step's outcome."""
+    (None: PyTorch's default); ``say`` prints each step's outcome. ``cells``: only the cells of
+    these ids are checked and measured (``attnbench bisect``'s probes), still only where touched
+    unless ``all_variants``."""
     if rounds < 1:
         raise RegressError(f"--rounds must be at least 1, got {rounds}")
     if threads is not None and threads < 1:
@@ -333,26 +341,25 @@ def regress(
         if not all_variants and not any(path.endswith(".py") for path in changed):
             say("nothing to check or measure: the diff changes no Python file")
             return RegressResult(revisions, changed, {side: {} for side in SIDES}, {})
-        configs = configurations(loaded)
+        configs = configurations(loaded, cells)
         say(f"checking {len(configs)} configurations against the float64 reference in each revision ...")
         with ThreadPoolExecutor(len(revisions)) as threads:
             checks = dict(zip(SIDES, threads.map(lambda revision: check_revision(revision, configs), revisions)))
         result = RegressResult(revisions, changed, checks, touched(changed, checks))
         _say_checks(result, say)
-        cells = _cells_to_measure(loaded, result, all_variants)
-        if not cells:
+        chosen = _cells_to_measure(scenario_cells(loaded, cells), result, all_variants)
+        if not chosen:
             say("nothing to measure: the diff touches no variant configuration of the scenario")
             return result
         result.comparison, result.paths = _measure_and_compare(
-            revisions, cells, checks, loaded, rounds, Path(out_dir), factor, alpha, command, progress, say
+            revisions, chosen, checks, loaded, rounds, Path(out_dir), factor, alpha, command, progress, say
         )
     return result
 
 
-def _cells_to_measure(loaded: LoadedScenario, result: RegressResult, all_variants: bool) -> list[dict]:
-    """Every cell with ``all_variants``; otherwise those of the touched configurations and of
-    any configuration that is incorrect on either side (so that compare marks it)."""
-    cells = loaded.cells()
+def _cells_to_measure(cells: list[dict], result: RegressResult, all_variants: bool) -> list[dict]:
+    """Every one of ``cells`` with ``all_variants``; otherwise those of the touched configurations and
+    of any configuration that is incorrect on either side (so that compare marks it)."""
     if all_variants:
         return cells
     chosen = set(result.touched) | {key for side in SIDES for key, check in result.checks[side].items() if not check["ok"]}

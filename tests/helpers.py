@@ -1,12 +1,15 @@
 """What the tests share (imported as ``helpers``; pyproject puts tests/ on the path): the variant
 configurations under test, fresh random inputs, the forms-agree checks, the command line in a
-subprocess, the shared-data skip. Fixtures are in tests/conftest.py."""
+subprocess, the shared-data skip, scratch git repositories of this project (regress, bisect). Fixtures are in
+tests/conftest.py."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -162,3 +165,39 @@ def check_layer_forms(layer, x, gen, seed, tol=1e-10) -> dict:
 def build(config, d_key, dtype=torch.float64):
     name, params = config
     return variants.create(name, d_key, **params).to(dtype)
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def git(repo: Path, *args: str) -> str:
+    """``git -C repo ARGS`` (as a test user), its output; a failure raises."""
+    command = ["git", "-C", str(repo), "-c", "user.name=test", "-c", "user.email=test@example.com", *args]
+    return subprocess.run(command, check=True, capture_output=True, text=True).stdout.strip()
+
+
+def project_repository(repo: Path) -> str:
+    """A new git repository at ``repo`` holding this project as committed (``git archive HEAD``), its one commit
+    "plain" returned; skips the test without git or outside a git checkout."""
+    if shutil.which("git") is None or subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True).returncode:
+        pytest.skip("needs git and a git checkout of attnbench")
+    repo.mkdir(parents=True)
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", "HEAD"], check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(repo)], input=archive, check=True)
+    git(repo, "init", "-q")
+    return commit(repo, "plain")
+
+
+def commit(repo: Path, message: str) -> str:
+    """Commit everything in ``repo``'s working tree; the new commit."""
+    git(repo, "add", "--all")
+    git(repo, "commit", "-q", "-m", message)
+    return git(repo, "rev-parse", "HEAD")
+
+
+def edit(repo: Path, path: str, old: str, new: str) -> None:
+    """Replace the one ``old`` of ``repo/path`` with ``new`` (an assertion names the file when it is not there once)."""
+    file = repo / path
+    text = file.read_text()
+    assert text.count(old) == 1, f"{path} no longer contains {old!r} once: update the test's edit"
+    file.write_text(text.replace(old, new))

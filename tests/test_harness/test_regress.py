@@ -16,12 +16,12 @@ or equally slow.
 
 from __future__ import annotations
 
-import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import commit, edit, project_repository
+from helpers import git as _git
 
 import variants
 from harness.cli import main
@@ -30,46 +30,22 @@ from harness.regress import Revision, changed_files, measure_rounds, pool, regre
 from harness.results import read_records
 from harness.scenario import load_scenario
 
-ROOT = Path(__file__).resolve().parents[2]
 SLEEP = "            import time\n            time.sleep(0.05)  # injected by tests/test_harness/test_regress.py\n"
-
-
-def _git(repo: Path, *args: str) -> str:
-    return subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True, text=True).stdout.strip()
-
-
-def _commit(repo: Path, message: str) -> str:
-    _git(repo, "add", "--all")
-    _git(repo, "-c", "user.name=test", "-c", "user.email=test@example.com", "commit", "-q", "-m", message)
-    return _git(repo, "rev-parse", "HEAD")
-
-
-def _edit(repo: Path, path: str, old: str, new: str) -> None:
-    file = repo / path
-    text = file.read_text()
-    assert text.count(old) == 1, f"{path} no longer contains {old!r} once: update the test's edit"
-    file.write_text(text.replace(old, new))
 
 
 @pytest.fixture(scope="module")
 def history(tmp_path_factory):
     """The repository and the commit of each step of its history."""
-    if shutil.which("git") is None or subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True).returncode:
-        pytest.skip("needs git and a git checkout of attnbench")
     repo = tmp_path_factory.mktemp("regress") / "repo"
-    repo.mkdir()
-    archive = subprocess.run(["git", "-C", str(ROOT), "archive", "HEAD"], check=True, capture_output=True).stdout
-    subprocess.run(["tar", "-x", "-C", str(repo)], input=archive, check=True)
-    _git(repo, "init", "-q")
-    commits = {"plain": _commit(repo, "plain")}
+    commits = {"plain": project_repository(repo)}
     scan = "            scan = sum_rule_parallel if"  # in SumRule's causal _run (the torch form), not its Triton form's
-    _edit(repo, "variants/sum_rule.py", scan, SLEEP + scan)
-    commits["slow"] = _commit(repo, "slow linear")
+    edit(repo, "variants/sum_rule.py", scan, SLEEP + scan)
+    commits["slow"] = commit(repo, "slow linear")
     (repo / "README.md").write_text((repo / "README.md").read_text() + "\nA line of prose.\n")
-    commits["readme"] = _commit(repo, "README only")
+    commits["readme"] = commit(repo, "README only")
     right = "read = causal_read(scores.matmul, v_c) + q_c.to(wide) @ weights"
-    _edit(repo, "variants/chunked.py", right, "read = q_c.to(wide) @ weights - causal_read(scores.matmul, v_c)")
-    commits["wrong"] = _commit(repo, "wrong sign")
+    edit(repo, "variants/chunked.py", right, "read = q_c.to(wide) @ weights - causal_read(scores.matmul, v_c)")
+    commits["wrong"] = commit(repo, "wrong sign")
     return repo, commits
 
 
