@@ -28,7 +28,7 @@ core's ``chunk_size`` from 16, 32, 64; ``chunk_linear_attn`` takes none and runs
 parallel Based/ReBased kernels have no chunk (tiled quadratic attention, counted as such by
 ``flops``). Any other ``chunk_size`` is refused when the core is built, so a swept chunk size
 never measures one configuration under several labels. ``implementation_choices`` records the
-kernel and chunk a cell runs (the recurrent kernels of the CPU path have no chunk).
+kernel and chunk a cell runs (the recurrent kernels of the CPU path have no chunk), and the fla and Triton versions.
 """
 
 from __future__ import annotations
@@ -129,6 +129,9 @@ class FlaForm(BackendForm):
             raise UnsupportedBackend(f"{core.variant_name}: fla's {kernel} {runs}, got chunk_size={core.chunk_size}")
 
     def implementation_choices(self, q, k, v, *, causal=True, **token_inputs) -> dict:
-        """``{"fla_kernel": name, "chunk_size": C}`` for a call on ``q``'s device (C None for a kernel without chunks)."""
+        """``{"fla_kernel": name, "chunk_size": C, "fla_version": ..., "triton_version": ...}`` for a call on ``q``'s
+        device (C None for a kernel without chunks; the versions: ``variants.kernels.identity.fla_identity``)."""
+        from .kernels.identity import fla_identity
+
         kernel = self.fla_kernels[_where(self.core.variant_name, q.device)]
-        return {"fla_kernel": kernel, "chunk_size": self.core.chunk_size if kernel in CHUNK_SIZES else None}
+        return {"fla_kernel": kernel, "chunk_size": self.core.chunk_size if kernel in CHUNK_SIZES else None, **fla_identity()}

@@ -235,15 +235,20 @@ def test_the_chunk_size_reaches_fla_chunk_kernel(monkeypatch, name, chunk_size, 
     out, expected = core(**to(inputs, dtype)).double(), reference.reference(**inputs)
     assert [options["chunk_size"] for _, options, _ in stand_in.calls] == [chunk_size]
     assert ((out - expected).norm() / expected.norm()).item() < (2e-2 if dtype == torch.bfloat16 else 1e-5), f"{name}[fla] chunk {chunk_size} (seed {seed})"
-    assert core.implementation_choices(**inputs) == {"fla_kernel": kernel_name, "chunk_size": chunk_size}
+    from variants.kernels.identity import fla_identity
+
+    assert core.implementation_choices(**inputs) == {"fla_kernel": kernel_name, "chunk_size": chunk_size, **fla_identity()}
     assert core.flops(2, 3, 40, 5) == reference.flops(2, 3, 40, 5) != variants.create(name, 6, chunk_size=chunk_size // 2).flops(2, 3, 40, 5)
 
 
 @needs_fla
 def test_the_fla_kernel_without_a_chunk_is_recorded_and_counted_as_it_runs():
     linear, based = variants.create("linear", 8, backend="fla"), variants.create("based", 8, backend="fla")
-    assert linear.implementation_choices(**linear.example_inputs(1, 2, 8, 8)) == {"fla_kernel": "fused_recurrent_linear_attn", "chunk_size": None}
-    assert based.implementation_choices(**based.example_inputs(1, 2, 8, 8)) == {"fla_kernel": "parallel_based", "chunk_size": None}
+    from variants.kernels.identity import fla_identity
+
+    versions = fla_identity()
+    assert linear.implementation_choices(**linear.example_inputs(1, 2, 8, 8)) == {"fla_kernel": "fused_recurrent_linear_attn", "chunk_size": None, **versions}
+    assert based.implementation_choices(**based.example_inputs(1, 2, 8, 8)) == {"fla_kernel": "parallel_based", "chunk_size": None, **versions}
     assert based.flops(2, 3, 10, 5) == 2 * 2 * 3 * 55 * (8 + 5)  # the 55 visible pairs of 10 tokens, q·k and the weighted sum of v
 
 
@@ -310,7 +315,12 @@ def test_torch_layout_inputs_still_work_through_a_copy(seed):
 
 
 @needs_fla
-def test_an_fla_cell_records_its_kernel_and_chunk(tmp_path):
+def test_an_fla_cell_records_its_kernel_chunk_and_versions(tmp_path):
+    """Besides the op and its chunk, the versions its kernels come from (issue 32 item 4: kernel identity)."""
+    import fla
+    import triton
+
+
     path = tmp_path / "f.yaml"
     path.write_text("variants: {delta: {chunk_size: 32}}\nbackends: [fla]\naxes: {seq_len: 8, batch: 1, heads: 1, d_key: 4}\n"
                     "measure: {warmup: 0, repeats: 1}\n")
@@ -318,6 +328,7 @@ def test_an_fla_cell_records_its_kernel_and_chunk(tmp_path):
     result = workloads.measure_cell(cell)
     assert result["status"] == "ok", result["error"]
     assert (result["metrics"]["fla_kernel"], result["metrics"]["chunk_size"]) == ("fused_recurrent_delta_rule", None)
+    assert (result["metrics"]["fla_version"], result["metrics"]["triton_version"]) == (fla.__version__, triton.__version__) != (None, None)
 
 
 @needs_fla

@@ -15,6 +15,9 @@ first launch, named as ``attnbench kernels`` names them:
   (between its ``jit_cache_hook`` and ``jit_post_compile_hook``), 0.0 when this process had compiled it already;
   null under the interpreter, where nothing compiles;
 - ``tune_s``: the seconds the autotuner spent timing candidates (``timing`` only, else null).
+
+A cell of the ``fla`` backend records ``fla_version`` and ``triton_version`` (``fla_identity``) beside the fla op
+it calls (``fla_backend``'s ``implementation_choices``): fla's kernels are not launched through ``_common.launch``.
 """
 
 from __future__ import annotations
@@ -34,6 +37,14 @@ entries: dict[str, dict] | None = None
 _current: str | None = None  #: the kernel being launched, whose entry Triton's compile hooks add to
 _compile_started: float = 0.0
 _previous_hooks: tuple = (None, None)  #: Triton's JIT compile hooks before ``recording``, called in turn
+
+
+def fla_identity() -> dict:
+    """``fla_version`` (flash-linear-attention's ``__version__``, package fla-core) and ``triton_version``: what an fla
+    cell's kernels were built from."""
+    import fla
+
+    return {"fla_version": fla.__version__, "triton_version": triton.__version__}
 
 
 def python_function(kernel):
