@@ -24,9 +24,10 @@ from helpers import commit, edit, project_repository
 from helpers import git as _git
 
 import variants
+from harness import regress as regress_module
 from harness.cli import main
 from harness.compare import EXIT_OK, EXIT_REGRESSION
-from harness.regress import Revision, changed_files, measure_rounds, pool, regress, worktrees
+from harness.regress import Revision, changed_files, check_revision, measure_rounds, pool, regress, worktrees
 from harness.results import read_records
 from harness.scenario import load_scenario
 
@@ -192,6 +193,39 @@ def test_a_failed_cell_costs_its_worker_and_the_next_cell_gets_a_fresh_one(monke
     # a new worker after the error, the nan and the crash; the same one after ok and oom
     assert workers_of == [[0, 0, 1, 1, 2, 2, 3, 3, 3]] * 4, log
     assert [side for side, _, _ in log[:: len(statuses)]] == ["base", "head", "head", "base"]
+
+
+def test_each_revision_has_a_triton_cache_of_its_own_in_its_check_and_its_workers(history, monkeypatch, tmp_path):
+    """Issue 32 item 4: a kernel compiled for one revision is never loaded for the other. Each side's
+    ``TRITON_CACHE_DIR`` is its own, inside the run's scratch directory (removed with it), and reaches the
+    check's process and the measuring workers (here a stand-in check script and worker report what they got)."""
+    from harness import worker as workers
+
+    repo, commits = history
+    script = tmp_path / "check.py"
+    script.write_text("import json, os, sys\nprint(json.dumps([{**c, 'ok': True, 'files': [os.environ['TRITON_CACHE_DIR']]} for c in json.load(sys.stdin)]))\n")
+    monkeypatch.setattr(regress_module, "CHECK_SCRIPT", script)
+    started = {}
+
+    def start(self):
+        self.measured, self.start_error, self.process = 0, None, None
+        started[self.code_root] = self.env["TRITON_CACHE_DIR"]
+
+    monkeypatch.setattr(workers.Worker, "_start", start)
+    monkeypatch.setattr(workers.Worker, "measure", lambda self, cell, timeout_s: {"status": "ok", "error": None, "metrics": {}})
+    monkeypatch.setattr(workers.Worker, "close", lambda self: None)
+    cell = {"cell_id": "c", "scenario": "s", "variant": "linear", "backend": "torch", "params": {}, "mode": "forward", "target": "core",
+            "axes": {"device": "cpu", "dtype": "float32"}, "skip": None, "measure": {"fresh_worker": None, "timeout_s": 60}}  # fmt: skip
+    with worktrees(repo, commits["plain"], commits["slow"]) as revisions:
+        caches = [Path(revision.env["TRITON_CACHE_DIR"]) for revision in revisions]
+        scratch = revisions[0].root.parent
+        assert caches[0] != caches[1] and all(cache.parent == scratch for cache in caches)
+        for revision, cache in zip(revisions, caches):
+            assert check_revision(revision, {"k": {"variant": "linear"}})["k"]["files"] == [str(cache)]
+        fingerprints = {revision.side: {"machine_id": "m", "git": {"commit": revision.commit, "dirty": False}} for revision in revisions}
+        measure_rounds(revisions, {"base": [cell], "head": [cell]}, 1, fingerprints, {"base": "b", "head": "h"}, progress=False)
+        assert started == {revision.root: str(cache) for revision, cache in zip(revisions, caches)}
+    assert not scratch.exists()
 
 
 @pytest.mark.parametrize("name", variants.names())
