@@ -116,13 +116,14 @@ def candidates(repo: Path, good: str, bad: str) -> list[tuple[str, str]]:
 
 def bisect(repo, loaded, *, good: str, bad: str, rounds: int = 3, out_dir=Path("results"), say=print, **options) -> BisectResult:
     """Find the first commit of GOOD..BAD at which the cells ``regress(base=good, head=bad)`` marks worse became
-    worse (module docstring); ``options`` go to every ``regress`` call (all_variants, threads, factor, alpha, ...)."""
+    worse (module docstring); ``options`` go to every ``regress`` call (all_variants, threads, factor, alpha, ...), which
+    compares timings only (no static kernel diff: bisect follows the timed cells)."""
     repo = repository(repo)
     commits = candidates(repo, good, bad)
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     folder = Path(out_dir) / f"bisect-{loaded.name}-{stamp}"
     say(f"bisect: {len(commits)} commits in {good}..{bad} (first parents); regress --base {good} --head {bad} first")
-    first = regress(repo, loaded, base=good, head=bad, rounds=rounds, out_dir=folder / "bad", say=lambda line: say(f"  {line}"), **options)
+    first = regress(repo, loaded, base=good, head=bad, rounds=rounds, out_dir=folder / "bad", say=lambda line: say(f"  {line}"), kernel_diff=False, **options)
     if first.comparison is not None:
         say("\n".join(f"  {line}" for line in first.comparison.format_table().splitlines()))
     followed, flagged = worse_cells(first)
@@ -138,7 +139,7 @@ def bisect(repo, loaded, *, good: str, bad: str, rounds: int = 3, out_dir=Path("
         probe = None
         for attempt_rounds in (rounds, 2 * rounds):
             result = regress(repo, loaded, base=good, head=commit, rounds=attempt_rounds, out_dir=folder / f"probe-{commit[:10]}-{attempt_rounds}r",
-                             say=lambda line: None, cells=followed, **options)  # fmt: skip
+                             say=lambda line: None, cells=followed, kernel_diff=False, **options)  # fmt: skip
             probe = Probe(commit, subject, *judge(result))
             say(f"bisect: {commit[:10]} {subject[:60]}: {probe.verdict} ({probe.reason}; {attempt_rounds} rounds)")
             if probe.verdict != "undecided" or not probe.rows or any(row["mark"] not in (*NOISY, "unchanged", "better") for row in probe.rows):

@@ -195,7 +195,9 @@ def _regress(args) -> int:
     from .scenario import ScenarioError
 
     try:
-        result = regress(args.repo, _regress_scenario(args), base=args.base, head=args.head, **_regress_options(args))
+        result = regress(
+            args.repo, _regress_scenario(args), base=args.base, head=args.head, kernel_diff=not args.no_kernel_diff, **_regress_options(args)
+        )
     except (ScenarioError, RegressError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_INCOMPARABLE
@@ -205,7 +207,8 @@ def _regress(args) -> int:
     if result.comparison is not None:
         print(result.comparison.format_table())
         print(f"results: {result.paths['base']} and {result.paths['head']}")
-    print(f"attnbench regress: exit code {result.exit_code}" + (" (the head is incorrect)" if result.incorrect("head") else ""))
+    why = [what for what, true in (("the head is incorrect", result.incorrect("head")), ("a kernel row got worse", result.kernels_worse)) if true]
+    print(f"attnbench regress: exit code {result.exit_code}" + (f" ({'; '.join(why)})" if why else ""))
     return result.exit_code
 
 
@@ -336,6 +339,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     regress.add_argument("--base", required=True, metavar="REV", help="the revision to compare against (a commit, branch or tag)")
     regress.add_argument("--head", metavar="REV", help="the revision to check (default: the working tree, uncommitted changes included)")
+    regress.add_argument("--no-kernel-diff", action="store_true", help="do not compile and compare the kernels when the diff touches variants/kernels/")
     regress.set_defaults(handler=_regress)
     bisect = commands.add_parser(
         "bisect", help="the first commit of GOOD..BAD at which regress's worse cells became worse (0: found, 1: undecided, 2: cannot bisect, 3: none worse)"

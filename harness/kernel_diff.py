@@ -10,6 +10,10 @@ Rows are matched by (kernel, configuration, arch). A row changed when its regist
 memory, warps, occupancy (warps per SM), MMA kind or limits (problem, pruned) differ, or it exists on one side
 only. It regressed (:func:`regressions`) when it spills more, keeps fewer warps per SM, lost a 16-bit MMA, or is
 newly over a limit of its arch (a problem, or an autotuning candidate newly pruned).
+
+``regress`` runs the same comparison when its diff touches ``variants/kernels/`` (:func:`for_regress`), compiling
+only the rows that can differ: each side first records its launches (nothing compiled) and keys each row by what
+decides its compilation (:func:`row_keys`); only the rows whose keys differ, or that one side lacks, are compiled.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import json
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from .kernel_table import KernelTableError, Row, problems
@@ -29,6 +34,9 @@ COMPARED = ("registers", "spill_bytes", "shared_bytes", "num_warps", "occupancy_
 SIXTEEN_BIT = ("bf16", "f16")
 #: The child: this harness's table over the checkout on PYTHONPATH (``_child``).
 CHILD = "import sys; from harness.kernel_diff import _child; sys.exit(_child())"
+#: The targets ``regress`` compiles a kernel change for: those of ``attnbench kernels``.
+REGRESS_ARCH = "sm_70,sm_80,sm_90"
+KERNEL_DIR = "variants/kernels/"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,7 +98,7 @@ def diff(old_rows: list[Row], new_rows: list[Row]) -> list[Change]:
     return changes
 
 
-def format_changes(changes: list[Change], old_label: str) -> str:
+def format_changes(changes: list[Change], old_label: str, new_label: str = "the working tree") -> str:
     """The changed rows as a table, each figure "old -> new" where it changed; a last column says whether the row
     got worse (and why) or only changed, or that it exists on one side only."""
     header = ["kernel", "config", "arch", "regs", "spill B", "smem B", "warps", "occ warps/SM", "mma", "verdict"]
@@ -106,7 +114,7 @@ def format_changes(changes: list[Change], old_label: str) -> str:
         elif new is None:
             verdict = f"only in {old_label}"
         elif old is None:
-            verdict = "only in the working tree"
+            verdict = f"only in {new_label}"
         else:
             verdict = "changed" + (f" (limits: {_over(old)} -> {_over(new)})" if _over(old) or _over(new) else "")
         lines.append([change.row.kernel, change.row.config, change.row.arch, *figures, verdict])
@@ -114,14 +122,15 @@ def format_changes(changes: list[Change], old_label: str) -> str:
     return "\n".join("  ".join(x.ljust(w) for x, w in zip(line, widths)).rstrip() for line in [header, *lines])
 
 
-def revision_rows(revision, request: dict, scratch: Path) -> list[Row]:
-    """The table of ``revision``'s kernels (``kernel_table.table(**request)``), made in a child process of its own
-    (module docstring); its progress lines are passed on to stderr. A KernelTableError with the child's last line."""
+def revision_rows(revision, request: dict, scratch: Path):
+    """The table of ``revision``'s kernels (``kernel_table.table(**request)``; with ``request["action"]`` "keys" or
+    "rows", :func:`row_keys` or :func:`keyed_rows`), made in a child process of its own (module docstring); its
+    progress lines are passed on to stderr. A KernelTableError with the child's last line."""
     tool = scratch / "tool"
     if not tool.exists():
         tool.mkdir()
         (tool / "harness").symlink_to(Path(__file__).resolve().parent, target_is_directory=True)
-    out = scratch / f"rows-{revision.side}.json"
+    out = scratch / f"{request.get('action', 'rows')}-{revision.side}.json"
     env = {
         **os.environ, **revision.env, "TRITON_INTERPRET": "0", "ATTNBENCH_KERNEL_CACHE": str(scratch / f"figures-{revision.side}"),
         "PYTHONPATH": os.pathsep.join([str(tool), str(revision.root)]),
@@ -136,21 +145,116 @@ def revision_rows(revision, request: dict, scratch: Path) -> list[Row]:
     if child.returncode != 0:
         reason = (last or f"exit code {child.returncode}").removeprefix("error: ")
         raise KernelTableError(f"the kernels of {revision.describe()} could not be tabled: {reason}")
-    return [Row(**fields) for fields in json.loads(out.read_text())]
+    found = json.loads(out.read_text())
+    return found if request.get("action") == "keys" else [Row(**fields) for fields in found]
+
+
+def _row_id(kernel: str, config: str, arch: str) -> str:
+    return f"{kernel}|{config}|{arch}"
+
+
+def row_keys(arch: str, rules: list[str] | None) -> dict[str, list]:
+    """In a child: ``{"kernel|config|arch": [coarse, fine]}`` for every launch of ``rules``' configurations on
+    ``arch``, recorded, nothing compiled. Both keys hash the signature, constexprs, attrs, options and target;
+    ``coarse`` (``kernel_table.compile_key``) every @triton.jit source of the kernel's module and ``_common``,
+    ``fine`` only the kernel's and the helpers it calls (``variants.kernels.identity.source_hash``; None in a
+    revision without it)."""
+    import hashlib
+
+    from variants import UnsupportedBackend
+
+    from .kernel_table import _recorded, _signature, compile_key, jobs, parse_archs
+
+    try:
+        from variants.kernels.identity import python_function, source_hash
+    except ImportError:
+        source_hash = None
+    keys = {}
+    for rule, index in jobs(rules):
+        for target in parse_archs(arch):
+            try:
+                label, launches = _recorded(rule, index, target.capability)
+            except UnsupportedBackend:
+                continue
+            for launch in launches:
+                signature, constexprs, attrs = _signature(launch)
+                parts = [target.capability, source_hash and source_hash(python_function(launch.kernel)), sorted(signature.items()),
+                         sorted(map(str, constexprs.items())), sorted(map(str, attrs.items())), sorted(launch.options.items())]  # fmt: skip
+                fine = source_hash and hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()
+                keys[_row_id(launch.name, label, target.name)] = [compile_key(launch, target.capability), fine]
+    return keys
+
+
+def keyed_rows(wanted: list[str], rules: list[str] | None) -> list[Row]:
+    """In a child: the rows named ``wanted`` ("kernel|config|arch"), compiled: only their configurations, kernels
+    and arches (``kernel_table.build_table``)."""
+    from variants import kernels
+
+    from .kernel_table import build_table, jobs, parse_archs
+
+    names = [name.split("|") for name in wanted]
+    labels, arches = {config for _, config, _ in names}, ",".join(sorted({arch for _, _, arch in names}))
+    configs = {rule: kernels.load(rule).compile_configs() for rule in rules or kernels.RULES}
+    selected = [(rule, index) for rule, index in jobs(rules) if kernels.load(rule).config_label(configs[rule][index]) in labels]
+    rows = build_table(parse_archs(arches), selected, kernels={kernel.split("[")[0] for kernel, _, _ in names})
+    return [row for row in rows if _row_id(row.kernel, row.config, row.arch) in set(wanted)]
 
 
 def _child() -> int:
-    """In the child: ``kernel_table.table(**REQUEST)`` into OUT (``argv``: REQUEST as JSON, OUT); 2 on a KernelTableError."""
+    """In the child (``argv``: REQUEST as JSON, OUT): ``kernel_table.table(**REQUEST)``, or with REQUEST's ``action``
+    "keys" or "rows" :func:`row_keys` or :func:`keyed_rows`, into OUT; 2 on a KernelTableError."""
     from .kernel_table import table
 
     request, out = json.loads(sys.argv[1]), Path(sys.argv[2])
+    action = request.pop("action", "table")
     try:
-        rows = table(**request)
+        found = {"table": table, "keys": row_keys, "rows": keyed_rows}[action](**request)
     except KernelTableError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    out.write_text(json.dumps([row.as_dict() for row in rows]))
+    out.write_text(json.dumps(found if action == "keys" else [row.as_dict() for row in found]))
     return 0
+
+
+def changed_rules(changed: list[str]) -> list[str] | None:
+    """The kernel rules a diff can change: those of the changed ``variants/kernels/RULE.py``; None (every rule) when
+    another file of ``variants/kernels/`` changed (shared helpers, limits, tile sizes); [] when none did."""
+    from variants.kernels import RULES
+
+    files = [path for path in changed if path.startswith(KERNEL_DIR) and path.endswith(".py")]
+    stems = [path[len(KERNEL_DIR) : -len(".py")] for path in files]
+    return stems if all(stem in RULES for stem in stems) else None
+
+
+def for_regress(base, head, changed: list[str], say, arch: str = REGRESS_ARCH) -> list[Change] | None:
+    """``regress``'s static kernel diff of ``base`` and ``head`` (checked out; ``changed``: the diff's files) for
+    ``arch``: None when no kernel file changed; else the changed rows among those whose compilation differs
+    (module docstring), printed through ``say``. A KernelTableError when either side cannot be tabled."""
+    rules = changed_rules(changed)
+    if rules == []:
+        return None
+    scratch = base.root.parent
+    request = {"action": "keys", "arch": arch, "rules": rules}
+    with ThreadPoolExecutor(2) as pool:  # recording only: one process a side at once
+        keys = dict(zip(("base", "head"), pool.map(lambda revision: revision_rows(revision, request, scratch), (base, head))))
+    both = [*keys["base"].values(), *keys["head"].values()]
+    which = 1 if all(fine for _, fine in both) else 0  # the fine keys where both sides have them
+    key = lambda side, name: (keys[side].get(name) or [None, None])[which]  # noqa: E731
+    differing = sorted(name for name in {*keys["base"], *keys["head"]} if key("base", name) != key("head", name))
+    scope = f"{'every rule' if rules is None else ', '.join(rules)} on {arch}"
+    if not differing:
+        say(f"kernels ({scope}): the diff changes no compilation of the {len(keys['head'])} rows")
+        return []
+    say(f"kernels ({scope}): {len(differing)} of {len(keys['head'])} rows compile differently; compiling them in each revision ...")
+    rows = {}
+    for revision in (base, head):
+        wanted = [name for name in differing if name in keys[revision.side]]
+        rows[revision.side] = revision_rows(revision, {"action": "rows", "wanted": wanted, "rules": rules}, scratch) if wanted else []
+    changes = diff(rows["base"], rows["head"])
+    worse = [change for change in changes if change.regressions]
+    say(format_changes(changes, "base", "head") if changes else "kernels: no compiled figure changed")
+    say(f"kernels: {len(changes)} rows changed, {len(worse)} worse")
+    return changes
 
 
 def command(rev: str, json_path: Path | None = None, repo: Path = Path("."), **request) -> int:

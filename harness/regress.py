@@ -13,6 +13,10 @@
 5. Each cell's rounds are pooled into one record, one results file per side is written and
    the two are compared (``harness.compare``).
 
+When the diff touches ``variants/kernels/``, the rows of ``attnbench kernels`` that compile
+differently are compiled for both revisions and compared (``kernel_diff.for_regress``); a row
+that got worse makes the exit code 1.
+
 docs/regress.md explains the output and the exit codes.
 """
 
@@ -290,15 +294,21 @@ class RegressResult:
     touched: dict
     comparison: CompareResult | None = None
     paths: dict = field(default_factory=dict)
+    kernel_changes: list | None = None  #: the static kernel diff's changed rows (None: not run)
 
     def incorrect(self, side: str) -> list[dict]:
         return [check for check in self.checks[side].values() if not check["ok"]]
 
     @property
+    def kernels_worse(self) -> list:
+        """The rows of the static kernel diff that got worse."""
+        return [change for change in self.kernel_changes or () if change.regressions]
+
+    @property
     def exit_code(self) -> int:
-        """1 when the head computes a wrong result anywhere; otherwise compare's exit code
-        (0 when nothing needed measuring)."""
-        if self.incorrect("head"):
+        """1 when the head computes a wrong result anywhere or a kernel row got worse; otherwise
+        compare's exit code (0 when nothing needed measuring)."""
+        if self.incorrect("head") or self.kernels_worse:
             return EXIT_REGRESSION
         return EXIT_OK if self.comparison is None else self.comparison.exit_code
 
@@ -319,12 +329,13 @@ def regress(
     progress: bool = True,
     say=print,
     cells: set[str] | None = None,
+    kernel_diff: bool = True,
 ) -> RegressResult:
     """Check, then measure ``loaded``'s cells on revisions ``base`` and ``head`` (None: the
     working tree) of the repository at ``repo``, with ``threads`` CPU threads per process
     (None: PyTorch's default); ``say`` prints each step's outcome. ``cells``: only the cells of
     these ids are checked and measured (``attnbench bisect``'s probes), still only where touched
-    unless ``all_variants``."""
+    unless ``all_variants``. ``kernel_diff``: compare the compiled kernels when the diff touches them."""
     if rounds < 1:
         raise RegressError(f"--rounds must be at least 1, got {rounds}")
     if threads is not None and threads < 1:
@@ -347,6 +358,8 @@ def regress(
             checks = dict(zip(SIDES, threads.map(lambda revision: check_revision(revision, configs), revisions)))
         result = RegressResult(revisions, changed, checks, touched(changed, checks))
         _say_checks(result, say)
+        if kernel_diff:
+            result.kernel_changes = _kernel_diff(revisions, changed, say)
         chosen = _cells_to_measure(scenario_cells(loaded, cells), result, all_variants)
         if not chosen:
             say("nothing to measure: the diff touches no variant configuration of the scenario")
@@ -364,6 +377,18 @@ def _cells_to_measure(cells: list[dict], result: RegressResult, all_variants: bo
         return cells
     chosen = set(result.touched) | {key for side in SIDES for key, check in result.checks[side].items() if not check["ok"]}
     return [cell for cell in cells if _config_key(cell["variant"], cell["backend"], cell["params"]) in chosen]
+
+
+def _kernel_diff(revisions, changed: list[str], say) -> list | None:
+    """The static kernel diff (``kernel_diff.for_regress``); None, said, when the kernels cannot be tabled (no Triton, ...)."""
+    from .kernel_diff import for_regress
+    from .kernel_table import KernelTableError
+
+    try:
+        return for_regress(*revisions, changed, say)
+    except KernelTableError as exc:
+        say(f"kernels: not compared: {exc}")
+        return None
 
 
 def _check_of(checks: dict, cell: dict) -> dict:

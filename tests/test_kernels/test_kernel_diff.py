@@ -106,3 +106,62 @@ def test_compare_head_is_0_unchanged_and_1_naming_the_rows_after_fewer_warps(tmp
         (line,) = [line for line in out.splitlines() if line.startswith("forward_prefix") and config in line]
         assert "sm_80" in line and "2 -> 1" in line and "64 -> 32" in line, out
     assert len(_git(repo, "worktree", "list").splitlines()) == 1, "a temporary git worktree was not removed"
+
+
+def test_regress_diffs_the_kernels_of_the_changed_rules_only():
+    assert kd.changed_rules(["README.md", "variants/sum_rule.py"]) == []
+    assert kd.changed_rules(["variants/kernels/delta_rule.py", "harness/cli.py"]) == ["delta_rule"]
+    assert kd.changed_rules(["variants/kernels/delta_rule.py", "variants/kernels/_common.py"]) is None  # shared helpers: every rule
+    assert kd.for_regress(None, None, ["variants/delta_rule.py"], print) is None
+
+
+@pytest.mark.parametrize("fine", [True, False])
+def test_regress_compiles_only_the_rows_whose_compilation_differs(monkeypatch, fine):
+    """Each side's rows are keyed first (nothing compiled); only rows whose key differs, or that one side lacks, are
+    compiled and compared. The fine key (the kernel's own source and the helpers it calls) where both revisions
+    have it, else the coarse one (every kernel source of its module): there row "a", whose kernel is unchanged but
+    whose module changed, is compiled too."""
+    from types import SimpleNamespace
+
+    from harness.regress import RegressResult
+
+    keys = {
+        "base": {"a|C|sm_80": ["m1", "a"], "output|C|sm_80": ["m1", "o1"], "gone|C|sm_80": ["m1", "g"]},
+        "head": {"a|C|sm_80": ["m2", "a"], "output|C|sm_80": ["m2", "o2"], "new|C|sm_80": ["m2", "n"]},
+    }
+    if not fine:
+        keys["base"]["gone|C|sm_80"][1] = None
+    rows = {"base": [_with(kernel="a", config="C"), _with(config="C"), _with(kernel="gone", config="C")],
+            "head": [_with(kernel="a", config="C"), _with(config="C", num_warps=2, occupancy_warps=8), _with(kernel="new", config="C")]}  # fmt: skip
+    asked = []
+
+    def revision_rows(revision, request, scratch):
+        asked.append((revision.side, request["action"], request.get("wanted")))
+        if request["action"] == "keys":
+            return keys[revision.side]
+        return [row for row in rows[revision.side] if kd._row_id(row.kernel, row.config, row.arch) in request["wanted"]]
+
+    monkeypatch.setattr(kd, "revision_rows", revision_rows)
+    said = []
+    base, head = (SimpleNamespace(side=side, root=Path("/scratch") / side) for side in ("base", "head"))
+    changes = kd.for_regress(base, head, ["variants/kernels/sum_rule.py"], said.append)
+    unchanged = [] if fine else ["a|C|sm_80"]
+    wanted = {"base": sorted([*unchanged, "gone|C|sm_80", "output|C|sm_80"]), "head": sorted([*unchanged, "new|C|sm_80", "output|C|sm_80"])}
+    assert asked[2:] == [(side, "rows", wanted[side]) for side in ("base", "head")]
+    assert said[0] == f"kernels (sum_rule on sm_70,sm_80,sm_90): {3 + (not fine)} of 3 rows compile differently; compiling them in each revision ..."
+    assert [(change.row.kernel, bool(change.regressions)) for change in changes] == [("output", True), ("new", False), ("gone", False)]
+    assert "only in head" in said[1] and "only in base" in said[1] and said[-1] == "kernels: 3 rows changed, 1 worse"
+    result = RegressResult((base, head), [], {"base": {}, "head": {}}, {}, kernel_changes=changes)
+    assert result.exit_code == 1 and [change.row.kernel for change in result.kernels_worse] == ["output"]
+
+
+def test_row_keys_key_every_launch_of_a_configuration_without_compiling(monkeypatch):
+    """The keys a side reports: per (kernel, configuration, arch), the coarse compile key and the fine one. Within one
+    revision both tell the same compilations apart (launches that compile alike, e.g. a pass the backward runs
+    again, share both), and the arch is part of each."""
+    monkeypatch.setattr(kt, "jobs", lambda rules: [("sum_rule", 0)])
+    keys = kd.row_keys("sm_80,sm_90", ["sum_rule"])
+    assert keys and all(coarse and fine for coarse, fine in keys.values())
+    assert {name.split("|")[2] for name in keys} == {"sm_80", "sm_90"}
+    assert len({fine for _, fine in keys.values()}) == len({coarse for coarse, _ in keys.values()}) == len(set(map(tuple, keys.values())))
+    assert not {fine for name, (_, fine) in keys.items() if name.endswith("sm_80")} & {fine for name, (_, fine) in keys.items() if name.endswith("sm_90")}
