@@ -105,7 +105,7 @@ def describe_row(row: dict) -> str:
 
 
 def candidates(repo: Path, good: str, bad: str) -> list[tuple[str, str]]:
-    """(commit, subject) of ``git rev-list --first-parent --reverse GOOD..BAD``, oldest first, BAD last; a
+    """(commit, subject) of GOOD..BAD's first-parent commits (``git log --first-parent --reverse``), BAD last; a
     RegressError when GOOD is not an ancestor of BAD or nothing lies between them."""
     good_commit, bad_commit = (git(repo, "rev-parse", "--verify", f"{spec}^{{commit}}") for spec in (good, bad))
     if good_commit == bad_commit or git(repo, "merge-base", good_commit, bad_commit) != good_commit:
@@ -136,7 +136,6 @@ def bisect(repo, loaded, *, good: str, bad: str, rounds: int = 3, out_dir=Path("
     while high - low > 1:
         middle = (low + high) // 2
         commit, subject = commits[middle]
-        probe = None
         for attempt_rounds in (rounds, 2 * rounds):
             result = regress(repo, loaded, base=good, head=commit, rounds=attempt_rounds, out_dir=folder / f"probe-{commit[:10]}-{attempt_rounds}r",
                              say=lambda line: None, cells=followed, kernel_diff=False, **options)  # fmt: skip

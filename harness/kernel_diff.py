@@ -23,6 +23,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -190,13 +191,15 @@ def keyed_rows(wanted: list[str], rules: list[str] | None) -> list[Row]:
     and arches (``kernel_table.build_table``)."""
     from variants import kernels
 
-    from .kernel_table import build_table, jobs, parse_archs
+    from .kernel_table import _progress, build_table, jobs, parse_archs
 
     names = [name.split("|") for name in wanted]
     labels, arches = {config for _, config, _ in names}, ",".join(sorted({arch for _, _, arch in names}))
     configs = {rule: kernels.load(rule).compile_configs() for rule in rules or kernels.RULES}
     selected = [(rule, index) for rule, index in jobs(rules) if kernels.load(rule).config_label(configs[rule][index]) in labels]
-    rows = build_table(parse_archs(arches), selected, kernels={kernel.split("[")[0] for kernel, _, _ in names})
+    start = time.perf_counter()
+    kernel_names = {kernel.split("[")[0] for kernel, _, _ in names}
+    rows = build_table(parse_archs(arches), selected, kernels=kernel_names, progress=lambda done, total: _progress(done, total, start))
     return [row for row in rows if _row_id(row.kernel, row.config, row.arch) in set(wanted)]
 
 

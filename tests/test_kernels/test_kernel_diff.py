@@ -165,3 +165,18 @@ def test_row_keys_key_every_launch_of_a_configuration_without_compiling(monkeypa
     assert {name.split("|")[2] for name in keys} == {"sm_80", "sm_90"}
     assert len({fine for _, fine in keys.values()}) == len({coarse for coarse, _ in keys.values()}) == len(set(map(tuple, keys.values())))
     assert not {fine for name, (_, fine) in keys.items() if name.endswith("sm_80")} & {fine for name, (_, fine) in keys.items() if name.endswith("sm_90")}
+
+
+def test_keyed_rows_compile_the_named_rows_only(tmp_path, monkeypatch):
+    """What a side compiles for regress: exactly the rows named, of their configurations, kernels and arch
+    (figures from a made-up cache: nothing compiles)."""
+    selected = kt.jobs(["delta_rule"], ["bf16"], [64], [64])[:1]
+    label = delta_rule.config_label(delta_rule.compile_configs()[selected[0][1]])
+    for launch in delta_rule.record_launches(delta_rule.compile_configs()[selected[0][1]], 80):
+        kt._write_cache(tmp_path, kt.compile_key(launch, 80), dict(registers=96, spill_bytes=0, shared_bytes=1024, mma="mma bf16", cpu_s=0.0))
+    monkeypatch.setenv("ATTNBENCH_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setattr(kt.concurrent.futures, "ProcessPoolExecutor", None)  # compiling would fail
+    wanted = [f"output|{label}|sm_80", f"state_pass[BLOCK_V=16,w=4]|{label}|sm_80"]
+    rows = kd.keyed_rows(wanted, ["delta_rule"])
+    assert sorted(kd._row_id(row.kernel, row.config, row.arch) for row in rows) == sorted(wanted)
+    assert all(row.registers == 96 and row.occupancy_warps for row in rows)
