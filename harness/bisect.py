@@ -21,10 +21,11 @@ import datetime as dt
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .checkouts import RegressError, git, repository
 from .compare import UNDECIDED, UNSTABLE
 from .formatting import format_ratio, present
 from .identity import identify
-from .regress import RegressError, RegressResult, git, regress, repository
+from .regress import RegressResult, regress
 from .results import load
 
 EXIT_FOUND = 0  #: the first bad commit is named

@@ -174,7 +174,7 @@ def _regress_options(args) -> dict:
 
 def _bisect(args) -> int:
     from .bisect import EXIT_ERROR, bisect
-    from .regress import RegressError
+    from .checkouts import RegressError
     from .scenario import ScenarioError
 
     try:
@@ -190,8 +190,9 @@ def _bisect(args) -> int:
 
 
 def _regress(args) -> int:
+    from .checkouts import RegressError
     from .compare import EXIT_INCOMPARABLE
-    from .regress import RegressError, regress
+    from .regress import regress
     from .scenario import ScenarioError
 
     try:

@@ -1,6 +1,6 @@
 """``attnbench kernels --compare REV``: the compiled figures of REV's kernels beside the working tree's.
 
-Both sides are checked out by ``harness.regress.worktrees`` (REV at its commit, the working tree with its
+Both sides are checked out by ``harness.checkouts.worktrees`` (REV at its commit, the working tree with its
 uncommitted changes) and each is compiled in its own child process: this attnbench's ``harness`` (the table
 code, the same for both: a symlink to it on ``PYTHONPATH``) over that checkout's ``variants.kernels``, with its
 own Triton cache (``TRITON_CACHE_DIR``, as ``regress`` gives each revision) and its own figures cache
@@ -264,8 +264,8 @@ def command(rev: str, json_path: Path | None = None, repo: Path = Path("."), **r
     """``attnbench kernels --compare REV``: print the rows that changed between REV's kernels and the working
     tree's (``request``: the arguments of ``kernel_table.table``), write them to ``json_path``; 1 when a row
     regressed, 0 otherwise, 2 when either table cannot be made."""
-    from .regress import RegressError, worktrees
-    from .regress import repository as git_repository
+    from .checkouts import RegressError, worktrees
+    from .checkouts import repository as git_repository
 
     try:
         with worktrees(git_repository(repo), rev, None) as (base, head):

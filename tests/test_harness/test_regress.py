@@ -25,9 +25,10 @@ from helpers import git as _git
 
 import variants
 from harness import regress as regress_module
+from harness.checkouts import Revision, changed_files, worktrees
 from harness.cli import main
 from harness.compare import EXIT_OK, EXIT_REGRESSION
-from harness.regress import Revision, changed_files, check_revision, measure_rounds, pool, regress, worktrees
+from harness.regress import check_revision, measure_rounds, pool, regress
 from harness.results import read_records
 from harness.scenario import load_scenario
 
