@@ -127,6 +127,23 @@ def test_a_wrong_variant_is_reported_incorrect_and_not_timed(history, tmp_path):
     assert list(result.comparison.table["mark"]) == ["newly failing"]
 
 
+@pytest.mark.slow
+def test_a_kernel_file_change_is_diffed_statically_compiling_only_what_compiles_differently(tmp_path):
+    """Issue 32 item 5 in regress: a diff that touches variants/kernels/ runs the static kernel diff. A change to
+    no kernel's code (a docstring of identity.py) takes every rule, records each side's launches in a child of its
+    own and compiles nothing: every row's key is the same. About a minute (the recording, both rules, 3 targets)."""
+    pytest.importorskip("triton")
+    repo = tmp_path / "repo"
+    base = project_repository(repo)
+    edit(repo, "variants/kernels/identity.py", '"""Which Triton kernels', '"""(A docstring edited.) Which Triton kernels')
+    head = commit(repo, "a docstring of a kernel file")
+    said = []
+    result = regress(repo, _scenario(tmp_path, "{softmax: {}}"), base=base, head=head, rounds=1, out_dir=tmp_path / "out", progress=False, say=said.append)
+    (line,) = [line for line in said if line.startswith("kernels")]
+    assert line.startswith("kernels (every rule on sm_70,sm_80,sm_90): the diff changes no compilation of the "), said
+    assert result.kernel_changes == [] and result.exit_code == EXIT_OK and result.comparison is None
+
+
 def test_the_working_tree_is_copied_with_its_uncommitted_changes(history):
     repo, commits = history
     (repo / "README.md").write_text("changed\n")
