@@ -131,7 +131,8 @@ def test_a_wrong_variant_is_reported_incorrect_and_not_timed(history, tmp_path):
 def test_a_kernel_file_change_is_diffed_statically_compiling_only_what_compiles_differently(tmp_path):
     """Issue 32 item 5 in regress: a diff that touches variants/kernels/ runs the static kernel diff. A change to
     no kernel's code (a docstring of identity.py) takes every rule, records each side's launches in a child of its
-    own and compiles nothing: every row's key is the same. About a minute (the recording, both rules, 3 targets)."""
+    own and compiles nothing: every row's key is the same. About 35 s on the busy 2-core VM (mostly the recording,
+    both rules, 3 targets, a child a side)."""
     pytest.importorskip("triton")
     repo = tmp_path / "repo"
     base = project_repository(repo)
