@@ -27,7 +27,7 @@ import torch
 from variants import AttentionCore
 from variants.precision import REL_ERROR_TOLERANCE, rel_error
 
-from .builders import build_core, build_layer, build_model
+from .builders import build_core, build_layer, build_model, lengths_of, packed
 
 #: Batch rows (and heads of a core) the reference runs on.
 REFERENCE_ROWS = 1
@@ -35,6 +35,8 @@ REFERENCE_ROWS = 1
 REFERENCE_MAX_TOKENS = 1024
 #: How far beyond its plainest form's own error in the dtype a cell may be (``reference_floor``).
 ILL_CONDITIONED_FACTOR = 10
+#: The input of a packed row's offsets: passed to the reference as it is (the sliced row holds every sequence).
+PACKED = "cu_seqlens"
 #: The tolerance of float32 inputs multiplied in TF32 (10 bits of mantissa, as fp16): ``precision: tf32``.
 TF32_TOLERANCE = REL_ERROR_TOLERANCE[torch.float16]
 
@@ -78,7 +80,7 @@ def reference_floor(double, inputs: dict, dtype: torch.dtype, leaves) -> float |
     if dtype != torch.float32 or not _defines_reference(double):
         return None
     narrow = copy.deepcopy(double).to(dtype)
-    prefix = {name: _rows(x.detach(), 2)[:, :, :REFERENCE_MAX_TOKENS] for name, x in inputs.items()}
+    prefix = {name: _rows(x.detach(), 2)[:, :, :REFERENCE_MAX_TOKENS] for name, x in inputs.items() if name != PACKED}
     return forward_error(narrow.reference, double.reference, prefix, 2, leaves=leaves)
 
 
@@ -96,8 +98,9 @@ def _rows(x: torch.Tensor, dims: int) -> torch.Tensor:
 
 
 def reference_inputs(inputs: dict, dims: int, grad: bool) -> dict:
-    """The sliced inputs in float64 (float ones as leaves with ``grad``)."""
-    sliced = {name: _rows(x.detach(), dims).double() if x.is_floating_point() else _rows(x, dims) for name, x in inputs.items()}
+    """The sliced inputs in float64 (float ones as leaves with ``grad``); a packed row's ``cu_seqlens`` as it is."""
+    sliced = {name: _rows(x.detach(), dims).double() if x.is_floating_point() else _rows(x, dims) for name, x in inputs.items() if name != PACKED}
+    sliced |= {name: x for name, x in inputs.items() if name == PACKED}
     return {name: x.requires_grad_(grad and x.is_floating_point()) for name, x in sliced.items()}
 
 
@@ -146,7 +149,7 @@ def measure(cell: dict, device, dtype, workload) -> dict:
     if cell["target"] == "core":
         double = twin(module, lambda: build_core(cell, "torch"), device)
         reference, name = _exact_reference(double, cell["axes"]["seq_len"])
-        leaves = list(inputs) if train else ()
+        leaves = [name for name, x in inputs.items() if x.is_floating_point()] if train else ()
         with _without_dropout(module):
             error = forward_error(module, reference, inputs, 2, leaves=leaves)
         return record(error, dtype, cell["params"], name, reference_floor(double, inputs, dtype, leaves))
@@ -161,8 +164,9 @@ def measure(cell: dict, device, dtype, workload) -> dict:
 
 def measure_decode(cell: dict, device, dtype, decoder) -> dict:
     """The accuracy metrics of a decode cell: the timed decoder's generated steps (after a fresh
-    prefill) against the reference over prompt and steps, at the steps' positions."""
-    context, new_tokens = cell["axes"]["seq_len"], cell["decode"]["new_tokens"]
+    prefill) against the reference over prompt and steps, at the steps' positions (of the first
+    sequence, prefilled to its own length in a packed cell)."""
+    context, new_tokens = lengths_of(cell)[0] if packed(cell) else cell["axes"]["seq_len"], cell["decode"]["new_tokens"]
     with torch.no_grad():
         _, state = decoder.prefill()
         steps = []
@@ -170,8 +174,8 @@ def measure_decode(cell: dict, device, dtype, decoder) -> dict:
             out, state = decoder.step(i, state)
             steps.append(out)
         if cell["target"] == "core":
-            reference, name = _exact_reference(twin(decoder.module, lambda: build_core(cell, "torch"), device), context + new_tokens)
-            expected = reference(**reference_inputs(decoder.inputs, 2, False))[:, :, context:]
+            reference, name = _exact_reference(twin(decoder.module, lambda: build_core(cell, "torch"), device), decoder.inputs["q"].shape[2])
+            expected = reference(**reference_inputs(decoder.inputs, 2, False))[:, :, context : context + new_tokens]
             return record(rel_error(_rows(torch.stack(steps, 2), 2), expected), dtype, cell["params"], name)
         double = twin(decoder.module, lambda: build_layer(cell, device, torch.float64, "torch"), device)
         expected = double(**reference_inputs(decoder.inputs, 1, False))[:, context:]

@@ -5,6 +5,8 @@ step; ``build_decoder``: a prefill and single steps). Shared by the measurement
 
 from __future__ import annotations
 
+import collections
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -57,33 +59,84 @@ def build_core(cell, backend: str | None = None):
     return variants.create(cell["variant"], cell["axes"]["d_key"], **backend_arguments(cell, backend), **cell["params"])
 
 
-def attention_inputs(core, axes, device, dtype, requires_grad) -> dict:
-    """The core's own example inputs (q, k, v and whatever per-token inputs it declares) for the
-    cell's shape, drawn from a generator seeded 0 on ``device``."""
-    return core.example_inputs(
-        axes["batch"],
-        axes["heads"],
-        axes["seq_len"],
-        axes["d_value"],
-        device=device,
-        dtype=dtype,
-        generator=seeded_generator(device),
-        requires_grad=requires_grad,
-    )
+def head_counts(core, axes) -> tuple[int, int, int]:
+    """The heads of q, k and v in a cell: ``heads`` each, or with ``axes.head_ratio`` r the core's
+    grouping (``head_grouping``) on ``heads`` output heads: GQA's k and v, GVA's q and k on heads / r
+    (a core without one: GQA's shape, which it refuses)."""
+    heads, ratio = axes["heads"], axes.get("head_ratio", 1)
+    fewer = heads // ratio
+    return (fewer, fewer, heads) if ratio > 1 and core.head_grouping == "gva" else (heads, fewer, fewer)
+
+
+def head_arguments(core, axes) -> tuple[int, dict]:
+    """The query heads and the ``heads_k``, ``heads_v`` keywords of ``flops``, ``step_flops`` and
+    ``state_numel`` for the cell's grouped heads (none where every tensor has ``heads``)."""
+    q, k, v = head_counts(core, axes)
+    return q, ({"heads_k": k, "heads_v": v} if (q, k) != (v, v) else {})
+
+
+def lengths_of(cell) -> list[int]:
+    """The length of each sequence of the cell: its packed batch's (``cell["lengths"]``), else
+    ``seq_len`` for each of ``batch``."""
+    return cell.get("lengths") or [cell["axes"]["seq_len"]] * cell["axes"]["batch"]
+
+
+def packed(cell) -> bool:
+    return cell["axes"].get("packing") == "packed"
+
+
+def pack(inputs: dict, lengths, layout: str) -> dict:
+    """The first ``lengths[n]`` tokens of each row n of ``inputs`` (``[N, H, T, ...]``) packed into one
+    row ``[1, H, sum(lengths), ...]`` in ``layout``, with their ``cu_seqlens``."""
+    device = inputs["q"].device
+    rows = {name: variants.in_layout(torch.cat([x[n : n + 1, :, :length] for n, length in enumerate(lengths)], 2), layout) for name, x in inputs.items()}
+    offsets = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=device)
+    return rows | {"cu_seqlens": offsets}
+
+
+def shaped_inputs(core, axes, lengths, device, dtype, requires_grad) -> dict:
+    """The core's own example inputs (q, k, v and whatever per-token inputs it declares) drawn from a
+    generator seeded 0 on ``device`` for ``batch`` × ``seq_len``, on the cell's grouped heads
+    (``head_counts``; token inputs on the output's heads); with ``lengths``, row n's first
+    ``lengths[n]`` tokens packed into one row with their ``cu_seqlens`` (``pack``)."""
+    batch, seq_len = (len(lengths), max(lengths)) if lengths else (axes["batch"], axes["seq_len"])
+    inputs = core.example_inputs(batch, axes["heads"], seq_len, axes["d_value"], device=device, dtype=dtype, generator=seeded_generator(device))
+    q, k, v = head_counts(core, axes)
+    if (q, k, v) != (axes["heads"],) * 3:
+        inputs |= {name: variants.in_layout(inputs[name][:, :heads].clone(), core.input_layout) for name, heads in (("q", q), ("k", k), ("v", v))}
+    if lengths:
+        inputs = pack(inputs, lengths, core.input_layout)
+    return {name: x.requires_grad_(requires_grad and x.is_floating_point()) for name, x in inputs.items()}
+
+
+def attention_inputs(core, cell, device, dtype, requires_grad) -> dict:
+    """The inputs of a core cell (``shaped_inputs``): a packed cell's sequences in one row."""
+    return shaped_inputs(core, cell["axes"], cell["lengths"] if packed(cell) else None, device, dtype, requires_grad)
+
+
+def core_counts(core, cell) -> tuple[int, int]:
+    """``(tokens, flops)`` of one call of a core cell: real tokens only (never a padded batch's padding),
+    and the FLOPs of the real sequences (``core.flops`` per length, on the grouped heads)."""
+    lengths, axes = lengths_of(cell), cell["axes"]
+    heads, grouped = head_arguments(core, axes)
+    flops = sum(core.flops(count, heads, length, axes["d_value"], **grouped) for length, count in collections.Counter(lengths).items())
+    return sum(lengths), flops
 
 
 def core_workload(cell, device, dtype) -> Workload:
     axes = cell["axes"]
     core = build_core(cell).to(device=device, dtype=dtype)
     train = cell["mode"] == "train"
-    inputs = attention_inputs(core, axes, device, dtype, train)
-    flops = core.flops(axes["batch"], axes["heads"], axes["seq_len"], axes["d_value"])
-    read = tensor_bytes(inputs.values())
-    output = axes["batch"] * axes["heads"] * axes["seq_len"] * axes["d_value"] * inputs["v"].element_size()
+    inputs = attention_inputs(core, cell, device, dtype, train)
+    tokens, flops = core_counts(core, cell)
+    real = tokens / (inputs["q"].shape[0] * inputs["q"].shape[2])  # a padded batch's fraction of real tokens: bytes of these only
+    read = int(real * tensor_bytes(inputs.values()))
+    output = tokens * axes["heads"] * axes["d_value"] * inputs["v"].element_size()
     if not train:
-        return Workload(torch.no_grad()(lambda: core(**inputs)), axes["batch"] * axes["seq_len"], flops, read + output + module_bytes(core), core, inputs)
-    leaves = list(inputs.values())
-    cotangent = torch.randn_like(inputs["v"])
+        return Workload(torch.no_grad()(lambda: core(**inputs)), tokens, flops, read + output + module_bytes(core), core, inputs)
+    leaves = [x for x in inputs.values() if x.requires_grad]
+    shape = (inputs["q"].shape[0], axes["heads"], inputs["q"].shape[2], axes["d_value"])
+    cotangent = torch.randn(shape, device=device, dtype=dtype) * real_positions(cell, shape, device, dtype)
 
     def forward_backward():
         out = core(**inputs)
@@ -91,7 +144,16 @@ def core_workload(cell, device, dtype) -> Workload:
         return out.detach()
 
     # inputs read and their gradients written, output written and its cotangent read
-    return Workload(forward_backward, axes["batch"] * axes["seq_len"], 3 * flops, 2 * (read + output) + module_bytes(core), core, inputs)
+    return Workload(forward_backward, tokens, 3 * flops, 2 * (read + output) + module_bytes(core), core, inputs)
+
+
+def real_positions(cell, shape, device, dtype) -> torch.Tensor | float:
+    """1 at each real token of a padded batch ``shape`` (``[N, H, T, D]``) and 0 at its padding (a
+    training loss ignores padding); 1 elsewhere."""
+    if "lengths" not in cell or packed(cell):
+        return 1.0
+    lengths = torch.tensor(cell["lengths"], device=device)
+    return (torch.arange(shape[2], device=device) < lengths[:, None]).to(dtype)[:, None, :, None]
 
 
 def build_layer(cell, device, dtype, backend: str | None = None):
@@ -196,19 +258,26 @@ def build_decoder(cell, device, dtype, context, new_tokens):
     """``(core, prefill() -> (out, state), step(i, state) -> (out, state), step_bytes)`` for a
     decode cell; ``step_bytes``: what a step reads and writes besides the state (its token's
     inputs, its output, the weights). Its ``.module`` is what decodes (the core or the layer) and
-    ``.inputs`` the whole sequence (the core's inputs, or the layer's ``{"x": ...}``)."""
+    ``.inputs`` the whole sequence (the core's inputs, or the layer's ``{"x": ...}``); a packed core
+    cell decodes its sequences together, each prefilled to its own length (``lengths_of``), row n's
+    inputs its first lengths[n] + new_tokens tokens."""
     axes = cell["axes"]
-    total = dict(axes, seq_len=context + new_tokens)
     if cell["target"] == "core":
         core = build_core(cell).to(device=device, dtype=dtype)
-        inputs = attention_inputs(core, total, device, dtype, False)
-        # the prompt in the core's layout and each token's inputs contiguous, so that no timed call copies them
-        prompt = {name: variants.in_layout(x, core.input_layout) for name, x in variants.time_slice(inputs, 0, context).items()}
-        tokens = [{name: x.contiguous() for name, x in variants.token_slice(inputs, context + i).items()} for i in range(new_tokens)]
+        contexts = lengths_of(cell) if packed(cell) else [context] * axes["batch"]
+        inputs = shaped_inputs(core, dict(axes, batch=len(contexts), seq_len=max(contexts) + new_tokens), None, device, dtype, False)
+        # the prompt in the core's layout (a packed batch's prompts packed, each prefilled to its own length) and each
+        # step's inputs, row n's token contexts[n] + i, contiguous, so that no timed call copies them
+        if packed(cell):
+            prompt = pack(inputs, contexts, core.input_layout)
+        else:
+            prompt = {name: variants.in_layout(x, core.input_layout) for name, x in variants.time_slice(inputs, 0, context).items()}
+        rows, at = torch.arange(len(contexts), device=device), torch.tensor(contexts, device=device)
+        tokens = [{f"{name}_t": x[rows, :, at + i].contiguous() for name, x in inputs.items()} for i in range(new_tokens)]
         prefill = lambda: core.prefill(**prompt)  # noqa: E731
         step = lambda i, state: core.step(**tokens[i], state=state)  # noqa: E731
-        output = axes["batch"] * axes["heads"] * axes["d_value"] * inputs["v"].element_size()
-        return Decoder(core, prefill, step, tensor_bytes(variants.token_slice(inputs, context).values()) + output + module_bytes(core), core, inputs)
+        output = len(contexts) * axes["heads"] * axes["d_value"] * inputs["v"].element_size()
+        return Decoder(core, prefill, step, tensor_bytes(tokens[0].values()) + output + module_bytes(core), core, inputs)
     layer = build_layer(cell, device, dtype)
     x = layer_input(axes, context + new_tokens, device, dtype)
     step_bytes = 2 * tensor_bytes([x[:, context]]) + module_bytes(layer)  # the token in, its output out, the weights

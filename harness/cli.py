@@ -32,9 +32,10 @@ def _default_scenarios() -> list[tuple[str, str | None]]:
 
 def _run(args) -> int:
     from . import runner
+    from .expansion import describe
     from .plugins import load_plugins
     from .profiling import missing_tool
-    from .scenario import ScenarioError, describe, load_scenario
+    from .scenario import ScenarioError, load_scenario
 
     plugins = _plugins(args)
     load_plugins(plugins)

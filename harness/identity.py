@@ -13,11 +13,11 @@ import json
 import numpy as np
 import pandas as pd
 
+from . import axes as axis_table
 from .formatting import present
 
 #: The columns that identify a cell across files (``params`` and ``axes`` as canonical JSON).
 CELL_KEY = ["scenario", "variant", "backend", "params_key", "axes_key", "mode", "target"]
-_AXIS_SHORT = {"seq_len": "T", "batch": "B", "heads": "H", "d_key": "Dk", "d_value": "Dv"}
 
 
 def _plain(value):
@@ -47,9 +47,9 @@ def params_text(params: dict) -> str:
 
 def axes_text(axes: dict) -> str:
     """``T=64 B=1 H=2 Dk=16 Dv=16 float32 cpu``, then any other axis as ``name=value``."""
-    parts = [f"{short}={axes[name]}" for name, short in _AXIS_SHORT.items() if name in axes]
+    parts = [f"{short}={axes[name]}" for name, short in axis_table.SHORT.items() if name in axes]
     parts += [str(axes[name]) for name in ("dtype", "device") if name in axes]
-    parts += [f"{name}={value}" for name, value in sorted(axes.items()) if name not in _AXIS_SHORT and name not in ("dtype", "device")]
+    parts += [f"{name}={value}" for name, value in sorted(axes.items()) if name not in axis_table.SHORT and name not in ("dtype", "device")]
     return " ".join(parts)
 
 

@@ -39,9 +39,10 @@ from .checkouts import SIDES, RegressError, Revision, changed_files, repository,
 from .compare import EXIT_OK, EXIT_REGRESSION, CompareResult, compare
 from .executors import main_device, unmeasured
 from .executors.local import LocalExecutor
+from .expansion import describe
 from .measure import Timing
 from .results import ResultsWriter, cell_record, run_header
-from .scenario import LoadedScenario, describe
+from .scenario import LoadedScenario
 
 CHECK_SCRIPT = Path(__file__).with_name("regress_check.py")
 #: Runs a script by path without putting its directory on sys.path (this one's is harness/).

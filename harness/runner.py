@@ -27,10 +27,11 @@ from . import machine, profiling
 from .busyness import busy_warning, other_cores_now
 from .executors import main_device
 from .executors.local import LocalExecutor
+from .expansion import describe
 from .files import open_regular
 from .locking import MachineRuns, ResultsDirectoryLock, describe_runs
 from .results import FAILING, ResultsWriteError, ResultsWriter, cell_record, completed_cell_ids, parse_line, read_records, run_header, utc_now
-from .scenario import LoadedScenario, describe
+from .scenario import LoadedScenario
 
 #: The most of a results file ``--resume`` reads before taking its lock: its first line (a run line).
 FIRST_LINE_BYTES = 1 << 20

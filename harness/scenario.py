@@ -8,44 +8,35 @@ path, the value and what was expected.
 
 from __future__ import annotations
 
-import copy
 import hashlib
-import itertools
-import json
 import math
-import os
 import re
-import stat
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, ValidationInfo, create_model, field_validator, model_validator
 from pydantic import Strict as PydanticStrict
 
 import variants
 
-from . import tasks
+from . import axes as axis_table
+from . import lengths, scenario_files, tasks
 from .formatting import quote
 from .measure import CPU_TIMINGS, DECODE_TIMINGS, MAX_SAMPLES, TIMINGS
 from .models import LM_PRESETS, lm_config
+from .scenario_files import SEED_AXIS, ScenarioError, resolve_path, shipped  # noqa: F401 (the public face: harness.scenario)
 from .tasks import precision
 
-SCENARIO_DIR = Path(__file__).resolve().parent.parent / "scenarios"
 DTYPES = ("float32", "float16", "bfloat16", "float64")
 MODES = ("forward", "train", "decode")
 BACKENDS = variants.BACKENDS
-AXES = ("seq_len", "batch", "heads", "d_key", "d_value", "dtype", "device")
+AXES = axis_table.SPEED
 #: The targets every scenario can measure; each registered task (harness.tasks) adds its name.
 SPEED_TARGETS = ("core", "layer", "model")
-#: The axis that sweeps a quality task's ``seed`` (its cells then carry it in ``axes`` and ``task``).
-SEED_AXIS = "seed"
+#: How a packed batch (axes.lengths) runs: one row with cu_seqlens, or a dense batch padded to the longest.
+PACKINGS = ("packed", "padded")
 #: The key of a variant configuration that holds its own axes (``variants.linear.axes.S``).
 VARIANT_AXES = "axes"
-
-
-class ScenarioError(ValueError):
-    """A scenario that cannot be run: the message names the file, field, value and expectation."""
 
 
 Scalar = Union[int, float, str, bool, None]
@@ -58,12 +49,6 @@ NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
 NAME_MAX_BYTES = 200
 #: The longest time a setting may give in seconds (a week): longer ones overflow timers and alarms.
 MAX_SECONDS = 7 * 24 * 3600.0
-#: How deep a scenario's mappings and lists may nest.
-MAX_DEPTH = 64
-#: Limits on the work a scenario may ask for: (environment variable, default). The variable raises or lowers a limit.
-MAX_FILE_BYTES = ("ATTNBENCH_MAX_SCENARIO_BYTES", 1_000_000)
-MAX_NODES = ("ATTNBENCH_MAX_SCENARIO_NODES", 100_000)
-MAX_CELLS = ("ATTNBENCH_MAX_CELLS", 100_000)
 #: The most tokens a decode cell generates (its steps' latencies are kept one by one).
 MAX_NEW_TOKENS = 1 << 16
 
@@ -102,13 +87,24 @@ class Axes(BaseModel):
     dtype: str | list[str] = "float32"
     device: str | list[str] = "cpu"
     d_dot: AxisInt | list[AxisInt] | None = None
+    lengths: Any = None
+    packing: str | list[str] | None = None
+    head_ratio: AxisInt | list[AxisInt] | None = None
 
-    @field_validator("seq_len", "batch", "heads", "d_key", "d_value", "d_dot")
+    @field_validator("seq_len", "batch", "heads", "d_key", "d_value", "d_dot", "head_ratio")
     @classmethod
     def _positive(cls, value):
         return _positive_ints(value)
 
-    @field_validator("dtype", "device")
+    @field_validator("packing")
+    @classmethod
+    def _packing(cls, value):
+        for item in value if isinstance(value, list) else [value]:
+            if item is not None and item not in PACKINGS:
+                raise ValueError(f"expected {' or '.join(PACKINGS)}, got {quote(item)}")
+        return value
+
+    @field_validator("dtype", "device", "packing")
     @classmethod
     def _not_empty(cls, value):
         if value == []:
@@ -201,6 +197,7 @@ class Scenario(Strict):
     model: ModelSpec | None = None
     presets: dict[str, dict[str, Any]] = {}
     report: ReportSpec = ReportSpec()
+    _folder: Path | None = PrivateAttr(None)
 
     @model_validator(mode="before")
     @classmethod
@@ -293,8 +290,8 @@ class Scenario(Strict):
     @model_validator(mode="after")
     def _task_or_sequence(self):
         if self.task is None:
-            if self.axes.seq_len is None:
-                raise ValueError("axes.seq_len is required (or a 'task' section)")
+            if self.axes.seq_len is None and self.axes.lengths is None:
+                raise ValueError("axes.seq_len (or axes.lengths) is required (or a 'task' section)")
             if "quality" in self.modes or self.target not in SPEED_TARGETS:
                 raise ValueError(f"mode 'quality' and the task targets ({', '.join(tasks.names())}) need a 'task' section")
             return self
@@ -304,6 +301,14 @@ class Scenario(Strict):
             axes = "".join(f"axes.{axis}, " for axis in task.axes)
             raise ValueError(f"a {task.name} task scenario needs {axes}modes: [quality] and target: {task.name}")
         _training_dtypes(self.axes, "axes")
+        return self
+
+    @model_validator(mode="after")
+    def _packed_axes(self, info: ValidationInfo):
+        """``axes.lengths``, ``packing`` and ``head_ratio`` (``check_packed_axes``); histogram files
+        relative to the scenario's folder (the validation context's ``folder``)."""
+        self._folder = (info.context or {}).get("folder")
+        check_packed_axes(self, self.axes, "axes")
         return self
 
     @model_validator(mode="after")
@@ -321,7 +326,7 @@ class Scenario(Strict):
         for name, spec in self.variants.items():
             if spec == []:
                 raise ValueError(f"variants.{name}: expected at least one configuration, got an empty list")
-            for field, params in _configurations(name, spec):
+            for field, params in configurations(name, spec):
                 for key, value in params.items():
                     if value == []:
                         raise ValueError(f"{field}.{key}: expected at least one value, got an empty list")
@@ -355,9 +360,9 @@ def variant_axes(scenario: Scenario, override: dict | None, field: str) -> Axes:
         return scenario.axes
     if not isinstance(override, dict):
         raise ValueError(f"{field}: expected a mapping of axis names to values, got {quote(override)}")
-    current = scenario.axes.model_dump()
+    current = scenario.axes.model_dump(exclude_unset=True)  # unset: still unset (axes.batch beside axes.lengths)
     task = tasks.get(scenario.task.name) if scenario.task else None
-    own = _axis_names(task, scenario.axes) + (() if task else ("d_dot",))
+    own = axis_names(task, scenario.axes) + (() if task else ("d_dot", *axis_table.OPTIONAL))
     unknown = [axis for axis in override if axis not in own]
     if unknown:
         raise ValueError(f"{field}.{unknown[0]}: the scenario has no such axis to replace (its axes: {', '.join(own)})")
@@ -371,12 +376,34 @@ def variant_axes(scenario: Scenario, override: dict | None, field: str) -> Axes:
     _check_extra_axes(scenario.task, {axis: value for axis, value in override.items() if axis not in Axes.model_fields}, field)
     if task is not None:
         _training_dtypes(merged, field)
+    check_packed_axes(scenario, merged, field)
     return merged
+
+
+def check_packed_axes(scenario: Scenario, axes: Axes, field: str) -> list[lengths.Batch] | None:
+    """The packed batches of ``axes.lengths`` (None without), checked with ``packing`` and
+    ``head_ratio`` (at ``field``): attention cores only, in place of seq_len and batch; a
+    ``head_ratio`` divides every ``heads``. Histogram files are read from the scenario's folder."""
+    given = [axis for axis in axis_table.OPTIONAL if getattr(axes, axis) is not None]
+    if given and (scenario.task is not None or scenario.target != "core"):
+        raise ValueError(f"{field}.{given[0]}: measured on attention cores only (target: core), not {quote(scenario.target)}")
+    for ratio in sweep(axes.head_ratio):
+        for heads in sweep(axes.heads) if ratio is not None else ():
+            if heads % ratio:
+                raise ValueError(f"{field}.head_ratio: expected a divisor of every heads, got {ratio} for heads={heads}")
+    if axes.lengths is None:
+        if axes.packing is not None:
+            raise ValueError(f"{field}.packing: packs the sequences of axes.lengths, which is not set")
+        return None
+    taken = [axis for axis in ("seq_len", "batch") if axis in axes.model_fields_set] + (["rules.tokens_per_batch"] if scenario.rules.tokens_per_batch else [])
+    if taken:
+        raise ValueError(f"{field}.lengths: gives each cell's sequences, so {taken[0]} must not be set (got {quote(getattr(axes, taken[0], None))})")
+    return lengths.parse(axes.lengths, f"{field}.lengths", scenario._folder)
 
 
 def _training_dtypes(axes: Axes, field: str) -> None:
     """A quality cell trains in one of the dtypes of the policy (``harness.tasks.precision``)."""
-    for dtype in _sweep(axes.dtype):
+    for dtype in sweep(axes.dtype):
         try:
             precision.check(dtype)
         except ValueError as exc:
@@ -393,6 +420,24 @@ def _check_seeds(task_config, value, field: str = f"axes.{SEED_AXIS}") -> None:
         raise ValueError(f"{field}: expected integers >= 0, got {quote(value)}")
     if len(set(items)) != len(items):
         raise ValueError(f"{field}: a seed is listed twice in {quote(value)}")
+
+
+def sweep(value) -> list:
+    return value if isinstance(value, list) else [value]
+
+
+def configurations(name: str, spec) -> list[tuple[str, dict]]:
+    """(field path, parameters) of each configuration written under ``variants.<name>``."""
+    specs = spec if isinstance(spec, list) else [spec or {}]
+    return [(f"variants.{name}" + (f"[{index}]" if isinstance(spec, list) else ""), params or {}) for index, params in enumerate(specs)]
+
+
+def axis_names(task, axes: Axes) -> tuple[str, ...]:
+    """The axes a scenario's cells carry: a task's own (with dtype, device and any seeds), or the speed
+    axes with those of ``axis_table.OPTIONAL`` it sets (``packing`` wherever ``lengths`` is)."""
+    if task is None:
+        return AXES + tuple(axis for axis in axis_table.OPTIONAL if getattr(axes, axis) is not None or (axis == "packing" and axes.lengths is not None))
+    return (*task.axes, "dtype", "device", *([SEED_AXIS] if (axes.model_extra or {}).get(SEED_AXIS) is not None else []))
 
 
 _MODELS: dict[tuple, type[Scenario]] = {}
@@ -434,197 +479,19 @@ def _format_validation(path: str, exc: ValidationError) -> str:
     return "\n".join(lines)
 
 
-def deep_merge(base: dict, override: dict) -> dict:
-    """``override`` on top of ``base``, recursively for dicts (lists and scalars replace)."""
-    merged = copy.deepcopy(base)
-    for key, value in override.items():
-        if isinstance(value, dict) and isinstance(merged.get(key), dict):
-            merged[key] = deep_merge(merged[key], value)
-        else:
-            merged[key] = copy.deepcopy(value)
-    return merged
-
-
-def _apply_set(raw: dict, assignment: str, path: str) -> dict:
-    """``--set key=value``: a bare axis name means ``axes.<name>``; the value is YAML."""
-    key, sep, text = assignment.partition("=")
-    if not sep or not key:
-        raise ScenarioError(f"{path}: --set {quote(assignment)}: expected KEY=VALUE, e.g. seq_len=1024 or measure.repeats=3")
-    parts = key.split(".")
-    if len(parts) == 1 and parts[0] in AXES + ("d_dot", SEED_AXIS) + tuple(axis for task in tasks.tasks() for axis in task.axes):
-        parts = ["axes", parts[0]]
-    where = f"{path}: --set {quote(assignment)}"
-    override = _parse_yaml(text, where)
-    _check_size(override, where)
-    for part in reversed(parts):
-        override = {part: override}
-    return deep_merge(raw, override)
-
-
-def _first_line(exc: Exception) -> str:
-    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-
-
-def limit(setting: tuple[str, int]) -> int:
-    """The value of one of the limits (``MAX_CELLS`` ...): its environment variable's, else its default."""
-    variable, default = setting
-    text = os.environ.get(variable)
-    if text is None:
-        return default
-    if not text.strip().isdigit() or int(text) < 1:
-        raise ScenarioError(f"${variable}: expected a positive integer, got {quote(text)}")
-    return int(text)
-
-
-class _Loader(yaml.SafeLoader):
-    """PyYAML's safe loader that refuses a key written twice in one mapping (the later would silently win)."""
-
-    def construct_mapping(self, node, deep=False):
-        seen = set()
-        for key_node, _ in node.value:
-            if key_node.tag == "tag:yaml.org,2002:merge":
-                continue
-            key = self.construct_object(key_node, deep=True)
-            if isinstance(key, (str, int, float, bool)) or key is None:
-                if key in seen:
-                    raise yaml.constructor.ConstructorError(None, None, f"duplicate key {quote(key)}", key_node.start_mark)
-                seen.add(key)
-        return super().construct_mapping(node, deep)
-
-
-def _parse_yaml(text: str, where: str):
-    """``text`` as YAML (safe, no duplicate keys); an error names ``where`` and the line."""
-    try:
-        return yaml.load(text, Loader=_Loader)
-    except yaml.MarkedYAMLError as exc:
-        mark = exc.problem_mark or exc.context_mark
-        at = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
-        raise ScenarioError(f"{where}: not valid YAML: {at}{exc.problem or exc.context}") from None
-    except yaml.YAMLError as exc:
-        raise ScenarioError(f"{where}: not valid YAML: {_first_line(exc)}") from None
-    except RecursionError:
-        raise ScenarioError(f"{where}: nested too deeply to read (at most {MAX_DEPTH} levels)") from None
-
-
-def _read_bytes(path: Path) -> bytes:
-    """A scenario file's bytes: a regular file (a FIFO or device is refused without reading it), at most ``MAX_FILE_BYTES``."""
-    most = limit(MAX_FILE_BYTES)
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-    except OSError as exc:
-        raise ScenarioError(f"{path}: cannot be read ({exc.strerror})") from None
-    mode = os.fstat(fd).st_mode
-    if not stat.S_ISREG(mode):
-        os.close(fd)
-        kind = "directory" if stat.S_ISDIR(mode) else "special file (FIFO, device or socket)"
-        raise ScenarioError(f"{path}: expected a scenario file (YAML), got a {kind}")
-    with os.fdopen(fd, "rb") as file:
-        data = file.read(most + 1)
-    if len(data) > most:
-        raise ScenarioError(f"{path}: larger than {most} bytes, the most a scenario file may have (${MAX_FILE_BYTES[0]} raises it)")
-    return data
-
-
-def _read_yaml(path: Path, data: bytes) -> dict:
-    """The scenario file's ``data`` as a dict; a file that is not a UTF-8 YAML mapping is a ScenarioError."""
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise ScenarioError(f"{path}: not a UTF-8 text file (byte {exc.start}: {exc.reason})") from None
-    raw = _parse_yaml(text, str(path))
-    if not isinstance(raw, dict):
-        raise ScenarioError(f"{path}: expected a mapping at the top level, got {type(raw).__name__}")
-    _check_size(raw, str(path))
-    return raw
-
-
-def _check_size(value, where: str) -> None:
-    """Refuse a YAML value whose aliases make it contain itself, nest deeper than ``MAX_DEPTH``
-    or expand to more than ``MAX_NODES`` values (a "billion laughs"). Linear in the
-    value as written: each shared mapping or list is counted once, memoised by identity."""
-    most, sizes, open_ = limit(MAX_NODES), {}, set()
-
-    def size(item, depth: int) -> int:
-        if not isinstance(item, (dict, list)):
-            return 1
-        if id(item) in open_:
-            raise ScenarioError(f"{where}: a YAML alias refers to itself (a structure that contains itself); write the values out")
-        if id(item) not in sizes:
-            if depth > MAX_DEPTH:
-                raise ScenarioError(f"{where}: nested deeper than {MAX_DEPTH} levels")
-            open_.add(id(item))
-            children = [*item.keys(), *item.values()] if isinstance(item, dict) else item
-            sizes[id(item)] = 1 + sum(size(child, depth + 1) for child in children)
-            open_.discard(id(item))
-        if sizes[id(item)] > most:
-            raise ScenarioError(f"{where}: expands (through YAML aliases) to more than {most} values, the most a scenario may have (${MAX_NODES[0]} raises it)")
-        return sizes[id(item)]
-
-    size(value, 0)
-
-
-def resolve_path(spec: str) -> Path:
-    """A scenario file path, or the name of a shipped scenario (``smoke-cpu``)."""
-    path = Path(spec)
-    if path.exists():
-        return path
-    for candidate in (SCENARIO_DIR / spec, SCENARIO_DIR / f"{spec}.yaml"):
-        if candidate.exists():
-            return candidate
-    raise ScenarioError(f"{spec}: no such scenario file (shipped scenarios: {', '.join(shipped())})")
-
-
-def shipped() -> list[str]:
-    return sorted(str(p.relative_to(SCENARIO_DIR).with_suffix("")) for p in SCENARIO_DIR.rglob("*.yaml"))
-
 
 def load_scenario(spec: str, *, preset: str | None = None, overrides: list[str] = ()) -> LoadedScenario:
-    """Read, merge the preset and ``--set`` overrides, and validate a scenario."""
-    path = resolve_path(spec)
-    data = _read_bytes(path)
-    raw = _read_yaml(path, data)
-    raw.setdefault("name", path.stem)
-    if preset is not None:
-        presets = raw.get("presets") or {}
-        if not isinstance(presets, dict):
-            raise ScenarioError(f"{path}: presets: expected a mapping of preset names to settings, got {quote(presets)}")
-        if preset not in presets:
-            raise ScenarioError(f"{path}: presets.{preset}: no such preset (this file has: {', '.join(map(str, presets)) or 'none'})")
-        if not isinstance(presets[preset], dict):
-            raise ScenarioError(f"{path}: presets.{preset}: expected a mapping of settings, got {quote(presets[preset])}")
-        chosen = dict(presets[preset])
-        if "variants" in chosen:  # a preset's variants replace the scenario's, they do not add to them
-            raw["variants"] = chosen.pop("variants")
-        raw = deep_merge(raw, chosen)
-    for assignment in overrides:
-        raw = _apply_set(raw, assignment, str(path))
+    """Read, merge the preset and ``--set`` overrides, validate and expand a scenario."""
+    from .expansion import check_cell_count, expand
+
+    path, data, raw = scenario_files.read(spec, preset, overrides)
     try:
-        scenario = scenario_model().model_validate(raw)
+        scenario = scenario_model().model_validate(raw, context={"folder": path.parent})
     except ValidationError as exc:
         raise ScenarioError(_format_validation(str(path), exc)) from None
-    _check_cell_count(scenario, str(path))
+    check_cell_count(scenario, str(path))
     sha256 = hashlib.sha256(data).hexdigest()
     return LoadedScenario(scenario, expand(scenario, str(path)), path, sha256, preset, list(overrides))
-
-
-def cell_count(scenario: Scenario) -> int:
-    """How many cells the scenario sweeps at most (before repeated cells are dropped), from
-    the lengths of its lists alone: nothing is expanded."""
-    task = tasks.get(scenario.task.name) if scenario.task else None
-    configurations = 0
-    for name, spec in scenario.variants.items():
-        for field, params in _configurations(name, spec):
-            axes = variant_axes(scenario, params.get(VARIANT_AXES), f"{field}.{VARIANT_AXES}")
-            grid = math.prod(len(_sweep(value)) for key, value in params.items() if key != VARIANT_AXES)
-            shape = math.prod(len(_sweep(getattr(axes, axis))) for axis in _axis_names(task, axes))
-            configurations += grid * shape * len(_sweep(axes.d_dot))
-    return configurations * len(scenario.backends) * len(scenario.modes)
-
-
-def _check_cell_count(scenario: Scenario, path: str) -> None:
-    most, count = limit(MAX_CELLS), cell_count(scenario)
-    if count > most:
-        raise ScenarioError(f"{path}: sweeps {count} cells, more than the {most} a run may have (${MAX_CELLS[0]} raises it; split the sweep)")
 
 
 class LoadedScenario:
@@ -642,147 +509,3 @@ class LoadedScenario:
         return self._cells
 
 
-def _sweep(value) -> list:
-    return value if isinstance(value, list) else [value]
-
-
-def _param_grid(params: dict) -> list[dict]:
-    keys = list(params)
-    return [dict(zip(keys, combo)) for combo in itertools.product(*(_sweep(params[key]) for key in keys))]
-
-
-def _configurations(name: str, spec) -> list[tuple[str, dict]]:
-    """(field path, parameters) of each configuration written under ``variants.<name>``."""
-    specs = spec if isinstance(spec, list) else [spec or {}]
-    return [(f"variants.{name}" + (f"[{index}]" if isinstance(spec, list) else ""), params or {}) for index, params in enumerate(specs)]
-
-
-def _variant_configs(scenario: Scenario) -> list[tuple[str, dict, str, Axes]]:
-    """(name, params, field path, axes) for every variant configuration the scenario sweeps."""
-    configs = []
-    for name, spec in scenario.variants.items():
-        for field, params in _configurations(name, spec):
-            axes = variant_axes(scenario, params.get(VARIANT_AXES), f"{field}.{VARIANT_AXES}")
-            swept = {key: value for key, value in params.items() if key != VARIANT_AXES}
-            configs.extend((name, grid, field, axes) for grid in _param_grid(swept))
-    return configs
-
-
-def _axis_names(task, axes: Axes) -> tuple[str, ...]:
-    """The axes a scenario's cells carry: a task's own (with dtype, device and any seeds), or the speed axes."""
-    if task is None:
-        return AXES
-    return (*task.axes, "dtype", "device", *([SEED_AXIS] if (axes.model_extra or {}).get(SEED_AXIS) is not None else []))
-
-
-def cell_id(cell: dict) -> str:
-    """A stable id of what a cell measures (not how often): used to resume."""
-    identity = {key: cell[key] for key in ("scenario", "variant", "backend", "params", "axes", "mode", "target", "model")}
-    if cell.get("backend_options"):
-        identity["backend_options"] = cell["backend_options"]
-    if cell["task"]:
-        identity["task"] = cell["task"]
-    return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
-def expand(scenario: Scenario, path: str = "<scenario>") -> list[dict]:
-    """Every cell of the sweep, in a deterministic order. Each variant configuration is checked
-    here (``variants.supports``, which builds its torch core), so an impossible parameter (a ν or
-    m that cannot give the asked d_dot) fails before anything is measured, and a cell whose
-    backend does not compute it is marked skipped with the reason."""
-    task = tasks.get(scenario.task.name) if scenario.task else None
-    cells, seen = [], set()
-    for name, params, field, axes in _variant_configs(scenario):
-        names = _axis_names(task, axes)
-        axis_values = {axis: _sweep(getattr(axes, axis)) for axis in names}
-        d_dots = _sweep(axes.d_dot)
-        # A variant's own d_key (Based's and ReBased's 16-dimensional keys) replaces the d_key
-        # axis where there is one (values keep the axis width); a task's model gives it to the layer.
-        own_d_key = params.get("d_key")
-        core_params = {key: value for key, value in params.items() if key != "d_key"}
-        for d_dot in d_dots:
-            core_params_at = dict(core_params, **({"d_dot": d_dot} if d_dot is not None else {}))
-            full_params = core_params_at if "d_key" in names else dict(params, **core_params_at)
-            d_keys = task.d_keys(scenario.task, axis_values) if task else axis_values["d_key"]
-            places = list(itertools.product(axis_values["dtype"], axis_values["device"]))
-            unsupported = _unsupported_backends(name, [own_d_key] if own_d_key is not None else d_keys, places, core_params_at, scenario, field, path)
-            for backend, mode in itertools.product(scenario.backends, scenario.modes):
-                for combo in itertools.product(*(axis_values[axis] for axis in names)):
-                    cell_axes = dict(zip(names, combo))
-                    if "d_value" in cell_axes and cell_axes["d_value"] is None:
-                        cell_axes["d_value"] = cell_axes["d_key"]
-                    if own_d_key is not None and "d_key" in cell_axes:
-                        cell_axes["d_key"] = own_d_key
-                    if scenario.rules.tokens_per_batch is not None:
-                        cell_axes["batch"] = max(1, scenario.rules.tokens_per_batch // cell_axes["seq_len"])
-                    if mode == "decode":
-                        cell_axes["new_tokens"] = scenario.decode.new_tokens
-                    if scenario.target == "model":
-                        cell_axes["model"] = scenario.model.preset
-                    cell = {
-                        "scenario": scenario.name,
-                        "variant": name,
-                        "backend": backend,
-                        "backend_options": _options_of(scenario, backend, name),
-                        "params": full_params,
-                        "axes": cell_axes,
-                        "mode": mode,
-                        "target": scenario.target,
-                        "decode": scenario.decode.model_dump(),
-                        "model": scenario.model.model_dump() if scenario.target == "model" else None,
-                        "task": _task_section(scenario.task, cell_axes),
-                        "measure": scenario.measure.model_dump(),
-                        "skip": unsupported.get((backend, cell_axes["dtype"], cell_axes["device"])),
-                    }
-                    cell["cell_id"] = cell_id(cell)
-                    if cell["cell_id"] not in seen:
-                        seen.add(cell["cell_id"])
-                        cells.append(cell)
-    return cells
-
-
-def _task_section(task_config, cell_axes: dict) -> dict | None:
-    """The cell's ``task`` section: the scenario's, with the cell's seed where seeds are swept."""
-    if task_config is None:
-        return None
-    section = task_config.model_dump()
-    if SEED_AXIS in cell_axes:
-        section["seed"] = cell_axes[SEED_AXIS]
-    return section
-
-
-def _options_of(scenario: Scenario, backend: str, name: str) -> dict:
-    """The scenario's ``backend_options`` that variant ``name`` takes on ``backend``."""
-    return variants.backend_options_for(name, backend, scenario.backend_options)
-
-
-def _unsupported_backends(name: str, d_keys: list, places: list, params: dict, scenario: Scenario, field: str, path: str) -> dict:
-    """``{(backend, dtype, device): reason}`` for the scenario's backends that do not compute the
-    variant at some d_key for inputs of that dtype on that device (``variants.supports``; their
-    cells are recorded as skipped); a parameter no backend takes is an error."""
-    unsupported = {}
-    for d_key, (dtype, device) in itertools.product(d_keys, places):
-        try:
-            reasons = variants.supports(name, d_key, scenario.backends, dtype=dtype, device=device, **params)
-        except variants.VariantError as exc:
-            raise ScenarioError(f"{path}: {field}: parameters {quote(params)} at d_key={d_key}: {exc}") from None
-        unsupported.update({(backend, dtype, device): reason for backend, reason in reasons.items() if reason is not None})
-    return unsupported
-
-
-#: How ``describe`` names each axis.
-SHORT_AXES = {"seq_len": "T", "batch": "B", "heads": "H", "d_key": "Dk", "d_value": "Dv"}
-#: Axes ``describe`` leaves out of the shape (shown elsewhere in the line, or settings of the mode).
-UNSHAPED_AXES = ("dtype", "device", "new_tokens", "model")
-
-
-def describe(cell: dict) -> str:
-    """A one-line name of a cell, for progress bars and listings."""
-    params = ",".join(f"{key}={value}" for key, value in cell["params"].items())
-    axes = cell["axes"]
-    skipped = " (skipped: no such backend)" if cell["skip"] else ""
-    shape = " ".join(f"{SHORT_AXES.get(name, name)}={value}" for name, value in axes.items() if name not in UNSHAPED_AXES)
-    return (
-        f"{cell['variant']}{'(' + params + ')' if params else ''}[{cell['backend']}]{skipped} {cell['mode']}/{cell['target']} "
-        f"{shape} {axes['dtype']} {axes['device']}"
-    )

@@ -8,6 +8,7 @@ projections, or a decoder-only LM ``model``) and its ``mode`` what one iteration
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import gc
@@ -20,7 +21,7 @@ import variants
 from variants.compiled import compiled_frames
 
 from . import accuracy, profiling, tasks
-from .builders import BUILDERS, CellError, attention_inputs, build_core, build_decoder
+from .builders import BUILDERS, CellError, attention_inputs, build_core, build_decoder, head_arguments, lengths_of, packed
 from .busyness import LoadMeter, other_cores_now, spare_threads
 from .machine import missing_tensor_cores
 from .measure import (
@@ -123,6 +124,7 @@ def _measure(cell, device, dtype) -> dict:
         "min_bytes": workload.min_bytes,
         "flops_per_s": workload.flops / timing.median_s,
         "torch_threads": torch.get_num_threads(),
+        **_lengths(cell),
         **choices,
     }
     if cell["target"] == "model":
@@ -160,7 +162,7 @@ def _implementation_choices(cell, device, dtype) -> dict:
     that cannot run them skips the cell with the core's reason (UnsupportedBackend). The inputs
     require grad in a train cell, as SDPA's dispatcher weighs that too."""
     core = build_core(cell).to(device=device, dtype=dtype)
-    return core.implementation_choices(**attention_inputs(core, cell["axes"], device, dtype, cell["mode"] == "train"))
+    return core.implementation_choices(**attention_inputs(core, cell, device, dtype, cell["mode"] == "train"))
 
 
 def _kernel_identity(cell):
@@ -269,8 +271,12 @@ def _measure_decode(cell, device, dtype) -> dict:
 
             timing = sample_until_stable(timed_round, **_sampling(measure))
     finite = all(ok for _, _, ok in rounds)
-    tokens = axes["batch"] * new_tokens
-    flops = sum(core.step_flops(axes["batch"], axes["heads"], axes["d_value"], context + i) for i in range(new_tokens))
+    heads, grouped = head_arguments(core, axes)
+    rows = collections.Counter(lengths_of(cell) if packed(cell) else [context] * axes["batch"])  # prompt length -> sequences
+    tokens = sum(rows.values()) * new_tokens
+    flops = sum(core.step_flops(count, heads, axes["d_value"], length + i, **grouped) for length, count in rows.items() for i in range(new_tokens))
+    state_bytes = torch.finfo(core.state_dtype(dtype)).bits // 8
+    traffic = sum(_state_traffic(core, count, heads, axes["d_value"], length + i, grouped) for length, count in rows.items() for i in range(new_tokens))
     metrics = {
         **timing.summary(),
         "timing": _timing(cell),
@@ -280,21 +286,27 @@ def _measure_decode(cell, device, dtype) -> dict:
         "prefill_median_s": float(np.median([prefill_s for prefill_s, _, _ in rounds])),
         "peak_mem_bytes": peak.bytes,
         "memory_kind": peak.kind,
-        "state_numel": core.state_numel(axes["batch"], axes["heads"], axes["d_value"], context + new_tokens),
+        "state_numel": sum(core.state_numel(count, heads, axes["d_value"], length + new_tokens, **grouped) for length, count in rows.items()),
         "flops": flops,
-        "min_bytes": sum(_state_traffic(core, axes, context + i) * torch.finfo(core.state_dtype(dtype)).bits // 8 + step_bytes for i in range(new_tokens)),
+        "min_bytes": traffic * state_bytes + new_tokens * step_bytes,
         "flops_per_s": flops / timing.median_s,
         "torch_threads": torch.get_num_threads(),
+        **_lengths(cell),
         **_accuracy(lambda: accuracy.measure_decode(cell, device, dtype, decoder)),
     }
     return _profiled(cell, _result(finite, metrics), torch.no_grad()(decode_round), device)
 
 
-def _state_traffic(core, axes, position: int) -> int:
-    """Elements of the decoding state one step at ``position`` must read and write: all of it
-    read; written, what it adds (a KV cache) or all of it (a state of fixed size)."""
-    before, after = (core.state_numel(axes["batch"], axes["heads"], axes["d_value"], length) for length in (position, position + 1))
+def _state_traffic(core, batch: int, heads: int, d_value: int, position: int, grouped: dict) -> int:
+    """Elements of the decoding state one step at ``position`` must read and write (``batch`` sequences
+    there): all of it read; written, what it adds (a KV cache) or all of it (a state of fixed size)."""
+    before, after = (core.state_numel(batch, heads, d_value, length, **grouped) for length in (position, position + 1))
     return before + (after - before if after != before else after)
+
+
+def _lengths(cell) -> dict:
+    """``metrics.lengths``: a packed batch's sequence lengths (``axes.lengths`` names their distribution)."""
+    return {"lengths": cell["lengths"]} if "lengths" in cell else {}
 
 
 def _result(finite: bool, metrics: dict) -> dict:

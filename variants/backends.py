@@ -16,6 +16,7 @@ exactly what ``supports`` names (UnsupportedBackend).
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 from typing import Any
 
@@ -208,12 +209,28 @@ def build_torch(name: str, d_key: int, **params: Any) -> AttentionCore:
     return core
 
 
-def supports(name: str, d_key: int, backends=BACKENDS, *, dtype=None, device=None, **params: Any) -> dict[str, str | None]:
+def supports(name: str, d_key: int, backends=BACKENDS, *, dtype=None, device=None, packed=False, heads=None, **params: Any) -> dict[str, str | None]:
     """Per backend of ``backends``: None where it computes variant ``name`` with ``params`` (for
-    inputs of ``dtype`` on ``device``, where given), else the reason. Builds only the torch core
-    (so a parameter no backend could take raises VariantError)."""
+    inputs of ``dtype`` on ``device``, where given; packed sequences, ``cu_seqlens``, with ``packed``;
+    ``heads`` of q, k and v where they differ), else the reason. Builds only the torch core (so a
+    parameter no backend could take raises VariantError, and so do heads its grouping cannot take)."""
     core = build_torch(name, d_key, **params)
-    return {backend: get(backend, name).supports(core, dtype, device) for backend in backends}
+    return {backend: get(backend, name).supports(core, dtype, device) or _shape_refusal(core, backend, packed, heads) for backend in backends}
+
+
+def _shape_refusal(core: AttentionCore, backend: str, packed: bool, heads) -> str | None:
+    """Why ``backend`` cannot take packed sequences (``packed``) or the grouped ``heads`` (q, k, v) for
+    ``core``, as the core's own checks judge it on that backend (``base.PACKED_BACKENDS``); None if it can."""
+    probe = copy.copy(core)
+    probe.backend = backend
+    try:
+        if heads is not None:
+            probe._check_heads(*heads)
+        if packed:
+            probe._check_cu_seqlens(torch.empty(1, 1, 1, 0), torch.tensor([0, 1], dtype=torch.int32))
+    except UnsupportedBackend as exc:
+        return str(exc)
+    return None
 
 
 def create(name: str, d_key: int, *, backend: str = "torch", backend_options: dict | None = None, **params: Any) -> AttentionCore:

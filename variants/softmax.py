@@ -201,12 +201,13 @@ class Softmax(AttentionCore):
             return causal_read(torch.softmax(scores.masked_fill(future, float("-inf")), dim=-1).matmul, v)
         return torch.softmax(scores, dim=-1) @ v
 
-    def flops(self, batch, heads, length, d_value, *, causal=True):
-        """Q Kᵀ and P V over the visible pairs: T(T+1)/2 of them when causal, T² otherwise."""
+    def flops(self, batch, heads, length, d_value, *, causal=True, heads_k=None, heads_v=None):
+        """Q Kᵀ and P V over the visible pairs: T(T+1)/2 of them when causal, T² otherwise, on the query
+        heads (GQA's ``heads_k`` = ``heads_v`` change nothing: each query head meets every visible key)."""
         pairs = length * (length + 1) // 2 if causal else length * length
         return 2 * batch * heads * pairs * (self.d_key + d_value)
 
-    def step_flops(self, batch, heads, d_value, position):
+    def step_flops(self, batch, heads, d_value, position, *, heads_k=None, heads_v=None):
         return 2 * batch * heads * (position + 1) * (self.d_key + d_value)
 
     def state_numel(self, batch, heads, d_value, length, *, heads_k=None, heads_v=None):

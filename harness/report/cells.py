@@ -7,15 +7,16 @@ import numpy as np
 import pandas as pd
 import seaborn as sns
 
+from .. import axes as axis_table
 from .. import tasks
 from ..figures import natural
 from ..formatting import present
 from ..identity import CELL_KEY, identify, latest
 
 #: Axes that can be the x axis of a plot, in order of preference (after a task's own axes).
-X_CANDIDATES = ("seq_len", "batch", "heads", "d_key", "d_value", "new_tokens")
+X_CANDIDATES = axis_table.X_CANDIDATES
 #: Axes that, when they vary within one line, become part of its label.
-LABEL_AXES = X_CANDIDATES + ("dtype", "device", "model")
+LABEL_AXES = X_CANDIDATES + tuple(axis.name for axis in axis_table.TABLE if not axis.x)
 TIMED_MODES = ("forward", "train", "decode")
 DASHES = ("-", "--", ":", "-.")
 #: What one measurement is, per machine and timing mode (``timing``: metrics.timing, ``events``

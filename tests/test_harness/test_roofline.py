@@ -85,11 +85,12 @@ def test_decode_state_traffic():
     """A KV cache is read whole and grows by one token; a fixed state is read and written whole."""
     cell = _cell("softmax", "decode")
     core, *_ = build_decoder(cell, torch.device("cpu"), torch.float32, 16, 1)
-    assert _state_traffic(core, cell["axes"], 16) == 2 * 3 * (16 + 1) * (4 + 5)
+    assert _state_traffic(core, 2, 3, 5, 16, {}) == 2 * 3 * (16 + 1) * (4 + 5)
+    assert _state_traffic(core, 2, 3, 5, 16, {"heads_k": 1, "heads_v": 1}) == 2 * 1 * (16 + 1) * (4 + 5), "GQA: the key/value heads' cache"
     cell = _cell("linear", "decode")
     core, *_ = build_decoder(cell, torch.device("cpu"), torch.float32, 16, 1)
     state = core.state_numel(2, 3, 5, 16)
-    assert _state_traffic(core, cell["axes"], 16) == 2 * state
+    assert _state_traffic(core, 2, 3, 5, 16, {}) == 2 * state
 
 
 def _fractions_in_range(out) -> None:
@@ -104,7 +105,7 @@ def _fractions_in_range(out) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("scenario", ["seq-sweep", "decode"])
+@pytest.mark.parametrize("scenario", ["seq-sweep", "decode", "varlen"])
 def test_every_ok_cell_of_a_ci_preset_is_within_the_roofline(scenario, tmp_path):
     """A fraction above 1 is a counting error (FLOPs or bytes counted too high, or a roof too low);
     one sample a cell suffices to show one (a busy machine only lowers the fractions).
