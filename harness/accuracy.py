@@ -8,7 +8,8 @@ inputs (rounded to the cell's dtype first, so that only the arithmetic is judged
 slice of the batch (and for a core of the heads), ``REFERENCE_ROWS`` of each, since a quadratic
 reference of every row could cost more than the cell: the timed form runs on the whole batch and
 its slice is compared. A train cell's cotangent is random on that slice and zero elsewhere, so the
-gradients of the slice are exactly those of the sliced reference.
+gradients of the slice are exactly those of the sliced reference. A packed cell's one row holds every
+sequence: its reference runs each (``cu_seqlens``); a mixed decode batch is judged on its first.
 
 The reference of a core is ``core.reference`` (the plainest form: quadratic, or a token loop) up to
 ``REFERENCE_MAX_TOKENS`` tokens, beyond them the torch backend's parallel form in float64 (which the

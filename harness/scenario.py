@@ -1,9 +1,10 @@
-"""Scenarios: YAML files validated with pydantic and expanded into cells.
+"""Scenarios: YAML files validated with pydantic (here), read and merged with their preset and
+``--set`` overrides (``harness.scenario_files``), expanded into cells (``harness.expansion``).
 
 A scenario names variants (with parameters; a list value sweeps), backends, axes (each a
-value or a list to sweep), modes, measurement settings, optional rules and presets. See
-README.md ("Scenario format") for the full format. Every error names the file, the field
-path, the value and what was expected.
+value or a list to sweep; ``harness.axes`` lists them, ``harness.lengths`` draws packed batches),
+modes, measurement settings, optional rules and presets. See README.md ("Scenario format") for
+the full format. Every error names the file, the field path, the value and what was expected.
 """
 
 from __future__ import annotations
