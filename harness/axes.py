@@ -1,6 +1,6 @@
 """The axes of a speed cell, one table: each axis's name, its short label (``describe``, compare's
 and the report's cell names), what it means, and whether a plot may put it on its x axis. The
-scenario's schema (``harness.scenario.Axes``) validates them; everything that names them reads
+scenario's schema (``harness.schema.Axes``) validates them; everything that names them reads
 this table. Plain Python: the report imports it without torch."""
 
 from __future__ import annotations

@@ -17,8 +17,8 @@ from . import axes as axis_table
 from . import lengths, tasks
 from .builders import head_counts, shaped_inputs
 from .formatting import quote
-from .scenario import PACKINGS, VARIANT_AXES, Axes, Scenario, axis_names, check_packed_axes, configurations, sweep, variant_axes
 from .scenario_files import MAX_CELLS, SEED_AXIS, ScenarioError, limit
+from .schema import PACKINGS, VARIANT_AXES, Axes, Scenario, axis_names, check_packed_axes, configurations, sweep, variant_axes
 
 
 def cell_count(scenario: Scenario) -> int:

@@ -1,15 +1,18 @@
 """Reading a scenario file and merging into it: its bytes (a regular file, bounded), YAML (no
 duplicate keys, bounded size and depth, aliases counted out), the chosen preset and ``--set``
-overrides; the limits every input answers within. ``harness.scenario`` validates what this reads."""
+overrides; the limits every input answers within; the one-line errors of what does not validate.
+``harness.scenario`` validates what this reads."""
 
 from __future__ import annotations
 
 import copy
 import os
+import re
 import stat
 from pathlib import Path
 
 import yaml
+from pydantic import ValidationError
 
 from . import axes as axis_table
 from . import tasks
@@ -203,3 +206,29 @@ def resolve_path(spec: str) -> Path:
 
 def shipped() -> list[str]:
     return sorted(str(p.relative_to(SCENARIO_DIR).with_suffix("")) for p in SCENARIO_DIR.rglob("*.yaml"))
+
+
+def numbers(value, path: str = ""):
+    """(dotted path, value) of every float inside ``value`` (dicts and lists, at any depth)."""
+    if isinstance(value, float):
+        yield path, value
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from numbers(item, f"{path}.{key}" if path else str(key))
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            yield from numbers(item, f"{path}[{index}]")
+
+
+def format_validation(path: str, exc: ValidationError) -> str:
+    lines = [f"{path}: invalid scenario"]
+    for error in exc.errors():
+        message = error["msg"].removeprefix("Value error, ")
+        field = ".".join(str(part) for part in error["loc"])
+        if re.match(rf"^{re.escape(field)}[\w.\[\]]*: ", message):  # a check that names its field itself
+            lines.append(f"  {message}")
+            continue
+        value = error.get("input")
+        shown = quote(value) if not isinstance(value, dict) else "{...}"
+        lines.append(f"  {field or '(top level)'}: {message} (got {shown})")
+    return "\n".join(lines)

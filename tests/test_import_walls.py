@@ -17,7 +17,8 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("variants", "harness")
 #: What the report may not reach: the run loop and its workers, the scenario loader, models, variants.
 OUTSIDE_THE_REPORT = (
-    "harness.runner", "harness.worker", "harness.scenario", "harness.scenario_files", "harness.expansion", "harness.models", "harness.builders", "variants",
+    "harness.runner", "harness.worker", "harness.scenario", "harness.schema", "harness.scenario_files", "harness.expansion",
+    "harness.models", "harness.builders", "variants",
 )
 
 

@@ -118,7 +118,7 @@ class Task:
       ``run`` may be given as ``"module:attribute"``, imported when first needed (``resolve``).
     - ``axes``: the axes of its cells (``dtype`` and ``device`` come with every task); the
       first is what its results are plotted against. An axis that is not one of the speed
-      axes (``harness.scenario.AXES``) takes positive integers.
+      axes (``harness.schema.AXES``) takes positive integers.
     - ``run(cell) -> metrics``: train and evaluate one cell (``cell["variant"]``, ``["params"]``,
       ``["backend"]``, ``["axes"]``, ``["task"]``); a ``loss`` metric that is not finite marks
       the cell ``nan``.
