@@ -15,7 +15,7 @@ pytest.importorskip("triton")
 
 import variants  # noqa: E402
 from variants import kernels  # noqa: E402
-from variants.kernels import _common, delta_rule, sum_rule  # noqa: E402
+from variants.kernels import _common, delta_rule, delta_rule_forward, sum_rule  # noqa: E402
 
 DEVICE = os.environ.get("ATTNBENCH_TEST_DEVICE", "cpu")
 F64 = torch.float64
@@ -96,7 +96,7 @@ def _pass_arguments(pass_kernel, seq_len: int, batch_heads: int) -> list:
 def test_pass_tuning_is_keyed_on_the_shape(monkeypatch, pass_kernel):
     """Two shapes tuned in either order get the same choices: the best candidate (timed here by a stand-in
     that favours 16 columns for a short sequence and 32 for a long one) is chosen per (T, B·H), never reused."""
-    candidates = [config for config in delta_rule.PASS_CONFIGS if config.num_warps == 4]
+    candidates = [config for config in delta_rule_forward.PASS_CONFIGS if config.num_warps == 4]
     monkeypatch.setattr(pass_kernel, "early_config_prune", lambda configs, args, **constexprs: candidates)
 
     def timing(*args, config, **constexprs):
@@ -117,7 +117,7 @@ def test_pass_tuning_is_keyed_on_the_shape(monkeypatch, pass_kernel):
         choices.append(dict(zip(order, ran)))
         assert len(pass_kernel.cache) == len(shapes)
     assert choices[0] == choices[1] == {(64, 8): 16, (4096, 8): 32, (4096, 1): 32}
-    assert {"seq_len", "batch_heads"} <= set(delta_rule.PASS_TUNING_KEY)
+    assert {"seq_len", "batch_heads"} <= set(delta_rule_forward.PASS_TUNING_KEY)
 
 
 def test_over_limits():
@@ -143,7 +143,7 @@ def test_candidates_over_the_gpus_limits_are_pruned():
         return kernel
 
     limits = _common.Limits(shared=1000)
-    configs = [config for config in delta_rule.PASS_CONFIGS if config.num_warps == 4]
+    configs = [config for config in delta_rule_forward.PASS_CONFIGS if config.num_warps == 4]
     assert _common.keep_fitting("pass", configs, compile_config, limits) == [configs[1]]  # 32 columns, 255 × 128 threads fit
     assert loaded == [32]  # the one over the shared memory is never loaded
     half = _common.Limits(shared=1000, registers=32000)

@@ -1,0 +1,157 @@
+"""The sum rule's forward Triton kernels: (a) the chunks' own sums, (b) the prefix over chunks, (c) the
+outputs, and the tile helpers the backward shares. The maths and the launches: ``kernels.sum_rule``."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ._common import chunk_rows, dot, load_or_zeros, token_tile
+
+# --------------------------------------------------------------------------------------
+# Kernels. Tensors are contiguous; [B, H] is flattened into one grid axis ``bh``. Chunk states are
+# [B·H, num_chunks, width] with width = d_dot·d_value (+ d_dot with NORMALIZE): S_c, then z_c.
+# --------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _state_tile(states_ptr, bh, chunk, num_chunks, width, offs_f, offs_v, d_dot, d_value):
+    """Rows ``offs_f``, columns ``offs_v`` of S_c (float32, 0 outside F × Dv)."""
+    offs = (bh * num_chunks + chunk) * width + offs_f[:, None] * d_value + offs_v[None, :]
+    mask = (offs_f < d_dot)[:, None] & (offs_v < d_value)[None, :]
+    return tl.load(states_ptr + offs, mask=mask, other=0.0)
+
+
+@triton.jit
+def _norm_tile(states_ptr, bh, chunk, num_chunks, width, offs_f, d_dot, d_value):
+    """Entries ``offs_f`` of z_c (float32, 0 outside F)."""
+    offs = (bh * num_chunks + chunk) * width + d_dot * d_value + offs_f
+    return tl.load(states_ptr + offs, mask=offs_f < d_dot, other=0.0)
+
+
+@triton.jit
+def _load_tokens(ptr, bh, seq_len, rows, row_ok, cols, width):
+    """Rows ``rows`` (where ``row_ok``), columns ``cols`` of a [B·H, T, width] tensor, in its dtype, 0 outside."""
+    offs, mask = token_tile(bh, seq_len, rows, row_ok, cols, width)
+    return tl.load(ptr + offs, mask=mask, other=0.0)
+
+
+@triton.jit
+def _token_values(ptr, bh, seq_len, rows, row_ok):
+    """One float32 per token of a [B·H, T] tensor (r or δ) for one chunk, 0 outside."""
+    return tl.load(ptr + bh * seq_len + rows, mask=row_ok, other=0.0)
+
+
+@triton.jit
+def _chunk_sums_kernel(
+    x_ptr, y_ptr, rinv_ptr, delta_ptr,  # inputs: (K, V) or (Q, dY with r, δ)
+    states_ptr,  # output [B·H, num_chunks, width]
+    seq_len, d_dot, d_value, chunk_size, num_chunks, width,
+    NORMALIZE: tl.constexpr, COTANGENT: tl.constexpr,
+    BLOCK_C: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_V: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """(a) Program (chunk c, bh, tile (i, j)): rows block i, columns block j of ΔS_c = K_cᵀ V_c and,
+    with NORMALIZE (j = 0), block i of Δz_c = K_cᵀ 1. With COTANGENT the backward's Q_cᵀ G_c and Q_cᵀ dden_c."""
+    chunk = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    tile = tl.program_id(2)
+    n_v = tl.cdiv(d_value, BLOCK_V)
+    offs_f = (tile // n_v) * BLOCK_F + tl.arange(0, BLOCK_F)
+    offs_v = (tile % n_v) * BLOCK_V + tl.arange(0, BLOCK_V)
+    rows, row_ok = chunk_rows(chunk, seq_len, chunk_size, BLOCK_C)
+
+    x = _load_tokens(x_ptr, bh, seq_len, rows, row_ok, offs_f, d_dot)
+    y = _load_tokens(y_ptr, bh, seq_len, rows, row_ok, offs_v, d_value)
+    if COTANGENT and NORMALIZE:
+        rinv = _token_values(rinv_ptr, bh, seq_len, rows, row_ok)
+        y = y.to(tl.float32) * rinv[:, None]  # G = diag(r) dY
+    sums = dot(tl.trans(x), y, PRECISION, x_ptr.dtype.element_ty)
+    base = (bh * num_chunks + chunk) * width
+    mask = (offs_f < d_dot)[:, None] & (offs_v < d_value)[None, :]
+    tl.store(states_ptr + base + offs_f[:, None] * d_value + offs_v[None, :], sums, mask=mask)
+    if NORMALIZE:
+        if tile % n_v == 0:
+            if COTANGENT:
+                dden = -rinv * _token_values(delta_ptr, bh, seq_len, rows, row_ok)
+                norm = tl.sum(x.to(tl.float32) * dden[:, None], axis=0)
+            else:
+                norm = tl.sum(x.to(tl.float32), axis=0)
+            tl.store(states_ptr + base + d_dot * d_value + offs_f, norm, mask=offs_f < d_dot)
+
+
+@triton.jit
+def _chunk_prefix_kernel(
+    states_ptr, initial_ptr, final_ptr,
+    width, num_chunks,
+    HAS_INITIAL: tl.constexpr, REVERSE: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """(b) Program (bh, block): in place over chunks, ΔS_c -> S_c = S_0 + Σ_{c'<c} ΔS_c' (with REVERSE
+    dS_c = dS_T + Σ_{c'>c} ΔS_c'), for ``BLOCK`` entries of a state row; the sum over all chunks
+    (S_T, or dS_0 with REVERSE) goes to ``final``. ``initial`` and ``final`` are [B·H, width]."""
+    bh = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < width
+    running = load_or_zeros(initial_ptr, bh * width + offs, ok, HAS_INITIAL)
+    row_ptr = states_ptr + bh * num_chunks * width + offs
+    for step in range(num_chunks):
+        chunk = num_chunks - 1 - step if REVERSE else step
+        own = tl.load(row_ptr + chunk * width, mask=ok, other=0.0)
+        tl.store(row_ptr + chunk * width, running, mask=ok)
+        running += own
+    tl.store(final_ptr + bh * width + offs, running, mask=ok)
+
+
+@triton.jit
+def _chunk_output_kernel(
+    q_ptr, k_ptr, v_ptr, states_ptr,  # inputs
+    y_ptr, rinv_ptr,  # outputs
+    dy_ptr, delta_ptr,  # only with DELTA_ONLY
+    seq_len, d_dot, d_value, chunk_size, num_chunks, width,
+    NORMALIZE: tl.constexpr, DELTA_ONLY: tl.constexpr,
+    BLOCK_C: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_V: tl.constexpr,
+    PRECISION: tl.constexpr, EPSILON: tl.constexpr,
+):  # fmt: skip
+    """(c) Program (chunk c, bh, j): y_c[:, block j] = (A V + Q S_c) r with A = tril(Q Kᵀ) and, with
+    NORMALIZE, r = 1 / (A 1 + Q z_c + ε) (block 0 stores r). A and the reads of S_c, z_c sum over F
+    in blocks of BLOCK_F.
+
+    With ``DELTA_ONLY`` (backward of 16-bit inputs) it writes only Σ_{d in block j} dy_td y_td,
+    y in float32, to ``delta[j, bh, t]`` (the wrapper sums over j)."""
+    chunk = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    pid_v = tl.program_id(2)
+    offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    rows, row_ok = chunk_rows(chunk, seq_len, chunk_size, BLOCK_C)
+    input_type = q_ptr.dtype.element_ty
+
+    scores = tl.zeros((BLOCK_C, BLOCK_C), dtype=tl.float32)
+    out = tl.zeros((BLOCK_C, BLOCK_V), dtype=tl.float32)
+    den = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    for f_start in range(0, d_dot, BLOCK_F):
+        offs_f = f_start + tl.arange(0, BLOCK_F)
+        q = _load_tokens(q_ptr, bh, seq_len, rows, row_ok, offs_f, d_dot)
+        k = _load_tokens(k_ptr, bh, seq_len, rows, row_ok, offs_f, d_dot)
+        scores += dot(q, tl.trans(k), PRECISION, input_type)
+        out += dot(q, _state_tile(states_ptr, bh, chunk, num_chunks, width, offs_f, offs_v, d_dot, d_value), PRECISION, input_type)
+        if NORMALIZE:
+            norm = _norm_tile(states_ptr, bh, chunk, num_chunks, width, offs_f, d_dot, d_value)
+            den += tl.sum(q.to(tl.float32) * norm[None, :], axis=1)
+    scores = tl.where(rows[:, None] >= rows[None, :], scores, 0.0)
+    v = _load_tokens(v_ptr, bh, seq_len, rows, row_ok, offs_v, d_value)
+    out += dot(scores, v, PRECISION, input_type)
+    if NORMALIZE:
+        # A 1 as a product with [1, 0, ..., 0] columns, which keeps A in the layout of the dot above (a
+        # row sum of A beside it held A twice: fp32 spilled 1.2 KB a thread)
+        first_column = tl.zeros((BLOCK_C, 16), dtype=tl.float32) + (tl.arange(0, 16) == 0).to(tl.float32)[None, :]
+        rinv = 1.0 / (den + tl.sum(dot(scores, first_column, PRECISION, input_type), axis=1) + EPSILON)
+        out = out * rinv[:, None]
+        if not DELTA_ONLY:
+            if pid_v == 0:
+                tl.store(rinv_ptr + bh * seq_len + rows, rinv, mask=row_ok)
+    y_offs, y_mask = token_tile(bh, seq_len, rows, row_ok, offs_v, d_value)
+    if DELTA_ONLY:
+        dy = tl.load(dy_ptr + y_offs, mask=y_mask, other=0.0).to(tl.float32)
+        n_bh = tl.num_programs(1).to(tl.int64)
+        tl.store(delta_ptr + (pid_v * n_bh + bh) * seq_len + rows, tl.sum(dy * out, axis=1), mask=row_ok)
+    else:
+        tl.store(y_ptr + y_offs, out.to(y_ptr.dtype.element_ty), mask=y_mask)
