@@ -11,12 +11,13 @@ A core is built once, with its parameters (the one place they pass, checked agai
 Every backend reads the core's parameters from the built core, so a new parameter reaches all of
 them; one that only some honour says so in its ``Param`` (``params.check_backend``).
 ``supports(...)`` answers without building anything but the torch core, and ``create`` refuses
-exactly what ``supports`` names (UnsupportedBackend).
+exactly what ``supports`` names (UnsupportedBackend). It is also the one place that says which backend
+takes packed sequences (``cu_seqlens``) and grouped heads (``base.SHAPES``): a backend's ``shapes`` for the
+PyTorch forms, a form's own ``shapes`` otherwise; ``build`` gives them to the core, whose checks refuse the rest.
 """
 
 from __future__ import annotations
 
-import copy
 import importlib.util
 from typing import Any
 
@@ -24,7 +25,7 @@ import torch
 
 from . import compiled
 from . import params as parameters
-from .base import AttentionCore, UnsupportedBackend, VariantError, core_class, names, registered
+from .base import SHAPES, AttentionCore, UnsupportedBackend, VariantError, core_class, names, registered
 
 
 class Backend:
@@ -39,6 +40,8 @@ class Backend:
     #: what it runs, for messages ("runs its kernels")
     runs = "runs its kernels"
     requires: tuple[str, str] | None = None
+    #: what of ``base.SHAPES`` its PyTorch forms take here (a backend with forms of its own: each form's ``shapes``)
+    shapes: tuple[str, ...] = ()
 
     def declared(self, core: AttentionCore):
         """What builds ``core``'s form here (its family's ``backend_forms`` entry), None for the PyTorch
@@ -58,10 +61,11 @@ class Backend:
             raise UnsupportedBackend(f"{core.variant_name}: {torch_only}, got backend={self.name!r}")
         return declared
 
-    def check(self, core: AttentionCore, dtype=None, device=None):
+    def check(self, core: AttentionCore, dtype=None, device=None, shapes=()):
         """The form that runs ``core`` here (None: its PyTorch forms), or UnsupportedBackend with the
         reason: no form in its family, the backend's package missing, a parameter only other backends
-        honour, what the form refuses for this configuration or for inputs of ``dtype`` on ``device``."""
+        honour, what the form refuses for this configuration or for inputs of ``dtype`` on ``device``, or
+        of ``shapes`` ('packed', 'grouped': ``base.SHAPES``) what it does not take."""
         declared = self.declared(core)
         if self.requires is not None and importlib.util.find_spec(self.requires[0]) is None:
             raise UnsupportedBackend(f"{core.variant_name}: backend {self.name!r} needs {self.requires[1]}")
@@ -70,13 +74,22 @@ class Backend:
         reason = None if form is None else form.refuses(dtype, device)
         if reason is not None:
             raise UnsupportedBackend(reason)
+        if "grouped" in shapes and core.head_grouping is None:
+            raise UnsupportedBackend(f"{core.variant_name}: this variant takes no grouped heads")
+        missing = [SHAPES[shape] for shape in shapes if shape not in self.shapes_taken(form)]
+        if missing:
+            raise UnsupportedBackend(f"{core.variant_name}: backend {self.name!r} takes no {' and no '.join(missing)} for this variant")
         return form
 
-    def supports(self, core: AttentionCore, dtype=None, device=None) -> str | None:
+    def shapes_taken(self, form) -> tuple[str, ...]:
+        """What of ``base.SHAPES`` the core takes here, run by ``form`` (None: its PyTorch forms)."""
+        return self.shapes if form is None else form.shapes
+
+    def supports(self, core: AttentionCore, dtype=None, device=None, shapes=()) -> str | None:
         """None where this backend computes ``core``'s function (for inputs of ``dtype`` on ``device``,
-        where given), else the reason."""
+        where given, and of ``shapes``), else the reason."""
         try:
-            self.check(core, _dtype(dtype), _device(device))
+            self.check(core, _dtype(dtype), _device(device), shapes)
         except UnsupportedBackend as exc:
             return str(exc)
         return None
@@ -85,13 +98,14 @@ class Backend:
         form = self.check(core)
         if form is not None:
             form.install()
-        core.backend = self.name
+        core.backend, core.shapes = self.name, self.shapes_taken(form)
         return core
 
 
 class _Torch(Backend):
     name = "torch"
     runs_torch_forms = True
+    shapes = tuple(SHAPES)
     runs = "runs the PyTorch forms"
 
 
@@ -215,22 +229,11 @@ def supports(name: str, d_key: int, backends=BACKENDS, *, dtype=None, device=Non
     ``heads`` of q, k and v where they differ), else the reason. Builds only the torch core (so a
     parameter no backend could take raises VariantError, and so do heads its grouping cannot take)."""
     core = build_torch(name, d_key, **params)
-    return {backend: get(backend, name).supports(core, dtype, device) or _shape_refusal(core, backend, packed, heads) for backend in backends}
-
-
-def _shape_refusal(core: AttentionCore, backend: str, packed: bool, heads) -> str | None:
-    """Why ``backend`` cannot take packed sequences (``packed``) or the grouped ``heads`` (q, k, v) for
-    ``core``, as the core's own checks judge it on that backend (``base.PACKED_BACKENDS``); None if it can."""
-    probe = copy.copy(core)
-    probe.backend = backend
-    try:
-        if heads is not None:
-            probe._check_heads(*heads)
-        if packed:
-            probe._check_cu_seqlens(torch.empty(1, 1, 1, 0), torch.tensor([0, 1], dtype=torch.int32))
-    except UnsupportedBackend as exc:
-        return str(exc)
-    return None
+    grouped = heads is not None and len(set(heads)) > 1
+    if grouped:
+        core._check_heads(*heads)  # the variant's own grouping (its torch forms take every shape it allows)
+    shapes = ("packed",) * bool(packed) + ("grouped",) * grouped
+    return {backend: get(backend, name).supports(core, dtype, device, shapes) for backend in backends}
 
 
 def create(name: str, d_key: int, *, backend: str = "torch", backend_options: dict | None = None, **params: Any) -> AttentionCore:

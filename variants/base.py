@@ -85,8 +85,8 @@ def core_class(factory) -> type:
     return factory if isinstance(factory, type) else getattr(factory, "core_class", AttentionCore)
 
 
-#: The backends that take ``cu_seqlens`` and grouped heads (not the kernels, nor 'compile' yet).
-PACKED_BACKENDS = ("torch",)
+#: What a form may take beyond a dense batch of equal heads: packed sequences (``cu_seqlens``), grouped heads.
+SHAPES = {"packed": "cu_seqlens", "grouped": "grouped heads"}
 #: The head groupings a core may declare (``head_grouping``): what they allow, for messages.
 HEAD_GROUPINGS = {"gqa": "k and v share their heads, a divisor of q's (GQA)", "gva": "q and k share their heads, a divisor of v's (GVA)"}
 
@@ -112,9 +112,10 @@ class BackendForm:
     ``backend_forms`` (``{"triton": ..., "fla": ...}``). Built from the torch core, it raises
     UnsupportedBackend naming why the backend cannot compute this configuration, and changes
     nothing until ``install``, which gives the core its attributes named in ``replaces`` (its
-    ``_run``, or its forms). ``refuses(dtype, device)`` names inputs it cannot take (None: any)."""
+    ``_run``, or its forms). ``refuses(dtype, device)`` names inputs it cannot take (None: any); ``shapes``: what of ``SHAPES`` it takes."""
 
     replaces: tuple[str, ...] = ()
+    shapes: tuple[str, ...] = ()
 
     def __init__(self, core):
         self.core = core
@@ -153,11 +154,6 @@ def checks_due(device: torch.device) -> bool:
     """Whether a timed form runs its input checks on ``device``: on CPU tensors (no device sync, no
     kernel launch) or under ``debug_checks``."""
     return _DEBUG_CHECKS or device.type == "cpu"
-
-
-def _range_check_due(device: torch.device, always: bool) -> bool:
-    """Whether a form checks a token input's range: ``always`` (``reference``), or ``checks_due``."""
-    return always or checks_due(device)
 
 
 @dataclass(frozen=True)
@@ -273,6 +269,8 @@ class AttentionCore(nn.Module):
     backend_forms: dict = {}
     #: the grouped heads its PyTorch forms take: None, 'gqa' or 'gva' (``HEAD_GROUPINGS``)
     head_grouping: str | None = None
+    #: what of ``SHAPES`` its forms on its backend take (set by ``backends.Backend.build``, as ``supports`` says)
+    shapes: tuple[str, ...] = tuple(SHAPES)
     #: its constructor parameters: name -> ``params.Param`` (checked by ``create``)
     PARAMS: dict = {}
 
@@ -428,8 +426,7 @@ class AttentionCore(nn.Module):
     def _check_cu_seqlens(self, q, cu_seqlens) -> None:
         """int32 offsets ``[N + 1]`` from 0 to T, increasing (every sequence has a token), one packed row."""
         name = self.variant_name
-        if self.backend not in PACKED_BACKENDS:
-            raise UnsupportedBackend(f"{name}: backend={self.backend!r} takes no cu_seqlens (packed sequences run on backend='torch')")
+        self._check_shape("packed", "")
         if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1 or len(cu_seqlens) < 2:
             got = f"{cu_seqlens.dtype} {tuple(cu_seqlens.shape)}" if isinstance(cu_seqlens, torch.Tensor) else type(cu_seqlens).__name__
             raise VariantError(f"{name}: cu_seqlens must be a 1-d int32 tensor of N + 1 offsets, got {got}")
@@ -472,12 +469,15 @@ class AttentionCore(nn.Module):
         if not allowed:
             takes = HEAD_GROUPINGS[grouping] if grouping else "this variant takes no grouped heads: q, k and v have the same heads"
             raise VariantError(f"{name}: {takes}; got q {q}, k {k}, v {v} heads")
-        if self.backend not in PACKED_BACKENDS:
-            raise UnsupportedBackend(f"{name}: backend={self.backend!r} takes no grouped heads (q {q}, k {k}, v {v}; they run on backend='torch')")
+        self._check_shape("grouped", f" (q {q}, k {k}, v {v})")
+
+    def _check_shape(self, shape: str, detail: str) -> None:
+        if shape not in self.shapes:
+            raise UnsupportedBackend(f"{self.variant_name}: backend={self.backend!r} takes no {SHAPES[shape]}{detail} (``variants.supports`` names who does)")
 
     def _check_token_inputs(self, given: dict, shape, layout: str, suffix: str, always: bool) -> dict:
         """Exactly the declared token inputs (keywords ``name + suffix``; None is not given), each of
-        ``shape`` and, where due (``_range_check_due``), within its bounds. Returns them by ``name``."""
+        ``shape`` and, where due (``always``, or ``checks_due``), within its bounds. Returns them by ``name``."""
         variant = self.variant_name
         declared = {spec.name + suffix: spec for spec in self.token_inputs}
         for label, x in given.items():
@@ -494,7 +494,7 @@ class AttentionCore(nn.Module):
             if not isinstance(x, torch.Tensor) or tuple(x.shape) != tuple(shape):
                 got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
                 raise VariantError(f"{variant}: {label} must have shape {layout} = {tuple(shape)}, got {got}")
-            if _range_check_due(x.device, always):
+            if always or checks_due(x.device):
                 spec.check_range(x, variant, label)
             checked[spec.name] = x
         return checked

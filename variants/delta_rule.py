@@ -172,11 +172,11 @@ class _Triton(TritonForm):
             )
         super().__init__(core)
 
-    def _run(self, q, k, v, state, causal, beta, log_gate=None):
+    def _run(self, q, k, v, state, causal, beta, log_gate=None, bounds=None):
         core = self.core
         features_q, features_k = core.phi.for_queries(q), core.phi.for_keys(k)
         read, weights = self.kernel(q).delta_rule_triton(
-            features_q, features_k, v, beta, state.weights, log_gate=log_gate, chunk_size=core.chunk_size, precision=core.precision
+            features_q, features_k, v, beta, state.weights, log_gate=log_gate, chunk_size=core.chunk_size, precision=core.precision, cu_seqlens=bounds
         )
         return read, FastWeightState(weights, None)  # float32, the state dtype of every input dtype it takes
 

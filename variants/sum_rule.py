@@ -107,13 +107,13 @@ def rebased(d_key, **options):
 class _Triton(TritonForm):
     """The causal parallel form through ``kernels.sum_rule.sum_rule_triton`` (the non-causal one stays PyTorch's)."""
 
-    def _run(self, q, k, v, state, causal):
+    def _run(self, q, k, v, state, causal, bounds=None):
         core = self.core
         if not causal:
             return SumRule._run(core, q, k, v, state, causal)
         features_q, features_k = core.phi.for_queries(q), core.phi.for_keys(k)
         read, weights, normaliser = self.kernel(q).sum_rule_triton(
-            features_q, features_k, v, *state, normalize=core.normalize, chunk_size=core.chunk_size, precision=core.precision
+            features_q, features_k, v, *state, normalize=core.normalize, chunk_size=core.chunk_size, precision=core.precision, cu_seqlens=bounds
         )
         return read, FastWeightState(weights, normaliser)  # float32, the state dtype of every input dtype it takes
 

@@ -112,13 +112,63 @@ def test_every_variant_packs_or_refuses(config):
 
 
 @pytest.mark.parametrize("backend", ["triton", "fla", "compile"])
-def test_other_backends_refuse_cu_seqlens_and_grouped_heads(backend):
-    core = variants.create("delta", 8, backend=backend)
-    inputs = make_inputs(core, 1, 2, 25, 8, dtype=torch.float32, seed=0)
-    with pytest.raises(variants.UnsupportedBackend, match=f"backend='{backend}' takes no cu_seqlens"):
-        core(**inputs, cu_seqlens=CU_SEQLENS)
-    with pytest.raises(variants.UnsupportedBackend, match=f"backend='{backend}' takes no grouped heads"):
-        core(**{**inputs, "q": inputs["q"][:, :1], "k": inputs["k"][:, :1]})
+@pytest.mark.parametrize("name", ["linear", "delta", "gated_delta", "based"])
+def test_what_supports_says_the_core_refuses(backend, name):
+    """``supports(..., shapes=...)`` is the one place that says which backend takes packed sequences and grouped
+    heads: what it refuses, the built core refuses in one line naming it (what it takes, other tests run)."""
+    shapes = {"packed": "cu_seqlens", "grouped": "grouped heads"}
+    for shape, words in shapes.items():
+        reason = variants.supports(name, 8, [backend], shapes=[shape])[backend]
+        if reason is None or "takes no" not in reason:
+            continue
+        core = variants.create(name, 8, backend=backend)
+        inputs = make_inputs(core, 1, 2, 25, 8, dtype=torch.float32, seed=0)
+        call = {"cu_seqlens": CU_SEQLENS} if shape == "packed" else {}
+        if shape == "grouped":
+            fewer = "v" if core.head_grouping == "gqa" else "q"
+            inputs |= {label: inputs[label][:, :1] for label in ("kv" if fewer == "v" else "qk")}
+        with pytest.raises(variants.UnsupportedBackend, match=f"backend='{backend}' takes no {words}") as raised:
+            core(**inputs, **call)
+        assert "\n" not in str(raised.value)
+
+
+def test_supports_names_the_shapes():
+    assert variants.supports("delta", 8, ["torch", "triton", "compile"], shapes=["packed"]) == {
+        "torch": None,
+        "triton": None,
+        "compile": "delta: backend 'compile' takes no cu_seqlens for this variant",
+    }
+    assert "this variant takes no grouped heads" in variants.supports("rwkv", 8, ["torch"], shapes=["grouped"])["torch"]
+    with pytest.raises(variants.VariantError, match="shapes must be a list of 'packed', 'grouped'"):
+        variants.supports("delta", 8, shapes="packed")
+
+
+#: The kernels' chunk is at least 16: sequences of 7, 1, 33 (three chunks, the last partial) and 4 tokens.
+TRITON_CU_SEQLENS = torch.tensor([0, 7, 8, 41, 45], dtype=torch.int32)
+
+
+@pytest.mark.parametrize("config", [("linear", {}), ("linear", {"phi": "identity", "normalize": False}), ("delta", {}), ("gated_delta", {})], ids=config_id)
+def test_triton_packed_equals_each_sequence_alone(config, seed):
+    """backend='triton' (its interpreter on a CPU): a packed row in float32 equals the float64 torch core on each
+    sequence alone, forward and the gradient of every input, within float32's tolerance; so do prefill's states."""
+    pytest.importorskip("triton")
+    name, params = config
+    core = variants.create(name, 6, backend="triton", chunk_size=16, **params)
+    exact = variants.create(name, 6, chunk_size=16, **params).double()
+    inputs = make_inputs(core, 1, 2, int(TRITON_CU_SEQLENS[-1]), 3, dtype=torch.float32, seed=seed, requires_grad=True)
+    leaves = {label: x.detach().double().requires_grad_() for label, x in inputs.items()}
+    bounds = TRITON_CU_SEQLENS.tolist()
+    pieces = [variants.time_slice(leaves, a, b) for a, b in zip(bounds[:-1], bounds[1:])]
+    packed = core(**inputs, cu_seqlens=TRITON_CU_SEQLENS)
+    alone = torch.cat([exact(**piece) for piece in pieces], 2)
+    assert_close(packed, alone, torch.float32, f"{name} triton packed", seed)
+    expected = _grads(alone, leaves)
+    for label, grad in _grads(packed.double(), inputs).items():
+        assert_close(grad, expected[label], torch.float32, f"{name} triton d/d{label} packed", seed)
+    with torch.no_grad():
+        _, states = core.prefill(**inputs, cu_seqlens=TRITON_CU_SEQLENS)
+        for n, piece in enumerate(pieces):
+            assert_close(states.weights[n : n + 1], exact.prefill(**piece)[1].weights, torch.float32, f"{name} triton state {n}", seed)
 
 
 @pytest.mark.parametrize(

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import os
 
@@ -102,22 +103,67 @@ def tile_plan(precision: str, block_c: int, widest: int) -> tuple[int, int]:
     return max(16, columns), 4 if sixteen_bit and block_c <= WIDE_TILE_CHUNK else 8
 
 
+class Packing:
+    """Where the chunks of packed sequences lie (``cu_seqlens``, B = 1): each sequence cut into chunks of its own, so
+    that none straddles a boundary. ``chunks`` int32 ``[n_chunks, 2]``: each chunk's first token and end (exclusive);
+    ``sequences`` int32 ``[N + 1]``: each sequence's first chunk (and the total at the end). Built on the host from the
+    offsets as ints, once per (offsets, chunk size, device): ``packing``."""
+
+    def __init__(self, bounds: tuple[int, ...], chunk_size: int, device: torch.device):
+        spans = [(start, min(start + chunk_size, stop)) for first, stop in zip(bounds[:-1], bounds[1:]) for start in range(first, stop, chunk_size)]
+        firsts = [0]
+        for first, stop in zip(bounds[:-1], bounds[1:]):
+            firsts.append(firsts[-1] + triton.cdiv(stop - first, chunk_size))
+        self.num_sequences, self.num_chunks = len(bounds) - 1, len(spans)
+        self.chunks = torch.tensor(spans, dtype=torch.int32, device=device)
+        self.sequences = torch.tensor(firsts, dtype=torch.int32, device=device)
+
+
+@functools.lru_cache(maxsize=64)
+def _packing(bounds: tuple[int, ...], chunk_size: int, device: torch.device) -> Packing:
+    return Packing(bounds, chunk_size, device)
+
+
+def packing(name: str, q: torch.Tensor, cu_seqlens, chunk_size: int) -> Packing | None:
+    """The ``Packing`` of ``cu_seqlens`` (offsets as ints, or an int tensor: then read on the host) for the
+    kernels of ``name`` on ``q`` ``[1, H, T, ·]`` at ``chunk_size``, cached per (offsets, chunk size, device): a
+    call with the offsets of an earlier one copies nothing to the device. None for None; VariantError for offsets
+    that do not increase from 0 to T or a batch other than 1."""
+    if cu_seqlens is None:
+        return None
+    bounds = tuple(cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else map(int, cu_seqlens))
+    if q.shape[0] != 1:
+        raise VariantError(f"{name}: with cu_seqlens the sequences are packed into one row, q [1, H, total_T, F]; got batch {q.shape[0]}")
+    if len(bounds) < 2 or bounds[0] != 0 or bounds[-1] != q.shape[2] or any(b <= a for a, b in zip(bounds[:-1], bounds[1:])):
+        raise VariantError(f"{name}: cu_seqlens must increase from 0 to T={q.shape[2]} (no empty sequence), got {list(bounds)}")
+    return _packing(bounds, chunk_size, q.device)
+
+
 class Tiles:
     """Sizes of one call and what every kernel of a rule launches with: ``precision`` the ``dot``
-    precision (``operand_precision``; ``precision`` the one asked for float32). Each rule's
-    subclass sets ``block_f``, ``block_v`` (the state block of one program), ``num_warps`` and ``num_stages``."""
+    precision (``operand_precision``; ``precision`` the one asked for float32). Over packed sequences
+    (``packing``) the chunks are the sequences' own and the states (initial, final) one per sequence and head:
+    ``state_batch`` N instead of B. Each rule's subclass sets ``block_f``, ``block_v`` (the state block of one
+    program), ``num_warps`` and ``num_stages``."""
 
-    def __init__(self, batch, heads, seq_len, d_dot, d_value, chunk_size, dtype, device, precision=None):
+    def __init__(self, batch, heads, seq_len, d_dot, d_value, chunk_size, dtype, device, precision=None, packing: Packing | None = None):
         self.batch, self.heads, self.seq_len, self.d_dot, self.d_value = batch, heads, seq_len, d_dot, d_value
         self.bh = batch * heads
         self.chunk_size = chunk_size
-        self.num_chunks = triton.cdiv(seq_len, chunk_size)
+        self.packing, self.varlen = packing, packing is not None
+        self.num_chunks = packing.num_chunks if packing else triton.cdiv(seq_len, chunk_size)
+        self.state_batch = packing.num_sequences if packing else batch
+        self.state_rows = self.state_batch * heads
         self.block_c, self.pad_f, self.pad_v = pad(chunk_size), pad(d_dot), pad(d_value)
         self.precision = operand_precision(dtype, capability(device), precision)
 
     def sizes(self) -> tuple[int, ...]:
         """The runtime size arguments every kernel takes: ``seq_len, d_dot, d_value, chunk_size, num_chunks``."""
         return (self.seq_len, self.d_dot, self.d_value, self.chunk_size, self.num_chunks)
+
+    def tables(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The chunk and sequence tables of packed sequences (``Packing``), else ``like`` twice (never read: VARLEN off)."""
+        return (self.packing.chunks, self.packing.sequences) if self.varlen else (like, like)
 
     def options(self) -> dict:
         return dict(num_warps=self.num_warps, num_stages=self.num_stages)
@@ -303,11 +349,40 @@ def record_training_step(entry, capability: int, inputs: list, **kwargs) -> list
 
 
 @triton.jit
-def chunk_rows(chunk, seq_len, chunk_size, BLOCK_C: tl.constexpr):
-    """Token indices of chunk ``chunk`` and which of them are real (inside the chunk and the sequence)."""
-    rows = tl.arange(0, BLOCK_C)
-    tokens = chunk * chunk_size + rows
-    return tokens, (rows < chunk_size) & (tokens < seq_len)
+def chunk_span(chunk, seq_len, chunk_size, chunk_table_ptr, VARLEN: tl.constexpr):
+    """The first token of chunk ``chunk`` and the end of its tokens (exclusive): with VARLEN (packed sequences) row
+    ``chunk`` of the chunk table (``Packing.chunks``), else chunk·C and min(chunk·C + C, T)."""
+    if VARLEN:
+        start = tl.load(chunk_table_ptr + 2 * chunk)
+        stop = tl.load(chunk_table_ptr + 2 * chunk + 1)
+    else:
+        start = chunk * chunk_size
+        stop = tl.minimum(start + chunk_size, seq_len)
+    return start, stop
+
+
+@triton.jit
+def sequence_chunks(program, heads, num_chunks, sequence_table_ptr, VARLEN: tl.constexpr):
+    """What a sequential pass's program walks: its b·h (the token and chunk-state row), and the chunks of its
+    sequence, first and end (exclusive). ``program`` is its state row: b·h, or with VARLEN sequence·H + h
+    (``Packing.sequences`` holds each sequence's first chunk; packed input has B = 1)."""
+    if VARLEN:
+        sequence = program // heads
+        bh = program % heads
+        first = tl.load(sequence_table_ptr + sequence)
+        end = tl.load(sequence_table_ptr + sequence + 1)
+    else:
+        bh = program
+        first = 0
+        end = num_chunks
+    return bh, first, end
+
+
+@triton.jit
+def chunk_rows(start, stop, BLOCK_C: tl.constexpr):
+    """Token indices of the chunk from ``start`` (``chunk_span``) and which of them are real (before ``stop``)."""
+    tokens = start + tl.arange(0, BLOCK_C)
+    return tokens, tokens < stop
 
 
 @triton.jit
@@ -319,28 +394,12 @@ def token_tile(bh, seq_len, tokens, token_ok, cols, width):
 
 
 @triton.jit
-def load_tokens(ptr, bh, chunk, seq_len, width, chunk_size, col_start, BLOCK_C: tl.constexpr, BLOCK: tl.constexpr):
-    """Chunk ``chunk``, columns col_start .. col_start + BLOCK of a [B·H, seq_len, width] tensor, as
-    float32 [BLOCK_C, BLOCK] with zeros outside (padding)."""
-    tokens, token_ok = chunk_rows(chunk, seq_len, chunk_size, BLOCK_C)
-    offs, mask = token_tile(bh, seq_len, tokens, token_ok, col_start + tl.arange(0, BLOCK), width)
-    return tl.load(ptr + offs, mask=mask, other=0.0).to(tl.float32)
-
-
-@triton.jit
-def load_chunk(ptr, bh, chunk, seq_len, width, chunk_size, col_start, BLOCK_C: tl.constexpr, BLOCK: tl.constexpr):
-    """``load_tokens`` in the tensor's own dtype (16-bit tiles go into ``dot`` as they are)."""
-    tokens, token_ok = chunk_rows(chunk, seq_len, chunk_size, BLOCK_C)
+def load_chunk(ptr, bh, start, stop, seq_len, width, col_start, BLOCK_C: tl.constexpr, BLOCK: tl.constexpr):
+    """The chunk's tokens ``start`` .. ``stop`` (``chunk_span``), columns col_start .. col_start + BLOCK of a
+    [B·H, seq_len, width] tensor, in its own dtype (16-bit tiles go into ``dot`` as they are), zeros outside (padding)."""
+    tokens, token_ok = chunk_rows(start, stop, BLOCK_C)
     offs, mask = token_tile(bh, seq_len, tokens, token_ok, col_start + tl.arange(0, BLOCK), width)
     return tl.load(ptr + offs, mask=mask, other=0.0)
-
-
-@triton.jit
-def store_tokens(ptr, values, bh, chunk, seq_len, width, chunk_size, col_start, BLOCK_C: tl.constexpr, BLOCK: tl.constexpr):
-    """The inverse of ``load_tokens``: masked store, cast to the buffer's dtype."""
-    tokens, token_ok = chunk_rows(chunk, seq_len, chunk_size, BLOCK_C)
-    offs, mask = token_tile(bh, seq_len, tokens, token_ok, col_start + tl.arange(0, BLOCK), width)
-    tl.store(ptr + offs, values.to(ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit

@@ -84,9 +84,9 @@ class _Tiles(_common.Tiles):
     stack a thread on sm_80), chosen by compiling (docs/performance.md, "Compiled kernels"); the two passes hold
     the whole padded F and a block of Dv columns, autotuned (``PASS_CONFIGS``)."""
 
-    def __init__(self, q, v, chunk_size, precision):
+    def __init__(self, q, v, chunk_size, precision, packing=None):
         batch, heads, seq_len, d_dot = q.shape
-        super().__init__(batch, heads, seq_len, d_dot, v.shape[-1], chunk_size, q.dtype, q.device, precision)
+        super().__init__(batch, heads, seq_len, d_dot, v.shape[-1], chunk_size, q.dtype, q.device, precision, packing)
         tile, self.num_warps = _common.tile_plan(self.precision, self.block_c, TILE)
         self.block_f, self.block_v = min(self.pad_f, tile), min(self.pad_v, tile)
         self.num_stages = 2
@@ -98,12 +98,16 @@ class _Tiles(_common.Tiles):
         return (self.num_chunks, self.bh) + ((triton.cdiv(self.d_value, self.block_v),) if per_value_block else ())
 
     def pass_grid(self):
-        """The grid of a pass, from the candidate's ``BLOCK_V``."""
-        return lambda meta: (triton.cdiv(self.d_value, meta["BLOCK_V"]), self.bh)
+        """The grid of a pass, from the candidate's ``BLOCK_V``: a program per Dv block and state row."""
+        return lambda meta: (triton.cdiv(self.d_value, meta["BLOCK_V"]), self.state_rows)
 
     def constexprs(self, gated: bool, sequential: bool = False) -> dict:
         blocks = dict(PAD_F=self.pad_f) if sequential else dict(BLOCK_F=self.block_f, BLOCK_V=self.block_v)
-        return dict(GATED=gated, BLOCK_C=self.block_c, **blocks, PRECISION=self.precision)
+        return dict(GATED=gated, VARLEN=self.varlen, BLOCK_C=self.block_c, **blocks, PRECISION=self.precision)
+
+    def pass_sizes(self, like: torch.Tensor) -> tuple:
+        """The tables and sizes a pass takes: the chunk and sequence tables, the sizes, H and the state rows (its tuning key)."""
+        return (*self.tables(like), *self.sizes(), self.heads, self.state_rows)
 
 
 def _forward(q, k, v, beta, log_gate, weights, tiles: _Tiles):
@@ -113,17 +117,18 @@ def _forward(q, k, v, beta, log_gate, weights, tiles: _Tiles):
     w, new_values = new_output(k.shape, k), new_output(v.shape, v)  # W; U, then U'
     states = new_output((tiles.bh, tiles.num_chunks, tiles.d_dot, tiles.d_value), q, torch.float32)
     y = new_output(v.shape, v)
-    s_final = new_output((tiles.batch, tiles.heads, tiles.d_dot, tiles.d_value), q, torch.float32)
+    s_final = new_output((tiles.state_batch, tiles.heads, tiles.d_dot, tiles.d_value), q, torch.float32)
+    chunk_table = tiles.tables(q)[0]
     launch(
-        _ut_transform_kernel, tiles.chunk_grid(), k, v, beta, gate, inverse, w, new_values, *tiles.sizes(),
+        _ut_transform_kernel, tiles.chunk_grid(), k, v, beta, gate, inverse, w, new_values, chunk_table, *tiles.sizes(),
         **tiles.constexprs(gated), options=tiles.options(), name="ut_transform",
     )  # fmt: skip
     launch(
         _state_pass_kernel, tiles.pass_grid(), k, gate, w, new_values, s_final if weights is None else weights, states, s_final,
-        *tiles.sizes(), tiles.bh, HAS_S0=weights is not None, **tiles.constexprs(gated, sequential=True), options={}, name="state_pass",
+        *tiles.pass_sizes(q), HAS_S0=weights is not None, **tiles.constexprs(gated, sequential=True), options={}, name="state_pass",
     )  # fmt: skip
     launch(
-        _output_kernel, tiles.chunk_grid(True), q, k, gate, new_values, states, y, *tiles.sizes(),
+        _output_kernel, tiles.chunk_grid(True), q, k, gate, new_values, states, y, chunk_table, *tiles.sizes(),
         **tiles.constexprs(gated), options=tiles.options(), name="output",
     )  # fmt: skip
     return y, s_final, (inverse, w, new_values, states)
@@ -135,20 +140,21 @@ def _backward(q, k, v, beta, log_gate, saved, dy, ds_final, tiles: _Tiles):
     gated, gate = log_gate is not None, log_gate if log_gate is not None else beta
     dnew_values = new_output(v.shape, v, torch.float32)
     dstates = new_output(states.shape, states)
-    ds0 = new_output((tiles.batch, tiles.heads, tiles.d_dot, tiles.d_value), q, torch.float32)
+    ds0 = new_output((tiles.state_batch, tiles.heads, tiles.d_dot, tiles.d_value), q, torch.float32)
+    chunk_table = tiles.tables(q)[0]
     launch(
-        _backward_local_kernel, tiles.chunk_grid(True), q, k, gate, dy, dnew_values, *tiles.sizes(),
+        _backward_local_kernel, tiles.chunk_grid(True), q, k, gate, dy, dnew_values, chunk_table, *tiles.sizes(),
         **tiles.constexprs(gated), options=tiles.options(), name="backward_local",
     )  # fmt: skip
     launch(
         _backward_pass_kernel, tiles.pass_grid(), q, k, gate, w, dy, dnew_values, ds0 if ds_final is None else ds_final, dstates, ds0,
-        *tiles.sizes(), tiles.bh, HAS_DS_FINAL=ds_final is not None, **tiles.constexprs(gated, sequential=True), options={}, name="backward_pass",
+        *tiles.pass_sizes(q), HAS_DS_FINAL=ds_final is not None, **tiles.constexprs(gated, sequential=True), options={}, name="backward_pass",
     )  # fmt: skip
     dq, dk, dv, dbeta = new_output(q.shape, q), new_output(k.shape, k), new_output(v.shape, v), new_output(beta.shape, beta)
     dgate = new_output(log_gate.shape, log_gate) if gated else dbeta
     launch(
         _backward_chunk_kernel, tiles.chunk_grid(),
-        q, k, v, beta, gate, dy, inverse, new_values, dnew_values, states, dstates, dq, dk, dv, dbeta, dgate, *tiles.sizes(),
+        q, k, v, beta, gate, dy, inverse, new_values, dnew_values, states, dstates, dq, dk, dv, dbeta, dgate, chunk_table, *tiles.sizes(),
         **tiles.constexprs(gated), options=tiles.options(8), name="backward_chunk",
     )  # fmt: skip
     return dq, dk, dv, dbeta, dgate if gated else None, ds0
@@ -156,11 +162,11 @@ def _backward(q, k, v, beta, log_gate, saved, dy, ds_final, tiles: _Tiles):
 
 class _DeltaRuleFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, beta, log_gate, weights, chunk_size, precision):
+    def forward(ctx, q, k, v, beta, log_gate, weights, chunk_size, precision, packing):
         q, k, v, beta = (t.contiguous() for t in (q, k, v, beta))
         log_gate = log_gate.contiguous() if log_gate is not None else None
         weights = weights.contiguous() if weights is not None else None
-        tiles = _Tiles(q, v, chunk_size, precision)
+        tiles = _Tiles(q, v, chunk_size, precision, packing)
         y, s_final, saved = _forward(q, k, v, beta, log_gate, weights, tiles)
         ctx.tiles = tiles
         ctx.weights_dtype = weights.dtype if weights is not None else None
@@ -177,14 +183,19 @@ class _DeltaRuleFunction(torch.autograd.Function):
         ds_final = ds_final.contiguous() if ds_final is not None else None
         dq, dk, dv, dbeta, dgate, ds0 = _backward(q, k, v, beta, log_gate, saved, dy, ds_final, tiles)
         dweights = ds0.to(ctx.weights_dtype) if ctx.weights_dtype is not None else None
-        return dq, dk, dv, dbeta, dgate, dweights, None, None
+        return dq, dk, dv, dbeta, dgate, dweights, None, None, None
 
 
-def _check(q, k, v, beta, log_gate, weights, chunk_size, precision) -> int:
-    """Validate the arguments; return the chunk size to use."""
+def _check(q, k, v, beta, log_gate, weights, chunk_size, precision, cu_seqlens) -> tuple[int, _common.Packing | None]:
+    """Validate the arguments; return the chunk size to use and the packing of ``cu_seqlens``."""
     name = "delta_rule_triton"
     _common.check_inputs(name, _ut_transform_kernel, q, k, v, beta, log_gate, weights)
-    batch, heads, seq_len, d_dot = q.shape
+    _common.check_precision(name, precision)
+    _, heads, seq_len, d_dot = q.shape
+    chunk_size = default_chunk_size("delta_rule", d_dot) if chunk_size is None else chunk_size
+    check_chunk_size(name, "delta_rule", d_dot, chunk_size)
+    packing = _common.packing(name, q, cu_seqlens, chunk_size)
+    batch = q.shape[0] if packing is None else packing.num_sequences
     d_value = v.shape[-1]
     for label, tensor in (("beta", beta), ("log_gate", log_gate)):
         if label == "log_gate" and tensor is None:
@@ -199,15 +210,11 @@ def _check(q, k, v, beta, log_gate, weights, chunk_size, precision) -> int:
         raise VariantError(f"{name}: weights must be floating point [B, H, d_dot, d_value] = {expected}, got {tuple(weights.shape)} {weights.dtype}")
     if seq_len == 0:
         raise VariantError(f"{name}: the sequence is empty (T = 0); give at least one token")
-    _common.check_precision(name, precision)
-    if chunk_size is None:
-        return default_chunk_size("delta_rule", d_dot)
-    check_chunk_size(name, "delta_rule", d_dot, chunk_size)
-    return chunk_size
+    return chunk_size, packing
 
 
 def delta_rule_triton(
-    q, k, v, beta, weights=None, *, log_gate=None, chunk_size: int | None = None, precision: str = _common.FP32_DOT_PRECISION
+    q, k, v, beta, weights=None, *, log_gate=None, chunk_size: int | None = None, precision: str = _common.FP32_DOT_PRECISION, cu_seqlens=None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal delta rule (gated with ``log_gate``), chunked, in Triton: ``(y, S_T)``.
 
@@ -219,9 +226,12 @@ def delta_rule_triton(
     Differentiable w.r.t. q, k, v, beta, log_gate and weights; a gradient on S_T is accepted.
     ``chunk_size``: one of ``kernels.chunk_sizes("delta_rule", F)`` (16, 32, 64; up to 32 for F > 128), default the largest.
     ``precision``: the dots of float32 inputs, "ieee" or "tf32" (sm_80 on; 16-bit inputs use 16-bit dots).
+    ``cu_seqlens``: N packed sequences in one row (B = 1), offsets ``[N + 1]`` as ints or an int tensor (read on
+    the host; ``_common.packing`` caches what the kernels need per offsets): each sequence is cut into chunks of
+    its own and starts from its own state, so S_0 and S_T are ``[N, H, F, Dv]``.
     """
-    chunk_size = _check(q, k, v, beta, log_gate, weights, chunk_size, precision)
-    return _DeltaRuleFunction.apply(q, k, v, beta, log_gate, weights, chunk_size, precision)
+    chunk_size, packing = _check(q, k, v, beta, log_gate, weights, chunk_size, precision, cu_seqlens)
+    return _DeltaRuleFunction.apply(q, k, v, beta, log_gate, weights, chunk_size, precision, packing)
 
 
 # --------------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from . import _common
-from ._common import chunk_rows, dot, load_chunk, load_or_zeros, token_tile
+from ._common import chunk_rows, chunk_span, dot, load_chunk, load_or_zeros, sequence_chunks, token_tile
 
 # --------------------------------------------------------------------------------------
 # @triton.jit helpers. Token tensors [B·H, T, width]; chunk states [B·H, n_chunks, F, Dv] (fp32);
@@ -30,16 +30,16 @@ def _unit_lower_inverse(A, BLOCK_C: tl.constexpr):
 
 
 @triton.jit
-def _token_values(ptr, bh, chunk, seq_len, chunk_size, BLOCK_C: tl.constexpr):
+def _token_values(ptr, bh, start, stop, seq_len, BLOCK_C: tl.constexpr):
     """One value per token of chunk ``chunk`` of a [B·H, T] tensor (β or g) as float32, 0 outside."""
-    tokens, row_ok = chunk_rows(chunk, seq_len, chunk_size, BLOCK_C)
+    tokens, row_ok = chunk_rows(start, stop, BLOCK_C)
     return tl.load(ptr + bh * seq_len + tokens, mask=row_ok, other=0.0).to(tl.float32)
 
 
 @triton.jit
-def _cumulative_gate(g_ptr, bh, chunk, seq_len, chunk_size, BLOCK_C: tl.constexpr):
+def _cumulative_gate(g_ptr, bh, start, stop, seq_len, BLOCK_C: tl.constexpr):
     """G_t = Σ_{s ≤ t in the chunk} g_s and G_last (the padding has g = 0, so G_last is the last real token's)."""
-    cumulative = tl.cumsum(_token_values(g_ptr, bh, chunk, seq_len, chunk_size, BLOCK_C), axis=0)
+    cumulative = tl.cumsum(_token_values(g_ptr, bh, start, stop, seq_len, BLOCK_C), axis=0)
     last = tl.sum(tl.where(tl.arange(0, BLOCK_C) == BLOCK_C - 1, cumulative, 0.0), axis=0)
     return cumulative, last
 
@@ -63,21 +63,21 @@ def _state_offsets(bh, chunk, num_chunks, feats, cols, d_dot, d_value):
 
 
 @triton.jit
-def _store_chunk(ptr, values, bh, chunk, seq_len, width, chunk_size, col_start, BLOCK_C: tl.constexpr, BLOCK: tl.constexpr):
+def _store_chunk(ptr, values, bh, start, stop, seq_len, width, col_start, BLOCK_C: tl.constexpr, BLOCK: tl.constexpr):
     """Masked store of a [BLOCK_C, BLOCK] tile into chunk ``chunk`` of a [B·H, T, width] tensor, in its dtype."""
-    tokens, token_ok = chunk_rows(chunk, seq_len, chunk_size, BLOCK_C)
+    tokens, token_ok = chunk_rows(start, stop, BLOCK_C)
     offs, mask = token_tile(bh, seq_len, tokens, token_ok, col_start + tl.arange(0, BLOCK), width)
     tl.store(ptr + offs, values.to(ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _chunk_scores(a_ptr, b_ptr, bh, chunk, seq_len, d_dot, chunk_size, PRECISION: tl.constexpr,
+def _chunk_scores(a_ptr, b_ptr, bh, start, stop, seq_len, d_dot, PRECISION: tl.constexpr,
                   BLOCK_C: tl.constexpr, BLOCK_F: tl.constexpr):  # fmt: skip
     """A_c B_cᵀ ``[BLOCK_C, BLOCK_C]`` in fp32 for two [B·H, T, F] tensors, summed over F in blocks of BLOCK_F."""
     scores = tl.zeros((BLOCK_C, BLOCK_C), dtype=tl.float32)
     for f_start in range(0, d_dot, BLOCK_F):
-        a = load_chunk(a_ptr, bh, chunk, seq_len, d_dot, chunk_size, f_start, BLOCK_C, BLOCK_F)
-        b = load_chunk(b_ptr, bh, chunk, seq_len, d_dot, chunk_size, f_start, BLOCK_C, BLOCK_F)
+        a = load_chunk(a_ptr, bh, start, stop, seq_len, d_dot, f_start, BLOCK_C, BLOCK_F)
+        b = load_chunk(b_ptr, bh, start, stop, seq_len, d_dot, f_start, BLOCK_C, BLOCK_F)
         scores += dot(a, tl.trans(b), PRECISION, a_ptr.dtype.element_ty)
     return scores
 
@@ -91,18 +91,20 @@ def _chunk_scores(a_ptr, b_ptr, bh, chunk, seq_len, d_dot, chunk_size, PRECISION
 def _ut_transform_kernel(
     k_ptr, v_ptr, beta_ptr, g_ptr,  # inputs [BH, T, F], [BH, T, Dv], [BH, T], [BH, T] (if GATED)
     t_ptr, w_ptr, u_ptr,  # outputs: T (fp32) [BH, NC, BLOCK_C, BLOCK_C], W [BH, T, F], U [BH, T, Dv]
+    chunk_table_ptr,  # [num_chunks, 2] with VARLEN
     seq_len, d_dot, d_value, chunk_size, num_chunks,
-    GATED: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_V: tl.constexpr, PRECISION: tl.constexpr,
+    GATED: tl.constexpr, VARLEN: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_V: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """(1) Program (chunk, b·h): T = (I + tril(diag(β)(K Kᵀ ⊙ D), −1))⁻¹, W = T diag(βγ) K, U = T diag(β) V."""
     chunk = tl.program_id(0)
+    start, stop = chunk_span(chunk, seq_len, chunk_size, chunk_table_ptr, VARLEN)
     bh = tl.program_id(1).to(tl.int64)
     rows = tl.arange(0, BLOCK_C)
     input_type = k_ptr.dtype.element_ty
-    beta = _token_values(beta_ptr, bh, chunk, seq_len, chunk_size, BLOCK_C)
-    gram = _chunk_scores(k_ptr, k_ptr, bh, chunk, seq_len, d_dot, chunk_size, PRECISION, BLOCK_C, BLOCK_F)
+    beta = _token_values(beta_ptr, bh, start, stop, seq_len, BLOCK_C)
+    gram = _chunk_scores(k_ptr, k_ptr, bh, start, stop, seq_len, d_dot, PRECISION, BLOCK_C, BLOCK_F)
     if GATED:
-        cumulative, _ = _cumulative_gate(g_ptr, bh, chunk, seq_len, chunk_size, BLOCK_C)
+        cumulative, _ = _cumulative_gate(g_ptr, bh, start, stop, seq_len, BLOCK_C)
         gram = gram * _decay(cumulative, True, BLOCK_C)
         key_scale = beta * tl.exp(cumulative)
     else:
@@ -111,13 +113,13 @@ def _ut_transform_kernel(
     inverse = _unit_lower_inverse(gram * beta[:, None], BLOCK_C)
     tl.store(t_ptr + ((bh * num_chunks + chunk) * BLOCK_C + rows[:, None]) * BLOCK_C + rows[None, :], inverse)
     for f_start in range(0, d_dot, BLOCK_F):
-        keys = load_chunk(k_ptr, bh, chunk, seq_len, d_dot, chunk_size, f_start, BLOCK_C, BLOCK_F)
+        keys = load_chunk(k_ptr, bh, start, stop, seq_len, d_dot, f_start, BLOCK_C, BLOCK_F)
         w = dot(inverse, keys.to(tl.float32) * key_scale[:, None], PRECISION, input_type)
-        _store_chunk(w_ptr, w, bh, chunk, seq_len, d_dot, chunk_size, f_start, BLOCK_C, BLOCK_F)
+        _store_chunk(w_ptr, w, bh, start, stop, seq_len, d_dot, f_start, BLOCK_C, BLOCK_F)
     for v_start in range(0, d_value, BLOCK_V):
-        values = load_chunk(v_ptr, bh, chunk, seq_len, d_value, chunk_size, v_start, BLOCK_C, BLOCK_V)
+        values = load_chunk(v_ptr, bh, start, stop, seq_len, d_value, v_start, BLOCK_C, BLOCK_V)
         u = dot(inverse, values.to(tl.float32) * beta[:, None], PRECISION, input_type)
-        _store_chunk(u_ptr, u, bh, chunk, seq_len, d_value, chunk_size, v_start, BLOCK_C, BLOCK_V)
+        _store_chunk(u_ptr, u, bh, start, stop, seq_len, d_value, v_start, BLOCK_C, BLOCK_V)
 
 
 #: The two passes' autotuning candidates (``_pass_candidates`` keeps those worth timing): the Dv columns of the
@@ -163,31 +165,34 @@ def _state_pass_kernel(
     k_ptr, g_ptr, w_ptr, u_ptr,  # inputs; u (U) is overwritten with U'
     s0_ptr,  # [BH, F, Dv] (if HAS_S0)
     states_ptr, s_final_ptr,  # outputs (fp32): [BH, NC, F, Dv] the state entering each chunk, [BH, F, Dv]
-    seq_len, d_dot, d_value, chunk_size, num_chunks,
+    chunk_table_ptr, sequence_table_ptr,  # [num_chunks, 2] and [N + 1] with VARLEN
+    seq_len, d_dot, d_value, chunk_size, num_chunks, heads,
     batch_heads,  # B·H, the grid's second axis: read by the tuning key only (PASS_TUNING_KEY)
-    HAS_S0: tl.constexpr, GATED: tl.constexpr,
+    HAS_S0: tl.constexpr, GATED: tl.constexpr, VARLEN: tl.constexpr,
     BLOCK_C: tl.constexpr, PAD_F: tl.constexpr, BLOCK_V: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """(2) Program (Dv block, b·h), chunks in order, S[:, block] carried in fp32 (its columns evolve
     independently: every matrix that mixes tokens depends on K, β, g only):
     U' = U − W S,  S ← γ_C S + K̃ᵀ U'."""
     v_start = tl.program_id(0) * BLOCK_V
-    bh = tl.program_id(1).to(tl.int64)
+    program = tl.program_id(1).to(tl.int64)
+    bh, first, end = sequence_chunks(program, heads, num_chunks, sequence_table_ptr, VARLEN)
     feats = tl.arange(0, PAD_F)
     cols = v_start + tl.arange(0, BLOCK_V)
     input_type = k_ptr.dtype.element_ty
-    state_offs, state_mask = _state_offsets(bh, 0, 1, feats, cols, d_dot, d_value)
+    state_offs, state_mask = _state_offsets(program, 0, 1, feats, cols, d_dot, d_value)
     state = load_or_zeros(s0_ptr, state_offs, state_mask, HAS_S0)
-    for chunk in range(0, num_chunks):
+    for chunk in range(first, end):
+        start, stop = chunk_span(chunk, seq_len, chunk_size, chunk_table_ptr, VARLEN)
         offs, mask = _state_offsets(bh, chunk, num_chunks, feats, cols, d_dot, d_value)
         tl.store(states_ptr + offs, state, mask=mask)
-        w = load_chunk(w_ptr, bh, chunk, seq_len, d_dot, chunk_size, 0, BLOCK_C, PAD_F)
-        u = load_chunk(u_ptr, bh, chunk, seq_len, d_value, chunk_size, v_start, BLOCK_C, BLOCK_V)
+        w = load_chunk(w_ptr, bh, start, stop, seq_len, d_dot, 0, BLOCK_C, PAD_F)
+        u = load_chunk(u_ptr, bh, start, stop, seq_len, d_value, v_start, BLOCK_C, BLOCK_V)
         new_values = u.to(tl.float32) - dot(w, state, PRECISION, input_type)
-        _store_chunk(u_ptr, new_values, bh, chunk, seq_len, d_value, chunk_size, v_start, BLOCK_C, BLOCK_V)
-        keys = load_chunk(k_ptr, bh, chunk, seq_len, d_dot, chunk_size, 0, BLOCK_C, PAD_F)
+        _store_chunk(u_ptr, new_values, bh, start, stop, seq_len, d_value, v_start, BLOCK_C, BLOCK_V)
+        keys = load_chunk(k_ptr, bh, start, stop, seq_len, d_dot, 0, BLOCK_C, PAD_F)
         if GATED:
-            cumulative, last = _cumulative_gate(g_ptr, bh, chunk, seq_len, chunk_size, BLOCK_C)
+            cumulative, last = _cumulative_gate(g_ptr, bh, start, stop, seq_len, BLOCK_C)
             keys = keys.to(tl.float32) * tl.exp(last - cumulative)[:, None]
             state = state * tl.exp(last)
         state += dot(tl.trans(keys), new_values, PRECISION, input_type)
@@ -198,11 +203,13 @@ def _state_pass_kernel(
 def _output_kernel(
     q_ptr, k_ptr, g_ptr, u_ptr, states_ptr,  # inputs (u holds U')
     y_ptr,  # output [BH, T, Dv]
+    chunk_table_ptr,  # [num_chunks, 2] with VARLEN
     seq_len, d_dot, d_value, chunk_size, num_chunks,
-    GATED: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_V: tl.constexpr, PRECISION: tl.constexpr,
+    GATED: tl.constexpr, VARLEN: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_V: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """(3) Program (chunk, b·h, Dv block): O = diag(γ) Q S_c + (tril(Q Kᵀ) ⊙ D) U', summed over F in blocks."""
     chunk = tl.program_id(0)
+    start, stop = chunk_span(chunk, seq_len, chunk_size, chunk_table_ptr, VARLEN)
     bh = tl.program_id(1).to(tl.int64)
     v_start = tl.program_id(2) * BLOCK_V
     rows = tl.arange(0, BLOCK_C)
@@ -211,17 +218,17 @@ def _output_kernel(
     scores = tl.zeros((BLOCK_C, BLOCK_C), dtype=tl.float32)
     out = tl.zeros((BLOCK_C, BLOCK_V), dtype=tl.float32)
     for f_start in range(0, d_dot, BLOCK_F):
-        queries = load_chunk(q_ptr, bh, chunk, seq_len, d_dot, chunk_size, f_start, BLOCK_C, BLOCK_F)
-        keys = load_chunk(k_ptr, bh, chunk, seq_len, d_dot, chunk_size, f_start, BLOCK_C, BLOCK_F)
+        queries = load_chunk(q_ptr, bh, start, stop, seq_len, d_dot, f_start, BLOCK_C, BLOCK_F)
+        keys = load_chunk(k_ptr, bh, start, stop, seq_len, d_dot, f_start, BLOCK_C, BLOCK_F)
         offs, mask = _state_offsets(bh, chunk, num_chunks, f_start + tl.arange(0, BLOCK_F), cols, d_dot, d_value)
         scores += dot(queries, tl.trans(keys), PRECISION, input_type)
         out += dot(queries, tl.load(states_ptr + offs, mask=mask, other=0.0), PRECISION, input_type)
     if GATED:
-        cumulative, _ = _cumulative_gate(g_ptr, bh, chunk, seq_len, chunk_size, BLOCK_C)
+        cumulative, _ = _cumulative_gate(g_ptr, bh, start, stop, seq_len, BLOCK_C)
         out = out * tl.exp(cumulative)[:, None]
         scores = scores * _decay(cumulative, False, BLOCK_C)
     else:
         scores = tl.where(rows[:, None] >= rows[None, :], scores, 0.0)
-    new_values = load_chunk(u_ptr, bh, chunk, seq_len, d_value, chunk_size, v_start, BLOCK_C, BLOCK_V)
+    new_values = load_chunk(u_ptr, bh, start, stop, seq_len, d_value, v_start, BLOCK_C, BLOCK_V)
     out += dot(scores, new_values, PRECISION, input_type)
-    _store_chunk(y_ptr, out, bh, chunk, seq_len, d_value, chunk_size, v_start, BLOCK_C, BLOCK_V)
+    _store_chunk(y_ptr, out, bh, start, stop, seq_len, d_value, v_start, BLOCK_C, BLOCK_V)

@@ -97,10 +97,10 @@ class _Tiles(_common.Tiles):
     Chosen by compiling (docs/performance.md, "Compiled kernels"): at every chunk size these spill nothing at
     d ≤ 128 in 16-bit on sm_80, sm_90."""
 
-    def __init__(self, q: torch.Tensor, v: torch.Tensor, chunk_size: int, normalize: bool, precision: str):
+    def __init__(self, q: torch.Tensor, v: torch.Tensor, chunk_size: int, normalize: bool, precision: str, packing=None):
         batch, heads, seq_len, d_dot = q.shape
         d_value = v.shape[-1]
-        super().__init__(batch, heads, seq_len, d_dot, d_value, chunk_size, q.dtype, q.device, precision)
+        super().__init__(batch, heads, seq_len, d_dot, d_value, chunk_size, q.dtype, q.device, precision, packing)
         self.device, self.normalize = q.device, normalize
         self.width = d_dot * d_value + (d_dot if normalize else 0)
         block, self.num_warps = _common.tile_plan(self.precision, self.block_c, STATE_BLOCK)
@@ -115,45 +115,47 @@ class _Tiles(_common.Tiles):
         return (*super().sizes(), self.width)
 
     def constexprs(self) -> dict:
-        return dict(BLOCK_C=self.block_c, BLOCK_F=self.block_f, BLOCK_V=self.block_v, PRECISION=self.precision)
+        return dict(VARLEN=self.varlen, BLOCK_C=self.block_c, BLOCK_F=self.block_f, BLOCK_V=self.block_v, PRECISION=self.precision)
 
 
 def _chunk_states(x, y, initial, tiles: _Tiles, *, rinv=None, delta=None, reverse=False, name=""):
-    """(a) then (b): the state every chunk starts from ``[B·H, n_chunks, width]`` and the last one
-    ``[B·H, width]`` (S_T, z_T); with ``reverse`` (x = q, y = dy) the gradient reaching each chunk
-    from after it and dS_0, dz_0."""
+    """(a) then (b): the state every chunk starts from ``[B·H, n_chunks, width]`` and the last one of each
+    state row ``[B·H (packed: N·H), width]`` (S_T, z_T); with ``reverse`` (x = q, y = dy) the gradient reaching
+    each chunk from after it and dS_0, dz_0."""
     states = new_output((tiles.bh, tiles.num_chunks, tiles.width), x, torch.float32)
-    final = new_output((tiles.bh, tiles.width), x, torch.float32)
+    final = new_output((tiles.state_rows, tiles.width), x, torch.float32)
+    chunk_table, sequence_table = tiles.tables(x)
     launch(
         _chunk_sums_kernel, (tiles.num_chunks, tiles.bh, tiles.num_f * tiles.num_v),
-        x, y, states if rinv is None else rinv, states if delta is None else delta, states, *tiles.sizes(),
+        x, y, states if rinv is None else rinv, states if delta is None else delta, states, chunk_table, *tiles.sizes(),
         NORMALIZE=tiles.normalize, COTANGENT=reverse, **tiles.constexprs(),
         options=tiles.options(), name=f"{name}_states",
     )  # fmt: skip
     launch(
-        _chunk_prefix_kernel, (tiles.bh, triton.cdiv(tiles.width, PREFIX_BLOCK)),
-        states, states if initial is None else initial, final, tiles.width, tiles.num_chunks,
-        HAS_INITIAL=initial is not None, REVERSE=reverse, BLOCK=PREFIX_BLOCK,
+        _chunk_prefix_kernel, (tiles.state_rows, triton.cdiv(tiles.width, PREFIX_BLOCK)),
+        states, states if initial is None else initial, final, sequence_table, tiles.width, tiles.num_chunks, tiles.heads,
+        HAS_INITIAL=initial is not None, REVERSE=reverse, VARLEN=tiles.varlen, BLOCK=PREFIX_BLOCK,
         options=dict(num_warps=2, num_stages=1), name=f"{name}_prefix",
     )  # fmt: skip
     return states, final
 
 
 def _state_row(weights, normaliser, tiles: _Tiles) -> torch.Tensor | None:
-    """S (and z) as one fp32 state row per b·h, ``[B·H, width]``; None when both are absent."""
+    """S (and z) as one fp32 state row per b·h (packed: per sequence and head), ``[B·H, width]``; None when both are absent."""
     if weights is None and normaliser is None:
         return None
-    parts = [torch.zeros(tiles.bh, tiles.d_dot * tiles.d_value, device=tiles.device) if weights is None else weights.reshape(tiles.bh, -1)]
+    rows = tiles.state_rows
+    parts = [torch.zeros(rows, tiles.d_dot * tiles.d_value, device=tiles.device) if weights is None else weights.reshape(rows, -1)]
     if tiles.normalize:
-        parts.append(torch.zeros(tiles.bh, tiles.d_dot, device=tiles.device) if normaliser is None else normaliser.reshape(tiles.bh, -1))
+        parts.append(torch.zeros(rows, tiles.d_dot, device=tiles.device) if normaliser is None else normaliser.reshape(rows, -1))
     return torch.cat([part.to(torch.float32) for part in parts], dim=1)
 
 
 def _split_state_row(row: torch.Tensor, tiles: _Tiles):
-    """The inverse of ``_state_row``: S ``[B, H, F, Dv]`` and z ``[B, H, F]`` (None without the normaliser)."""
-    size = tiles.d_dot * tiles.d_value
-    weights = row[:, :size].reshape(tiles.batch, tiles.heads, tiles.d_dot, tiles.d_value).contiguous()
-    normaliser = row[:, size:].reshape(tiles.batch, tiles.heads, tiles.d_dot).contiguous() if tiles.normalize else None
+    """The inverse of ``_state_row``: S ``[B, H, F, Dv]`` and z ``[B, H, F]`` (None without the normaliser); packed, N for B."""
+    size, batch = tiles.d_dot * tiles.d_value, tiles.state_batch
+    weights = row[:, :size].reshape(batch, tiles.heads, tiles.d_dot, tiles.d_value).contiguous()
+    normaliser = row[:, size:].reshape(batch, tiles.heads, tiles.d_dot).contiguous() if tiles.normalize else None
     return weights, normaliser
 
 
@@ -169,7 +171,7 @@ def _output(q, k, v, states, tiles: _Tiles, *, dy=None, name="forward_output"):
         y = rinv = partial
     launch(
         _chunk_output_kernel, (tiles.num_chunks, tiles.bh, tiles.num_v),
-        q, k, v, states, y, rinv, partial if dy is None else dy, partial, *tiles.sizes(),
+        q, k, v, states, y, rinv, partial if dy is None else dy, partial, tiles.tables(q)[0], *tiles.sizes(),
         NORMALIZE=tiles.normalize, DELTA_ONLY=dy is not None, **tiles.constexprs(), EPSILON=EPS,
         options=tiles.options(), name=name,
     )  # fmt: skip
@@ -180,8 +182,8 @@ def _output(q, k, v, states, tiles: _Tiles, *, dy=None, name="forward_output"):
 
 class _SumRuleFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, weights, normaliser, normalize, chunk_size, precision):
-        tiles = _Tiles(q, v, chunk_size, normalize, precision)
+    def forward(ctx, q, k, v, weights, normaliser, normalize, chunk_size, precision, packing):
+        tiles = _Tiles(q, v, chunk_size, normalize, precision, packing)
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         initial = _state_row(weights, normaliser, tiles)
         states, final = _chunk_states(k, v, initial, tiles, name="forward")
@@ -216,29 +218,33 @@ class _SumRuleFunction(torch.autograd.Function):
             dq, dk = new_output(q.shape, q), new_output(k.shape, k)
             launch(
                 _backward_dqk_kernel, (tiles.num_chunks, tiles.bh, tiles.num_f),
-                q, k, v, dy, rinv_arg, dy if delta is None else delta, states, dstates, dq, dk, *tiles.sizes(), **common,
+                q, k, v, dy, rinv_arg, dy if delta is None else delta, states, dstates, dq, dk, tiles.tables(q)[0], *tiles.sizes(), **common,
                 options=tiles.options(wide=True),
             )  # fmt: skip
         if need_v:
             dv = new_output(v.shape, v)
             launch(
                 _backward_dv_kernel, (tiles.num_chunks, tiles.bh, tiles.num_v),
-                q, k, dy, rinv_arg, dstates, dv, *tiles.sizes(), **common, options=tiles.options(),
+                q, k, dy, rinv_arg, dstates, dv, tiles.tables(q)[0], *tiles.sizes(), **common, options=tiles.options(),
             )  # fmt: skip
 
         ds0, dz0 = _split_state_row(dfinal, tiles)
         weights_dtype, normaliser_dtype = ctx.state_dtypes
         grad_s0 = ds0.to(weights_dtype) if need_s0 and weights_dtype is not None else None
         grad_z0 = dz0.to(normaliser_dtype) if need_z0 and normaliser_dtype is not None else None
-        return dq if need_q else None, dk if need_k else None, dv, grad_s0, grad_z0, None, None, None
+        return dq if need_q else None, dk if need_k else None, dv, grad_s0, grad_z0, None, None, None, None
 
 
-def _check(q, k, v, weights, normaliser, normalize, chunk_size, precision) -> int:
-    """Validate the arguments; return the chunk size to use."""
+def _check(q, k, v, weights, normaliser, normalize, chunk_size, precision, cu_seqlens) -> tuple[int, _common.Packing | None]:
+    """Validate the arguments; return the chunk size to use and the packing of ``cu_seqlens``."""
     name = "sum_rule_triton"
     _common.check_precision(name, precision)
     _common.check_inputs(name, _chunk_output_kernel, q, k, v, weights, normaliser)
-    batch, heads, _, d_dot = q.shape
+    _, heads, _, d_dot = q.shape
+    chunk_size = default_chunk_size("sum_rule", d_dot) if chunk_size is None else chunk_size
+    check_chunk_size(name, "sum_rule", d_dot, chunk_size)
+    packing = _common.packing(name, q, cu_seqlens, chunk_size)
+    batch = q.shape[0] if packing is None else packing.num_sequences
     d_value = v.shape[-1]
     if weights is not None and tuple(weights.shape) != (batch, heads, d_dot, d_value):
         raise VariantError(f"{name}: weights must be [B, H, F, Dv] = {[batch, heads, d_dot, d_value]}, got {list(weights.shape)}")
@@ -247,10 +253,7 @@ def _check(q, k, v, weights, normaliser, normalize, chunk_size, precision) -> in
             raise VariantError(f"{name}: a normaliser was given with normalize=False")
         if tuple(normaliser.shape) != (batch, heads, d_dot):
             raise VariantError(f"{name}: normaliser must be [B, H, F] = {[batch, heads, d_dot]}, got {list(normaliser.shape)}")
-    if chunk_size is None:
-        return default_chunk_size("sum_rule", d_dot)
-    check_chunk_size(name, "sum_rule", d_dot, chunk_size)
-    return chunk_size
+    return chunk_size, packing
 
 
 def sum_rule_triton(
@@ -263,6 +266,7 @@ def sum_rule_triton(
     normalize: bool,
     chunk_size: int | None = None,
     precision: str = _common.FP32_DOT_PRECISION,
+    cu_seqlens=None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Chunked causal sum rule on feature-mapped inputs (see the module docstring for the math).
 
@@ -275,9 +279,13 @@ def sum_rule_triton(
     Returns ``(y [B, H, T, Dv] in the input dtype, S_T [B, H, F, Dv] float32,
     z_T [B, H, F] float32 or None)``. Differentiable in q, k, v, weights and normaliser, with
     gradients flowing into S_T and z_T too (so calls can be chained through the state).
+
+    ``cu_seqlens``: N packed sequences in one row (B = 1), offsets ``[N + 1]`` as ints or an int tensor (read on
+    the host; ``_common.packing`` caches what the kernels need per offsets): each sequence is cut into chunks of
+    its own and starts from its own state, so S_0, z_0, S_T and z_T are ``[N, H, ...]``.
     """
-    chunk_size = _check(q, k, v, weights, normaliser, normalize, chunk_size, precision)
-    y, s_final, z_final = _SumRuleFunction.apply(q, k, v, weights, normaliser, bool(normalize), chunk_size, precision)
+    chunk_size, packing = _check(q, k, v, weights, normaliser, normalize, chunk_size, precision, cu_seqlens)
+    y, s_final, z_final = _SumRuleFunction.apply(q, k, v, weights, normaliser, bool(normalize), chunk_size, precision, packing)
     return y, s_final, z_final
 
 

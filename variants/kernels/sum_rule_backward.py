@@ -5,7 +5,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._common import chunk_rows, dot, token_tile
+from ._common import chunk_rows, chunk_span, dot, token_tile
 from .sum_rule_forward import _load_tokens, _norm_tile, _state_tile, _token_values
 
 
@@ -13,8 +13,9 @@ from .sum_rule_forward import _load_tokens, _norm_tile, _state_tile, _token_valu
 def _backward_dqk_kernel(
     q_ptr, k_ptr, v_ptr, dy_ptr, rinv_ptr, delta_ptr, states_ptr, dstates_ptr,  # inputs
     dq_ptr, dk_ptr,  # outputs
+    chunk_table_ptr,  # [num_chunks, 2] with VARLEN
     seq_len, d_dot, d_value, chunk_size, num_chunks, width,
-    NORMALIZE: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_V: tl.constexpr, PRECISION: tl.constexpr,
+    NORMALIZE: tl.constexpr, VARLEN: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_V: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """Program (chunk c, bh, i): dq, dk [:, block i of F] = P K + G S_cᵀ + dden z_cᵀ and Pᵀ Q + V dS_cᵀ + 1 dz_cᵀ,
     summed over Dv in blocks of BLOCK_V. G = diag(r) dY enters as r (dY Vᵀ − δ 1ᵀ) = P (before tril) and
@@ -23,7 +24,8 @@ def _backward_dqk_kernel(
     chunk = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     offs_f = tl.program_id(2) * BLOCK_F + tl.arange(0, BLOCK_F)
-    rows, row_ok = chunk_rows(chunk, seq_len, chunk_size, BLOCK_C)
+    start, stop = chunk_span(chunk, seq_len, chunk_size, chunk_table_ptr, VARLEN)
+    rows, row_ok = chunk_rows(start, stop, BLOCK_C)
     input_type = q_ptr.dtype.element_ty
 
     p = tl.zeros((BLOCK_C, BLOCK_C), dtype=tl.float32)
@@ -59,15 +61,17 @@ def _backward_dqk_kernel(
 def _backward_dv_kernel(
     q_ptr, k_ptr, dy_ptr, rinv_ptr, dstates_ptr,  # inputs
     dv_ptr,  # output
+    chunk_table_ptr,  # [num_chunks, 2] with VARLEN
     seq_len, d_dot, d_value, chunk_size, num_chunks, width,
-    NORMALIZE: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_V: tl.constexpr, PRECISION: tl.constexpr,
+    NORMALIZE: tl.constexpr, VARLEN: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_V: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """Program (chunk c, bh, j): dv[:, block j of Dv] = Aᵀ G + K dS_c = (diag(r) A)ᵀ dY + K dS_c, A = tril(Q Kᵀ)
     summed over F in blocks of BLOCK_F (dY reaches the dot as it is)."""
     chunk = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     offs_v = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
-    rows, row_ok = chunk_rows(chunk, seq_len, chunk_size, BLOCK_C)
+    start, stop = chunk_span(chunk, seq_len, chunk_size, chunk_table_ptr, VARLEN)
+    rows, row_ok = chunk_rows(start, stop, BLOCK_C)
     input_type = q_ptr.dtype.element_ty
 
     scores = tl.zeros((BLOCK_C, BLOCK_C), dtype=tl.float32)

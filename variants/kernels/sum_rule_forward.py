@@ -6,7 +6,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._common import chunk_rows, dot, load_or_zeros, token_tile
+from ._common import chunk_rows, chunk_span, dot, load_or_zeros, sequence_chunks, token_tile
 
 # --------------------------------------------------------------------------------------
 # Kernels. Tensors are contiguous; [B, H] is flattened into one grid axis ``bh``. Chunk states are
@@ -46,8 +46,9 @@ def _token_values(ptr, bh, seq_len, rows, row_ok):
 def _chunk_sums_kernel(
     x_ptr, y_ptr, rinv_ptr, delta_ptr,  # inputs: (K, V) or (Q, dY with r, δ)
     states_ptr,  # output [B·H, num_chunks, width]
+    chunk_table_ptr,  # [num_chunks, 2] with VARLEN
     seq_len, d_dot, d_value, chunk_size, num_chunks, width,
-    NORMALIZE: tl.constexpr, COTANGENT: tl.constexpr,
+    NORMALIZE: tl.constexpr, COTANGENT: tl.constexpr, VARLEN: tl.constexpr,
     BLOCK_C: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_V: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """(a) Program (chunk c, bh, tile (i, j)): rows block i, columns block j of ΔS_c = K_cᵀ V_c and,
@@ -58,7 +59,8 @@ def _chunk_sums_kernel(
     n_v = tl.cdiv(d_value, BLOCK_V)
     offs_f = (tile // n_v) * BLOCK_F + tl.arange(0, BLOCK_F)
     offs_v = (tile % n_v) * BLOCK_V + tl.arange(0, BLOCK_V)
-    rows, row_ok = chunk_rows(chunk, seq_len, chunk_size, BLOCK_C)
+    start, stop = chunk_span(chunk, seq_len, chunk_size, chunk_table_ptr, VARLEN)
+    rows, row_ok = chunk_rows(start, stop, BLOCK_C)
 
     x = _load_tokens(x_ptr, bh, seq_len, rows, row_ok, offs_f, d_dot)
     y = _load_tokens(y_ptr, bh, seq_len, rows, row_ok, offs_v, d_value)
@@ -82,23 +84,26 @@ def _chunk_sums_kernel(
 @triton.jit
 def _chunk_prefix_kernel(
     states_ptr, initial_ptr, final_ptr,
-    width, num_chunks,
-    HAS_INITIAL: tl.constexpr, REVERSE: tl.constexpr, BLOCK: tl.constexpr,
+    sequence_table_ptr,  # [N + 1] with VARLEN
+    width, num_chunks, heads,
+    HAS_INITIAL: tl.constexpr, REVERSE: tl.constexpr, VARLEN: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    """(b) Program (bh, block): in place over chunks, ΔS_c -> S_c = S_0 + Σ_{c'<c} ΔS_c' (with REVERSE
-    dS_c = dS_T + Σ_{c'>c} ΔS_c'), for ``BLOCK`` entries of a state row; the sum over all chunks
-    (S_T, or dS_0 with REVERSE) goes to ``final``. ``initial`` and ``final`` are [B·H, width]."""
-    bh = tl.program_id(0).to(tl.int64)
+    """(b) Program (state row, block): in place over its chunks, ΔS_c -> S_c = S_0 + Σ_{c'<c} ΔS_c' (with REVERSE
+    dS_c = dS_T + Σ_{c'>c} ΔS_c'), for ``BLOCK`` entries of a state row; the sum over all its chunks (S_T, or dS_0
+    with REVERSE) goes to ``final``. A state row is a b·h, or with VARLEN a sequence's head (``sequence_chunks``),
+    whose chunks are its sequence's; ``initial`` and ``final`` are [state rows, width]."""
+    program = tl.program_id(0).to(tl.int64)
+    bh, first, end = sequence_chunks(program, heads, num_chunks, sequence_table_ptr, VARLEN)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < width
-    running = load_or_zeros(initial_ptr, bh * width + offs, ok, HAS_INITIAL)
+    running = load_or_zeros(initial_ptr, program * width + offs, ok, HAS_INITIAL)
     row_ptr = states_ptr + bh * num_chunks * width + offs
-    for step in range(num_chunks):
-        chunk = num_chunks - 1 - step if REVERSE else step
+    for step in range(end - first):
+        chunk = end - 1 - step if REVERSE else first + step
         own = tl.load(row_ptr + chunk * width, mask=ok, other=0.0)
         tl.store(row_ptr + chunk * width, running, mask=ok)
         running += own
-    tl.store(final_ptr + bh * width + offs, running, mask=ok)
+    tl.store(final_ptr + program * width + offs, running, mask=ok)
 
 
 @triton.jit
@@ -106,8 +111,9 @@ def _chunk_output_kernel(
     q_ptr, k_ptr, v_ptr, states_ptr,  # inputs
     y_ptr, rinv_ptr,  # outputs
     dy_ptr, delta_ptr,  # only with DELTA_ONLY
+    chunk_table_ptr,  # [num_chunks, 2] with VARLEN
     seq_len, d_dot, d_value, chunk_size, num_chunks, width,
-    NORMALIZE: tl.constexpr, DELTA_ONLY: tl.constexpr,
+    NORMALIZE: tl.constexpr, DELTA_ONLY: tl.constexpr, VARLEN: tl.constexpr,
     BLOCK_C: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_V: tl.constexpr,
     PRECISION: tl.constexpr, EPSILON: tl.constexpr,
 ):  # fmt: skip
@@ -121,7 +127,8 @@ def _chunk_output_kernel(
     bh = tl.program_id(1).to(tl.int64)
     pid_v = tl.program_id(2)
     offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
-    rows, row_ok = chunk_rows(chunk, seq_len, chunk_size, BLOCK_C)
+    start, stop = chunk_span(chunk, seq_len, chunk_size, chunk_table_ptr, VARLEN)
+    rows, row_ok = chunk_rows(start, stop, BLOCK_C)
     input_type = q_ptr.dtype.element_ty
 
     scores = tl.zeros((BLOCK_C, BLOCK_C), dtype=tl.float32)
