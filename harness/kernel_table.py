@@ -7,7 +7,7 @@ autotuning candidate). This module compiles each launch with Triton's compiler f
 (ptxas ships with Triton), reads the cubin's resources with the ``cuobjdump`` beside it, and makes one
 :class:`Row` per (kernel, configuration, arch). Launches that compile alike (the same kernel source,
 signature, constexprs and options for one target: many configurations share tiles) are compiled once,
-by one process per core, and their figures kept in a cache keyed by that, the kernel files' hash and the
+by one process per core, and their figures kept in a cache keyed by that (its source with every helper it calls) and the
 Triton version (``cache_dir``). A row over its target's limits (``_common.over_limits``, the test the
 launch applies on a GPU) is a problem, except an autotuning candidate, which the launch prunes: it is
 marked ``pruned`` instead, and a problem only when every candidate of its kernel is.
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import functools
 import hashlib
 import json
 import math
@@ -161,7 +160,7 @@ def _signature(launch) -> tuple[dict, dict, dict]:
             continue
         arg = launch.args[index]
         if isinstance(arg, torch.Tensor):
-            signature[name] = "*" + {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}[arg.dtype]
+            signature[name] = "*" + {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int32: "i32"}[arg.dtype]
             attrs[(index,)] = [["tt.divisibility", 16]]
         elif arg == 1:
             signature[name], constexprs[name] = "constexpr", 1
@@ -229,35 +228,18 @@ def _candidates_all_pruned(rows: list[Row]) -> list[Row]:
     return rows
 
 
-@functools.cache
-def _jit_source_hash(module_name: str) -> str:
-    """The hash of every @triton.jit function's source in a module (host code left out: editing it compiles nothing anew)."""
-    import importlib
-    import inspect
-
-    texts = []
-    for value in vars(importlib.import_module(module_name)).values():
-        function = value
-        while hasattr(function, "fn"):  # Autotuner -> JITFunction (or the interpreter's) -> the Python function
-            function = function.fn
-        if function is not value and inspect.isfunction(function):
-            texts.append(inspect.getsource(function))
-    return hashlib.sha256("\n".join(sorted(texts)).encode()).hexdigest()
-
-
 def compile_key(launch, capability: int) -> str:
-    """What decides a compilation: the kernels' source (its module's and ``_common``'s, whose helpers it calls),
-    its name, signature, constexprs, attrs and options, the target and the Triton version. Equal keys compile alike."""
+    """What decides a compilation: the kernel's source and that of every @triton.jit helper it calls, wherever it
+    lives (``identity.source_hash``), its name, signature, constexprs, attrs and options, the target and the Triton
+    version. Equal keys compile alike."""
     import triton
 
-    from variants.kernels import _common
+    from variants.kernels import identity
 
-    function = launch.kernel
-    while hasattr(function, "fn"):
-        function = function.fn
+    function = identity.python_function(launch.kernel)
     signature, constexprs, attrs = _signature(launch)
     parts = [
-        triton.__version__, capability, function.__module__, function.__name__, _jit_source_hash(function.__module__), _jit_source_hash(_common.__name__),
+        triton.__version__, capability, function.__module__, function.__name__, identity.source_hash(function),
         sorted(signature.items()), sorted(map(str, constexprs.items())), sorted(map(str, attrs.items())), sorted(launch.options.items()),
     ]  # fmt: skip
     return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()

@@ -473,7 +473,7 @@ class AttentionCore(nn.Module):
 
     def _check_shape(self, shape: str, detail: str) -> None:
         if shape not in self.shapes:
-            raise UnsupportedBackend(f"{self.variant_name}: backend={self.backend!r} takes no {SHAPES[shape]}{detail} (``variants.supports`` names who does)")
+            raise UnsupportedBackend(f"{self.variant_name}: backend={self.backend!r} takes no {SHAPES[shape]}{detail} (variants.supports names who does)")
 
     def _check_token_inputs(self, given: dict, shape, layout: str, suffix: str, always: bool) -> dict:
         """Exactly the declared token inputs (keywords ``name + suffix``; None is not given), each of

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import fla_backend as fla
-from .base import TokenInput, UnsupportedBackend, VariantError, activated_linear, register
+from .base import TokenInput, UnsupportedBackend, VariantError, activated_linear, register, state_heads
 from .chunk_scan import delta_rule_parallel
 from .chunked import delta_rule_chunked, safe_reciprocal
 from .fast_weights import FastWeightCore, FastWeightState, TritonForm
@@ -183,7 +183,9 @@ class _Triton(TritonForm):
 
 class _Fla(fla.FlaForm):
     """The delta rule (φ and sum normalisation in PyTorch, no attention normaliser) and the gated
-    delta rule: fla's (gated) delta rule on φ(q), φ(k) with scale 1, β as ``beta``, g as ``g``."""
+    delta rule: fla's (gated) delta rule on φ(q), φ(k) with scale 1, β as ``beta``, g as ``g``. Packed
+    sequences go to fla as its ``cu_seqlens``; grouped value heads (GVA) to its gated rule as they are (fla's
+    value head i reads q/k head i // (H_v / H), as ours), its ungated rule takes none."""
 
     def __init__(self, core):
         if core.normalize:
@@ -191,6 +193,7 @@ class _Fla(fla.FlaForm):
                 f"{core.variant_name}: fla's delta rule has no attention normaliser (Schlag et al. 2021 eq. 26-28, normalize=True); use normalize=False"
             )
         self.gated = isinstance(core, GatedDeltaRule)
+        self.shapes = ("packed", "grouped") if self.gated else ("packed",)
         rule = "gated_delta_rule" if self.gated else "delta_rule"
         super().__init__(core, {"chunk": f"chunk_{rule}", "recurrent": f"fused_recurrent_{rule}"})
 
@@ -200,7 +203,7 @@ class _Fla(fla.FlaForm):
             return f"{self.core.variant_name}: fla's chunk_delta_rule refuses float32 inputs (its assertion); use bfloat16 or float16"
         return None
 
-    def _call(self, q, k, v, state, where, beta, log_gate=None):
+    def _call(self, q, k, v, state, where, beta, log_gate=None, cu_seqlens=None):
         core = self.core
         ops = fla._ops("gated_delta_rule" if self.gated else "delta_rule")
         kernel = getattr(ops, self.fla_kernels[where])
@@ -228,6 +231,7 @@ class _Fla(fla.FlaForm):
             initial_state=initial,
             output_final_state=state is not None,
             **chunk,
+            **fla._packed(cu_seqlens, q.device, host_copy=where == "chunk"),
         )
         return fla._ours(out), None if state is None else FastWeightState(final.to(core.state_dtype(v.dtype)), None)
 
@@ -236,7 +240,7 @@ class _Fla(fla.FlaForm):
 
     def _prefill(self, q, k, v, state, beta, log_gate=None):
         if state is None:
-            state = self.core.init_state(q.shape[0], q.shape[1], v.shape[-1], device=q.device, dtype=q.dtype)
+            state = self.core.init_state(q.shape[0], state_heads(k, v), v.shape[-1], device=q.device, dtype=q.dtype)
         return self._call(q, k, v, state, fla._where(self.core.variant_name, q.device), beta, log_gate)
 
     def _step(self, q_t, k_t, v_t, state, beta, log_gate=None):

@@ -33,6 +33,7 @@ kernel and chunk a cell runs (the recurrent kernels of the CPU path have no chun
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import os
@@ -40,7 +41,7 @@ import sys
 
 import torch
 
-from .base import BackendForm, UnsupportedBackend
+from .base import BackendForm, UnsupportedBackend, state_heads
 from .fast_weights import DEFAULT_CHUNK
 
 #: The options ``backend='fla'`` takes (none: the kernel follows the device, see above).
@@ -105,6 +106,21 @@ def _ours(x):
     return x.transpose(1, 2)
 
 
+@functools.lru_cache(maxsize=64)
+def _offsets_on(bounds: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    return torch.tensor(bounds, dtype=torch.long, device=device)
+
+
+def _packed(bounds, device: torch.device, host_copy: bool = False) -> dict:
+    """fla's ``cu_seqlens`` (a LongTensor on ``device``) for packed sequences (``bounds``: our offsets as ints), and
+    with ``host_copy`` its ``cu_seqlens_cpu`` (the chunk delta rules take it to plan their chunks without a device
+    sync); made once per offsets and device, so that no timed call copies them. None: {}."""
+    if bounds is None:
+        return {}
+    offsets = {"cu_seqlens": _offsets_on(tuple(bounds), device)}
+    return offsets | ({"cu_seqlens_cpu": _offsets_on(tuple(bounds), torch.device("cpu"))} if host_copy else {})
+
+
 def _causal_only(variant: str, causal: bool) -> None:
     if not causal:
         raise UnsupportedBackend(f"{variant}: fla's kernels are causal only; causal=False is backend='torch'")
@@ -114,9 +130,11 @@ class FlaForm(BackendForm):
     """What every mapping shares: its kernels by where they run (``kernels``, ``{"chunk": name,
     "recurrent": name}``), refused at once when the core's chunk size is one the chunk kernel does
     not run; the layout its inputs should have (``input_layout``) and what a call on given inputs
-    runs (``implementation_choices``). A mapping defines ``_parallel``, ``_prefill`` and ``_step``."""
+    runs (``implementation_choices``). A mapping defines ``_parallel``, ``_prefill`` and ``_step``; one that
+    takes packed sequences (``shapes``) a ``_call(q, k, v, state, where, **token_inputs, cu_seqlens=bounds)``
+    that passes them to fla (``_packed``), which the packed forms here use."""
 
-    replaces = ("_parallel", "_prefill", "_step", "implementation_choices", "input_layout", "fla_kernels")
+    replaces = ("_parallel", "_prefill", "_step", "_parallel_packed", "_prefill_packed", "implementation_choices", "input_layout", "fla_kernels")
     input_layout = "bthd"
 
     def __init__(self, core, kernels: dict):
@@ -135,3 +153,14 @@ class FlaForm(BackendForm):
 
         kernel = self.fla_kernels[_where(self.core.variant_name, q.device)]
         return {"fla_kernel": kernel, "chunk_size": self.core.chunk_size if kernel in CHUNK_SIZES else None, **fla_identity()}
+
+    def _parallel_packed(self, q, k, v, causal, bounds, **token_inputs):
+        """The parallel form over packed sequences (B = 1): fla's kernel with its ``cu_seqlens``."""
+        _causal_only(self.core.variant_name, causal)
+        return self._call(q, k, v, None, _where(self.core.variant_name, q.device), **token_inputs, cu_seqlens=bounds)[0]
+
+    def _prefill_packed(self, q, k, v, state, bounds, **token_inputs):
+        """``prefill`` over packed sequences: the outputs and the N sequences' states ``[N, H, ...]`` (default: from empty ones)."""
+        if state is None:
+            state = self.core.init_state(len(bounds) - 1, state_heads(k, v), v.shape[-1], device=q.device, dtype=q.dtype)
+        return self._call(q, k, v, state, _where(self.core.variant_name, q.device), **token_inputs, cu_seqlens=bounds)

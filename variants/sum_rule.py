@@ -122,13 +122,16 @@ class _FlaLinear(fla.FlaForm):
     """The sum rule (linear, performer, dpfp, any φ): fla's linear attention on φ(q), φ(k);
     ``normalize`` is fla's ``normalize``. Unnormalised: scale 1. Normalised, fla divides
     s φ(q)ᵀS by s φ(q)·z + 1e-10 (s its ``scale``) where we divide φ(q)ᵀS by φ(q)·z + ε with ε = 1e-6;
-    s = 1e-10 / ε makes the two the same function exactly (the states S and z do not depend on s)."""
+    s = 1e-10 / ε makes the two the same function exactly (the states S and z do not depend on s). Packed
+    sequences go to fla as its ``cu_seqlens``; fla's linear attention has no grouped heads."""
+
+    shapes = ("packed",)
 
     def __init__(self, core):
         super().__init__(core, {"chunk": "chunk_linear_attn", "recurrent": "fused_recurrent_linear_attn"})
         self.scale = FLA_LINEAR_EPS / EPS if core.normalize else 1.0
 
-    def _call(self, q, k, v, state, where):
+    def _call(self, q, k, v, state, where, cu_seqlens=None):
         core, ops = self.core, fla._ops("linear_attn")
         kernel = ops.chunk_linear_attn if where == "chunk" else ops.fused_recurrent_linear_attn
         initial = None
@@ -142,6 +145,7 @@ class _FlaLinear(fla.FlaForm):
             initial_state=initial,
             output_final_state=state is not None,
             normalize=core.normalize,
+            **fla._packed(cu_seqlens, q.device),
         )
         if state is None:
             return fla._ours(out), None

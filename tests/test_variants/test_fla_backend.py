@@ -22,6 +22,7 @@ import variants
 from harness import builders, workloads
 from harness.scenario import load_scenario
 from variants import fla_backend
+from variants.base import repeat_heads
 
 needs_fla = pytest.mark.skipif(
     importlib.util.find_spec("fla") is None or importlib.util.find_spec("triton") is None,
@@ -117,6 +118,55 @@ def test_fla_prefill_state_continues_into_steps(config, seed):
         third, _ = core.step_loop(variants.time_slice(low, 20), state)
     chained = torch.cat([first, second, third], 2).cpu()
     assert_close(chained, reference.reference(**inputs), torch.float32, f"{config_id(config)}[fla] prefill chain", seed)
+
+
+#: Packed sequences of 7, 1, 13 and 4 tokens.
+CU_SEQLENS = torch.tensor([0, 7, 8, 21, 25], dtype=torch.int32)
+
+
+@needs_fla
+@pytest.mark.parametrize("config", [STATEFUL[0], STATEFUL[1], STATEFUL[5], STATEFUL[7]], ids=config_id)
+def test_fla_packed_equals_each_sequence_alone(config, seed):
+    """``cu_seqlens`` reach fla's kernels: a packed row == the float64 torch core on each sequence alone, forward
+    and the gradients of q, k, v (where fla's kernel has a backward: not the gated rule's recurrent one on a CPU),
+    and prefill's states are the sequences' own."""
+    core, reference = _pair(config, seed)
+    inputs = make_inputs(reference, 1, 2, int(CU_SEQLENS[-1]), 4, dtype=torch.float64, seed=seed)
+    backward = DEVICE == "cuda" or config[0] != "gated_delta"
+    low, exact = _on_device(inputs, requires_grad=backward), to(inputs, torch.float64, requires_grad=backward)
+    bounds = CU_SEQLENS.tolist()
+    pieces = [variants.time_slice(exact, a, b) for a, b in zip(bounds[:-1], bounds[1:])]
+    packed = core(**low, cu_seqlens=CU_SEQLENS.to(DEVICE))
+    alone = torch.cat([reference(**piece) for piece in pieces], 2)
+    assert_close(packed.cpu(), alone, torch.float32, f"{config_id(config)}[fla] packed", seed)
+    if backward:
+        got = torch.autograd.grad(packed, [low[n] for n in "qkv"], torch.ones_like(packed))
+        for name, grad, target in zip("qkv", got, torch.autograd.grad(alone.sum(), [exact[n] for n in "qkv"])):
+            assert_close(grad.cpu(), target, torch.float32, f"{config_id(config)}[fla] packed d/d{name}", seed)
+    with torch.no_grad():
+        _, states = core.prefill(**low, cu_seqlens=CU_SEQLENS.to(DEVICE))
+        for n, piece in enumerate(pieces):
+            assert_close(states.weights[n : n + 1].cpu(), reference.prefill(**piece)[1].weights, torch.float32, f"{config_id(config)}[fla] state {n}", seed)
+
+
+@needs_fla
+def test_fla_gated_delta_takes_grouped_value_heads(seed):
+    """GVA (fewer q/k heads than value heads) goes to fla's gated delta rule as it is: the parallel form, packed,
+    prefill and steps equal the torch core on explicitly repeated heads; fla's ungated rule and linear attention refuse it."""
+    core, reference = _pair(("gated_delta", {}), seed)
+    drawn = make_inputs(reference, 1, 4, int(CU_SEQLENS[-1]), 4, dtype=torch.float64, seed=seed)
+    grouped = drawn | {"q": drawn["q"][:, :2], "k": drawn["k"][:, :2]}
+    repeated = {name: repeat_heads(x, 4) for name, x in grouped.items()}
+    low = _on_device(grouped)
+    with torch.no_grad():
+        assert_close(core(**low).cpu(), reference(**repeated), torch.float32, "gated_delta[fla] GVA", seed)
+        assert_close(core(**low, cu_seqlens=CU_SEQLENS.to(DEVICE)).cpu(), reference(**repeated, cu_seqlens=CU_SEQLENS), torch.float32, "GVA packed", seed)
+        first, state = core.prefill(**variants.time_slice(low, 0, 20))
+        assert state.weights.shape[1] == 4
+        steps, _ = core.step_loop(variants.time_slice(low, 20), state)
+        assert_close(torch.cat([first, steps], 2).cpu(), reference(**repeated), torch.float32, "gated_delta[fla] GVA prefill and steps", seed)
+    for name in ("delta", "linear"):
+        assert "takes no grouped heads" in variants.supports(name, 6, ["fla"], shapes=["grouped"])["fla"]
 
 
 @needs_fla

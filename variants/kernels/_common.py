@@ -39,6 +39,9 @@ SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 #: the d-dot-sweep's wide keys (d_dot 128 and 256 with d_value 64), each at every chunk size its rule takes.
 REFERENCE_BATCH, REFERENCE_HEADS, REFERENCE_SEQ_LEN = 1, 8, 16384
 HEAD_DIMS = (16, 32, 64, 128, 256)
+#: The packed rows' offsets (``cu_seqlens``): the reference T cut into sequences of 1000, 2100, 1, 3899, 4111 and 5273
+#: tokens (none a whole number of chunks). A handful of packed configurations per rule, not the table doubled.
+PACKED_BOUNDS = (0, 1000, 3100, 3101, 7000, 11111, 16384)
 WIDE_KEYS = (128, 256)
 DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 

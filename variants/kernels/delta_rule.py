@@ -240,17 +240,21 @@ def delta_rule_triton(
 
 
 def compile_configs() -> list[dict]:
-    """Every reachable configuration: each dtype, shape and chunk size of ``_common.shipped_shapes``, ungated and gated."""
-    return [
+    """Every reachable configuration: each dtype, shape and chunk size of ``_common.shipped_shapes``, ungated and gated;
+    and packed sequences (``_common.PACKED_BOUNDS``) in bf16 at chunk 64: d = 64 ungated and gated, d = 128 gated."""
+    dense = [
         dict(dtype=dtype, d_dot=d_dot, d_value=d_value, chunk_size=chunk, gated=gated)
         for dtype, d_dot, d_value, chunk in _common.shipped_shapes("delta_rule")
         for gated in (False, True)
     ]
+    packed = [(64, False), (64, True), (128, True)]
+    return dense + [dict(dtype=torch.bfloat16, d_dot=d, d_value=d, chunk_size=64, gated=gated, packed=True) for d, gated in packed]
 
 
 def config_label(config: dict) -> str:
     gate = " gated" if config.get("gated") else ""
-    return f"{_common.DTYPE_NAMES[config['dtype']]} F{config['d_dot']} Dv{config['d_value']} C{config['chunk_size']}{gate}"
+    packed = " packed" if config.get("packed") else ""
+    return f"{_common.DTYPE_NAMES[config['dtype']]} F{config['d_dot']} Dv{config['d_value']} C{config['chunk_size']}{gate}{packed}"
 
 
 def record_launches(config: dict, capability: int) -> list[_common.Launch]:
@@ -264,6 +268,7 @@ def record_launches(config: dict, capability: int) -> list[_common.Launch]:
     log_gate = _common.meta_tensor(*shape, dtype=dtype) if config.get("gated") else None
 
     def entry(q, k, v, beta, log_gate=None):
-        return delta_rule_triton(q, k, v, beta, log_gate=log_gate, chunk_size=config["chunk_size"])
+        packed = {"cu_seqlens": _common.PACKED_BOUNDS} if config.get("packed") else {}
+        return delta_rule_triton(q, k, v, beta, log_gate=log_gate, chunk_size=config["chunk_size"], **packed)
 
     return _common.record_training_step(entry, capability, [q, k, v, beta] + ([log_gate] if log_gate is not None else []))

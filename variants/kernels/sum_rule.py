@@ -295,17 +295,20 @@ def sum_rule_triton(
 
 
 def compile_configs() -> list[dict]:
-    """Every reachable configuration: each dtype, shape and chunk size of ``_common.shipped_shapes``, with and without the normaliser."""
-    return [
+    """Every reachable configuration: each dtype, shape and chunk size of ``_common.shipped_shapes``, with and without
+    the normaliser; and packed sequences (``_common.PACKED_BOUNDS``) in bf16 at d = 64, chunk 64, with and without it."""
+    dense = [
         dict(dtype=dtype, d_dot=d_dot, d_value=d_value, chunk_size=chunk, normalize=normalize)
         for dtype, d_dot, d_value, chunk in _common.shipped_shapes("sum_rule")
         for normalize in (True, False)
     ]
+    return dense + [dict(dtype=torch.bfloat16, d_dot=64, d_value=64, chunk_size=64, normalize=normalize, packed=True) for normalize in (True, False)]
 
 
 def config_label(config: dict) -> str:
     norm = "norm" if config["normalize"] else "plain"
-    return f"{_common.DTYPE_NAMES[config['dtype']]} F{config['d_dot']} Dv{config['d_value']} C{config['chunk_size']} {norm}"
+    packed = " packed" if config.get("packed") else ""
+    return f"{_common.DTYPE_NAMES[config['dtype']]} F{config['d_dot']} Dv{config['d_value']} C{config['chunk_size']} {norm}{packed}"
 
 
 def record_launches(config: dict, capability: int) -> list[_common.Launch]:
@@ -315,4 +318,5 @@ def record_launches(config: dict, capability: int) -> list[_common.Launch]:
     dtype = config["dtype"]
     q, k = (_common.meta_tensor(*shape, config["d_dot"], dtype=dtype) for _ in range(2))
     v = _common.meta_tensor(*shape, config["d_value"], dtype=dtype)
-    return _common.record_training_step(sum_rule_triton, capability, [q, k, v], normalize=config["normalize"], chunk_size=config["chunk_size"])
+    packed = {"cu_seqlens": _common.PACKED_BOUNDS} if config.get("packed") else {}
+    return _common.record_training_step(sum_rule_triton, capability, [q, k, v], normalize=config["normalize"], chunk_size=config["chunk_size"], **packed)
