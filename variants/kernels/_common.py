@@ -353,14 +353,14 @@ def record_training_step(entry, capability: int, inputs: list, **kwargs) -> list
 
 @triton.jit
 def chunk_span(chunk, seq_len, chunk_size, chunk_table_ptr, VARLEN: tl.constexpr):
-    """The first token of chunk ``chunk`` and the end of its tokens (exclusive): with VARLEN (packed sequences) row
-    ``chunk`` of the chunk table (``Packing.chunks``), else chunk·C and min(chunk·C + C, T)."""
+    """The first token of chunk ``chunk`` and a bound its tokens end before: with VARLEN (packed sequences) row
+    ``chunk`` of the chunk table (``Packing.chunks``), the chunk's first token and end; else chunk·C and T."""
     if VARLEN:
         start = tl.load(chunk_table_ptr + 2 * chunk)
         stop = tl.load(chunk_table_ptr + 2 * chunk + 1)
     else:
         start = chunk * chunk_size
-        stop = tl.minimum(start + chunk_size, seq_len)
+        stop = seq_len
     return start, stop
 
 
@@ -382,10 +382,12 @@ def sequence_chunks(program, heads, num_chunks, sequence_table_ptr, VARLEN: tl.c
 
 
 @triton.jit
-def chunk_rows(start, stop, BLOCK_C: tl.constexpr):
-    """Token indices of the chunk from ``start`` (``chunk_span``) and which of them are real (before ``stop``)."""
-    tokens = start + tl.arange(0, BLOCK_C)
-    return tokens, tokens < stop
+def chunk_rows(start, stop, chunk_size, BLOCK_C: tl.constexpr):
+    """Token indices of the chunk from ``start`` (``chunk_span``) and which of them are real: within the chunk
+    and before ``stop``."""
+    rows = tl.arange(0, BLOCK_C)
+    tokens = start + rows
+    return tokens, (rows < chunk_size) & (tokens < stop)
 
 
 @triton.jit
@@ -397,10 +399,10 @@ def token_tile(bh, seq_len, tokens, token_ok, cols, width):
 
 
 @triton.jit
-def load_chunk(ptr, bh, start, stop, seq_len, width, col_start, BLOCK_C: tl.constexpr, BLOCK: tl.constexpr):
+def load_chunk(ptr, bh, start, stop, chunk_size, seq_len, width, col_start, BLOCK_C: tl.constexpr, BLOCK: tl.constexpr):
     """The chunk's tokens ``start`` .. ``stop`` (``chunk_span``), columns col_start .. col_start + BLOCK of a
     [B·H, seq_len, width] tensor, in its own dtype (16-bit tiles go into ``dot`` as they are), zeros outside (padding)."""
-    tokens, token_ok = chunk_rows(start, stop, BLOCK_C)
+    tokens, token_ok = chunk_rows(start, stop, chunk_size, BLOCK_C)
     offs, mask = token_tile(bh, seq_len, tokens, token_ok, col_start + tl.arange(0, BLOCK), width)
     return tl.load(ptr + offs, mask=mask, other=0.0)
 

@@ -28,15 +28,15 @@ def _backward_local_kernel(
     bh = tl.program_id(1).to(tl.int64)
     v_start = tl.program_id(2) * BLOCK_V
     rows = tl.arange(0, BLOCK_C)
-    scores = _chunk_scores(q_ptr, k_ptr, bh, start, stop, seq_len, d_dot, PRECISION, BLOCK_C, BLOCK_F)
+    scores = _chunk_scores(q_ptr, k_ptr, bh, start, stop, chunk_size, seq_len, d_dot, PRECISION, BLOCK_C, BLOCK_F)
     if GATED:
-        cumulative, _ = _cumulative_gate(g_ptr, bh, start, stop, seq_len, BLOCK_C)
+        cumulative, _ = _cumulative_gate(g_ptr, bh, start, stop, chunk_size, seq_len, BLOCK_C)
         scores = scores * _decay(cumulative, False, BLOCK_C)
     else:
         scores = tl.where(rows[:, None] >= rows[None, :], scores, 0.0)
-    dout = load_chunk(dy_ptr, bh, start, stop, seq_len, d_value, v_start, BLOCK_C, BLOCK_V)
+    dout = load_chunk(dy_ptr, bh, start, stop, chunk_size, seq_len, d_value, v_start, BLOCK_C, BLOCK_V)
     local = dot(tl.trans(scores), dout, PRECISION, q_ptr.dtype.element_ty)
-    _store_chunk(du_ptr, local, bh, start, stop, seq_len, d_value, v_start, BLOCK_C, BLOCK_V)
+    _store_chunk(du_ptr, local, bh, start, stop, chunk_size, seq_len, d_value, v_start, BLOCK_C, BLOCK_V)
 
 
 @_autotune_pass("du_ptr")
@@ -66,17 +66,17 @@ def _backward_pass_kernel(
         start, stop = chunk_span(chunk, seq_len, chunk_size, chunk_table_ptr, VARLEN)
         offs, mask = _state_offsets(bh, chunk, num_chunks, feats, cols, d_dot, d_value)
         tl.store(dstates_ptr + offs, dstate, mask=mask)
-        keys = load_chunk(k_ptr, bh, start, stop, seq_len, d_dot, 0, BLOCK_C, PAD_F)
-        queries = load_chunk(q_ptr, bh, start, stop, seq_len, d_dot, 0, BLOCK_C, PAD_F)
+        keys = load_chunk(k_ptr, bh, start, stop, chunk_size, seq_len, d_dot, 0, BLOCK_C, PAD_F)
+        queries = load_chunk(q_ptr, bh, start, stop, chunk_size, seq_len, d_dot, 0, BLOCK_C, PAD_F)
         if GATED:
-            cumulative, last = _cumulative_gate(g_ptr, bh, start, stop, seq_len, BLOCK_C)
+            cumulative, last = _cumulative_gate(g_ptr, bh, start, stop, chunk_size, seq_len, BLOCK_C)
             keys = keys.to(tl.float32) * tl.exp(last - cumulative)[:, None]
             queries = queries.to(tl.float32) * tl.exp(cumulative)[:, None]
-        local = load_chunk(du_ptr, bh, start, stop, seq_len, d_value, v_start, BLOCK_C, BLOCK_V)
+        local = load_chunk(du_ptr, bh, start, stop, chunk_size, seq_len, d_value, v_start, BLOCK_C, BLOCK_V)
         dnew_values = local + dot(keys, dstate, PRECISION, input_type)
-        _store_chunk(du_ptr, dnew_values, bh, start, stop, seq_len, d_value, v_start, BLOCK_C, BLOCK_V)
-        w = load_chunk(w_ptr, bh, start, stop, seq_len, d_dot, 0, BLOCK_C, PAD_F)
-        dout = load_chunk(dy_ptr, bh, start, stop, seq_len, d_value, v_start, BLOCK_C, BLOCK_V)
+        _store_chunk(du_ptr, dnew_values, bh, start, stop, chunk_size, seq_len, d_value, v_start, BLOCK_C, BLOCK_V)
+        w = load_chunk(w_ptr, bh, start, stop, chunk_size, seq_len, d_dot, 0, BLOCK_C, PAD_F)
+        dout = load_chunk(dy_ptr, bh, start, stop, chunk_size, seq_len, d_value, v_start, BLOCK_C, BLOCK_V)
         if GATED:
             dstate = dstate * tl.exp(last)
         dstate += dot(tl.trans(queries), dout, PRECISION, input_type) - dot(tl.trans(w), dnew_values, PRECISION, input_type)
@@ -99,28 +99,28 @@ def _backward_chunk_kernel(
     start, stop = chunk_span(chunk, seq_len, chunk_size, chunk_table_ptr, VARLEN)
     bh = tl.program_id(1).to(tl.int64)
     rows = tl.arange(0, BLOCK_C)
-    tokens, row_ok = chunk_rows(start, stop, BLOCK_C)
+    tokens, row_ok = chunk_rows(start, stop, chunk_size, BLOCK_C)
     input_type = q_ptr.dtype.element_ty
     inverse = tl.load(t_ptr + ((bh * num_chunks + chunk) * BLOCK_C + rows[:, None]) * BLOCK_C + rows[None, :])
-    beta = _token_values(beta_ptr, bh, start, stop, seq_len, BLOCK_C)
+    beta = _token_values(beta_ptr, bh, start, stop, chunk_size, seq_len, BLOCK_C)
 
     dscores = tl.zeros((BLOCK_C, BLOCK_C), dtype=tl.float32)  # dO U'ᵀ
     dsolve = tl.zeros((BLOCK_C, BLOCK_C), dtype=tl.float32)  # dVb U'ᵀ
     dbeta = tl.zeros((BLOCK_C,), dtype=tl.float32)
     for v_start in range(0, d_value, BLOCK_V):
-        dout = load_chunk(dy_ptr, bh, start, stop, seq_len, d_value, v_start, BLOCK_C, BLOCK_V)
-        new_values = load_chunk(u_ptr, bh, start, stop, seq_len, d_value, v_start, BLOCK_C, BLOCK_V)
-        dvb = dot(tl.trans(inverse), load_chunk(du_ptr, bh, start, stop, seq_len, d_value, v_start, BLOCK_C, BLOCK_V), PRECISION, input_type)
-        _store_chunk(dv_ptr, dvb * beta[:, None], bh, start, stop, seq_len, d_value, v_start, BLOCK_C, BLOCK_V)
-        values = load_chunk(v_ptr, bh, start, stop, seq_len, d_value, v_start, BLOCK_C, BLOCK_V)
+        dout = load_chunk(dy_ptr, bh, start, stop, chunk_size, seq_len, d_value, v_start, BLOCK_C, BLOCK_V)
+        new_values = load_chunk(u_ptr, bh, start, stop, chunk_size, seq_len, d_value, v_start, BLOCK_C, BLOCK_V)
+        dvb = dot(tl.trans(inverse), load_chunk(du_ptr, bh, start, stop, chunk_size, seq_len, d_value, v_start, BLOCK_C, BLOCK_V), PRECISION, input_type)
+        _store_chunk(dv_ptr, dvb * beta[:, None], bh, start, stop, chunk_size, seq_len, d_value, v_start, BLOCK_C, BLOCK_V)
+        values = load_chunk(v_ptr, bh, start, stop, chunk_size, seq_len, d_value, v_start, BLOCK_C, BLOCK_V)
         dbeta += tl.sum(dvb * values.to(tl.float32), axis=1)
         dscores += dot(dout, tl.trans(new_values), PRECISION, input_type)
         dsolve += dot(dvb, tl.trans(new_values), PRECISION, input_type)
-    scores = _chunk_scores(q_ptr, k_ptr, bh, start, stop, seq_len, d_dot, PRECISION, BLOCK_C, BLOCK_F)
-    gram = _chunk_scores(k_ptr, k_ptr, bh, start, stop, seq_len, d_dot, PRECISION, BLOCK_C, BLOCK_F)
+    scores = _chunk_scores(q_ptr, k_ptr, bh, start, stop, chunk_size, seq_len, d_dot, PRECISION, BLOCK_C, BLOCK_F)
+    gram = _chunk_scores(k_ptr, k_ptr, bh, start, stop, chunk_size, seq_len, d_dot, PRECISION, BLOCK_C, BLOCK_F)
     grad_a = -tl.where(rows[:, None] > rows[None, :], dsolve, 0.0)  # dA
     if GATED:
-        cumulative, last = _cumulative_gate(g_ptr, bh, start, stop, seq_len, BLOCK_C)
+        cumulative, last = _cumulative_gate(g_ptr, bh, start, stop, chunk_size, seq_len, BLOCK_C)
         gamma = tl.exp(cumulative)
         dscores = dscores * _decay(cumulative, False, BLOCK_C)
         gram = gram * _decay(cumulative, True, BLOCK_C)
@@ -147,16 +147,16 @@ def _backward_chunk_kernel(
             offs, mask = _state_offsets(bh, chunk, num_chunks, feats, cols, d_dot, d_value)
             state = tl.load(states_ptr + offs, mask=mask, other=0.0)
             dstate = tl.load(dstates_ptr + offs, mask=mask, other=0.0)
-            dout = load_chunk(dy_ptr, bh, start, stop, seq_len, d_value, v_start, BLOCK_C, BLOCK_V)
-            new_values = load_chunk(u_ptr, bh, start, stop, seq_len, d_value, v_start, BLOCK_C, BLOCK_V)
-            dvb = dot(tl.trans(inverse), load_chunk(du_ptr, bh, start, stop, seq_len, d_value, v_start, BLOCK_C, BLOCK_V), PRECISION, input_type)
+            dout = load_chunk(dy_ptr, bh, start, stop, chunk_size, seq_len, d_value, v_start, BLOCK_C, BLOCK_V)
+            new_values = load_chunk(u_ptr, bh, start, stop, chunk_size, seq_len, d_value, v_start, BLOCK_C, BLOCK_V)
+            dvb = dot(tl.trans(inverse), load_chunk(du_ptr, bh, start, stop, chunk_size, seq_len, d_value, v_start, BLOCK_C, BLOCK_V), PRECISION, input_type)
             dq += dot(dout, tl.trans(state), PRECISION, input_type)
             dk_write += dot(new_values, tl.trans(dstate), PRECISION, input_type)
             dk_solve += dot(dvb, tl.trans(state), PRECISION, input_type)
             if GATED:
                 dlast += tl.sum(state * dstate) * tl.exp(last)
-        queries = load_chunk(q_ptr, bh, start, stop, seq_len, d_dot, f_start, BLOCK_C, BLOCK_F)
-        keys = load_chunk(k_ptr, bh, start, stop, seq_len, d_dot, f_start, BLOCK_C, BLOCK_F)
+        queries = load_chunk(q_ptr, bh, start, stop, chunk_size, seq_len, d_dot, f_start, BLOCK_C, BLOCK_F)
+        keys = load_chunk(k_ptr, bh, start, stop, chunk_size, seq_len, d_dot, f_start, BLOCK_C, BLOCK_F)
         solve_keys = tl.sum(dk_solve * keys.to(tl.float32), axis=1)  # (dVb Sᵀ)_t · k_t
         if GATED:
             dq = dq * gamma[:, None]
@@ -172,8 +172,8 @@ def _backward_chunk_kernel(
         dq += dot(dscores, keys, PRECISION, input_type)
         dk += dot(tl.trans(dscores), queries, PRECISION, input_type)
         dk += dot(p, keys, PRECISION, input_type) + dot(tl.trans(p), keys, PRECISION, input_type)
-        _store_chunk(dq_ptr, dq, bh, start, stop, seq_len, d_dot, f_start, BLOCK_C, BLOCK_F)
-        _store_chunk(dk_ptr, dk, bh, start, stop, seq_len, d_dot, f_start, BLOCK_C, BLOCK_F)
+        _store_chunk(dq_ptr, dq, bh, start, stop, chunk_size, seq_len, d_dot, f_start, BLOCK_C, BLOCK_F)
+        _store_chunk(dk_ptr, dk, bh, start, stop, chunk_size, seq_len, d_dot, f_start, BLOCK_C, BLOCK_F)
     tl.store(dbeta_ptr + bh * seq_len + tokens, dbeta.to(dbeta_ptr.dtype.element_ty), mask=row_ok)
     if GATED:
         dgate += tl.where(rows == BLOCK_C - 1, dlast, 0.0)

@@ -30,16 +30,16 @@ def _unit_lower_inverse(A, BLOCK_C: tl.constexpr):
 
 
 @triton.jit
-def _token_values(ptr, bh, start, stop, seq_len, BLOCK_C: tl.constexpr):
+def _token_values(ptr, bh, start, stop, chunk_size, seq_len, BLOCK_C: tl.constexpr):
     """One value per token of chunk ``chunk`` of a [B·H, T] tensor (β or g) as float32, 0 outside."""
-    tokens, row_ok = chunk_rows(start, stop, BLOCK_C)
+    tokens, row_ok = chunk_rows(start, stop, chunk_size, BLOCK_C)
     return tl.load(ptr + bh * seq_len + tokens, mask=row_ok, other=0.0).to(tl.float32)
 
 
 @triton.jit
-def _cumulative_gate(g_ptr, bh, start, stop, seq_len, BLOCK_C: tl.constexpr):
+def _cumulative_gate(g_ptr, bh, start, stop, chunk_size, seq_len, BLOCK_C: tl.constexpr):
     """G_t = Σ_{s ≤ t in the chunk} g_s and G_last (the padding has g = 0, so G_last is the last real token's)."""
-    cumulative = tl.cumsum(_token_values(g_ptr, bh, start, stop, seq_len, BLOCK_C), axis=0)
+    cumulative = tl.cumsum(_token_values(g_ptr, bh, start, stop, chunk_size, seq_len, BLOCK_C), axis=0)
     last = tl.sum(tl.where(tl.arange(0, BLOCK_C) == BLOCK_C - 1, cumulative, 0.0), axis=0)
     return cumulative, last
 
@@ -63,21 +63,21 @@ def _state_offsets(bh, chunk, num_chunks, feats, cols, d_dot, d_value):
 
 
 @triton.jit
-def _store_chunk(ptr, values, bh, start, stop, seq_len, width, col_start, BLOCK_C: tl.constexpr, BLOCK: tl.constexpr):
+def _store_chunk(ptr, values, bh, start, stop, chunk_size, seq_len, width, col_start, BLOCK_C: tl.constexpr, BLOCK: tl.constexpr):
     """Masked store of a [BLOCK_C, BLOCK] tile into chunk ``chunk`` of a [B·H, T, width] tensor, in its dtype."""
-    tokens, token_ok = chunk_rows(start, stop, BLOCK_C)
+    tokens, token_ok = chunk_rows(start, stop, chunk_size, BLOCK_C)
     offs, mask = token_tile(bh, seq_len, tokens, token_ok, col_start + tl.arange(0, BLOCK), width)
     tl.store(ptr + offs, values.to(ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _chunk_scores(a_ptr, b_ptr, bh, start, stop, seq_len, d_dot, PRECISION: tl.constexpr,
+def _chunk_scores(a_ptr, b_ptr, bh, start, stop, chunk_size, seq_len, d_dot, PRECISION: tl.constexpr,
                   BLOCK_C: tl.constexpr, BLOCK_F: tl.constexpr):  # fmt: skip
     """A_c B_cᵀ ``[BLOCK_C, BLOCK_C]`` in fp32 for two [B·H, T, F] tensors, summed over F in blocks of BLOCK_F."""
     scores = tl.zeros((BLOCK_C, BLOCK_C), dtype=tl.float32)
     for f_start in range(0, d_dot, BLOCK_F):
-        a = load_chunk(a_ptr, bh, start, stop, seq_len, d_dot, f_start, BLOCK_C, BLOCK_F)
-        b = load_chunk(b_ptr, bh, start, stop, seq_len, d_dot, f_start, BLOCK_C, BLOCK_F)
+        a = load_chunk(a_ptr, bh, start, stop, chunk_size, seq_len, d_dot, f_start, BLOCK_C, BLOCK_F)
+        b = load_chunk(b_ptr, bh, start, stop, chunk_size, seq_len, d_dot, f_start, BLOCK_C, BLOCK_F)
         scores += dot(a, tl.trans(b), PRECISION, a_ptr.dtype.element_ty)
     return scores
 
@@ -101,10 +101,10 @@ def _ut_transform_kernel(
     bh = tl.program_id(1).to(tl.int64)
     rows = tl.arange(0, BLOCK_C)
     input_type = k_ptr.dtype.element_ty
-    beta = _token_values(beta_ptr, bh, start, stop, seq_len, BLOCK_C)
-    gram = _chunk_scores(k_ptr, k_ptr, bh, start, stop, seq_len, d_dot, PRECISION, BLOCK_C, BLOCK_F)
+    beta = _token_values(beta_ptr, bh, start, stop, chunk_size, seq_len, BLOCK_C)
+    gram = _chunk_scores(k_ptr, k_ptr, bh, start, stop, chunk_size, seq_len, d_dot, PRECISION, BLOCK_C, BLOCK_F)
     if GATED:
-        cumulative, _ = _cumulative_gate(g_ptr, bh, start, stop, seq_len, BLOCK_C)
+        cumulative, _ = _cumulative_gate(g_ptr, bh, start, stop, chunk_size, seq_len, BLOCK_C)
         gram = gram * _decay(cumulative, True, BLOCK_C)
         key_scale = beta * tl.exp(cumulative)
     else:
@@ -113,13 +113,13 @@ def _ut_transform_kernel(
     inverse = _unit_lower_inverse(gram * beta[:, None], BLOCK_C)
     tl.store(t_ptr + ((bh * num_chunks + chunk) * BLOCK_C + rows[:, None]) * BLOCK_C + rows[None, :], inverse)
     for f_start in range(0, d_dot, BLOCK_F):
-        keys = load_chunk(k_ptr, bh, start, stop, seq_len, d_dot, f_start, BLOCK_C, BLOCK_F)
+        keys = load_chunk(k_ptr, bh, start, stop, chunk_size, seq_len, d_dot, f_start, BLOCK_C, BLOCK_F)
         w = dot(inverse, keys.to(tl.float32) * key_scale[:, None], PRECISION, input_type)
-        _store_chunk(w_ptr, w, bh, start, stop, seq_len, d_dot, f_start, BLOCK_C, BLOCK_F)
+        _store_chunk(w_ptr, w, bh, start, stop, chunk_size, seq_len, d_dot, f_start, BLOCK_C, BLOCK_F)
     for v_start in range(0, d_value, BLOCK_V):
-        values = load_chunk(v_ptr, bh, start, stop, seq_len, d_value, v_start, BLOCK_C, BLOCK_V)
+        values = load_chunk(v_ptr, bh, start, stop, chunk_size, seq_len, d_value, v_start, BLOCK_C, BLOCK_V)
         u = dot(inverse, values.to(tl.float32) * beta[:, None], PRECISION, input_type)
-        _store_chunk(u_ptr, u, bh, start, stop, seq_len, d_value, v_start, BLOCK_C, BLOCK_V)
+        _store_chunk(u_ptr, u, bh, start, stop, chunk_size, seq_len, d_value, v_start, BLOCK_C, BLOCK_V)
 
 
 #: The two passes' autotuning candidates (``_pass_candidates`` keeps those worth timing): the Dv columns of the
@@ -186,13 +186,13 @@ def _state_pass_kernel(
         start, stop = chunk_span(chunk, seq_len, chunk_size, chunk_table_ptr, VARLEN)
         offs, mask = _state_offsets(bh, chunk, num_chunks, feats, cols, d_dot, d_value)
         tl.store(states_ptr + offs, state, mask=mask)
-        w = load_chunk(w_ptr, bh, start, stop, seq_len, d_dot, 0, BLOCK_C, PAD_F)
-        u = load_chunk(u_ptr, bh, start, stop, seq_len, d_value, v_start, BLOCK_C, BLOCK_V)
+        w = load_chunk(w_ptr, bh, start, stop, chunk_size, seq_len, d_dot, 0, BLOCK_C, PAD_F)
+        u = load_chunk(u_ptr, bh, start, stop, chunk_size, seq_len, d_value, v_start, BLOCK_C, BLOCK_V)
         new_values = u.to(tl.float32) - dot(w, state, PRECISION, input_type)
-        _store_chunk(u_ptr, new_values, bh, start, stop, seq_len, d_value, v_start, BLOCK_C, BLOCK_V)
-        keys = load_chunk(k_ptr, bh, start, stop, seq_len, d_dot, 0, BLOCK_C, PAD_F)
+        _store_chunk(u_ptr, new_values, bh, start, stop, chunk_size, seq_len, d_value, v_start, BLOCK_C, BLOCK_V)
+        keys = load_chunk(k_ptr, bh, start, stop, chunk_size, seq_len, d_dot, 0, BLOCK_C, PAD_F)
         if GATED:
-            cumulative, last = _cumulative_gate(g_ptr, bh, start, stop, seq_len, BLOCK_C)
+            cumulative, last = _cumulative_gate(g_ptr, bh, start, stop, chunk_size, seq_len, BLOCK_C)
             keys = keys.to(tl.float32) * tl.exp(last - cumulative)[:, None]
             state = state * tl.exp(last)
         state += dot(tl.trans(keys), new_values, PRECISION, input_type)
@@ -218,17 +218,17 @@ def _output_kernel(
     scores = tl.zeros((BLOCK_C, BLOCK_C), dtype=tl.float32)
     out = tl.zeros((BLOCK_C, BLOCK_V), dtype=tl.float32)
     for f_start in range(0, d_dot, BLOCK_F):
-        queries = load_chunk(q_ptr, bh, start, stop, seq_len, d_dot, f_start, BLOCK_C, BLOCK_F)
-        keys = load_chunk(k_ptr, bh, start, stop, seq_len, d_dot, f_start, BLOCK_C, BLOCK_F)
+        queries = load_chunk(q_ptr, bh, start, stop, chunk_size, seq_len, d_dot, f_start, BLOCK_C, BLOCK_F)
+        keys = load_chunk(k_ptr, bh, start, stop, chunk_size, seq_len, d_dot, f_start, BLOCK_C, BLOCK_F)
         offs, mask = _state_offsets(bh, chunk, num_chunks, f_start + tl.arange(0, BLOCK_F), cols, d_dot, d_value)
         scores += dot(queries, tl.trans(keys), PRECISION, input_type)
         out += dot(queries, tl.load(states_ptr + offs, mask=mask, other=0.0), PRECISION, input_type)
     if GATED:
-        cumulative, _ = _cumulative_gate(g_ptr, bh, start, stop, seq_len, BLOCK_C)
+        cumulative, _ = _cumulative_gate(g_ptr, bh, start, stop, chunk_size, seq_len, BLOCK_C)
         out = out * tl.exp(cumulative)[:, None]
         scores = scores * _decay(cumulative, False, BLOCK_C)
     else:
         scores = tl.where(rows[:, None] >= rows[None, :], scores, 0.0)
-    new_values = load_chunk(u_ptr, bh, start, stop, seq_len, d_value, v_start, BLOCK_C, BLOCK_V)
+    new_values = load_chunk(u_ptr, bh, start, stop, chunk_size, seq_len, d_value, v_start, BLOCK_C, BLOCK_V)
     out += dot(scores, new_values, PRECISION, input_type)
-    _store_chunk(y_ptr, out, bh, start, stop, seq_len, d_value, v_start, BLOCK_C, BLOCK_V)
+    _store_chunk(y_ptr, out, bh, start, stop, chunk_size, seq_len, d_value, v_start, BLOCK_C, BLOCK_V)

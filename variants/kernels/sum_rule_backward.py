@@ -25,7 +25,7 @@ def _backward_dqk_kernel(
     bh = tl.program_id(1).to(tl.int64)
     offs_f = tl.program_id(2) * BLOCK_F + tl.arange(0, BLOCK_F)
     start, stop = chunk_span(chunk, seq_len, chunk_size, chunk_table_ptr, VARLEN)
-    rows, row_ok = chunk_rows(start, stop, BLOCK_C)
+    rows, row_ok = chunk_rows(start, stop, chunk_size, BLOCK_C)
     input_type = q_ptr.dtype.element_ty
 
     p = tl.zeros((BLOCK_C, BLOCK_C), dtype=tl.float32)
@@ -71,7 +71,7 @@ def _backward_dv_kernel(
     bh = tl.program_id(1).to(tl.int64)
     offs_v = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
     start, stop = chunk_span(chunk, seq_len, chunk_size, chunk_table_ptr, VARLEN)
-    rows, row_ok = chunk_rows(start, stop, BLOCK_C)
+    rows, row_ok = chunk_rows(start, stop, chunk_size, BLOCK_C)
     input_type = q_ptr.dtype.element_ty
 
     scores = tl.zeros((BLOCK_C, BLOCK_C), dtype=tl.float32)

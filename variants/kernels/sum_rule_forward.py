@@ -60,7 +60,7 @@ def _chunk_sums_kernel(
     offs_f = (tile // n_v) * BLOCK_F + tl.arange(0, BLOCK_F)
     offs_v = (tile % n_v) * BLOCK_V + tl.arange(0, BLOCK_V)
     start, stop = chunk_span(chunk, seq_len, chunk_size, chunk_table_ptr, VARLEN)
-    rows, row_ok = chunk_rows(start, stop, BLOCK_C)
+    rows, row_ok = chunk_rows(start, stop, chunk_size, BLOCK_C)
 
     x = _load_tokens(x_ptr, bh, seq_len, rows, row_ok, offs_f, d_dot)
     y = _load_tokens(y_ptr, bh, seq_len, rows, row_ok, offs_v, d_value)
@@ -128,7 +128,7 @@ def _chunk_output_kernel(
     pid_v = tl.program_id(2)
     offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
     start, stop = chunk_span(chunk, seq_len, chunk_size, chunk_table_ptr, VARLEN)
-    rows, row_ok = chunk_rows(start, stop, BLOCK_C)
+    rows, row_ok = chunk_rows(start, stop, chunk_size, BLOCK_C)
     input_type = q_ptr.dtype.element_ty
 
     scores = tl.zeros((BLOCK_C, BLOCK_C), dtype=tl.float32)
