@@ -163,7 +163,10 @@ class GatedDeltaRule(DeltaRule):
 
 class _Triton(TritonForm):
     """The parallel form through ``kernels.delta_rule.delta_rule_triton`` (its gate on for the gated rule);
-    the kernels have no attention normaliser."""
+    the kernels have no attention normaliser. They take packed sequences and GVA's fewer q/k heads as they are."""
+
+    replaces = (*TritonForm.replaces, "_grouped_run")
+    shapes = ("packed", "grouped")
 
     def __init__(self, core):
         if core.normalize:
@@ -179,6 +182,12 @@ class _Triton(TritonForm):
             features_q, features_k, v, beta, state.weights, log_gate=log_gate, chunk_size=core.chunk_size, precision=core.precision, cu_seqlens=bounds
         )
         return read, FastWeightState(weights, None)  # float32, the state dtype of every input dtype it takes
+
+    def _grouped_run(self, q, k, v, state, batch, bounds, causal=True, **token_inputs):
+        """``_run`` from ``state`` (default empty, on the value heads) with q and k on their own heads: no repeat."""
+        if state is None:
+            state = self.core.init_state(batch, v.shape[1], v.shape[-1], device=q.device, dtype=q.dtype)
+        return self._run(q, k, v, state, causal, bounds=bounds, **token_inputs)
 
 
 class _Fla(fla.FlaForm):

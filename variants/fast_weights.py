@@ -193,7 +193,7 @@ class TritonForm(BackendForm):
     """A rule on backend 'triton' (``backend_forms``): its ``_run`` through the rule's kernels
     (``variants.kernels``), at the chunk they run: the core's ``chunk_size`` where given (refused
     unless the kernels take it at this d_dot), else their default for it. Packed sequences go to the kernels
-    as they are (``bounds``: their ``cu_seqlens``); grouped heads they do not take yet."""
+    as they are (``bounds``: their ``cu_seqlens``); grouped heads where a rule's form says so (``shapes``)."""
 
     replaces = ("_run", "chunk_size", "implementation_choices")
     shapes = ("packed",)

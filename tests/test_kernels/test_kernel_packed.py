@@ -1,6 +1,7 @@
 """Packed variable-length sequences (``cu_seqlens``) through the Triton kernels of both rules: one packed row
 equals each sequence run alone, forward (y, the final state of every sequence) and every gradient (q, k, v, β,
-the log gate, the initial states), against the float64 chunked reference run on each sequence alone.
+the log gate, the initial states), against the float64 chunked reference run on each sequence alone. And grouped
+value heads (GVA) through the delta rule's kernels: equal to the reference on explicitly repeated q and k heads.
 
 Lengths that are no multiple of the chunk, one of a single token and one exactly a chunk, so that chunks end at
 every kind of boundary; each sequence starts from a state of its own. Every buffer the kernels write starts as
@@ -57,14 +58,14 @@ def _inputs(rule: str, flag: bool, seed: int) -> dict:
     return {"q": q, "k": k, "v": v, "beta": beta, "log_gate": log_gate, "weights": weights}
 
 
-def _run(rule: str, flag: bool, inputs: dict, cu_seqlens=None) -> tuple:
-    """The rule's outputs on ``inputs``: the kernels when ``cu_seqlens`` is given, else the float64 reference."""
+def _run(rule: str, flag: bool, inputs: dict, *, kernel: bool, cu_seqlens=None) -> tuple:
+    """The rule's outputs on ``inputs``: the kernels (over ``cu_seqlens`` where given), else the float64 reference."""
     args = inputs["q"], inputs["k"], inputs["v"]
     if rule == "sum":
-        if cu_seqlens is not None:
+        if kernel:
             return sum_rule_triton(*args, inputs["weights"], inputs.get("normaliser"), normalize=flag, chunk_size=CHUNK, cu_seqlens=cu_seqlens)
         return sum_rule_chunked(*args, inputs["weights"], inputs.get("normaliser"), CHUNK)
-    if cu_seqlens is not None:
+    if kernel:
         return delta_rule_triton(*args, inputs["beta"], inputs["weights"], log_gate=inputs.get("log_gate"), chunk_size=CHUNK, cu_seqlens=cu_seqlens)
     return delta_rule_chunked(*args, inputs["beta"], inputs["weights"], None, CHUNK, log_gate=inputs.get("log_gate"))[:2]
 
@@ -74,7 +75,7 @@ def _per_sequence(rule: str, flag: bool, inputs: dict) -> tuple:
     pieces = []
     for n, (start, stop) in enumerate(zip(BOUNDS[:-1], BOUNDS[1:])):
         piece = {name: None if x is None else x[n : n + 1] if name in ("weights", "normaliser") else x[:, :, start:stop] for name, x in inputs.items()}
-        pieces.append(_run(rule, flag, piece))
+        pieces.append(_run(rule, flag, piece, kernel=False))
     return tuple(None if parts[0] is None else torch.cat(parts, 2 if i == 0 else 0) for i, parts in enumerate(zip(*pieces)))
 
 
@@ -86,7 +87,7 @@ def test_packed_equals_each_sequence_alone(rule, flag, dtype, seed):
     leaves = {name: x.to(DEVICE, state_dtype.get(name, dtype)).requires_grad_() for name, x in drawn.items()}
     exact = {name: x.to(state_dtype.get(name, dtype)).to(F64).requires_grad_() for name, x in drawn.items()}
     cu_seqlens = torch.tensor(BOUNDS, dtype=torch.int32)
-    outputs = [x for x in _run(rule, flag, leaves, cu_seqlens) if x is not None]
+    outputs = [x for x in _run(rule, flag, leaves, kernel=True, cu_seqlens=cu_seqlens) if x is not None]
     expected = [x for x in _per_sequence(rule, flag, exact) if x is not None]
     gen = torch.Generator().manual_seed(seed + 1)
     cotangents = [torch.randn(x.shape, generator=gen, dtype=F64) for x in expected]
@@ -122,3 +123,32 @@ def test_bad_packing_is_an_error(batch, bounds, match):
     q = torch.zeros(batch, 1, 78, 4, device=DEVICE)
     with pytest.raises(ValueError, match=match):
         sum_rule_triton(q, q, q, normalize=False, cu_seqlens=bounds)
+
+
+@pytest.mark.parametrize("gated, packed", [(False, False), (True, True)], ids=["delta-dense", "gated_delta-packed"])
+def test_grouped_value_heads_equal_repeated_heads(gated, packed, seed):
+    """GVA: q, k on 2 heads, v, β, g and the states on 6; every value head reads its group's q/k head by index
+    (no copy), dq and dk are summed over the group. Against the float64 reference on q, k repeated (float32)."""
+    drawn = _inputs("delta", gated, seed)
+    gen = torch.Generator().manual_seed(seed + 2)
+    widen = {"v": D_VALUE, "beta": None, "log_gate": None, "weights": None}
+    for name in [n for n in widen if drawn[n] is not None]:  # three value heads per q/k head
+        extra = torch.randn((*drawn[name].shape[:1], 2 * HEADS, *drawn[name].shape[2:]), generator=gen, dtype=F64)
+        extra = extra.abs().clamp(0.01, 0.99) if name == "beta" else -(extra**2) if name == "log_gate" else extra
+        drawn[name] = torch.cat([drawn[name], extra], 1)
+    if not packed:
+        drawn["weights"] = drawn["weights"][:1]
+    drawn = {name: x for name, x in drawn.items() if x is not None}
+    leaves = {name: x.to(DEVICE, torch.float32).requires_grad_() for name, x in drawn.items()}
+    exact = {name: x.clone().requires_grad_() for name, x in drawn.items()}
+    repeated = exact | {name: exact[name].repeat_interleave(3, 1) for name in ("q", "k")}
+    outputs = _run("delta", gated, leaves, kernel=True, cu_seqlens=BOUNDS if packed else None)
+    expected = _per_sequence("delta", gated, repeated) if packed else _run("delta", gated, repeated, kernel=False)
+    gen = torch.Generator().manual_seed(seed + 1)
+    cotangents = [torch.randn(x.shape, generator=gen, dtype=F64) for x in expected]
+    grads = torch.autograd.grad(outputs, list(leaves.values()), [c.to(DEVICE, torch.float32) for c in cotangents])
+    grads_expected = torch.autograd.grad(expected, list(exact.values()), cotangents)
+    for label, actual, reference in zip(["y", "S_T", *(f"d{name}" for name in leaves)], [*outputs, *grads], [*expected, *grads_expected]):
+        assert not torch.isnan(actual).any(), f"{label}: NaN (an element the kernels did not write)"
+        error = (actual.detach().to("cpu", F64) - reference.detach()).abs().max().item()
+        assert error <= 1e-4 * max(1.0, reference.abs().max().item()), f"GVA {label}: max |error| {error:.2e} (seed {seed})"

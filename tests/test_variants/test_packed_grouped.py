@@ -171,6 +171,27 @@ def test_triton_packed_equals_each_sequence_alone(config, seed):
             assert_close(states.weights[n : n + 1], exact.prefill(**piece)[1].weights, torch.float32, f"{name} triton state {n}", seed)
 
 
+@pytest.mark.parametrize("name", ["delta", "gated_delta"])
+def test_triton_grouped_value_heads_equal_repeated_heads(name, seed):
+    """backend='triton' takes GVA's fewer q/k heads as they are: float32 == the float64 torch core on explicitly
+    repeated heads, forward and every gradient, dense and packed; the decoding state on the value heads."""
+    pytest.importorskip("triton")
+    core = variants.create(name, 6, backend="triton", chunk_size=16)
+    exact = variants.create(name, 6, chunk_size=16).double()
+    drawn = make_inputs(core, 1, 4, int(TRITON_CU_SEQLENS[-1]), 3, dtype=torch.float32, seed=seed)
+    grouped = {n: x.detach().requires_grad_() for n, x in (drawn | {"q": drawn["q"][:, :2], "k": drawn["k"][:, :2]}).items()}
+    leaves = {n: x.detach().double().requires_grad_() for n, x in grouped.items()}
+    repeated = {n: repeat_heads(x, 4) for n, x in leaves.items()}
+    for packed in ({}, {"cu_seqlens": TRITON_CU_SEQLENS}):
+        out, expected = core(**grouped, **packed), exact(**repeated, **packed)
+        assert_close(out, expected, torch.float32, f"{name} triton GVA {list(packed)}", seed)
+        expected_grads = _grads(expected, leaves)
+        for label, grad in _grads(out, grouped).items():
+            assert_close(grad, expected_grads[label], torch.float32, f"{name} triton GVA d/d{label} {list(packed)}", seed)
+    with torch.no_grad():
+        assert core.prefill(**grouped)[1].weights.shape[1] == 4
+
+
 @pytest.mark.parametrize(
     "cu_seqlens, match",
     [

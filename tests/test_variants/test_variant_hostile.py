@@ -13,7 +13,7 @@ import torch
 from helpers import CONFIGS, build, config_id, make_inputs
 
 import variants
-from variants.base import _range_check_due
+from variants.base import checks_due
 from variants.chunked import causal_read
 
 LENGTH, POSITION = 40, 23  #: the bad token sits inside a chunk (default 64, or 16 / 5 / 8 in CONFIGS)
@@ -102,11 +102,10 @@ def test_where_the_range_check_runs():
     """Always in reference; in the parallel form, prefill and step on CPU tensors (no device sync),
     on an accelerator only under debug_checks."""
     cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
-    assert _range_check_due(cpu, always=False) and _range_check_due(gpu, always=True)
-    assert not _range_check_due(gpu, always=False)
+    assert checks_due(cpu) and not checks_due(gpu)  # reference checks whatever this says (_check_token_inputs' always)
     with variants.debug_checks():
-        assert _range_check_due(gpu, always=False)
-    assert not _range_check_due(gpu, always=False)
+        assert checks_due(gpu)
+    assert not checks_due(gpu)
 
 
 def test_a_keyword_the_core_does_not_take():

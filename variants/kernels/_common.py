@@ -225,13 +225,16 @@ def keep_fitting(name: str, configs: list, compile_config, limits: Limits) -> li
     return kept
 
 
-def check_inputs(name: str, kernel, q, k, v, *others) -> None:
-    """Shapes ``q, k: [B, H, T, F]``, ``v: [B, H, T, Dv]``, F and Dv ≤ MAX_HEAD_DIM, one dtype among
-    ``SUPPORTED_DTYPES`` for q, k, v, one device for all (``others`` may hold None), and a device
-    ``kernel`` runs on: CUDA, the CPU through the interpreter, or "meta" while recording."""
-    if any(not isinstance(t, torch.Tensor) or t.dim() != 4 for t in (q, k, v)) or k.shape != q.shape or v.shape[:3] != q.shape[:3]:
+def check_inputs(name: str, kernel, q, k, v, *others, value_groups: bool = False) -> None:
+    """Shapes ``q, k: [B, H, T, F]``, ``v: [B, H, T, Dv]`` (with ``value_groups``, GVA: v's heads a multiple of q's),
+    F and Dv ≤ MAX_HEAD_DIM, one dtype among ``SUPPORTED_DTYPES`` for q, k, v, one device for all (``others`` may
+    hold None), and a device ``kernel`` runs on: CUDA, the CPU through the interpreter, or "meta" while recording."""
+    four = all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (q, k, v))
+    heads = four and (v.shape[1] % q.shape[1] == 0 if value_groups else v.shape[1] == q.shape[1])
+    if not heads or k.shape != q.shape or (v.shape[0], v.shape[2]) != (q.shape[0], q.shape[2]):
         shapes = ", ".join(f"{n} {tuple(getattr(t, 'shape', ()))}" for n, t in (("q", q), ("k", k), ("v", v)))
-        raise VariantError(f"{name} expects q, k: [B, H, T, F] and v: [B, H, T, Dv], got {shapes}")
+        grouped = " (v's heads a multiple of q's)" if value_groups else ""
+        raise VariantError(f"{name} expects q, k: [B, H, T, F] and v: [B, H, T, Dv]{grouped}, got {shapes}")
     d_dot, d_value = q.shape[-1], v.shape[-1]
     if d_dot > MAX_HEAD_DIM or d_value > MAX_HEAD_DIM:
         raise UnsupportedBackend(f"{name} supports d_dot and d_value up to {MAX_HEAD_DIM}, got d_dot={d_dot}, d_value={d_value}: use backend='torch'")

@@ -85,8 +85,9 @@ class _Tiles(_common.Tiles):
     the whole padded F and a block of Dv columns, autotuned (``PASS_CONFIGS``)."""
 
     def __init__(self, q, v, chunk_size, precision, packing=None):
-        batch, heads, seq_len, d_dot = q.shape
-        super().__init__(batch, heads, seq_len, d_dot, v.shape[-1], chunk_size, q.dtype, q.device, precision, packing)
+        batch, heads, seq_len, d_value = v.shape
+        super().__init__(batch, heads, seq_len, q.shape[-1], d_value, chunk_size, q.dtype, q.device, precision, packing)
+        self.group = heads // q.shape[1]  # GVA: value heads per q/k head
         tile, self.num_warps = _common.tile_plan(self.precision, self.block_c, TILE)
         self.block_f, self.block_v = min(self.pad_f, tile), min(self.pad_v, tile)
         self.num_stages = 2
@@ -105,6 +106,18 @@ class _Tiles(_common.Tiles):
         blocks = dict(PAD_F=self.pad_f) if sequential else dict(BLOCK_F=self.block_f, BLOCK_V=self.block_v)
         return dict(GATED=gated, VARLEN=self.varlen, BLOCK_C=self.block_c, **blocks, PRECISION=self.precision)
 
+    def sizes(self) -> tuple[int, ...]:
+        """The sizes every kernel takes, then ``group`` (value heads per q/k head)."""
+        return (*super().sizes(), self.group)
+
+    def per_value_head(self, x: torch.Tensor) -> torch.Tensor:
+        """A new buffer of q/k's width on the value heads, ``[B, H_v, T, F]`` (W, and dq, dk before ``qk_heads``)."""
+        return new_output((self.batch, self.heads, self.seq_len, self.d_dot), x)
+
+    def qk_heads(self, grad: torch.Tensor) -> torch.Tensor:
+        """The gradient of GVA's shared q or k heads: the sum over each group of value heads of ``grad [B, H_v, T, F]``."""
+        return grad if self.group == 1 else grad.unflatten(1, (-1, self.group)).sum(2)
+
     def pass_sizes(self, like: torch.Tensor) -> tuple:
         """The tables and sizes a pass takes: the chunk and sequence tables, the sizes, H and the state rows (its tuning key)."""
         return (*self.tables(like), *self.sizes(), self.heads, self.state_rows)
@@ -114,7 +127,7 @@ def _forward(q, k, v, beta, log_gate, weights, tiles: _Tiles):
     """Launches (1)-(3): y, S_T and what the backward keeps (T, W, U', the chunk states)."""
     gated, gate = log_gate is not None, log_gate if log_gate is not None else beta
     inverse = new_output((tiles.bh, tiles.num_chunks, tiles.block_c, tiles.block_c), q, torch.float32)
-    w, new_values = new_output(k.shape, k), new_output(v.shape, v)  # W; U, then U'
+    w, new_values = tiles.per_value_head(k), new_output(v.shape, v)  # W; U, then U'
     states = new_output((tiles.bh, tiles.num_chunks, tiles.d_dot, tiles.d_value), q, torch.float32)
     y = new_output(v.shape, v)
     s_final = new_output((tiles.state_batch, tiles.heads, tiles.d_dot, tiles.d_value), q, torch.float32)
@@ -150,14 +163,14 @@ def _backward(q, k, v, beta, log_gate, saved, dy, ds_final, tiles: _Tiles):
         _backward_pass_kernel, tiles.pass_grid(), q, k, gate, w, dy, dnew_values, ds0 if ds_final is None else ds_final, dstates, ds0,
         *tiles.pass_sizes(q), HAS_DS_FINAL=ds_final is not None, **tiles.constexprs(gated, sequential=True), options={}, name="backward_pass",
     )  # fmt: skip
-    dq, dk, dv, dbeta = new_output(q.shape, q), new_output(k.shape, k), new_output(v.shape, v), new_output(beta.shape, beta)
+    dq, dk, dv, dbeta = tiles.per_value_head(q), tiles.per_value_head(k), new_output(v.shape, v), new_output(beta.shape, beta)
     dgate = new_output(log_gate.shape, log_gate) if gated else dbeta
     launch(
         _backward_chunk_kernel, tiles.chunk_grid(),
         q, k, v, beta, gate, dy, inverse, new_values, dnew_values, states, dstates, dq, dk, dv, dbeta, dgate, chunk_table, *tiles.sizes(),
         **tiles.constexprs(gated), options=tiles.options(8), name="backward_chunk",
     )  # fmt: skip
-    return dq, dk, dv, dbeta, dgate if gated else None, ds0
+    return tiles.qk_heads(dq), tiles.qk_heads(dk), dv, dbeta, dgate if gated else None, ds0
 
 
 class _DeltaRuleFunction(torch.autograd.Function):
@@ -189,20 +202,20 @@ class _DeltaRuleFunction(torch.autograd.Function):
 def _check(q, k, v, beta, log_gate, weights, chunk_size, precision, cu_seqlens) -> tuple[int, _common.Packing | None]:
     """Validate the arguments; return the chunk size to use and the packing of ``cu_seqlens``."""
     name = "delta_rule_triton"
-    _common.check_inputs(name, _ut_transform_kernel, q, k, v, beta, log_gate, weights)
+    _common.check_inputs(name, _ut_transform_kernel, q, k, v, beta, log_gate, weights, value_groups=True)
     _common.check_precision(name, precision)
-    _, heads, seq_len, d_dot = q.shape
+    _, heads, seq_len, d_value = v.shape
+    d_dot = q.shape[-1]
     chunk_size = default_chunk_size("delta_rule", d_dot) if chunk_size is None else chunk_size
     check_chunk_size(name, "delta_rule", d_dot, chunk_size)
     packing = _common.packing(name, q, cu_seqlens, chunk_size)
     batch = q.shape[0] if packing is None else packing.num_sequences
-    d_value = v.shape[-1]
     for label, tensor in (("beta", beta), ("log_gate", log_gate)):
         if label == "log_gate" and tensor is None:
             continue
-        if not isinstance(tensor, torch.Tensor) or tensor.shape != q.shape[:3] or tensor.dtype not in (q.dtype, torch.float32):
+        if not isinstance(tensor, torch.Tensor) or tensor.shape != v.shape[:3] or tensor.dtype not in (q.dtype, torch.float32):
             raise VariantError(
-                f"{name}: {label} must be [B, H, T] = {tuple(q.shape[:3])} in q's dtype {q.dtype} or float32, "
+                f"{name}: {label} must be [B, H_v, T] = {tuple(v.shape[:3])} in q's dtype {q.dtype} or float32, "
                 f"got {tuple(getattr(tensor, 'shape', ()))} {getattr(tensor, 'dtype', type(tensor))}"
             )
     if weights is not None and (weights.shape != (batch, heads, d_dot, d_value) or not weights.dtype.is_floating_point):
@@ -228,7 +241,10 @@ def delta_rule_triton(
     ``precision``: the dots of float32 inputs, "ieee" or "tf32" (sm_80 on; 16-bit inputs use 16-bit dots).
     ``cu_seqlens``: N packed sequences in one row (B = 1), offsets ``[N + 1]`` as ints or an int tensor (read on
     the host; ``_common.packing`` caches what the kernels need per offsets): each sequence is cut into chunks of
-    its own and starts from its own state, so S_0 and S_T are ``[N, H, F, Dv]``.
+    its own and starts from its own state, so S_0 and S_T are ``[N, H, F, Dv]``. Grouped value heads (GVA, Gated
+    DeltaNet's): q and k may have fewer heads than v, a divisor of them; value head i reads q/k head i // (H_v / H),
+    by index in the kernels (no copy), and β, g, S_0, y and S_T are on the value heads; dq and dk are summed over each
+    group of value heads after the backward.
     """
     chunk_size, packing = _check(q, k, v, beta, log_gate, weights, chunk_size, precision, cu_seqlens)
     return _DeltaRuleFunction.apply(q, k, v, beta, log_gate, weights, chunk_size, precision, packing)

@@ -19,16 +19,17 @@ def _backward_local_kernel(
     q_ptr, k_ptr, g_ptr, dy_ptr,  # inputs
     du_ptr,  # output (fp32) [BH, T, Dv]: Mᵀ dO
     chunk_table_ptr,  # [num_chunks, 2] with VARLEN
-    seq_len, d_dot, d_value, chunk_size, num_chunks,
+    seq_len, d_dot, d_value, chunk_size, num_chunks, group,
     GATED: tl.constexpr, VARLEN: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_V: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """(4) Program (chunk, b·h, Dv block): the chunk-local part of dU', Mᵀ dO with M = tril(Q Kᵀ) ⊙ D."""
     chunk = tl.program_id(0)
     start, stop = chunk_span(chunk, seq_len, chunk_size, chunk_table_ptr, VARLEN)
     bh = tl.program_id(1).to(tl.int64)
+    bh_qk = bh // group  # GVA: q, k hold one head per group of value heads
     v_start = tl.program_id(2) * BLOCK_V
     rows = tl.arange(0, BLOCK_C)
-    scores = _chunk_scores(q_ptr, k_ptr, bh, start, stop, chunk_size, seq_len, d_dot, PRECISION, BLOCK_C, BLOCK_F)
+    scores = _chunk_scores(q_ptr, k_ptr, bh_qk, start, stop, chunk_size, seq_len, d_dot, PRECISION, BLOCK_C, BLOCK_F)
     if GATED:
         cumulative, _ = _cumulative_gate(g_ptr, bh, start, stop, chunk_size, seq_len, BLOCK_C)
         scores = scores * _decay(cumulative, False, BLOCK_C)
@@ -47,7 +48,7 @@ def _backward_pass_kernel(
     ds_final_ptr,  # [BH, F, Dv] (if HAS_DS_FINAL)
     dstates_ptr, ds0_ptr,  # outputs (fp32): [BH, NC, F, Dv] the gradient on the state leaving each chunk, dS_0
     chunk_table_ptr, sequence_table_ptr,  # [num_chunks, 2] and [N + 1] with VARLEN
-    seq_len, d_dot, d_value, chunk_size, num_chunks, heads,
+    seq_len, d_dot, d_value, chunk_size, num_chunks, group, heads,
     batch_heads,  # B·H: read by the tuning key only
     HAS_DS_FINAL: tl.constexpr, GATED: tl.constexpr, VARLEN: tl.constexpr,
     BLOCK_C: tl.constexpr, PAD_F: tl.constexpr, BLOCK_V: tl.constexpr, PRECISION: tl.constexpr,
@@ -56,6 +57,7 @@ def _backward_pass_kernel(
     v_start = tl.program_id(0) * BLOCK_V
     program = tl.program_id(1).to(tl.int64)
     bh, first, end = sequence_chunks(program, heads, num_chunks, sequence_table_ptr, VARLEN)
+    bh_qk = bh // group  # GVA: q, k hold one head per group of value heads
     feats = tl.arange(0, PAD_F)
     cols = v_start + tl.arange(0, BLOCK_V)
     input_type = q_ptr.dtype.element_ty
@@ -66,8 +68,8 @@ def _backward_pass_kernel(
         start, stop = chunk_span(chunk, seq_len, chunk_size, chunk_table_ptr, VARLEN)
         offs, mask = _state_offsets(bh, chunk, num_chunks, feats, cols, d_dot, d_value)
         tl.store(dstates_ptr + offs, dstate, mask=mask)
-        keys = load_chunk(k_ptr, bh, start, stop, chunk_size, seq_len, d_dot, 0, BLOCK_C, PAD_F)
-        queries = load_chunk(q_ptr, bh, start, stop, chunk_size, seq_len, d_dot, 0, BLOCK_C, PAD_F)
+        keys = load_chunk(k_ptr, bh_qk, start, stop, chunk_size, seq_len, d_dot, 0, BLOCK_C, PAD_F)
+        queries = load_chunk(q_ptr, bh_qk, start, stop, chunk_size, seq_len, d_dot, 0, BLOCK_C, PAD_F)
         if GATED:
             cumulative, last = _cumulative_gate(g_ptr, bh, start, stop, chunk_size, seq_len, BLOCK_C)
             keys = keys.to(tl.float32) * tl.exp(last - cumulative)[:, None]
@@ -89,7 +91,7 @@ def _backward_chunk_kernel(
     t_ptr, u_ptr, du_ptr, states_ptr, dstates_ptr,  # saved: T, U', dU' (fp32), S_c, dS'_c
     dq_ptr, dk_ptr, dv_ptr, dbeta_ptr, dg_ptr,  # outputs
     chunk_table_ptr,  # [num_chunks, 2] with VARLEN
-    seq_len, d_dot, d_value, chunk_size, num_chunks,
+    seq_len, d_dot, d_value, chunk_size, num_chunks, group,
     GATED: tl.constexpr, VARLEN: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_V: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """(6) Program (chunk, b·h): dq, dk, dv, dβ (and dg) of the chunk (module docstring). First the [C, C]
@@ -98,6 +100,7 @@ def _backward_chunk_kernel(
     chunk = tl.program_id(0)
     start, stop = chunk_span(chunk, seq_len, chunk_size, chunk_table_ptr, VARLEN)
     bh = tl.program_id(1).to(tl.int64)
+    bh_qk = bh // group  # GVA: q, k hold one head per group of value heads
     rows = tl.arange(0, BLOCK_C)
     tokens, row_ok = chunk_rows(start, stop, chunk_size, BLOCK_C)
     input_type = q_ptr.dtype.element_ty
@@ -116,8 +119,8 @@ def _backward_chunk_kernel(
         dbeta += tl.sum(dvb * values.to(tl.float32), axis=1)
         dscores += dot(dout, tl.trans(new_values), PRECISION, input_type)
         dsolve += dot(dvb, tl.trans(new_values), PRECISION, input_type)
-    scores = _chunk_scores(q_ptr, k_ptr, bh, start, stop, chunk_size, seq_len, d_dot, PRECISION, BLOCK_C, BLOCK_F)
-    gram = _chunk_scores(k_ptr, k_ptr, bh, start, stop, chunk_size, seq_len, d_dot, PRECISION, BLOCK_C, BLOCK_F)
+    scores = _chunk_scores(q_ptr, k_ptr, bh_qk, start, stop, chunk_size, seq_len, d_dot, PRECISION, BLOCK_C, BLOCK_F)
+    gram = _chunk_scores(k_ptr, k_ptr, bh_qk, start, stop, chunk_size, seq_len, d_dot, PRECISION, BLOCK_C, BLOCK_F)
     grad_a = -tl.where(rows[:, None] > rows[None, :], dsolve, 0.0)  # dA
     if GATED:
         cumulative, last = _cumulative_gate(g_ptr, bh, start, stop, chunk_size, seq_len, BLOCK_C)
@@ -155,8 +158,8 @@ def _backward_chunk_kernel(
             dk_solve += dot(dvb, tl.trans(state), PRECISION, input_type)
             if GATED:
                 dlast += tl.sum(state * dstate) * tl.exp(last)
-        queries = load_chunk(q_ptr, bh, start, stop, chunk_size, seq_len, d_dot, f_start, BLOCK_C, BLOCK_F)
-        keys = load_chunk(k_ptr, bh, start, stop, chunk_size, seq_len, d_dot, f_start, BLOCK_C, BLOCK_F)
+        queries = load_chunk(q_ptr, bh_qk, start, stop, chunk_size, seq_len, d_dot, f_start, BLOCK_C, BLOCK_F)
+        keys = load_chunk(k_ptr, bh_qk, start, stop, chunk_size, seq_len, d_dot, f_start, BLOCK_C, BLOCK_F)
         solve_keys = tl.sum(dk_solve * keys.to(tl.float32), axis=1)  # (dVb Sᵀ)_t · k_t
         if GATED:
             dq = dq * gamma[:, None]

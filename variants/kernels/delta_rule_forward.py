@@ -92,17 +92,18 @@ def _ut_transform_kernel(
     k_ptr, v_ptr, beta_ptr, g_ptr,  # inputs [BH, T, F], [BH, T, Dv], [BH, T], [BH, T] (if GATED)
     t_ptr, w_ptr, u_ptr,  # outputs: T (fp32) [BH, NC, BLOCK_C, BLOCK_C], W [BH, T, F], U [BH, T, Dv]
     chunk_table_ptr,  # [num_chunks, 2] with VARLEN
-    seq_len, d_dot, d_value, chunk_size, num_chunks,
+    seq_len, d_dot, d_value, chunk_size, num_chunks, group,
     GATED: tl.constexpr, VARLEN: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_V: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """(1) Program (chunk, b·h): T = (I + tril(diag(β)(K Kᵀ ⊙ D), −1))⁻¹, W = T diag(βγ) K, U = T diag(β) V."""
     chunk = tl.program_id(0)
     start, stop = chunk_span(chunk, seq_len, chunk_size, chunk_table_ptr, VARLEN)
     bh = tl.program_id(1).to(tl.int64)
+    bh_qk = bh // group  # GVA: q, k hold one head per group of value heads
     rows = tl.arange(0, BLOCK_C)
     input_type = k_ptr.dtype.element_ty
     beta = _token_values(beta_ptr, bh, start, stop, chunk_size, seq_len, BLOCK_C)
-    gram = _chunk_scores(k_ptr, k_ptr, bh, start, stop, chunk_size, seq_len, d_dot, PRECISION, BLOCK_C, BLOCK_F)
+    gram = _chunk_scores(k_ptr, k_ptr, bh_qk, start, stop, chunk_size, seq_len, d_dot, PRECISION, BLOCK_C, BLOCK_F)
     if GATED:
         cumulative, _ = _cumulative_gate(g_ptr, bh, start, stop, chunk_size, seq_len, BLOCK_C)
         gram = gram * _decay(cumulative, True, BLOCK_C)
@@ -113,7 +114,7 @@ def _ut_transform_kernel(
     inverse = _unit_lower_inverse(gram * beta[:, None], BLOCK_C)
     tl.store(t_ptr + ((bh * num_chunks + chunk) * BLOCK_C + rows[:, None]) * BLOCK_C + rows[None, :], inverse)
     for f_start in range(0, d_dot, BLOCK_F):
-        keys = load_chunk(k_ptr, bh, start, stop, chunk_size, seq_len, d_dot, f_start, BLOCK_C, BLOCK_F)
+        keys = load_chunk(k_ptr, bh_qk, start, stop, chunk_size, seq_len, d_dot, f_start, BLOCK_C, BLOCK_F)
         w = dot(inverse, keys.to(tl.float32) * key_scale[:, None], PRECISION, input_type)
         _store_chunk(w_ptr, w, bh, start, stop, chunk_size, seq_len, d_dot, f_start, BLOCK_C, BLOCK_F)
     for v_start in range(0, d_value, BLOCK_V):
@@ -166,7 +167,7 @@ def _state_pass_kernel(
     s0_ptr,  # [BH, F, Dv] (if HAS_S0)
     states_ptr, s_final_ptr,  # outputs (fp32): [BH, NC, F, Dv] the state entering each chunk, [BH, F, Dv]
     chunk_table_ptr, sequence_table_ptr,  # [num_chunks, 2] and [N + 1] with VARLEN
-    seq_len, d_dot, d_value, chunk_size, num_chunks, heads,
+    seq_len, d_dot, d_value, chunk_size, num_chunks, group, heads,
     batch_heads,  # B·H, the grid's second axis: read by the tuning key only (PASS_TUNING_KEY)
     HAS_S0: tl.constexpr, GATED: tl.constexpr, VARLEN: tl.constexpr,
     BLOCK_C: tl.constexpr, PAD_F: tl.constexpr, BLOCK_V: tl.constexpr, PRECISION: tl.constexpr,
@@ -177,6 +178,7 @@ def _state_pass_kernel(
     v_start = tl.program_id(0) * BLOCK_V
     program = tl.program_id(1).to(tl.int64)
     bh, first, end = sequence_chunks(program, heads, num_chunks, sequence_table_ptr, VARLEN)
+    bh_qk = bh // group  # GVA: q, k hold one head per group of value heads
     feats = tl.arange(0, PAD_F)
     cols = v_start + tl.arange(0, BLOCK_V)
     input_type = k_ptr.dtype.element_ty
@@ -190,7 +192,7 @@ def _state_pass_kernel(
         u = load_chunk(u_ptr, bh, start, stop, chunk_size, seq_len, d_value, v_start, BLOCK_C, BLOCK_V)
         new_values = u.to(tl.float32) - dot(w, state, PRECISION, input_type)
         _store_chunk(u_ptr, new_values, bh, start, stop, chunk_size, seq_len, d_value, v_start, BLOCK_C, BLOCK_V)
-        keys = load_chunk(k_ptr, bh, start, stop, chunk_size, seq_len, d_dot, 0, BLOCK_C, PAD_F)
+        keys = load_chunk(k_ptr, bh_qk, start, stop, chunk_size, seq_len, d_dot, 0, BLOCK_C, PAD_F)
         if GATED:
             cumulative, last = _cumulative_gate(g_ptr, bh, start, stop, chunk_size, seq_len, BLOCK_C)
             keys = keys.to(tl.float32) * tl.exp(last - cumulative)[:, None]
@@ -204,13 +206,14 @@ def _output_kernel(
     q_ptr, k_ptr, g_ptr, u_ptr, states_ptr,  # inputs (u holds U')
     y_ptr,  # output [BH, T, Dv]
     chunk_table_ptr,  # [num_chunks, 2] with VARLEN
-    seq_len, d_dot, d_value, chunk_size, num_chunks,
+    seq_len, d_dot, d_value, chunk_size, num_chunks, group,
     GATED: tl.constexpr, VARLEN: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_V: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """(3) Program (chunk, b·h, Dv block): O = diag(γ) Q S_c + (tril(Q Kᵀ) ⊙ D) U', summed over F in blocks."""
     chunk = tl.program_id(0)
     start, stop = chunk_span(chunk, seq_len, chunk_size, chunk_table_ptr, VARLEN)
     bh = tl.program_id(1).to(tl.int64)
+    bh_qk = bh // group  # GVA: q, k hold one head per group of value heads
     v_start = tl.program_id(2) * BLOCK_V
     rows = tl.arange(0, BLOCK_C)
     cols = v_start + tl.arange(0, BLOCK_V)
@@ -218,8 +221,8 @@ def _output_kernel(
     scores = tl.zeros((BLOCK_C, BLOCK_C), dtype=tl.float32)
     out = tl.zeros((BLOCK_C, BLOCK_V), dtype=tl.float32)
     for f_start in range(0, d_dot, BLOCK_F):
-        queries = load_chunk(q_ptr, bh, start, stop, chunk_size, seq_len, d_dot, f_start, BLOCK_C, BLOCK_F)
-        keys = load_chunk(k_ptr, bh, start, stop, chunk_size, seq_len, d_dot, f_start, BLOCK_C, BLOCK_F)
+        queries = load_chunk(q_ptr, bh_qk, start, stop, chunk_size, seq_len, d_dot, f_start, BLOCK_C, BLOCK_F)
+        keys = load_chunk(k_ptr, bh_qk, start, stop, chunk_size, seq_len, d_dot, f_start, BLOCK_C, BLOCK_F)
         offs, mask = _state_offsets(bh, chunk, num_chunks, f_start + tl.arange(0, BLOCK_F), cols, d_dot, d_value)
         scores += dot(queries, tl.trans(keys), PRECISION, input_type)
         out += dot(queries, tl.load(states_ptr + offs, mask=mask, other=0.0), PRECISION, input_type)
