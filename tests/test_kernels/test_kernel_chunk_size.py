@@ -87,7 +87,7 @@ def test_chunks_the_kernels_do_not_take_are_refused_at_create(name, d, chunk, ac
 
 def _pass_arguments(pass_kernel, seq_len: int, batch_heads: int) -> list:
     """Positional arguments of a pass at this shape (d_dot = d_value = 16, chunk 16): small tensors and sizes."""
-    sizes = dict(seq_len=seq_len, d_dot=16, d_value=16, chunk_size=16, num_chunks=-(-seq_len // 16), heads=batch_heads, batch_heads=batch_heads)
+    sizes = dict(seq_len=seq_len, d_dot=16, d_value=16, chunk_size=16, num_chunks=-(-seq_len // 16), group=1, heads=batch_heads, batch_heads=batch_heads)
     names = [name for name in pass_kernel.arg_names if name in sizes or name.endswith("_ptr")]
     return [sizes[name] if name in sizes else torch.zeros(1) for name in names]
 

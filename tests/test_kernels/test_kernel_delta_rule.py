@@ -304,7 +304,7 @@ def test_bad_arguments_are_refused():
     for chunk_size in (0, 20, 128, 16.0, True):
         with pytest.raises(variants.UnsupportedBackend, match=r"chunk_size in \(16, 32, 64\) at d_dot=16, got"):
             kernel.delta_rule_triton(q, q, q, beta, chunk_size=chunk_size)
-    with pytest.raises(variants.VariantError, match=r"log_gate must be \[B, H, T\] = \(1, 1, 4\)"):
+    with pytest.raises(variants.VariantError, match=r"log_gate must be \[B, H_v, T\] = \(1, 1, 4\)"):
         kernel.delta_rule_triton(q, q, q, beta, log_gate=torch.zeros(1, 1, 5, device=DEVICE))
     with pytest.raises(variants.VariantError, match="precision must be one of 'ieee', 'tf32'"):
         kernel.delta_rule_triton(q, q, q, beta, precision="tf16")
