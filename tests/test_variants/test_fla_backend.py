@@ -165,8 +165,8 @@ def test_fla_gated_delta_takes_grouped_value_heads(seed):
         assert state.weights.shape[1] == 4
         steps, _ = core.step_loop(variants.time_slice(low, 20), state)
         assert_close(torch.cat([first, steps], 2).cpu(), reference(**repeated), torch.float32, "gated_delta[fla] GVA prefill and steps", seed)
-    for name in ("delta", "linear"):
-        assert "takes no grouped heads" in variants.supports(name, 6, ["fla"], shapes=["grouped"])["fla"]
+    for name, heads in (("delta", (1, 1, 2)), ("linear", (2, 1, 1))):
+        assert "takes no grouped heads" in variants.supports(name, 6, ["fla"], heads=heads)["fla"]
 
 
 @needs_fla

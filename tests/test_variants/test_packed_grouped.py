@@ -114,11 +114,12 @@ def test_every_variant_packs_or_refuses(config):
 @pytest.mark.parametrize("backend", ["triton", "fla", "compile"])
 @pytest.mark.parametrize("name", ["linear", "delta", "gated_delta", "based"])
 def test_what_supports_says_the_core_refuses(backend, name):
-    """``supports(..., shapes=...)`` is the one place that says which backend takes packed sequences and grouped
+    """``supports(..., packed=, heads=)`` is the one place that says which backend takes packed sequences and grouped
     heads: what it refuses, the built core refuses in one line naming it (what it takes, other tests run)."""
-    shapes = {"packed": "cu_seqlens", "grouped": "grouped heads"}
-    for shape, words in shapes.items():
-        reason = variants.supports(name, 8, [backend], shapes=[shape])[backend]
+    grouped = (2, 1, 1) if variants.create(name, 8).head_grouping == "gqa" else (1, 1, 2)
+    shapes = {"packed": ("cu_seqlens", {"packed": True}), "grouped": ("grouped heads", {"heads": grouped})}
+    for shape, (words, asked) in shapes.items():
+        reason = variants.supports(name, 8, [backend], **asked)[backend]
         if reason is None or "takes no" not in reason:
             continue
         core = variants.create(name, 8, backend=backend)
@@ -133,14 +134,14 @@ def test_what_supports_says_the_core_refuses(backend, name):
 
 
 def test_supports_names_the_shapes():
-    assert variants.supports("delta", 8, ["torch", "triton", "compile"], shapes=["packed"]) == {
+    assert variants.supports("delta", 8, ["torch", "triton", "compile"], packed=True, heads=(2, 2, 4)) == {
         "torch": None,
         "triton": None,
-        "compile": "delta: backend 'compile' takes no cu_seqlens for this variant",
+        "compile": "delta: backend 'compile' takes no cu_seqlens and no grouped heads for this variant",
     }
-    assert "this variant takes no grouped heads" in variants.supports("rwkv", 8, ["torch"], shapes=["grouped"])["torch"]
-    with pytest.raises(variants.VariantError, match="shapes must be a list of 'packed', 'grouped'"):
-        variants.supports("delta", 8, shapes="packed")
+    assert variants.supports("linear", 8, ["triton"], heads=(2, 1, 1)) == {"triton": "linear: backend 'triton' takes no grouped heads for this variant"}
+    with pytest.raises(variants.VariantError, match="rwkv: this variant takes no grouped heads"):
+        variants.supports("rwkv", 8, ["torch"], heads=(2, 1, 1))
 
 
 #: The kernels' chunk is at least 16: sequences of 7, 1, 33 (three chunks, the last partial) and 4 tokens.
