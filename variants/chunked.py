@@ -141,7 +141,8 @@ def _identity(x):
     return x
 
 
-def sum_rule_chunked(q, k, v, weights, normaliser, chunk_size: int, phi=_identity, phi_k=None, bounds=None):
+@torch.compiler.disable
+def sum_rule_chunked(q, k, v, weights, normaliser, chunk_size: int, phi=_identity, phi_k=None, bounds=None, chunk=None):
     """Causal sum rule: y_t = φ(q_t)ᵀ S_t / (φ(q_t)·z_t + ε), S_t = S_0 + Σ_{i≤t} φ(k_i) v_iᵀ,
     z_t = z_0 + Σ_{i≤t} φ(k_i).
 
@@ -151,24 +152,31 @@ def sum_rule_chunked(q, k, v, weights, normaliser, chunk_size: int, phi=_identit
     ``q, k: [B, H, T, Dk]``, ``v: [B, H, T, Dv]``, ``weights`` S_0: ``[B, H, F, Dv]``,
     ``normaliser`` z_0: ``[B, H, F]`` or None. Returns ``(y [B, H, T, Dv], S_T, z_T)``. Packed sequences
     (``bounds``, B = 1): S_0, z_0 and S_T, z_T are ``[N, H, ...]``, row n sequence n's.
+    Each chunk is one call of ``chunk`` (default ``sum_rule_chunk``; backend 'compile' passes it
+    compiled): the loop stays Python's, out of any torch.compile'd graph, which would unroll it.
     """
     _check_chunk_size(chunk_size)
     phi_k = phi if phi_k is None else phi_k
-    output, wide, finals = _Output(v), weights.dtype, []
-    narrow = chunk_dtype(q.dtype, normaliser is not None)
+    output, finals = _Output(v), []
     for start, ends, (q_c, k_c, v_c) in _packed_chunks(chunk_size, bounds, (weights, normaliser), q, k, v):
         weights, normaliser = start or (weights, normaliser)
-        q_c, k_c, v_c = phi(q_c.to(narrow)), phi_k(k_c.to(narrow)), v_c.to(narrow)
-        scores = torch.tril(q_c @ k_c.transpose(-1, -2))
-        read = causal_read(scores.matmul, v_c) + q_c.to(wide) @ weights
-        if normaliser is not None:
-            denominator = scores.sum(-1, keepdim=True, dtype=wide) + q_c.to(wide) @ normaliser.unsqueeze(-1)
-            read = read / (denominator + EPS)
-            normaliser = normaliser + k_c.sum(2, dtype=wide)
-        output.write(read.to(v.dtype))
-        weights = weights + k_c.transpose(-1, -2) @ v_c
+        read, weights, normaliser = (chunk or sum_rule_chunk)(q_c, k_c, v_c, weights, normaliser, phi, phi_k)
+        output.write(read)
         finals += [(weights, normaliser)] if ends else []
     return output.joined(), *_finals(finals)
+
+
+def sum_rule_chunk(q_c, k_c, v_c, weights, normaliser, phi, phi_k):
+    """One chunk of ``sum_rule_chunked``: ``(y_c, S, z)`` after it, from S, z before it."""
+    wide, narrow = weights.dtype, chunk_dtype(q_c.dtype, normaliser is not None)
+    features_q, features_k, values = phi(q_c.to(narrow)), phi_k(k_c.to(narrow)), v_c.to(narrow)
+    scores = torch.tril(features_q @ features_k.transpose(-1, -2))
+    read = causal_read(scores.matmul, values) + features_q.to(wide) @ weights
+    if normaliser is not None:
+        denominator = scores.sum(-1, keepdim=True, dtype=wide) + features_q.to(wide) @ normaliser.unsqueeze(-1)
+        read = read / (denominator + EPS)
+        normaliser = normaliser + features_k.sum(2, dtype=wide)
+    return read.to(v_c.dtype), weights + features_k.transpose(-1, -2) @ values, normaliser
 
 
 def _solve_unit_lower(strictly_lower: torch.Tensor, rhs: torch.Tensor, wide: torch.dtype) -> torch.Tensor:
@@ -177,7 +185,8 @@ def _solve_unit_lower(strictly_lower: torch.Tensor, rhs: torch.Tensor, wide: tor
     return torch.linalg.solve_triangular(strictly_lower.to(wide), rhs.to(wide), upper=False, unitriangular=True)
 
 
-def delta_rule_chunked(q, k, v, beta, weights, normaliser, chunk_size: int, phi=_identity, phi_k=None, log_gate=None, bounds=None):
+@torch.compiler.disable
+def delta_rule_chunked(q, k, v, beta, weights, normaliser, chunk_size: int, phi=_identity, phi_k=None, log_gate=None, bounds=None, chunk=None):
     """Causal delta rule through the WY / UT-transform representation, optionally gated.
 
     S_t = α_t S_{t-1} + φ(k_t) u_tᵀ with u_t = b_t v_t − a_t (α_t S_{t-1})ᵀ φ(k_t), y_t = S_tᵀ φ(q_t).
@@ -193,47 +202,52 @@ def delta_rule_chunked(q, k, v, beta, weights, normaliser, chunk_size: int, phi=
         U' = U − W S,   O = diag(γ) Q S + (tril(Q Kᵀ) ⊙ D) U',   S ← γ_C S + (diag(γ_C / γ) K)ᵀ U'.
     ``q, k: [B, H, T, Dk]``, ``v: [B, H, T, Dv]``, ``beta, log_gate: [B, H, T]``, ``weights`` S_0:
     ``[B, H, F, Dv]``, ``normaliser`` z_0: ``[B, H, F]`` or None (always None with ``log_gate``);
-    ``phi``/``phi_k`` and packed sequences (``bounds``) as in ``sum_rule_chunked``. Returns ``(y, S_T, z_T)``.
+    ``phi``/``phi_k``, packed sequences (``bounds``) and ``chunk`` (default ``delta_rule_chunk``) as in
+    ``sum_rule_chunked``. Returns ``(y, S_T, z_T)``.
     """
     if log_gate is not None and normaliser is not None:
         raise ValueError("the gated delta rule has no attention normaliser; pass normaliser=None")
     _check_chunk_size(chunk_size)
     phi_k = phi if phi_k is None else phi_k
-    d_value = v.shape[-1]
-    output, wide, finals = _Output(v), weights.dtype, []
-    narrow = chunk_dtype(q.dtype, normaliser is not None)
+    output, finals = _Output(v), []
     for start, ends, (q_c, k_c, v_c, beta_c, gate_c) in _packed_chunks(chunk_size, bounds, (weights, normaliser), q, k, v, beta, log_gate):
         weights, normaliser = start or (weights, normaliser)
-        q_c, k_c, v_c = phi(q_c.to(narrow)), phi_k(k_c.to(narrow)), v_c.to(narrow)
-        write = erase = beta_c.unsqueeze(-1)
-        if normaliser is not None:
-            z = normaliser.unsqueeze(2) + k_c.cumsum(2, dtype=wide)
-            erase = write * safe_reciprocal(((z - k_c) * k_c).sum(-1, keepdim=True))
-            normaliser = z[:, :, -1]
-        keys_keys, queries_keys = k_c @ k_c.transpose(-1, -2), q_c @ k_c.transpose(-1, -2)
-        erased_keys, state_queries, written_keys = k_c, q_c, k_c
-        if log_gate is not None:
-            # G_t in the state's dtype: a 16-bit cumulative sum of log gates is off by a fraction of
-            # a unit within a chunk, and exp turns that into a relative error of the same size
-            cumulative = gate_c.to(wide).cumsum(-1)
-            future = torch.ones(q_c.shape[2], q_c.shape[2], dtype=torch.bool, device=q.device).triu(1)
-            decay = torch.exp((cumulative[..., :, None] - cumulative[..., None, :]).masked_fill(future, float("-inf"))).to(q_c.dtype)
-            keys_keys, queries_keys = keys_keys * decay, queries_keys * decay
-            state_decay = torch.exp(cumulative).unsqueeze(-1)
-            erased_keys, state_queries = state_decay * k_c, state_decay * q_c
-            written_keys = decay[..., -1, :, None] * k_c
-        strictly_lower = torch.tril(erase * keys_keys, diagonal=-1)
-        solved = _solve_unit_lower(strictly_lower, torch.cat([write * v_c, erase * erased_keys], dim=-1), wide)
-        new_values = solved[..., :d_value] - solved[..., d_value:] @ weights
-        read = state_queries.to(wide) @ weights + causal_read(torch.tril(queries_keys).matmul, new_values.to(q_c.dtype))
-        if normaliser is not None:
-            read = read / ((q_c * z).sum(-1, keepdim=True) + EPS)
-        output.write(read.to(v.dtype))
-        if log_gate is not None:
-            weights = state_decay[:, :, -1:] * weights
-        weights = weights + written_keys.to(wide).transpose(-1, -2) @ new_values
+        read, weights, normaliser = (chunk or delta_rule_chunk)(q_c, k_c, v_c, beta_c, gate_c, weights, normaliser, phi, phi_k)
+        output.write(read)
         finals += [(weights, normaliser)] if ends else []
     return output.joined(), *_finals(finals)
+
+
+def delta_rule_chunk(q_c, k_c, v_c, beta_c, gate_c, weights, normaliser, phi, phi_k):
+    """One chunk of ``delta_rule_chunked``: ``(y_c, S, z)`` after it, from S, z before it."""
+    wide, narrow, d_value = weights.dtype, chunk_dtype(q_c.dtype, normaliser is not None), v_c.shape[-1]
+    q_c, k_c, values = phi(q_c.to(narrow)), phi_k(k_c.to(narrow)), v_c.to(narrow)
+    write = erase = beta_c.unsqueeze(-1)
+    if normaliser is not None:
+        z = normaliser.unsqueeze(2) + k_c.cumsum(2, dtype=wide)
+        erase = write * safe_reciprocal(((z - k_c) * k_c).sum(-1, keepdim=True))
+        normaliser = z[:, :, -1]
+    keys_keys, queries_keys = k_c @ k_c.transpose(-1, -2), q_c @ k_c.transpose(-1, -2)
+    erased_keys, state_queries, written_keys = k_c, q_c, k_c
+    if gate_c is not None:
+        # G_t in the state's dtype: a 16-bit cumulative sum of log gates is off by a fraction of
+        # a unit within a chunk, and exp turns that into a relative error of the same size
+        cumulative = gate_c.to(wide).cumsum(-1)
+        future = torch.ones(q_c.shape[2], q_c.shape[2], dtype=torch.bool, device=q_c.device).triu(1)
+        decay = torch.exp((cumulative[..., :, None] - cumulative[..., None, :]).masked_fill(future, float("-inf"))).to(q_c.dtype)
+        keys_keys, queries_keys = keys_keys * decay, queries_keys * decay
+        state_decay = torch.exp(cumulative).unsqueeze(-1)
+        erased_keys, state_queries = state_decay * k_c, state_decay * q_c
+        written_keys = decay[..., -1, :, None] * k_c
+        weights_after = state_decay[:, :, -1:] * weights
+    strictly_lower = torch.tril(erase * keys_keys, diagonal=-1)
+    solved = _solve_unit_lower(strictly_lower, torch.cat([write * values, erase * erased_keys], dim=-1), wide)
+    new_values = solved[..., :d_value] - solved[..., d_value:] @ weights
+    read = state_queries.to(wide) @ weights + causal_read(torch.tril(queries_keys).matmul, new_values.to(q_c.dtype))
+    if normaliser is not None:
+        read = read / ((q_c * z).sum(-1, keepdim=True) + EPS)
+    kept = weights if gate_c is None else weights_after
+    return read.to(v_c.dtype), kept + written_keys.to(wide).transpose(-1, -2) @ new_values, normaliser
 
 
 def wkv_chunked(k, v, decay, bonus, numerator, denominator, max_exponent, chunk_size: int):

@@ -34,6 +34,20 @@ def wrap(core, *, mode: str | None = None, dynamic: bool | None = None):
     return core
 
 
+def chunk_form(core, body):
+    """``body`` (one chunk of a loop scan, ``chunked.sum_rule_chunk``, ...) as ``core`` runs it: itself
+    eagerly, or ``torch.compile``'d once per core with its options under backend 'compile'. The loop
+    over the chunks is kept out of the compiled graphs (``torch.compiler.disable``) and calls it, so
+    the graph is one chunk's whatever T."""
+    if not core.compiled:
+        return body
+    bodies = core.__dict__.setdefault("_compiled_chunks", {})
+    if body not in bodies:
+        options = core.compile_options
+        bodies[body] = torch.compile(body, mode=None if options["mode"] == "default" else options["mode"], dynamic=options["dynamic"])
+    return bodies[body]
+
+
 def compiled_frames() -> int:
     """Frames TorchDynamo has compiled in this process so far (its ``frames.ok`` counter)."""
     from torch._dynamo.utils import counters

@@ -21,6 +21,7 @@ per token and head (``log_gate`` g) and, as in the paper, L2-normalised keys and
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -30,8 +31,9 @@ from torch import nn
 from . import fla_backend as fla
 from .base import TokenInput, UnsupportedBackend, VariantError, activated_linear, register, state_heads
 from .chunk_scan import delta_rule_parallel
-from .chunked import delta_rule_chunked, safe_reciprocal
-from .fast_weights import FastWeightCore, FastWeightState, TritonForm
+from .chunked import delta_rule_chunk, delta_rule_chunked, safe_reciprocal
+from .compiled import chunk_form
+from .fast_weights import FastWeightCore, FastWeightState, TritonForm, times_state
 from .feature_maps import EPS
 
 #: Write strength β_t of the delta rules (Schlag et al. 2021, eq. 21: β = σ(W_β x)).
@@ -92,17 +94,24 @@ class DeltaRule(FastWeightCore):
 
     def _run(self, q, k, v, state, causal, beta, log_gate=None, bounds=None):
         packed = {} if bounds is None else {"bounds": bounds}
-        scan = delta_rule_parallel if self.scan_choice(q.device) == "parallel" else delta_rule_chunked
+        scan = delta_rule_parallel
+        if self.scan_choice(q.device) == "loop":
+            scan = functools.partial(delta_rule_chunked, chunk=chunk_form(self, delta_rule_chunk))
         read, weights, normaliser = scan(q, k, v, beta, *state, self.chunk_size, phi=self.phi.for_queries, phi_k=self.phi.for_keys, log_gate=log_gate, **packed)
         return read, FastWeightState(weights, normaliser)
 
-    def _write(self, features_k, v_t, state, beta, log_gate=None):
-        """W ← αW, then W ← W + β (v − W φ(k)) ⊗ φ(k) (α = 1 ungated); ``beta``, ``log_gate``: ``[B, H]``."""
-        weights = state.weights if log_gate is None else torch.exp(log_gate)[..., None, None] * state.weights
-        retrieved = (features_k.unsqueeze(-2) @ weights).squeeze(-2)
+    def _write(self, features_k, v_t, state, in_place, beta, log_gate=None):
+        """W ← αW, then W ← W + β (v − W φ(k)) ⊗ φ(k) (α = 1 ungated), the outer product by one ``addcmul``
+        (into W where ``in_place``); ``beta``, ``log_gate``: ``[B, H]``."""
+        weights = state.weights
+        if log_gate is not None:
+            decay = torch.exp(log_gate)[..., None, None]
+            weights = weights.mul_(decay) if in_place else decay * weights
+        retrieved = times_state(features_k.unsqueeze(-2), weights).squeeze(-2)
         if self.normalize:
             retrieved = retrieved * safe_reciprocal((state.normaliser * features_k).sum(-1, keepdim=True))
-        return weights + features_k.unsqueeze(-1) * (beta.unsqueeze(-1) * (v_t - retrieved)).unsqueeze(-2)
+        outer = features_k.unsqueeze(-1), ((v_t - retrieved) * beta.unsqueeze(-1)).unsqueeze(-2)
+        return weights.addcmul_(*outer) if in_place else torch.addcmul(weights, *outer)
 
     def _chunk_flops(self, n, d_value):
         """K Kᵀ and Q Kᵀ (n × n), the triangular solve for [U, W], W S, the read Q S, the

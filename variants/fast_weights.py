@@ -36,6 +36,12 @@ class FastWeightState(NamedTuple):
     normaliser: torch.Tensor | None
 
 
+def times_state(rows: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+    """``rows [B, H, n, F] @ state [B, H, F, D]`` as one ``bmm`` over the B·H heads (``@`` on 4-d tensors
+    dispatches seven operations, ``bmm`` one and three views)."""
+    return torch.bmm(rows.flatten(0, 1), state.flatten(0, 1)).unflatten(0, rows.shape[:2])
+
+
 class FastWeightCore(AttentionCore):
     """Base of the sum and delta rules: builds φ, owns the state and the attention normaliser.
 
@@ -79,12 +85,12 @@ class FastWeightCore(AttentionCore):
         self.example_unit_keys = phi == "identity"
 
     def scan_choice(self, device: torch.device) -> str:
-        """The scan the causal PyTorch form runs on ``device``: ``scan``, or for 'auto' 'parallel' where the
-        forms are ``compiled`` (backend 'compile': its graph does not grow with T) and off the CPU (a few launches a call,
-        not a few per chunk), 'loop' on the CPU (faster there eagerly: docs/performance.md)."""
+        """The scan the causal PyTorch form runs on ``device``: ``scan``, or for 'auto' 'loop' on the CPU (faster
+        there, eagerly and compiled, where backend 'compile' compiles one chunk's step: docs/performance.md) and
+        'parallel' elsewhere (a few launches a call, not a few per chunk)."""
         if self.scan != "auto":
             return self.scan
-        return "parallel" if self.compiled or device.type != "cpu" else "loop"
+        return "loop" if device.type == "cpu" else "parallel"
 
     def implementation_choices(self, q, k, v, *, causal=True, cu_seqlens=None, **token_inputs) -> dict:
         """``{"scan": 'loop' or 'parallel'}``: the scan a causal call on ``q``'s device runs (PyTorch forms)."""
@@ -129,14 +135,19 @@ class FastWeightCore(AttentionCore):
 
     def _step(self, q_t, k_t, v_t, state, **token_inputs):
         """One token, in the state's dtype (every product of a step meets the state); the output in q's.
-        GVA: q_t, k_t repeated to the value heads; GQA: the queries of a group read their head's state."""
+        GVA: q_t, k_t repeated to the value heads; GQA: the queries of a group read their head's state.
+        Without autograd (``torch.is_grad_enabled()`` false) the new state is written into ``state``'s
+        tensors, which the step consumes (as softmax's KV cache): nothing of the state's size is allocated."""
         wide, heads = state.weights.dtype, state.weights.shape[1]
         q_t, k_t = repeat_heads(q_t, max(q_t.shape[1], heads)), repeat_heads(k_t, heads)
         features_q, features_k = self.phi.for_queries(q_t.to(wide)), self.phi.for_keys(k_t.to(wide))
-        normaliser = state.normaliser + features_k if self.normalize else None
-        weights = self._write(features_k, v_t.to(wide), state, **token_inputs)
+        in_place = not torch.is_grad_enabled()
+        weights = self._write(features_k, v_t.to(wide), state, in_place, **token_inputs)  # reads z before this token
+        normaliser = None
+        if self.normalize:
+            normaliser = state.normaliser.add_(features_k) if in_place else state.normaliser + features_k
         features_q = features_q.unflatten(1, (heads, -1))  # [B, heads, g, d_dot]
-        read = features_q @ weights
+        read = times_state(features_q, weights)
         if self.normalize:
             read = read / ((features_q * normaliser.unsqueeze(2)).sum(-1, keepdim=True) + EPS)
         return read.flatten(1, 2).to(q_t.dtype), FastWeightState(weights, normaliser)
@@ -177,8 +188,9 @@ class FastWeightCore(AttentionCore):
         """Parallel form from ``state``: ``(out, final_state)``; ``token_inputs`` as the rule declares them."""
         raise NotImplementedError
 
-    def _write(self, features_k, v_t, state, **token_inputs):
-        """One write into the fast weights (token inputs ``[B, H]``): the new ``weights``."""
+    def _write(self, features_k, v_t, state, in_place: bool, **token_inputs):
+        """One write into the fast weights (token inputs ``[B, H]``): the new ``weights``, written into
+        ``state.weights`` where ``in_place``."""
         raise NotImplementedError
 
     def _chunk_flops(self, n: int, d_value: int) -> int:

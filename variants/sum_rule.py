@@ -10,12 +10,15 @@ drops the denominator (y_t = S_tᵀ φ(q_t)); with ``phi='identity'`` that is pl
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from . import fla_backend as fla
 from .base import UnsupportedBackend, register
 from .chunk_scan import sum_rule_parallel
-from .chunked import causal_read, sum_rule_chunked
+from .chunked import causal_read, sum_rule_chunk, sum_rule_chunked
+from .compiled import chunk_form
 from .fast_weights import FastWeightCore, FastWeightState, TritonForm
 from .feature_maps import EPS
 
@@ -38,7 +41,9 @@ class SumRule(FastWeightCore):
     def _run(self, q, k, v, state, causal, bounds=None):
         if causal:
             packed = {} if bounds is None else {"bounds": bounds}
-            scan = sum_rule_parallel if self.scan_choice(q.device) == "parallel" else sum_rule_chunked
+            scan = sum_rule_parallel
+            if self.scan_choice(q.device) == "loop":
+                scan = functools.partial(sum_rule_chunked, chunk=chunk_form(self, sum_rule_chunk))
             read, weights, normaliser = scan(q, k, v, *state, self.chunk_size, phi=self.phi.for_queries, phi_k=self.phi.for_keys, **packed)
             return read, FastWeightState(weights, normaliser)
         # non-causal: every read meets the whole state, so all of it is in the state's dtype
@@ -51,8 +56,10 @@ class SumRule(FastWeightCore):
         normaliser = state.normaliser + features_k.sum(2)
         return (read / (features_q @ normaliser.unsqueeze(-1) + EPS)).to(v.dtype), FastWeightState(weights, normaliser)
 
-    def _write(self, features_k, v_t, state):
-        return state.weights + features_k.unsqueeze(-1) * v_t.unsqueeze(-2)
+    def _write(self, features_k, v_t, state, in_place):
+        """S + φ(k) vᵀ in one ``addcmul`` (into S where ``in_place``)."""
+        outer = features_k.unsqueeze(-1), v_t.unsqueeze(-2)
+        return state.weights.addcmul_(*outer) if in_place else torch.addcmul(state.weights, *outer)
 
     def _chunk_flops(self, n, d_value):
         """φ(Q)φ(K)ᵀ and its product with V (n × n), the read φ(Q)S and the write φ(K)ᵀV."""

@@ -95,7 +95,7 @@ def test_the_scan_option():
     inputs = core.example_inputs(1, 2, 10, 8)
     assert core.scan == "auto" and core.implementation_choices(**inputs) == {"scan": "loop"}  # auto on the CPU
     assert variants.create("delta", 8, scan="parallel").implementation_choices(**inputs) == {"scan": "parallel"}
-    assert variants.create("linear", 8, backend="compile").implementation_choices(**inputs) == {"scan": "parallel"}
+    assert variants.create("linear", 8, backend="compile").implementation_choices(**inputs) == {"scan": "loop"}  # its chunk compiled
     assert "scan=parallel" in repr(variants.create("gated_delta", 8, scan="parallel"))
     with pytest.raises(variants.VariantError, match=r"^linear: scan must be one of auto, loop, parallel, got 'fast'$"):
         variants.create("linear", 8, scan="fast")

@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch._dynamo
 from helpers import CONFIGS, assert_close, attnbench, build, config_id, make_inputs, to
+from torch._dynamo.utils import counters
 
 import variants
 from harness import workloads
@@ -72,6 +73,30 @@ def test_compiled_forms_match_the_float64_reference(config, seed):
     assert compiled_frames() > 0
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["linear", "delta"])
+def test_the_compiled_graph_does_not_grow_with_the_length(name, seed):
+    """On the CPU backend 'compile' compiles one chunk's step and loops over the chunks in Python
+    (``compiled.chunk_form``): 3 chunks or 10 (chunk 4, the last one partial), TorchDynamo captures
+    the same frames and operations, and training through it matches the float64 reference."""
+    captured = []
+    for length in (9, 37):
+        torch._dynamo.reset()
+        counters.clear()
+        core = variants.create(name, 4, backend="compile", chunk_size=4)
+        inputs = make_inputs(core, 1, 2, length, 3, dtype=torch.float64, seed=seed)
+        expected = core.reference(**to(inputs, torch.float64))
+        low = to(inputs, torch.float32, requires_grad=True)
+        out = core(**low)
+        out.sum().backward()
+        assert_close(out, expected, torch.float32, f"{name}[compile] T={length}", seed)
+        exact = to(inputs, torch.float64, requires_grad=True)
+        core.reference(**exact).sum().backward()
+        assert_close(low["q"].grad, exact["q"].grad, torch.float32, f"{name}[compile] T={length} d/dq", seed)
+        captured.append((compiled_frames(), counters["stats"]["calls_captured"]))
+    assert captured[0][0] > 0 and captured[0] == captured[1], f"{name}: (frames, operations) captured at T = 9, 37: {captured}"
+
+
 def _cells(tmp_path, text: str, **kwargs) -> list[dict]:
     path = tmp_path / "c.yaml"
     path.write_text(text)
@@ -94,12 +119,16 @@ def test_backend_options_reach_the_compiled_cells_and_their_ids(tmp_path):
     ("extra", "message"),
     [
         ("backends: [torch, compile]\nbackend_options: {mode: fastest}\n", "backend_options: backend 'compile': option mode must be one of default"),
-        ("backends: [torch, compile]\nbackend_options: {fullgraph: true}\n",
-         'backend_options: unknown option "fullgraph"; backend options: sdpa (torch/compile), mode (compile), dynamic (compile)'),
+        (
+            "backends: [torch, compile]\nbackend_options: {fullgraph: true}\n",
+            'backend_options: unknown option "fullgraph"; backend options: sdpa (torch/compile), mode (compile), dynamic (compile)',
+        ),
         ("backends: [torch, compile]\nbackend_options: {dynamic: maybe}\n", "option dynamic must be one of true, false or null"),
-        ("backends: [torch, compile]\nreport: {baseline_backend: triton}\n",
-         "report.baseline_backend: expected one of the scenario's backends (torch, compile), got \"triton\""),
-        ("backends: [torch, jit]\n", "expected backends among torch, triton, compile, fla, got \"jit\""),
+        (
+            "backends: [torch, compile]\nreport: {baseline_backend: triton}\n",
+            'report.baseline_backend: expected one of the scenario\'s backends (torch, compile), got "triton"',
+        ),
+        ("backends: [torch, jit]\n", 'expected backends among torch, triton, compile, fla, got "jit"'),
     ],
 )
 def test_scenario_errors_name_the_field(tmp_path, extra, message):

@@ -14,6 +14,7 @@ import torch
 from helpers import CONFIGS, build, config_id, make_inputs, to
 
 import variants
+from variants.fast_weights import FastWeightState
 from variants.precision import REL_ERROR_TOLERANCE, rel_error, state_dtype
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -49,6 +50,25 @@ def test_every_form_in_every_dtype_matches_float64(config, dtype, seed):
         for name, grad, target in zip(low, grads, wanted, strict=True):
             error = rel_error(grad, target)
             assert error <= tolerance, f"{what}: d/d{name} relative error {error:.3g} > {tolerance}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, *DTYPES], ids=str)
+@pytest.mark.parametrize("config", CONFIGS, ids=config_id)
+def test_steps_without_autograd_match_float64(config, dtype, seed):
+    """Under no_grad a step writes its state in place (the fast weights by ``addcmul_``, softmax's KV
+    cache): a prefill then steps still compute the float64 reference's function, and a fast weight
+    state passed in is the one returned (no new state per step)."""
+    batch, heads, length, d_key, d_value = SHAPE
+    core, reference = build(config, d_key, dtype), build(config, d_key)
+    inputs = make_inputs(core, batch, heads, length, d_value, dtype=dtype, seed=seed)
+    expected = reference.reference(**to(inputs, torch.float64))
+    with torch.no_grad():
+        head, given = core.prefill(**variants.time_slice(inputs, 0, 23))
+        tail, state = core.step_loop(variants.time_slice(inputs, 23), given)
+    error, what = rel_error(torch.cat([head, tail], 2), expected), f"{config_id(config)} prefill then steps under no_grad in {dtype} (seed {seed})"
+    assert error <= REL_ERROR_TOLERANCE[dtype], f"{what}: relative error {error:.3g} > {REL_ERROR_TOLERANCE[dtype]}"
+    if isinstance(state, FastWeightState):
+        assert state.weights is given.weights, f"{what}: a step without autograd allocated new fast weights"
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
