@@ -75,15 +75,21 @@ class RWKV(AttentionCore):
 
     def _step(self, q_t, k_t, v_t, state):
         """The running-maximum recurrence (RWKV-4's CUDA kernel form): read with the bonus, then
-        decay the state by e^{−w} and add token t, all relative to the largest exponent."""
+        decay the state by e^{−w} and add token t, all relative to the largest exponent. Without
+        autograd the new a, b are written into ``state``'s (which the step consumes)."""
         decay, bonus = self._parameters_as(k_t)
         numerator, denominator, max_exponent = state
-        top = torch.maximum(max_exponent, bonus + k_t).detach()
-        old, new = torch.exp(max_exponent - top), torch.exp(bonus + k_t - top)
-        wkv = (old * numerator + new * v_t) / (old * denominator + new)
-        top = torch.maximum(max_exponent - decay, k_t).detach()
-        old, new = torch.exp(max_exponent - decay - top), torch.exp(k_t - top)
-        return torch.sigmoid(q_t) * wkv, WKVState(old * numerator + new * v_t, old * denominator + new, top)
+        boosted, lowered = bonus + k_t, max_exponent - decay
+        top = torch.maximum(max_exponent, boosted).detach()
+        old, new = torch.exp(max_exponent - top), torch.exp(boosted - top)
+        wkv = torch.addcmul(old * numerator, new, v_t) / torch.addcmul(new, old, denominator)
+        top = torch.maximum(lowered, k_t).detach()
+        old, new = torch.exp(lowered - top), torch.exp(k_t - top)
+        if torch.is_grad_enabled():
+            numerator, denominator = torch.addcmul(old * numerator, new, v_t), torch.addcmul(new, old, denominator)
+        else:
+            numerator, denominator = numerator.mul_(old).addcmul_(new, v_t), denominator.mul_(old).add_(new)
+        return torch.sigmoid(q_t) * wkv, WKVState(numerator, denominator, top)
 
     def _reference(self, q, k, v, causal):
         """The formula above as written: all T × T weights e^{k_i − (t−1−i)w}, no stabiliser."""

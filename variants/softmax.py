@@ -191,8 +191,7 @@ class Softmax(AttentionCore):
         state = state.append(k_t, v_t)
         keys, values = state.filled()
         grouped = q_t.unflatten(1, (keys.shape[1], -1))
-        weights = torch.softmax(grouped @ keys.transpose(-1, -2) * self.scale, dim=-1)
-        return (weights @ values).flatten(1, 2), state
+        return F.scaled_dot_product_attention(grouped, keys, values, scale=self.scale).flatten(1, 2), state
 
     def _reference(self, q, k, v, causal):
         scores = (q @ k.transpose(-1, -2)) * self.scale
