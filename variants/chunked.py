@@ -250,7 +250,8 @@ def delta_rule_chunk(q_c, k_c, v_c, beta_c, gate_c, weights, normaliser, phi, ph
     return read.to(v_c.dtype), kept + written_keys.to(wide).transpose(-1, -2) @ new_values, normaliser
 
 
-def wkv_chunked(k, v, decay, bonus, numerator, denominator, max_exponent, chunk_size: int):
+@torch.compiler.disable
+def wkv_chunked(k, v, decay, bonus, numerator, denominator, max_exponent, chunk_size: int, chunk=None):
     """Causal RWKV-4 WKV operator (Peng et al. 2023, eq. 14), stabilised per chunk:
 
         wkv_t = (Σ_{i<t} e^{−(t−1−i)w + k_i} v_i + e^{u + k_t} v_t) / (Σ_{i<t} e^{−(t−1−i)w + k_i} + e^{u + k_t})
@@ -262,26 +263,32 @@ def wkv_chunked(k, v, decay, bonus, numerator, denominator, max_exponent, chunk_
     is taken relative to its row maximum before ``exp``, so nothing overflows whatever the size of k,
     w or T; the maxima cancel exactly and are detached. Memory per chunk: [B, H, C, C, D].
     ``k, v: [B, H, T, D]``, ``decay`` w > 0 and ``bonus`` u: ``[D]``. Returns ``(wkv, a, b, p)``.
+    Each chunk is one call of ``chunk`` (default ``wkv_chunk``), as in ``sum_rule_chunked``.
     """
     output = _Output(v)
     for k_c, v_c in _split_time(chunk_size, k, v):
-        n = k_c.shape[2]
-        steps = torch.arange(n, device=k.device)
-        lag = (steps[:, None] - 1 - steps[None, :]).to(k.dtype)  # t − 1 − i
-        exponents = k_c.unsqueeze(2) - lag[..., None] * decay  # [B, H, t, i, D]
-        exponents = torch.where(lag[..., None] == -1, (bonus + k_c).unsqueeze(3), exponents)
-        exponents = exponents.masked_fill(lag[..., None] < -1, float("-inf"))
-        state_exponent = max_exponent.unsqueeze(2) - steps[:, None].to(k.dtype) * decay  # [B, H, t, D]
-        row_max = torch.maximum(exponents.amax(3), state_exponent).detach()
-        weights, state_weight = torch.exp(exponents - row_max.unsqueeze(3)), torch.exp(state_exponent - row_max)
-        read = causal_read(lambda values: torch.einsum("bhtic,bhic->bhtc", weights, values), v_c) + state_weight * numerator.unsqueeze(2)
-        output.write(read / (weights.sum(3) + state_weight * denominator.unsqueeze(2)))
-        # the state after the chunk: earlier tokens decay by n·w, token i by (n − 1 − i)·w
-        end_exponents = k_c - (n - 1 - steps)[:, None].to(k.dtype) * decay
-        carried = max_exponent - n * decay
-        new_max = torch.maximum(carried, end_exponents.amax(2)).detach()
-        end_weights, carried_weight = torch.exp(end_exponents - new_max.unsqueeze(2)), torch.exp(carried - new_max)
-        numerator = carried_weight * numerator + torch.einsum("bhic,bhic->bhc", end_weights, v_c)
-        denominator = carried_weight * denominator + end_weights.sum(2)
-        max_exponent = new_max
+        read, numerator, denominator, max_exponent = (chunk or wkv_chunk)(k_c, v_c, decay, bonus, numerator, denominator, max_exponent)
+        output.write(read)
     return output.joined(), numerator, denominator, max_exponent
+
+
+def wkv_chunk(k_c, v_c, decay, bonus, numerator, denominator, max_exponent):
+    """One chunk of ``wkv_chunked``: ``(wkv_c, a, b, p)`` after it, from a, b, p before it."""
+    n = k_c.shape[2]
+    steps = torch.arange(n, device=k_c.device)
+    lag = (steps[:, None] - 1 - steps[None, :]).to(k_c.dtype)  # t − 1 − i
+    exponents = k_c.unsqueeze(2) - lag[..., None] * decay  # [B, H, t, i, D]
+    exponents = torch.where(lag[..., None] == -1, (bonus + k_c).unsqueeze(3), exponents)
+    exponents = exponents.masked_fill(lag[..., None] < -1, float("-inf"))
+    state_exponent = max_exponent.unsqueeze(2) - steps[:, None].to(k_c.dtype) * decay  # [B, H, t, D]
+    row_max = torch.maximum(exponents.amax(3), state_exponent).detach()
+    weights, state_weight = torch.exp(exponents - row_max.unsqueeze(3)), torch.exp(state_exponent - row_max)
+    read = causal_read(lambda values: torch.einsum("bhtic,bhic->bhtc", weights, values), v_c) + state_weight * numerator.unsqueeze(2)
+    read = read / (weights.sum(3) + state_weight * denominator.unsqueeze(2))
+    # the state after the chunk: earlier tokens decay by n·w, token i by (n − 1 − i)·w
+    end_exponents = k_c - (n - 1 - steps)[:, None].to(k_c.dtype) * decay
+    carried = max_exponent - n * decay
+    new_max = torch.maximum(carried, end_exponents.amax(2)).detach()
+    end_weights, carried_weight = torch.exp(end_exponents - new_max.unsqueeze(2)), torch.exp(carried - new_max)
+    numerator = carried_weight * numerator + torch.einsum("bhic,bhic->bhc", end_weights, v_c)
+    return read, numerator, carried_weight * denominator + end_weights.sum(2), new_max

@@ -18,7 +18,8 @@ import torch
 from torch import nn
 
 from .base import AttentionCore, register
-from .chunked import _chunks, causal_read, wkv_chunked
+from .chunked import _chunks, causal_read, wkv_chunk, wkv_chunked
+from .compiled import chunk_form
 from .params import integer
 
 #: The chunked form's work per token grows with C (its [B, H, C, C, D] exponents): on a CPU,
@@ -67,7 +68,7 @@ class RWKV(AttentionCore):
     def _prefill(self, q, k, v, state: WKVState | None):
         if state is None:
             state = self.init_state(q.shape[0], q.shape[1], v.shape[-1], device=q.device, dtype=q.dtype)
-        wkv, *state = wkv_chunked(k, v, *self._parameters_as(k), *state, self.chunk_size)
+        wkv, *state = wkv_chunked(k, v, *self._parameters_as(k), *state, self.chunk_size, chunk=chunk_form(self, wkv_chunk))
         return torch.sigmoid(q) * wkv, WKVState(*state)
 
     def _parallel(self, q, k, v, causal):
