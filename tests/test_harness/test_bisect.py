@@ -25,7 +25,7 @@ from harness.bisect import EXIT_FOUND, EXIT_NOTHING, EXIT_UNDECIDED, bisect
 from harness.cli import main
 from harness.scenario import load_scenario
 
-SCAN = "            scan = sum_rule_parallel if"  # in SumRule's causal _run (the torch form), not its Triton form's
+SCAN = "            scan = sum_rule_parallel\n"  # in SumRule's causal _run (the torch form), not its Triton form's
 SLEEP = "            import time\n            time.sleep(0.05)  # injected by tests/test_harness/test_bisect.py\n"
 
 

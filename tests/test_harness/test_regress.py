@@ -40,13 +40,13 @@ def history(tmp_path_factory):
     """The repository and the commit of each step of its history."""
     repo = tmp_path_factory.mktemp("regress") / "repo"
     commits = {"plain": project_repository(repo)}
-    scan = "            scan = sum_rule_parallel if"  # in SumRule's causal _run (the torch form), not its Triton form's
+    scan = "            scan = sum_rule_parallel\n"  # in SumRule's causal _run (the torch form), not its Triton form's
     edit(repo, "variants/sum_rule.py", scan, SLEEP + scan)
     commits["slow"] = commit(repo, "slow linear")
     (repo / "README.md").write_text((repo / "README.md").read_text() + "\nA line of prose.\n")
     commits["readme"] = commit(repo, "README only")
-    right = "read = causal_read(scores.matmul, v_c) + q_c.to(wide) @ weights"
-    edit(repo, "variants/chunked.py", right, "read = q_c.to(wide) @ weights - causal_read(scores.matmul, v_c)")
+    right = "read = causal_read(scores.matmul, values) + features_q.to(wide) @ weights"
+    edit(repo, "variants/chunked.py", right, "read = features_q.to(wide) @ weights - causal_read(scores.matmul, values)")
     commits["wrong"] = commit(repo, "wrong sign")
     return repo, commits
 
