@@ -103,19 +103,21 @@ def test_bf16_every_kernel_every_arch_at_d64():
     nothing; sm_70 (no bf16 tensor cores) has no rows: the kernels refuse 16-bit inputs there."""
     rows = _table("bf16", 64)
     _check_rows(rows, "bf16")
-    chunks = 16384 // 64 * 8  # (chunk, b·h) pairs at the reference shape
+    bounds = _common.PACKED_BOUNDS  # a packed row: each sequence in chunks of its own, its passes from its own state
+    packed_chunks = sum(-(-(stop - start) // 64) for start, stop in zip(bounds, bounds[1:]))
     for row in rows:
         assert row.mma in _expected_mma(row, "bf16"), row
         if _kernel(row) in FORWARD_KERNELS:
             assert row.spill_bytes == 0, row
-        if _kernel(row) in ("state_pass", "backward_pass"):  # b·h × Dv blocks of the candidate
+        packed = row.config.endswith(" packed")
+        chunks = 8 * (packed_chunks if packed else 16384 // 64)  # (chunk, b·h) pairs at the reference shape
+        sequences = 8 * (len(bounds) - 1 if packed else 1)  # (sequence, b·h) pairs
+        if _kernel(row) in ("state_pass", "backward_pass"):  # (sequence, b·h) × Dv blocks of the candidate
             block = int(row.kernel.split("BLOCK_V=")[1].split(",")[0])
-            assert row.programs == 8 * 64 // block, row
-        elif row.kernel in SUM_RULE_PREFIX:  # b·h × blocks of 256 state entries (S: 64·64, and z: 64 when normalised)
-            assert row.programs == 8 * (17 if row.config.endswith("norm") else 16), row
-        elif row.kernel in ("ut_transform", "backward_chunk"):
-            assert row.programs == chunks, row
-        else:  # (chunk, b·h, state tile): one 64×64 tile
+            assert row.programs == sequences * 64 // block, row
+        elif row.kernel in SUM_RULE_PREFIX:  # (sequence, b·h) × blocks of 256 state entries (S: 64·64, and z: 64 when normalised)
+            assert row.programs == sequences * (17 if row.config.removesuffix(" packed").endswith("norm") else 16), row
+        else:  # (chunk, b·h) and, where tiled, one 64×64 state tile
             assert row.programs == chunks, row
 
 
@@ -232,8 +234,8 @@ def test_limit_exceeded_names_kernel_config_and_arch():
     """A configuration over the arch's shared memory per block is a problem row naming all three."""
     small = dataclasses.replace(kt.ARCHS["sm_80"], max_shared_per_block=1024)
     rows = _table("bf16", 64, [small], ["delta_rule"])
-    lines = kt.problems(rows)
-    assert len(lines) == 2 * 12 and all("F64 Dv64 C64" in line and "on sm_80 (A100): " in line and "> 1024 B per block" in line for line in lines)
+    lines = kt.problems(rows)  # 12 rows for each of ungated, gated, ungated packed, gated packed
+    assert len(lines) == 4 * 12 and all("F64 Dv64 C64" in line and "on sm_80 (A100): " in line and "> 1024 B per block" in line for line in lines)
     assert {line.split(" ")[0].split("[")[0] for line in lines} == DELTA_RULE_KERNELS  # the passes: 4 candidates each, all pruned
     assert all("every autotuning candidate is over the limits: shared memory" in line for line in lines if "[" in line.split(" ")[0])
 
@@ -258,7 +260,8 @@ def test_command_writes_the_json_fields(tmp_path):
         *("backward_pass" + c for c in candidates),
         "backward_chunk",
     ]
-    assert [row["kernel"] for row in rows] == kernels * 2  # ungated, gated
+    assert [row["kernel"] for row in rows] == kernels * 4  # ungated, gated, and both over packed sequences
+    assert [row["config"].endswith(" packed") for row in rows[:: len(kernels)]] == [False, False, True, True]
     assert list(rows[0]) == [*kt.FIELDS, "problem", "pruned"] and rows[0]["arch"] == "sm_90" and rows[0]["problem"] is None
     assert "backward_chunk" in done.stdout and {row["mma"] for row in rows} <= MMA_BF16["sm_90"]
 
