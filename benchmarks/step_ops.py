@@ -14,25 +14,13 @@ import statistics
 import time
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import variants
 from harness.demo import OWN_D_KEY
+from harness.profiling import OperationCount
 
 #: The decode scenario's variants and their parameters (scenarios/decode.yaml), LSH at one round.
 VARIANTS = {"performer": {"m": 64}, "dpfp": {"nu": 1}, "lsh": {"n_rounds": 1}}
-
-
-class OperationCount(TorchDispatchMode):
-    """Counts the aten operations dispatched inside the block."""
-
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += 1
-        return func(*args, **(kwargs or {}))
 
 
 def measure(name: str, context: int, steps: int) -> tuple[int, float]:

@@ -18,6 +18,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from .files import write_json_atomic
 from .measure import quiet_profiler, synchronize
@@ -30,6 +31,18 @@ TOP_OPERATORS = 10
 NVTX_RANGE = "attnbench-profile"
 #: The suffix ncu and nsys give the report they write.
 REPORT_SUFFIX = {"ncu": ".ncu-rep", "nsys": ".nsys-rep"}
+
+
+class OperationCount(TorchDispatchMode):
+    """Counts the aten operations dispatched inside the block."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
 
 
 def profiles_dir(results: Path) -> Path:

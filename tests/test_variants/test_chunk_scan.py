@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import make_inputs, to
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import variants
+from harness.profiling import OperationCount
 from variants.chunk_scan import affine_scan
 from variants.precision import REL_ERROR_TOLERANCE, rel_error
 
@@ -64,18 +64,6 @@ def test_affine_scan_is_its_recurrence(steps, seed):
     torch.testing.assert_close(affine_scan(transitions, offsets, initial), torch.stack(expected, 1), rtol=1e-12, atol=1e-12)
 
 
-class _OperationCount(TorchDispatchMode):
-    """Counts the aten operations dispatched inside the block."""
-
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += 1
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("name", ["linear", "delta", "gated_delta"])
 def test_operations_per_call_do_not_grow_with_the_length(name):
     """Issue 34's bound: aten operations of a forward call at T = 8192 at most 1.5x those at T = 1024
@@ -84,7 +72,7 @@ def test_operations_per_call_do_not_grow_with_the_length(name):
     counts = []
     for length in (1024, 8192):
         inputs = core.example_inputs(1, 1, length, 4, generator=torch.Generator().manual_seed(0))
-        with torch.no_grad(), _OperationCount() as counter:
+        with torch.no_grad(), OperationCount() as counter:
             core(**inputs)
         counts.append(counter.count)
     assert counts[1] <= 1.5 * counts[0], f"{name}: {counts[0]} operations at T = 1024, {counts[1]} at T = 8192"
