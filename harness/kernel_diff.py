@@ -123,14 +123,23 @@ def format_changes(changes: list[Change], old_label: str, new_label: str = "the 
     return "\n".join("  ".join(x.ljust(w) for x, w in zip(line, widths)).rstrip() for line in [header, *lines])
 
 
+def _tool_directory(scratch: Path) -> Path:
+    """``scratch/tool``, holding a link to this harness: the children's working directory and first import path.
+    Both sides' threads may make it at once (``for_regress``), so each tolerates the other having made it."""
+    tool = scratch / "tool"
+    tool.mkdir(exist_ok=True)
+    try:
+        (tool / "harness").symlink_to(Path(__file__).resolve().parent, target_is_directory=True)
+    except FileExistsError:
+        pass
+    return tool
+
+
 def revision_rows(revision, request: dict, scratch: Path):
     """The table of ``revision``'s kernels (``kernel_table.table(**request)``; with ``request["action"]`` "keys" or
     "rows", :func:`row_keys` or :func:`keyed_rows`), made in a child process of its own (module docstring); its
     progress lines are passed on to stderr. A KernelTableError with the child's last line."""
-    tool = scratch / "tool"
-    if not tool.exists():
-        tool.mkdir()
-        (tool / "harness").symlink_to(Path(__file__).resolve().parent, target_is_directory=True)
+    tool = _tool_directory(scratch)
     out = scratch / f"{request.get('action', 'rows')}-{revision.side}.json"
     env = {
         **os.environ, **revision.env, "TRITON_INTERPRET": "0", "ATTNBENCH_KERNEL_CACHE": str(scratch / f"figures-{revision.side}"),
