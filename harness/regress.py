@@ -4,7 +4,8 @@
    defaults to the working tree: HEAD plus a copy of every uncommitted change), removed afterwards.
 2. In each revision's own fresh process (harness/regress_check.py, run in its worktree),
    every variant configuration of the scenario is checked against the float64 reference,
-   with both backends, and the files its forms run are recorded.
+   on each backend whose forms are the project's own (``variants.backends.OWN_FORMS``: torch, triton),
+   and the files its forms run are recorded.
 3. The configurations whose files the diff changes are measured (all with ``all_variants``).
 4. Their cells are measured in rounds, base and head alternating (base head, head base, ...),
    each side in a fresh worker process running its own revision's ``harness`` and
@@ -34,6 +35,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from variants.backends import OWN_FORMS
+
 from . import machine, runner
 from .checkouts import SIDES, RegressError, Revision, changed_files, repository, worktrees
 from .compare import EXIT_OK, EXIT_REGRESSION, CompareResult, compare
@@ -47,7 +50,6 @@ from .scenario import LoadedScenario
 CHECK_SCRIPT = Path(__file__).with_name("regress_check.py")
 #: Runs a script by path without putting its directory on sys.path (this one's is harness/).
 RUN_SCRIPT = "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
-BACKENDS_CHECKED = ("torch", "triton")
 
 
 # --- correctness and what each configuration runs -----------------------------------------
@@ -69,10 +71,10 @@ def scenario_cells(loaded: LoadedScenario, only: set[str] | None = None) -> list
 
 def configurations(loaded: LoadedScenario, only: set[str] | None = None) -> dict[str, dict]:
     """What to check: each variant configuration of the scenario's cells (``only``: of these cell ids),
-    with both backends, at the smallest d_key of its cells; ``decode`` when the scenario measures decoding."""
+    on each backend of ``OWN_FORMS``, at the smallest d_key of its cells; ``decode`` when the scenario measures decoding."""
     configs = {}
     for cell in scenario_cells(loaded, only):
-        for backend in BACKENDS_CHECKED:
+        for backend in OWN_FORMS:
             config = configs.setdefault(
                 _config_key(cell["variant"], backend, cell["params"]),
                 {"variant": cell["variant"], "backend": backend, "params": cell["params"], "d_key": cell["axes"]["d_key"]},

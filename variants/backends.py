@@ -37,6 +37,9 @@ class Backend:
     name: str
     options: dict = {}
     runs_torch_forms = False
+    #: its forms are this project's own code, written for it (not the PyTorch forms compiled, nor another
+    #: package's kernels): what ``attnbench regress`` checks against the reference in each revision
+    own_forms = False
     #: what it runs, for messages ("runs its kernels")
     runs = "runs its kernels"
     requires: tuple[str, str] | None = None
@@ -105,6 +108,7 @@ class Backend:
 class _Torch(Backend):
     name = "torch"
     runs_torch_forms = True
+    own_forms = True
     shapes = tuple(SHAPES)
     runs = "runs the PyTorch forms"
 
@@ -121,6 +125,7 @@ class _Compile(Backend):
 
 class _Triton(Backend):
     name = "triton"
+    own_forms = True
     requires = ("triton", "the triton package: pip install 'attnbench[triton]'")
 
 
@@ -144,6 +149,8 @@ def _has_form(cls: type, backend: str) -> bool:
 _REGISTRY: dict[str, Backend] = {backend.name: backend for backend in (_Torch(), _Triton(), _Compile(), _Fla())}
 #: The backend names, the one list of them.
 BACKENDS = tuple(_REGISTRY)
+#: The backends whose forms are this project's code (``Backend.own_forms``).
+OWN_FORMS = tuple(name for name, backend in _REGISTRY.items() if backend.own_forms)
 
 
 def get(name: str, variant: str = "") -> Backend:
