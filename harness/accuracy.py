@@ -28,7 +28,7 @@ import torch
 from variants import AttentionCore
 from variants.precision import REL_ERROR_TOLERANCE, rel_error
 
-from .builders import build_core, build_layer, build_model, lengths_of, packed
+from .builders import build_core, build_layer, build_model, lengths_of
 
 #: Batch rows (and heads of a core) the reference runs on.
 REFERENCE_ROWS = 1
@@ -166,8 +166,8 @@ def measure(cell: dict, device, dtype, workload) -> dict:
 def measure_decode(cell: dict, device, dtype, decoder) -> dict:
     """The accuracy metrics of a decode cell: the timed decoder's generated steps (after a fresh
     prefill) against the reference over prompt and steps, at the steps' positions (of the first
-    sequence, prefilled to its own length in a packed cell)."""
-    context, new_tokens = lengths_of(cell)[0] if packed(cell) else cell["axes"]["seq_len"], cell["decode"]["new_tokens"]
+    sequence, prefilled to its own length in a cell of mixed lengths)."""
+    context, new_tokens = lengths_of(cell)[0] if "lengths" in cell else cell["axes"]["seq_len"], cell["decode"]["new_tokens"]
     with torch.no_grad():
         _, state = decoder.prefill()
         steps = []

@@ -258,20 +258,22 @@ def build_decoder(cell, device, dtype, context, new_tokens):
     """``(core, prefill() -> (out, state), step(i, state) -> (out, state), step_bytes)`` for a
     decode cell; ``step_bytes``: what a step reads and writes besides the state (its token's
     inputs, its output, the weights). Its ``.module`` is what decodes (the core or the layer) and
-    ``.inputs`` the whole sequence (the core's inputs, or the layer's ``{"x": ...}``); a packed core
-    cell decodes its sequences together, each prefilled to its own length (``lengths_of``), row n's
-    inputs its first lengths[n] + new_tokens tokens."""
+    ``.inputs`` the whole sequence (the core's inputs, or the layer's ``{"x": ...}``). A core cell of
+    mixed lengths decodes its sequences together, each from its own length (``lengths_of``), row n's
+    inputs its first lengths[n] + new_tokens tokens: prefilled packed (``cu_seqlens``), or padded, the
+    prompts a dense batch ``[N, H, longest]`` padded at their end (``prefill(lengths=)``)."""
     axes = cell["axes"]
     if cell["target"] == "core":
         core = build_core(cell).to(device=device, dtype=dtype)
-        contexts = lengths_of(cell) if packed(cell) else [context] * axes["batch"]
+        contexts = lengths_of(cell) if "lengths" in cell else [context] * axes["batch"]
         inputs = shaped_inputs(core, dict(axes, batch=len(contexts), seq_len=max(contexts) + new_tokens), None, device, dtype, False)
         # the prompt in the core's layout (a packed batch's prompts packed, each prefilled to its own length) and each
         # step's inputs, row n's token contexts[n] + i, contiguous, so that no timed call copies them
         if packed(cell):
             prompt = pack(inputs, contexts, core.input_layout)
         else:
-            prompt = {name: variants.in_layout(x, core.input_layout) for name, x in variants.time_slice(inputs, 0, context).items()}
+            prompt = {name: variants.in_layout(x, core.input_layout) for name, x in variants.time_slice(inputs, 0, max(contexts)).items()}
+            prompt |= {"lengths": contexts} if "lengths" in cell else {}
         rows, at = torch.arange(len(contexts), device=device), torch.tensor(contexts, device=device)
         tokens = [{f"{name}_t": x[rows, :, at + i].contiguous() for name, x in inputs.items()} for i in range(new_tokens)]
         prefill = lambda: core.prefill(**prompt)  # noqa: E731

@@ -141,17 +141,15 @@ def _packed_batch(cell_axes: dict) -> lengths.Batch | None:
 class _ShapeSupport:
     """Why a backend cannot run a cell's packed sequences or grouped heads (None: it can), asked once
     per backend, mode and shape: the variant's own refusal (its torch forms run on a tiny input of
-    the shape: the parallel form, and for a decode cell a packed prefill), else the backend's
-    (``variants.supports(..., packed=, heads=)``); a padded batch is not decoded."""
+    the shape: the parallel form, and for a decode cell a packed or padded prefill), else the backend's
+    (``variants.supports(..., packed=, heads=)``)."""
 
     def __init__(self, name: str, params: dict):
         self.name, self.params, self.known = name, params, {}
 
     def __call__(self, backend: str, mode: str, cell_axes: dict) -> str | None:
         packing, ratio = cell_axes.get("packing"), cell_axes.get("head_ratio", 1)
-        if packing == "padded" and mode == "decode":
-            return "a padded batch is not decoded: its sequences end apart (a packed one is: each prefilled to its own length, then stepped together)"
-        if packing != "packed" and ratio == 1:
+        if packing is None and ratio == 1:
             return None
         key = (backend, mode == "decode", packing, ratio, cell_axes["heads"], cell_axes["d_key"], cell_axes["d_value"], cell_axes["dtype"], cell_axes["device"])
         if key not in self.known:
@@ -166,7 +164,7 @@ class _ShapeSupport:
             with torch.no_grad():
                 core(**inputs)
                 if decode:
-                    core.prefill(**inputs)
+                    core.prefill(**inputs, **({} if packed or "packing" not in cell_axes else {"lengths": [1]}))
         except variants.VariantError as exc:
             return str(exc)
         heads = head_counts(core, cell_axes)

@@ -21,7 +21,7 @@ import variants
 from variants.compiled import compiled_frames
 
 from . import accuracy, profiling, tasks
-from .builders import BUILDERS, CellError, attention_inputs, build_core, build_decoder, head_arguments, lengths_of, packed
+from .builders import BUILDERS, CellError, attention_inputs, build_core, build_decoder, head_arguments, lengths_of
 from .busyness import LoadMeter, other_cores_now, spare_threads
 from .machine import missing_tensor_cores
 from .measure import (
@@ -272,7 +272,7 @@ def _measure_decode(cell, device, dtype) -> dict:
             timing = sample_until_stable(timed_round, **_sampling(measure))
     finite = all(ok for _, _, ok in rounds)
     heads, grouped = head_arguments(core, axes)
-    rows = collections.Counter(lengths_of(cell) if packed(cell) else [context] * axes["batch"])  # prompt length -> sequences
+    rows = collections.Counter(lengths_of(cell) if "lengths" in cell else [context] * axes["batch"])  # prompt length -> sequences
     tokens = sum(rows.values()) * new_tokens
     flops = sum(core.step_flops(count, heads, axes["d_value"], length + i, **grouped) for length, count in rows.items() for i in range(new_tokens))
     state_bytes = torch.finfo(core.state_dtype(dtype)).bits // 8

@@ -20,14 +20,12 @@ from .base import (
     VariantError,
     activated_linear,
     debug_checks,
-    in_layout,
     names,
     register,
-    time_slice,
-    token_slice,
 )
 from .delta_rule import BETA, LOG_GATE, DecayGate
 from .fast_weights import FastWeightState
+from .inputs import in_layout, time_slice, token_slice
 from .layer import AttentionLayer
 from .softmax import KVCache
 

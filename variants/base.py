@@ -38,15 +38,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .errors import UnsupportedBackend, VariantError
+from .inputs import in_layout, padded_lengths, token_slice
+
 _REGISTRY: dict[str, Callable[..., AttentionCore]] = {}
-
-
-class VariantError(ValueError):
-    """Bad input to a variant: an unknown name, a wrong shape, a parameter out of range."""
-
-
-class UnsupportedBackend(VariantError):
-    """A known backend that this variant (or this configuration of it) has no implementation for."""
 
 
 def register(name: str, *, core: type | None = None, fixes: tuple[str, ...] = ()) -> Callable:
@@ -217,27 +212,6 @@ def activated_linear(activation: Callable[[torch.Tensor], torch.Tensor]) -> Call
     return lambda d_model, n_heads: ActivatedLinear(d_model, n_heads, activation)
 
 
-def in_layout(x: torch.Tensor, layout: str) -> torch.Tensor:
-    """``x`` ``[B, H, T, ...]`` with its storage in ``layout`` ('bhtd': contiguous; 'bthd': a
-    ``[B, H, T, ...]`` view of contiguous ``[B, T, H, ...]``), copied only when it is not already."""
-    if layout == "bthd":
-        return x.transpose(1, 2).contiguous().transpose(1, 2)
-    if layout != "bhtd":
-        raise VariantError(f"input_layout must be 'bhtd' or 'bthd', got {layout!r}")
-    return x.contiguous()
-
-
-def token_slice(inputs: dict[str, torch.Tensor], t: int) -> dict[str, torch.Tensor]:
-    """The inputs of ``step`` at time ``t`` from sequence inputs (``example_inputs``' keys):
-    ``{"q_t": q[:, :, t], "k_t": ..., "v_t": ..., "beta_t": ...}``, so ``core.step(**token_slice(inputs, t), state=s)``."""
-    return {f"{name}_t": x[:, :, t] for name, x in inputs.items()}
-
-
-def time_slice(inputs: dict[str, torch.Tensor], start: int, stop: int | None = None) -> dict[str, torch.Tensor]:
-    """The sequence inputs at times ``start:stop`` (same keys), e.g. a prompt for ``prefill``."""
-    return {name: x[:, :, start:stop] for name, x in inputs.items()}
-
-
 class AttentionCore(nn.Module):
     """Base class of every variant: argument checks around the three forms.
 
@@ -306,12 +280,15 @@ class AttentionCore(nn.Module):
         given = self._check_token(q_t, k_t, v_t, token_inputs_t)
         return self._step(q_t, k_t, v_t, state, **given)
 
-    def prefill(self, q, k, v, *, state=None, cu_seqlens=None, **token_inputs):
+    def prefill(self, q, k, v, *, state=None, cu_seqlens=None, lengths=None, **token_inputs):
         """Causal parallel form that also returns the decoding state after its last token,
         continuing from ``state`` when given: ``(out [B, H, T, Dv], state)``; with ``cu_seqlens``, the
-        states of the N sequences as a batch of N (where the core's state allows it). Ranges are
-        checked as in the parallel form (a decode cell times its prefill)."""
-        given = self._check_sequence(q, k, v, True, token_inputs, always=False, cu_seqlens=cu_seqlens)
+        states of the N sequences as a batch of N (where the core's state allows it); with ``lengths``
+        (N ints), a right-padded batch: row n's state after its first lengths[n] tokens, its padding
+        kept out (``inputs.padded_lengths``). Ranges are checked as in the parallel form (a decode cell times its prefill)."""
+        given = self._check_sequence(q, k, v, True, token_inputs, always=False, cu_seqlens=cu_seqlens if lengths is None else None)
+        if lengths is not None:
+            return self._prefill_padded(q, k, v, padded_lengths(self.variant_name, q, lengths, state=state, cu_seqlens=cu_seqlens), **given)
         if cu_seqlens is None:
             return self._prefill(q, k, v, state, **given)
         return self._prefill_packed(q, k, v, state, cu_seqlens.tolist(), **given)
@@ -395,7 +372,10 @@ class AttentionCore(nn.Module):
         return self._per_sequence(self._parallel, q, k, v, causal, bounds, token_inputs)
 
     def _prefill_packed(self, q, k, v, state, bounds, **token_inputs):
-        raise VariantError(f"{self.variant_name}: prefill takes no cu_seqlens (only the sum and delta rules return packed states); prefill each sequence")
+        raise VariantError(f"{self.variant_name}: prefill takes no cu_seqlens (softmax, the sum and delta rules return packed states); prefill each sequence")
+
+    def _prefill_padded(self, q, k, v, lengths, **token_inputs):
+        raise VariantError(f"{self.variant_name}: prefill takes no lengths (softmax and the sum and delta rules decode a padded batch); prefill each row")
 
     @staticmethod
     def _per_sequence(form, q, k, v, causal, bounds, token_inputs: dict) -> torch.Tensor:

@@ -116,6 +116,18 @@ class FastWeightCore(AttentionCore):
         """The outputs and the N sequences' states ``[N, H, ...]``, from ``state`` (``[N, H, ...]``; default empty)."""
         return self._grouped_run(q, k, v, state, len(bounds) - 1, bounds, **token_inputs)
 
+    def _prefill_padded(self, q, k, v, lengths, **token_inputs):
+        """A right-padded batch ``[N, H, T, ...]``: its N × T tokens run as one packed row in which each
+        row's padding is a sequence of its own (the scans restart the state at every boundary, so the padding,
+        computed as a padded batch computes it, never enters a real sequence's state): the outputs, and
+        row n's state after its first lengths[n] tokens."""
+        batch, steps = q.shape[0], q.shape[2]
+        bounds = sorted({n * steps + end for n, length in enumerate(lengths) for end in (0, length)} | {batch * steps})
+        row = lambda x: x.transpose(0, 1).flatten(1, 2).unsqueeze(0)  # noqa: E731  [N, H, T, ...] -> [1, H, N·T, ...]
+        out, states = self._prefill_packed(row(q), row(k), row(v), None, bounds, **{name: row(x) for name, x in token_inputs.items()})
+        real = [bounds.index(n * steps) for n in range(batch)]
+        return out[0].unflatten(1, (batch, steps)).transpose(0, 1), FastWeightState(*(None if x is None else x[real] for x in states))
+
     def _parallel_packed(self, q, k, v, causal, bounds, **token_inputs):
         if not causal:  # every read meets its whole sequence
             return super()._parallel_packed(q, k, v, causal, bounds, **token_inputs)

@@ -10,7 +10,9 @@ option ``sdpa`` (``create(..., backend_options={"sdpa": "flash"})``, backends 't
 two machines' softmax rows say whether they compared the same kernel.
 
 Grouped-query attention (GQA): k and v may have fewer heads than q (SDPA's ``enable_gqa``; the KV
-cache holds the key/value heads). Packed sequences (``cu_seqlens``): ``packed_choice``.
+cache holds the key/value heads). Packed sequences (``cu_seqlens``): ``packed_choice``. A batch of mixed
+context lengths (a packed or right-padded prefill's) decodes from one cache padded to the longest, each
+row's step masked to its own positions (``KVCache.lengths``).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import torch.backends.cuda as cuda_backends
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from .base import AttentionCore, UnsupportedBackend, register, sequences
+from .base import AttentionCore, UnsupportedBackend, VariantError, register, sequences
 from .chunked import causal_read
 from .params import positive_number
 
@@ -70,29 +72,60 @@ def _check_sdpa(value) -> bool:
 
 class KVCache(NamedTuple):
     """Keys ``[B, H, capacity, Dk]`` and values ``[B, H, capacity, Dv]``, of which the first
-    ``length`` positions are filled. Capacity doubles when full, so appending is amortised O(1)."""
+    ``length`` positions are filled. Capacity doubles when full, so appending is amortised O(1).
+    ``lengths`` (``[B]`` int64; None: every row ``length``): a batch of mixed context lengths (a packed
+    or right-padded prefill's), row n's first lengths[n] positions its own and ``length`` their
+    longest; each row appends at its own position and a step reads only its own (``visible``)."""
 
     keys: torch.Tensor
     values: torch.Tensor
     length: int
+    lengths: torch.Tensor | None = None
 
     def filled(self):
         return self.keys[:, :, : self.length], self.values[:, :, : self.length]
 
+    def visible(self) -> torch.Tensor | None:
+        """``[B, 1, 1, length]``: the filled positions each row's step reads (None: all of them)."""
+        if self.lengths is None:
+            return None
+        return (torch.arange(self.length, device=self.keys.device) < self.lengths[:, None])[:, None, None]
+
     def append(self, k_t, v_t) -> KVCache:
-        """Add one token (``k_t: [B, H, Dk]``, ``v_t: [B, H, Dv]``). Under autograd the cache
-        is rebuilt out of place, so that earlier steps keep the tensors they saved."""
-        if torch.is_grad_enabled() and (k_t.requires_grad or v_t.requires_grad or self.keys.requires_grad):
+        """Add one token (``k_t: [B, H, Dk]``, ``v_t: [B, H, Dv]``), at each row's own position. Under
+        autograd the cache is rebuilt out of place, so that earlier steps keep the tensors they saved."""
+        rebuild = torch.is_grad_enabled() and (k_t.requires_grad or v_t.requires_grad or self.keys.requires_grad)
+        if rebuild and self.lengths is None:
             keys, values = self.filled()
             return KVCache(torch.cat([keys, k_t[:, :, None]], 2), torch.cat([values, v_t[:, :, None]], 2), self.length + 1)
         keys, values = self.keys, self.values
-        if self.length == keys.shape[2]:
+        if self.length == keys.shape[2]:  # zeros: a shorter row's unwritten positions are read, masked (0 · NaN is NaN)
             grow = max(self.length, 16)
-            keys = torch.cat([keys, keys.new_empty(*keys.shape[:2], grow, keys.shape[3])], 2)
-            values = torch.cat([values, values.new_empty(*values.shape[:2], grow, values.shape[3])], 2)
-        keys[:, :, self.length] = k_t
-        values[:, :, self.length] = v_t
-        return KVCache(keys, values, self.length + 1)
+            keys = torch.cat([keys, keys.new_zeros(*keys.shape[:2], grow, keys.shape[3])], 2)
+            values = torch.cat([values, values.new_zeros(*values.shape[:2], grow, values.shape[3])], 2)
+        elif rebuild:
+            keys, values = keys.clone(), values.clone()
+        if self.lengths is None:
+            keys[:, :, self.length], values[:, :, self.length] = k_t, v_t
+            return KVCache(keys, values, self.length + 1)
+        rows = torch.arange(keys.shape[0], device=keys.device)
+        keys[rows, :, self.lengths], values[rows, :, self.lengths] = k_t, v_t
+        return KVCache(keys, values, self.length + 1, self.lengths + 1)
+
+
+def packed_cache(keys, values, bounds) -> KVCache:
+    """The KV cache of the N sequences of a packed row (``keys [1, H, total, Dk]``, ``bounds``: its
+    ``cu_seqlens`` as ints): each written into its row of zeros ``[N, H, longest, Dk]``, with its length."""
+    device = keys.device
+    counts = torch.tensor([b - a for a, b in sequences(bounds)], device=device)
+    row = torch.repeat_interleave(torch.arange(len(counts), device=device), counts)
+    position = torch.arange(keys.shape[2], device=device) - torch.tensor(bounds[:-1], device=device)[row]
+    cache = []
+    for x in (keys, values):
+        padded = x.new_zeros(len(counts), x.shape[1], int(counts.max()), x.shape[3])
+        padded[row, :, position] = x[0].transpose(0, 1)
+        cache.append(padded)
+    return KVCache(*cache, int(counts.max()), counts)
 
 
 @register("softmax")
@@ -175,11 +208,26 @@ class Softmax(AttentionCore):
         """Causal parallel form that also returns the KV cache after the last token."""
         if state is None or state.length == 0:
             return self._parallel(q, k, v, True), KVCache(k, v, k.shape[2])
+        if state.lengths is not None:
+            raise VariantError("softmax: prefill continues a KV cache of one length; this one holds mixed context lengths (step it)")
         past_keys, past_values = state.filled()
         keys, values = torch.cat([past_keys, k], 2), torch.cat([past_values, v], 2)
         # A query at prefill position t sees every cached token and the new tokens up to t.
         visible = torch.ones(q.shape[2], keys.shape[2], dtype=torch.bool, device=q.device).tril(state.length)
         return self._causal(q, keys, values, attn_mask=visible), KVCache(keys, values, keys.shape[2])
+
+    def _prefill_packed(self, q, k, v, state, bounds):
+        """The packed parallel form, and the N sequences' KV cache (``packed_cache``), from an empty state."""
+        if state is not None and state.length:
+            raise VariantError("softmax: a packed prefill (cu_seqlens) starts from an empty KV cache; continue each sequence with step")
+        return self._parallel_packed(q, k, v, True, bounds), packed_cache(k, v, bounds)
+
+    def _prefill_padded(self, q, k, v, lengths):
+        """A right-padded batch as a server runs it: the dense causal form over every row (its padding
+        after the real tokens reaches none of their outputs) and the cache of the whole batch, copied
+        (the steps write into it), row n's length lengths[n]: each step overwrites and masks its padding."""
+        out, cache = self._prefill(q, k, v, None)
+        return out, KVCache(cache.keys.clone(), cache.values.clone(), cache.length, torch.tensor(lengths, device=k.device))
 
     def init_state(self, batch, heads, d_value, *, device=None, dtype=None) -> KVCache:
         keys = torch.empty(batch, heads, 0, self.d_key, device=device, dtype=dtype)
@@ -187,11 +235,12 @@ class Softmax(AttentionCore):
         return KVCache(keys, values, 0)
 
     def _step(self, q_t, k_t, v_t, state):
-        """The queries of a group ``[B, H_kv, g, Dk]`` against their key/value head's cache."""
+        """The queries of a group ``[B, H_kv, g, Dk]`` against their key/value head's cache (of mixed
+        context lengths: each row's own positions, ``KVCache.visible``)."""
         state = state.append(k_t, v_t)
         keys, values = state.filled()
         grouped = q_t.unflatten(1, (keys.shape[1], -1))
-        return F.scaled_dot_product_attention(grouped, keys, values, scale=self.scale).flatten(1, 2), state
+        return F.scaled_dot_product_attention(grouped, keys, values, attn_mask=state.visible(), scale=self.scale).flatten(1, 2), state
 
     def _reference(self, q, k, v, causal):
         scores = (q @ k.transpose(-1, -2)) * self.scale

@@ -88,16 +88,17 @@ def test_packed_axes_on_a_layer_are_refused(tmp_path):
 
 
 def test_cells_and_their_skips(tmp_path):
-    """Each cell holds its batch (seq_len the longest, batch how many); a padded batch is not decoded,
-    softmax's packed prefill is refused by softmax, a variant without grouped heads by itself, and a
-    backend that takes no cu_seqlens by ``variants.supports``."""
+    """Each cell holds its batch (seq_len the longest, batch how many); every variant decodes it packed and
+    padded but one whose prefill returns no states of mixed lengths (rwkv), a variant without grouped heads
+    is refused by itself, and a backend that takes no cu_seqlens by ``variants.supports``."""
     cells = cells_of(tmp_path, variants={**BASE["variants"], "rwkv": {}}, **with_axes(head_ratio=[1, 2]))
     for cell in cells:
         assert (cell["axes"]["seq_len"], cell["axes"]["batch"], cell["lengths"]) == (13, 4, [7, 1, 13, 4])
         assert cell["axes"]["lengths"] == "[7,1,13,4]"
     skips = {(c["variant"], c["mode"], c["axes"]["packing"], c["axes"]["head_ratio"]): c["skip"] for c in cells}
-    assert skips[("linear", "decode", "padded", 1)].startswith("a padded batch is not decoded")
-    assert "softmax: prefill takes no cu_seqlens" in skips[("softmax", "decode", "packed", 1)]
+    assert all(skips[(name, "decode", packing, 1)] is None for name in ("softmax", "linear", "delta") for packing in ("packed", "padded"))
+    assert "rwkv: prefill takes no cu_seqlens" in skips[("rwkv", "decode", "packed", 1)]
+    assert "rwkv: prefill takes no lengths" in skips[("rwkv", "decode", "padded", 1)]
     assert "rwkv: this variant takes no grouped heads" in skips[("rwkv", "forward", "packed", 2)]
     assert skips[("rwkv", "forward", "packed", 1)] is None and skips[("delta", "decode", "packed", 2)] is None
     for backend in variants.BACKENDS:
@@ -134,12 +135,13 @@ def test_packed_and_padded_count_the_real_tokens_and_compute_the_same(tmp_path, 
         torch.testing.assert_close(one.run(), rows)
 
 
-def test_a_mixed_decode_batch_steps_each_sequence_from_its_own_context(tmp_path):
-    """Prefilled each to its own length, then stepped together: row n's steps are sequence n's
-    reference at positions lengths[n] ... lengths[n] + new_tokens - 1."""
-    for cell in cells_of(tmp_path, modes=["decode"], **with_axes(packing="packed", head_ratio=2)):
-        if cell["skip"]:
-            continue
+@pytest.mark.parametrize("packing", ["packed", "padded"])
+def test_a_mixed_decode_batch_steps_each_sequence_from_its_own_context(tmp_path, packing):
+    """Prefilled each to its own length (packed, or padded to the longest), then stepped together: row n's
+    steps are sequence n's reference at positions lengths[n] ... lengths[n] + new_tokens - 1."""
+    cells = cells_of(tmp_path, modes=["decode"], **with_axes(packing=packing, head_ratio=2))
+    assert len(cells) == 3 and not any(cell["skip"] for cell in cells)
+    for cell in cells:
         decoder = builders.build_decoder(cell, torch.device("cpu"), torch.float64, None, 3)
         _, state = decoder.prefill()
         steps = []
@@ -152,11 +154,18 @@ def test_a_mixed_decode_batch_steps_each_sequence_from_its_own_context(tmp_path)
             torch.testing.assert_close(steps[n : n + 1], decoder.core.reference(**row)[:, :, length:], msg=f"{cell['variant']} row {n}")
 
 
-def test_measured_packed_cells_are_ok_and_accurate(tmp_path):
-    cells = [c for c in cells_of(tmp_path, variants={"delta": {"chunk_size": 4}}, **with_axes(head_ratio=2)) if not c["skip"]]
-    assert len(cells) == 5
+@pytest.mark.parametrize("variant", [{"delta": {"chunk_size": 4}}, {"softmax": {}}], ids=["delta", "softmax"])
+def test_measured_packed_cells_are_ok_and_accurate(tmp_path, variant):
+    """Every cell, packed and padded, forward, training and decode, ok and accurate; a decode cell counts its
+    sequences' real steps (4 x 3) and their FLOPs at each one's own position, packed and padded alike."""
+    cells = cells_of(tmp_path, variants=variant, **with_axes(head_ratio=2))
+    assert len(cells) == 6 and not any(c["skip"] for c in cells)
+    decoded = {}
     for cell in cells:
         result = measure_cell(cell)
         metrics = result["metrics"]
         assert result["status"] == "ok" and not metrics["inaccurate"] and metrics["lengths"] == [7, 1, 13, 4], (cell["mode"], result)
         assert metrics["tokens"] == (4 * 3 if cell["mode"] == "decode" else 25)
+        if cell["mode"] == "decode":
+            decoded[cell["axes"]["packing"]] = (metrics["flops"], metrics["state_numel"], metrics["min_bytes"])
+    assert decoded["packed"] == decoded["padded"]
