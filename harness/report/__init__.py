@@ -30,7 +30,18 @@ from ..seeds import seed_table
 from .cells import machine_styles, palette, prepare, tasks_of
 from .header import machine_sections, runs_of
 from .plots import METRICS, accuracy_plot, latency_plot, metric_plot
-from .tables import backend_table, compare_table, failures_table, machine_ratios, model_table, profile_table, quality_table, ratio_tables, timing_table
+from .tables import (
+    backend_table,
+    compare_table,
+    failures_table,
+    machine_ratios,
+    model_table,
+    profile_table,
+    quality_table,
+    ranking_table,
+    ratio_tables,
+    timing_table,
+)
 
 
 @dataclass
@@ -74,7 +85,7 @@ def _scenario_section(name: str, cells: pd.DataFrame, figures: Figures, baseline
         own = cells[cells["target"] == task.name]
         task_sections += [*(task.report(own, figures, slug) if task.report else []), *(_score_sections(own, task.score, figures, slug) if task.score else [])]
     plots += [part for part in task_sections if isinstance(part, Plot)]
-    tables = [model_table(cells), backend_table(cells, baseline), *(part for part in task_sections if isinstance(part, Table)),
+    tables = [model_table(cells), ranking_table(cells), backend_table(cells, baseline), *(part for part in task_sections if isinstance(part, Table)),
               quality_table(cells), failures_table(cells), timing_table(cells), profile_table(cells)]
     targets = ", ".join(cells["target"].dropna().unique())
     return ScenarioSection(name, targets, cells["x_axis"].iloc[0], _statuses(cells),

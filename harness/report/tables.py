@@ -94,6 +94,29 @@ def timing_table(cells: pd.DataFrame) -> Table | None:
     return table("Every timed cell", ok, columns, caption, classes="stability")
 
 
+def ranking_table(cells: pd.DataFrame) -> Table | None:
+    """The variants' ranking per length distribution (cells of ``axes.lengths``, docs/varlen.md): for each
+    machine, timing, mode and batch (its distribution, packing and every other axis), the ok cells fastest
+    first by tokens/s, which count real tokens only, so that rankings across distributions compare."""
+    if "axes.lengths" not in cells:
+        return None
+    ok = cells[(cells["status"] == "ok") & cells["mode"].isin(TIMED_MODES) & cells["axes.lengths"].map(present)]
+    if ok.empty:
+        return None
+    show_backend = cells["backend"].nunique() > 1
+    rows = []
+    for (machine, _, mode, axes), group in ok.groupby(["machine", "timing", "mode", "axes_text"], sort=False):
+        ranked = group.sort_values("metrics.tokens_per_s", ascending=False).to_dict("records")
+        order = [f"{base_label(r, show_backend)} {marked_rate(r['metrics.tokens_per_s'], r['metrics.unstable'])}" for r in ranked]
+        rows.append({"machine": machine, "mode": mode, "axes_text": axes, "ranking": " > ".join(order)})
+    frame = pd.DataFrame(rows).sort_values(["mode", "axes_text"], key=natural_columns)
+    machine = [("machine", "machine", text)] if cells["machine"].nunique() > 1 else []
+    columns = [*machine, ("mode", "mode", text), ("batch", "axes_text", text), ("fastest first (real tokens/s)", "ranking", text)]
+    caption = ("Per mode and batch of variable-length sequences (L=: its length distribution; packing: packed or padded), the variants "
+               f"fastest first by real tokens per second; a rate marked {UNSTABLE_SUFFIX} was measured unstable.")
+    return table("Ranking per length distribution", frame, columns, caption)
+
+
 def profile_table(cells: pd.DataFrame) -> Table | None:
     """Each profiled cell's (``attnbench run --profile``) top ``PROFILE_TOP`` operators (CPU) or kernels
     (GPU) by self time, as its record keeps them (``metrics.profile``; the report reads no trace), with
@@ -233,6 +256,11 @@ def ratio_tables(ratios: pd.DataFrame) -> list[Table]:
         caption += f" {UNSTABLE_NOTE}" if either.any() else ""
         tables.append(table(f"{scenario}: {machine} / {reference}", group.sort_values(["mode", "series"], key=natural_columns), columns, caption))
     return tables
+
+
+def marked_rate(rate, unstable) -> str:
+    """A rate (``si``), with compare.UNSTABLE_SUFFIX when it was measured unstable."""
+    return si(rate) + (UNSTABLE_SUFFIX if is_unstable(unstable) else "")
 
 
 def marked_ratio(ratio, unstable: bool) -> str:

@@ -311,6 +311,28 @@ def test_labels_order_numbers_by_value_and_name_a_variants_own_d_key():
     assert base_label({**record, "params_text": "d_key=16", "axes.d_key": None}, show_backend=False) == "based(d_key=16)"
 
 
+def test_the_variants_are_ranked_per_length_distribution():
+    """Per mode and batch (distribution and packing), the ok cells fastest first by tokens/s (issue 35 item 3);
+    a failed cell is left out, an unstable rate marked; no table without cells of variable length."""
+    import pandas as pd
+
+    from harness.report.tables import ranking_table
+
+    def cell(variant, lengths, rate, status="ok", unstable=False, mode="forward"):
+        axes = f"T=9 L={lengths} packing=packed"
+        return {"variant": variant, "params_text": "", "backend": "torch", "axes.d_key": 4.0, "axes.d_value": 4.0, "status": status,
+                "mode": mode, "machine": "m", "timing": "events", "axes.lengths": lengths, "axes_text": axes,
+                "metrics.tokens_per_s": rate, "metrics.unstable": unstable}
+
+    cells = pd.DataFrame([cell("linear", "[3,9]", 2e3), cell("softmax", "[3,9]", 5e3), cell("delta", "[3,9]", 1e3, "error"),
+                          cell("delta", "[8,1]", 4e3, unstable=True), cell("linear", "[8,1]", 3e3), cell("linear", "[8,1]", 7e3, mode="decode")])
+    ranking = ranking_table(cells)
+    rows = {(row[0], row[1]): row[2] for row in ranking.rows}
+    assert rows == {("decode", "T=9 L=[8,1] packing=packed"): "linear 7k", ("forward", "T=9 L=[3,9] packing=packed"): "softmax 5k > linear 2k",
+                    ("forward", "T=9 L=[8,1] packing=packed"): "delta 4k * > linear 3k"}
+    assert ranking_table(cells.assign(**{"axes.lengths": None})) is None
+
+
 @pytest.mark.slow
 def test_timed_cells_show_their_fraction_of_the_roofline_and_stability(report, page):
     table = next(table for table in page.tables if table and "roofline" in table[0])
