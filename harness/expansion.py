@@ -160,16 +160,30 @@ class _ShapeSupport:
         core = variants.create(self.name, cell_axes["d_key"], **self.params)
         axes = dict(cell_axes, batch=1, seq_len=2)
         inputs = shaped_inputs(core, axes, [1, 1] if packed else None, "cpu", torch.float32, False)
+        padded = {"lengths": [1]} if decode and not packed and "packing" in cell_axes else {}
         try:
             with torch.no_grad():
                 core(**inputs)
                 if decode:
-                    core.prefill(**inputs, **({} if packed or "packing" not in cell_axes else {"lengths": [1]}))
+                    core.prefill(**inputs, **padded)
         except variants.VariantError as exc:
             return str(exc)
         heads = head_counts(core, cell_axes)
         place = {"dtype": cell_axes["dtype"], "device": cell_axes["device"]}
-        return variants.supports(self.name, cell_axes["d_key"], [backend], packed=packed, heads=heads, **place, **self.params)[backend]
+        packs = packed or (bool(padded) and _packs_padded(core, inputs))
+        return variants.supports(self.name, cell_axes["d_key"], [backend], packed=packs, heads=heads, **place, **self.params)[backend]
+
+
+def _packs_padded(core, inputs: dict) -> bool:
+    """Whether ``core``'s padded prefill (``prefill(lengths=)``) runs its rows packed: it refuses on a backend
+    that takes no ``cu_seqlens`` (as the sum and delta rules' does; softmax's runs the padded batch densely)."""
+    core.shapes = tuple(shape for shape in core.shapes if shape != "packed")
+    try:
+        with torch.no_grad():
+            core.prefill(**inputs, lengths=[1])
+    except variants.UnsupportedBackend:
+        return True
+    return False
 
 
 def _task_section(task_config, cell_axes: dict) -> dict | None:

@@ -120,7 +120,8 @@ class FastWeightCore(AttentionCore):
         """A right-padded batch ``[N, H, T, ...]``: its N × T tokens run as one packed row in which each
         row's padding is a sequence of its own (the scans restart the state at every boundary, so the padding,
         computed as a padded batch computes it, never enters a real sequence's state): the outputs, and
-        row n's state after its first lengths[n] tokens."""
+        row n's state after its first lengths[n] tokens (a backend that takes no cu_seqlens refuses it)."""
+        self._check_shape("packed", " (the padded prefill of the sum and delta rules runs its rows packed)")
         batch, steps = q.shape[0], q.shape[2]
         bounds = sorted({n * steps + end for n, length in enumerate(lengths) for end in (0, length)} | {batch * steps})
         row = lambda x: x.transpose(0, 1).flatten(1, 2).unsqueeze(0)  # noqa: E731  [N, H, T, ...] -> [1, H, N·T, ...]

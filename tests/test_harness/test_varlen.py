@@ -110,6 +110,17 @@ def test_cells_and_their_skips(tmp_path):
             assert reasons[1] is None or "takes no grouped heads" in reasons[1], reasons
 
 
+def test_a_padded_decode_needs_what_its_prefill_runs(tmp_path):
+    """The sum and delta rules' padded prefill runs its rows packed: on a backend that takes no cu_seqlens their padded
+    decode is skipped with its reason; softmax's runs the padded batch densely, so its cell is not."""
+    cells = cells_of(tmp_path, backends=["compile"], modes=["decode"], **with_axes(packing="padded"))
+    skips = {c["variant"]: c["skip"] for c in cells}
+    assert skips["softmax"] is None and "delta: backend 'compile' takes no cu_seqlens" in skips["delta"], skips
+    core = variants.create("delta", 4, backend="compile")
+    with pytest.raises(variants.UnsupportedBackend, match="takes no cu_seqlens .the padded prefill of the sum and delta rules runs its rows packed"):
+        core.prefill(**core.example_inputs(2, 1, 3, 4), lengths=[1, 3])
+
+
 def test_axes_are_absent_unless_set(tmp_path):
     cells = load_scenario(write(tmp_path, {**BASE, "axes": {"seq_len": 8, "heads": 2, "d_key": 4}})).cells()
     assert all(set(c["axes"]) <= {"seq_len", "batch", "heads", "d_key", "d_value", "dtype", "device", "new_tokens"} and "lengths" not in c for c in cells)
