@@ -116,16 +116,16 @@ class KVCache(NamedTuple):
 def packed_cache(keys, values, bounds) -> KVCache:
     """The KV cache of the N sequences of a packed row (``keys [1, H, total, Dk]``, ``bounds``: its
     ``cu_seqlens`` as ints): each written into its row of zeros ``[N, H, longest, Dk]``, with its length."""
-    device = keys.device
-    counts = torch.tensor([b - a for a, b in sequences(bounds)], device=device)
-    row = torch.repeat_interleave(torch.arange(len(counts), device=device), counts)
+    device, lengths = keys.device, [b - a for a, b in sequences(bounds)]
+    counts = torch.tensor(lengths, device=device)
+    row = torch.repeat_interleave(torch.arange(len(lengths), device=device), counts)
     position = torch.arange(keys.shape[2], device=device) - torch.tensor(bounds[:-1], device=device)[row]
     cache = []
     for x in (keys, values):
-        padded = x.new_zeros(len(counts), x.shape[1], int(counts.max()), x.shape[3])
+        padded = x.new_zeros(len(lengths), x.shape[1], max(lengths), x.shape[3])
         padded[row, :, position] = x[0].transpose(0, 1)
         cache.append(padded)
-    return KVCache(*cache, int(counts.max()), counts)
+    return KVCache(*cache, max(lengths), counts)
 
 
 @register("softmax")

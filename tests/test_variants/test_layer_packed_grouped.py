@@ -63,7 +63,7 @@ def test_packed_layer_equals_each_sequence_alone(config, seed):
         torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-9, msg=lambda m, name=name: f"d/d{name} (seed {seed}): {m}")
 
 
-@pytest.mark.parametrize("config", [c for c in PACKED if c[0] in ("linear", "delta", "gated_delta")], ids=_id)
+@pytest.mark.parametrize("config", [c for c in PACKED if c[0] in ("linear", "delta", "gated_delta", "softmax")], ids=_id)
 def test_packed_prefill_gives_each_sequence_its_state(config, seed):
     """Each sequence's state (core and layer buffers) from a packed prefill == its own prefill's, so
     that decoding on from either gives the same next output."""
