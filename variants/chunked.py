@@ -170,11 +170,11 @@ def sum_rule_chunk(q_c, k_c, v_c, weights, normaliser, phi, phi_k):
     """One chunk of ``sum_rule_chunked``: ``(y_c, S, z)`` after it, from S, z before it."""
     wide, narrow = weights.dtype, chunk_dtype(q_c.dtype, normaliser is not None)
     features_q, features_k, values = phi(q_c.to(narrow)), phi_k(k_c.to(narrow)), v_c.to(narrow)
-    scores = torch.tril(features_q @ features_k.transpose(-1, -2))
-    read = causal_read(scores.matmul, values) + features_q.to(wide) @ weights
+    scores = (features_q @ features_k.transpose(-1, -2)).tril_()
+    read = (features_q.to(wide) @ weights).add_(causal_read(scores.matmul, values))
     if normaliser is not None:
         denominator = scores.sum(-1, keepdim=True, dtype=wide) + features_q.to(wide) @ normaliser.unsqueeze(-1)
-        read = read / (denominator + EPS)
+        read = read * (denominator + EPS).reciprocal()
         normaliser = normaliser + features_k.sum(2, dtype=wide)
     return read.to(v_c.dtype), weights + features_k.transpose(-1, -2) @ values, normaliser
 
@@ -240,12 +240,12 @@ def delta_rule_chunk(q_c, k_c, v_c, beta_c, gate_c, weights, normaliser, phi, ph
         erased_keys, state_queries = state_decay * k_c, state_decay * q_c
         written_keys = decay[..., -1, :, None] * k_c
         weights_after = state_decay[:, :, -1:] * weights
-    strictly_lower = torch.tril(erase * keys_keys, diagonal=-1)
+    strictly_lower = (erase * keys_keys).tril_(-1)
     solved = _solve_unit_lower(strictly_lower, torch.cat([write * values, erase * erased_keys], dim=-1), wide)
     new_values = solved[..., :d_value] - solved[..., d_value:] @ weights
-    read = state_queries.to(wide) @ weights + causal_read(torch.tril(queries_keys).matmul, new_values.to(q_c.dtype))
+    read = (state_queries.to(wide) @ weights).add_(causal_read(queries_keys.tril_().matmul, new_values.to(q_c.dtype)))
     if normaliser is not None:
-        read = read / ((q_c * z).sum(-1, keepdim=True) + EPS)
+        read = read * ((q_c * z).sum(-1, keepdim=True) + EPS).reciprocal()
     kept = weights if gate_c is None else weights_after
     return read.to(v_c.dtype), kept + written_keys.to(wide).transpose(-1, -2) @ new_values, normaliser
 
