@@ -29,6 +29,7 @@ from variants import AttentionCore
 from variants.precision import REL_ERROR_TOLERANCE, rel_error
 
 from .builders import build_core, build_layer, build_model, lengths_of
+from .cell import Cell
 
 #: Batch rows (and heads of a core) the reference runs on.
 REFERENCE_ROWS = 1
@@ -142,45 +143,45 @@ def _flat(tensors) -> torch.Tensor:
 # --- a cell's error ------------------------------------------------------------------------
 
 
-def measure(cell: dict, device, dtype, workload) -> dict:
+def measure(cell: Cell, device, dtype, workload) -> dict:
     """The accuracy metrics (``record``) of a forward or train cell: the timed workload's module on
     its inputs against its float64 reference; train: also the input gradients (core, layer) or the
     weights' gradients (a model, whose inputs are tokens). Dropout is off meanwhile."""
-    module, inputs, train = workload.module, workload.inputs, cell["mode"] == "train"
-    if cell["target"] == "core":
+    module, inputs, train = workload.module, workload.inputs, cell.mode == "train"
+    if cell.target == "core":
         double = twin(module, lambda: build_core(cell, "torch"), device)
-        reference, name = _exact_reference(double, cell["axes"]["seq_len"])
+        reference, name = _exact_reference(double, cell.axes["seq_len"])
         leaves = [name for name, x in inputs.items() if x.is_floating_point()] if train else ()
         with _without_dropout(module):
             error = forward_error(module, reference, inputs, 2, leaves=leaves)
-        return record(error, dtype, cell["params"], name, reference_floor(double, inputs, dtype, leaves))
-    if cell["target"] == "layer":
+        return record(error, dtype, cell.params, name, reference_floor(double, inputs, dtype, leaves))
+    if cell.target == "layer":
         double = twin(module, lambda: build_layer(cell, device, torch.float64, "torch"), device)
     else:
         double = twin(module, lambda: build_model(cell, device, torch.float64, "torch")[0], device)
     with _without_dropout(module):
         error = forward_error(module, double, inputs, 1, leaves=("x",) if train and "x" in inputs else (), weights=train and "x" not in inputs)
-    return record(error, dtype, cell["params"], "torch float64")
+    return record(error, dtype, cell.params, "torch float64")
 
 
-def measure_decode(cell: dict, device, dtype, decoder) -> dict:
+def measure_decode(cell: Cell, device, dtype, decoder) -> dict:
     """The accuracy metrics of a decode cell: the timed decoder's generated steps (after a fresh
     prefill) against the reference over prompt and steps, at the steps' positions (of the first
     sequence, prefilled to its own length in a cell of mixed lengths)."""
-    context, new_tokens = lengths_of(cell)[0] if "lengths" in cell else cell["axes"]["seq_len"], cell["decode"]["new_tokens"]
+    context, new_tokens = lengths_of(cell)[0] if cell.lengths is not None else cell.axes["seq_len"], cell.decode["new_tokens"]
     with torch.no_grad():
         _, state = decoder.prefill()
         steps = []
         for i in range(new_tokens):
             out, state = decoder.step(i, state)
             steps.append(out)
-        if cell["target"] == "core":
+        if cell.target == "core":
             reference, name = _exact_reference(twin(decoder.module, lambda: build_core(cell, "torch"), device), decoder.inputs["q"].shape[2])
             expected = reference(**reference_inputs(decoder.inputs, 2, False))[:, :, context : context + new_tokens]
-            return record(rel_error(_rows(torch.stack(steps, 2), 2), expected), dtype, cell["params"], name)
+            return record(rel_error(_rows(torch.stack(steps, 2), 2), expected), dtype, cell.params, name)
         double = twin(decoder.module, lambda: build_layer(cell, device, torch.float64, "torch"), device)
         expected = double(**reference_inputs(decoder.inputs, 1, False))[:, context:]
-        return record(rel_error(_rows(torch.stack(steps, 1), 1), expected), dtype, cell["params"], "torch float64")
+        return record(rel_error(_rows(torch.stack(steps, 1), 1), expected), dtype, cell.params, "torch float64")
 
 
 def _exact_reference(core, length: int):

@@ -52,11 +52,11 @@ def backend_arguments(cell, backend: str | None = None) -> dict:
     ``backend`` (e.g. "torch", for a float64 reference) in place of the cell's, without options."""
     if backend is not None:
         return {"backend": backend}
-    return {"backend": cell["backend"], "backend_options": cell.get("backend_options") or {}}
+    return {"backend": cell.backend, "backend_options": cell.backend_options}
 
 
 def build_core(cell, backend: str | None = None):
-    return variants.create(cell["variant"], cell["axes"]["d_key"], **backend_arguments(cell, backend), **cell["params"])
+    return variants.create(cell.variant, cell.axes["d_key"], **backend_arguments(cell, backend), **cell.params)
 
 
 def head_counts(core, axes) -> tuple[int, int, int]:
@@ -76,13 +76,13 @@ def head_arguments(core, axes) -> tuple[int, dict]:
 
 
 def lengths_of(cell) -> list[int]:
-    """The length of each sequence of the cell: its packed batch's (``cell["lengths"]``), else
+    """The length of each sequence of the cell: its packed batch's (``cell.lengths``), else
     ``seq_len`` for each of ``batch``."""
-    return cell.get("lengths") or [cell["axes"]["seq_len"]] * cell["axes"]["batch"]
+    return cell.lengths or [cell.axes["seq_len"]] * cell.axes["batch"]
 
 
 def packed(cell) -> bool:
-    return cell["axes"].get("packing") == "packed"
+    return cell.axes.get("packing") == "packed"
 
 
 def pack(inputs: dict, lengths, layout: str) -> dict:
@@ -111,22 +111,22 @@ def shaped_inputs(core, axes, lengths, device, dtype, requires_grad) -> dict:
 
 def attention_inputs(core, cell, device, dtype, requires_grad) -> dict:
     """The inputs of a core cell (``shaped_inputs``): a packed cell's sequences in one row."""
-    return shaped_inputs(core, cell["axes"], cell["lengths"] if packed(cell) else None, device, dtype, requires_grad)
+    return shaped_inputs(core, cell.axes, cell.lengths if packed(cell) else None, device, dtype, requires_grad)
 
 
 def core_counts(core, cell) -> tuple[int, int]:
     """``(tokens, flops)`` of one call of a core cell: real tokens only (never a padded batch's padding),
     and the FLOPs of the real sequences (``core.flops`` per length, on the grouped heads)."""
-    lengths, axes = lengths_of(cell), cell["axes"]
+    lengths, axes = lengths_of(cell), cell.axes
     heads, grouped = head_arguments(core, axes)
     flops = sum(core.flops(count, heads, length, axes["d_value"], **grouped) for length, count in collections.Counter(lengths).items())
     return sum(lengths), flops
 
 
 def core_workload(cell, device, dtype) -> Workload:
-    axes = cell["axes"]
+    axes = cell.axes
     core = build_core(cell).to(device=device, dtype=dtype)
-    train = cell["mode"] == "train"
+    train = cell.mode == "train"
     inputs = attention_inputs(core, cell, device, dtype, train)
     tokens, flops = core_counts(core, cell)
     real = tokens / (inputs["q"].shape[0] * inputs["q"].shape[2])  # a padded batch's fraction of real tokens: bytes of these only
@@ -150,22 +150,22 @@ def core_workload(cell, device, dtype) -> Workload:
 def real_positions(cell, shape, device, dtype) -> torch.Tensor | float:
     """1 at each real token of a padded batch ``shape`` (``[N, H, T, D]``) and 0 at its padding (a
     training loss ignores padding); 1 elsewhere."""
-    if "lengths" not in cell or packed(cell):
+    if cell.lengths is None or packed(cell):
         return 1.0
-    lengths = torch.tensor(cell["lengths"], device=device)
+    lengths = torch.tensor(cell.lengths, device=device)
     return (torch.arange(shape[2], device=device) < lengths[:, None]).to(dtype)[:, None, :, None]
 
 
 def build_layer(cell, device, dtype, backend: str | None = None):
-    axes = cell["axes"]
+    axes = cell.axes
     layer = variants.AttentionLayer(
         axes["heads"] * axes["d_value"],
         axes["heads"],
-        cell["variant"],
+        cell.variant,
         d_key=axes["d_key"],
         d_value=axes["d_value"],
         **backend_arguments(cell, backend),
-        **cell["params"],
+        **cell.params,
     )
     return layer.to(device=device, dtype=dtype)
 
@@ -184,12 +184,12 @@ def layer_flops(layer, axes) -> int:
 
 
 def layer_workload(cell, device, dtype) -> Workload:
-    axes = cell["axes"]
+    axes = cell.axes
     layer = build_layer(cell, device, dtype)
     x = layer_input(axes, axes["seq_len"], device, dtype)
     tokens, flops = axes["batch"] * axes["seq_len"], layer_flops(layer, axes)
     read = tensor_bytes([x]) + module_bytes(layer)
-    if cell["mode"] != "train":
+    if cell.mode != "train":
         return Workload(torch.no_grad()(lambda: layer(x)), tokens, flops, read + tensor_bytes([x]), layer, {"x": x})
     x.requires_grad_(True)
     leaves = [x, *layer.parameters()]
@@ -207,9 +207,9 @@ def build_model(cell, device, dtype, backend: str | None = None):
     """The cell's DecoderLM (its preset, vocabulary and overrides, the cell's variant) and its config."""
     from .models import DecoderLM, lm_config
 
-    spec = cell["model"]
-    variant_params = dict(cell["params"], **backend_arguments(cell, backend))
-    config = lm_config(spec["preset"], spec["vocab_size"], variant=cell["variant"], variant_params=variant_params, **spec["overrides"])
+    spec = cell.model
+    variant_params = dict(cell.params, **backend_arguments(cell, backend))
+    config = lm_config(spec["preset"], spec["vocab_size"], variant=cell.variant, variant_params=variant_params, **spec["overrides"])
     return DecoderLM(config).to(device=device, dtype=dtype), config
 
 
@@ -219,7 +219,7 @@ def model_tokens(config, axes, device) -> torch.Tensor:
 
 
 def model_workload(cell, device, dtype) -> Workload:
-    axes, spec = cell["axes"], cell["model"]
+    axes, spec = cell.axes, cell.model
     model, config = build_model(cell, device, dtype)
     d_head = config.d_model // config.n_heads
     if (axes["heads"], axes["d_key"]) != (config.n_heads, d_head):
@@ -235,7 +235,7 @@ def model_workload(cell, device, dtype) -> Workload:
     attention = model.blocks[0].attn.core.flops(axes["batch"], config.n_heads, axes["seq_len"], d_head)
     dense = sum(p.numel() for name, p in model.named_parameters() if p.dim() == 2 and "pos" not in name)
     flops = 2 * dense * count + config.n_layers * attention
-    if cell["mode"] != "train":
+    if cell.mode != "train":
         logits = count * config.vocab_size * torch.finfo(dtype).bits // 8
         return Workload(torch.no_grad()(lambda: model(inputs)), count, flops, tensor_bytes([inputs]) + module_bytes(model) + logits, model, {"tokens": inputs})
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
@@ -262,10 +262,10 @@ def build_decoder(cell, device, dtype, context, new_tokens):
     mixed lengths decodes its sequences together, each from its own length (``lengths_of``), row n's
     inputs its first lengths[n] + new_tokens tokens: prefilled packed (``cu_seqlens``), or padded, the
     prompts a dense batch ``[N, H, longest]`` padded at their end (``prefill(lengths=)``)."""
-    axes = cell["axes"]
-    if cell["target"] == "core":
+    axes = cell.axes
+    if cell.target == "core":
         core = build_core(cell).to(device=device, dtype=dtype)
-        contexts = lengths_of(cell) if "lengths" in cell else [context] * axes["batch"]
+        contexts = lengths_of(cell) if cell.lengths is not None else [context] * axes["batch"]
         inputs = shaped_inputs(core, dict(axes, batch=len(contexts), seq_len=max(contexts) + new_tokens), None, device, dtype, False)
         # the prompt in the core's layout (a packed batch's prompts packed, each prefilled to its own length) and each
         # step's inputs, row n's token contexts[n] + i, contiguous, so that no timed call copies them
@@ -273,7 +273,7 @@ def build_decoder(cell, device, dtype, context, new_tokens):
             prompt = pack(inputs, contexts, core.input_layout)
         else:
             prompt = {name: variants.in_layout(x, core.input_layout) for name, x in variants.time_slice(inputs, 0, max(contexts)).items()}
-            prompt |= {"lengths": contexts} if "lengths" in cell else {}
+            prompt |= {"lengths": contexts} if cell.lengths is not None else {}
         rows, at = torch.arange(len(contexts), device=device), torch.tensor(contexts, device=device)
         tokens = [{f"{name}_t": x[rows, :, at + i].contiguous() for name, x in inputs.items()} for i in range(new_tokens)]
         prefill = lambda: core.prefill(**prompt)  # noqa: E731

@@ -10,6 +10,8 @@ import os
 import time
 from pathlib import Path
 
+from .cell import Cell
+
 #: Fields of /proc/stat's "cpu" line that count busy time: user, nice, system, irq, softirq,
 #: steal (time the hypervisor gave to other virtual machines); not idle and iowait.
 _BUSY_FIELDS = (0, 1, 2, 5, 6, 7)
@@ -113,10 +115,10 @@ def spare_threads(threads: int, cores: int, other_cores: float | None) -> int:
     return max(1, min(threads, cores - busy_cores(other_cores)))
 
 
-def busy_warning(cells: list[dict], other_cores: float | None, cores: int) -> str | None:
+def busy_warning(cells: list[Cell], other_cores: float | None, cores: int) -> str | None:
     """One line saying the machine is busy, when ``cells`` time something on the CPU and other
     processes keep a core or more of ``cores`` busy (``busy_cores``); None otherwise."""
-    timed = sum(cell["axes"]["device"] == "cpu" and cell["mode"] != "quality" and not cell.get("skip") for cell in cells)
+    timed = sum(cell.device == "cpu" and not cell.quality and not cell.skip for cell in cells)
     busy = busy_cores(other_cores)
     if not timed or not busy:
         return None

@@ -54,7 +54,7 @@ def _run(args) -> int:
             cells = scenario.cells()
             print(f"{scenario.path} ({scenario.name}{', preset ' + scenario.preset if scenario.preset else ''}): {len(cells)} cells")
             for cell in cells:
-                print(f"  {cell['cell_id']}  {describe(cell)}")
+                print(f"  {cell.cell_id}  {describe(cell)}")
         return 0
     if args.retry_failed and not args.resume:
         print("error: --retry-failed re-runs the failed cells of a results file: use it with --resume", file=sys.stderr)

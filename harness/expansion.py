@@ -4,9 +4,7 @@ marked skipped with the reason. ``describe`` names a cell in one line."""
 
 from __future__ import annotations
 
-import hashlib
 import itertools
-import json
 import math
 
 import torch
@@ -16,6 +14,7 @@ import variants
 from . import axes as axis_table
 from . import lengths, tasks
 from .builders import head_counts, shaped_inputs
+from .cell import Cell
 from .formatting import quote
 from .scenario_files import MAX_CELLS, SEED_AXIS, ScenarioError, limit
 from .schema import PACKINGS, VARIANT_AXES, Axes, Scenario, axis_names, check_packed_axes, configurations, sweep, variant_axes
@@ -57,17 +56,7 @@ def _variant_configs(scenario: Scenario) -> list[tuple[str, dict, str, Axes]]:
     return configs
 
 
-def cell_id(cell: dict) -> str:
-    """A stable id of what a cell measures (not how often): used to resume."""
-    identity = {key: cell[key] for key in ("scenario", "variant", "backend", "params", "axes", "mode", "target", "model")}
-    if cell.get("backend_options"):
-        identity["backend_options"] = cell["backend_options"]
-    if cell["task"]:
-        identity["task"] = cell["task"]
-    return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
-def expand(scenario: Scenario, path: str = "<scenario>") -> list[dict]:
+def expand(scenario: Scenario, path: str = "<scenario>") -> list[Cell]:
     """Every cell of the sweep, in a deterministic order. Each variant configuration is checked
     here (``variants.supports``, which builds its torch core), so an impossible parameter (a ν or
     m that cannot give the asked d_dot) fails before anything is measured, and a cell whose
@@ -105,25 +94,24 @@ def expand(scenario: Scenario, path: str = "<scenario>") -> list[dict]:
                         cell_axes["new_tokens"] = scenario.decode.new_tokens
                     if scenario.target == "model":
                         cell_axes["model"] = scenario.model.preset
-                    cell = {
-                        "scenario": scenario.name,
-                        "variant": name,
-                        "backend": backend,
-                        "backend_options": _options_of(scenario, backend, name),
-                        "params": full_params,
-                        "axes": cell_axes,
-                        "mode": mode,
-                        "target": scenario.target,
-                        "decode": scenario.decode.model_dump(),
-                        "model": scenario.model.model_dump() if scenario.target == "model" else None,
-                        "task": _task_section(scenario.task, cell_axes),
-                        "measure": scenario.measure.model_dump(),
-                        "skip": unsupported.get((backend, cell_axes["dtype"], cell_axes["device"])) or shapes(backend, mode, cell_axes),
-                        **({"lengths": list(packed.lengths)} if packed else {}),
-                    }
-                    cell["cell_id"] = cell_id(cell)
-                    if cell["cell_id"] not in seen:
-                        seen.add(cell["cell_id"])
+                    cell = Cell(
+                        scenario=scenario.name,
+                        variant=name,
+                        backend=backend,
+                        backend_options=_options_of(scenario, backend, name),
+                        params=full_params,
+                        axes=cell_axes,
+                        mode=mode,
+                        target=scenario.target,
+                        decode=scenario.decode.model_dump(),
+                        model=scenario.model.model_dump() if scenario.target == "model" else None,
+                        task=_task_section(scenario.task, cell_axes),
+                        measure=scenario.measure.model_dump(),
+                        skip=unsupported.get((backend, cell_axes["dtype"], cell_axes["device"])) or shapes(backend, mode, cell_axes),
+                        lengths=list(packed.lengths) if packed else None,
+                    )
+                    if cell.cell_id not in seen:
+                        seen.add(cell.cell_id)
                         cells.append(cell)
     return cells
 
@@ -215,13 +203,13 @@ def _unsupported_backends(name: str, d_keys: list, places: list, params: dict, s
     return unsupported
 
 
-def describe(cell: dict) -> str:
+def describe(cell: Cell) -> str:
     """A one-line name of a cell, for progress bars and listings."""
-    params = ",".join(f"{key}={value}" for key, value in cell["params"].items())
-    axes = cell["axes"]
-    skipped = " (skipped)" if cell["skip"] else ""
+    params = ",".join(f"{key}={value}" for key, value in cell.params.items())
+    axes = cell.axes
+    skipped = " (skipped)" if cell.skip else ""
     shape = " ".join(f"{axis_table.SHORT.get(name, name)}={value}" for name, value in axes.items() if name not in axis_table.UNSHAPED)
     return (
-        f"{cell['variant']}{'(' + params + ')' if params else ''}[{cell['backend']}]{skipped} {cell['mode']}/{cell['target']} "
+        f"{cell.variant}{'(' + params + ')' if params else ''}[{cell.backend}]{skipped} {cell.mode}/{cell.target} "
         f"{shape} {axes['dtype']} {axes['device']}"
     )

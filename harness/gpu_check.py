@@ -33,6 +33,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from .cell import Cell
+
 EXIT_OK, EXIT_FAILED, EXIT_MISSING = 0, 1, 2
 #: Minutes the whole check should take on one H100-class GPU.
 BUDGET_S = 8 * 60
@@ -165,7 +167,7 @@ def quality_data() -> dict[str, Path]:
     from .tasks.download import dataset_dir
 
     first = load_scenario(LM[0], preset=LM[1], overrides=LM[2]).cells()[0]  # the preset's cells share one task section
-    return {LM_DATA: dataset_dir(LM_DATA, first["task"].get("data"))}
+    return {LM_DATA: dataset_dir(LM_DATA, first.task.get("data"))}
 
 
 def _missing_data() -> list[str]:
@@ -194,8 +196,8 @@ def plan(kernel_tests: bool = True, costs: Costs = COSTS) -> list[Phase]:
         work = tests * costs.test_s + costs.kernel_test_compilations * costs.compile_s
         units = f"{tests} tests, {costs.kernel_test_compilations} compilations, in {costs.kernel_test_workers} pytest processes"
         phases.append(Phase("kernel-tests", units, costs.pytest_start_s + work / costs.kernel_test_workers))
-    measured = [cell for cell in timing if not cell["skip"]]
-    groups = {_first_use_group(cell) for cell in measured if cell["backend"] in costs.first_use_s}
+    measured = [cell for cell in timing if not cell.skip]
+    groups = {_first_use_group(cell) for cell in measured if cell.backend in costs.first_use_s}
     seconds = costs.run_start_s + sum(_cell_seconds(cell, costs) for cell in measured) + sum(costs.first_use_s[group[0]] for group in groups)
     phases.append(Phase("timing", f"{len(measured)} cells ({len(timing) - len(measured)} skipped), {len(groups)} kernel first uses", seconds))
     phases.append(Phase("lm", f"{len(lm)} cells", costs.run_start_s + costs.data_s + len(lm) * costs.quality_cell_s))
@@ -203,16 +205,16 @@ def plan(kernel_tests: bool = True, costs: Costs = COSTS) -> list[Phase]:
     return phases
 
 
-def _first_use_group(cell: dict) -> tuple:
+def _first_use_group(cell: Cell) -> tuple:
     """The cells that share their kernels' compilations and autotuning (the first of them pays)."""
-    axes = cell["axes"]
-    return cell["backend"], cell["variant"], axes["d_key"], axes["d_value"], axes["dtype"], cell["mode"]
+    axes = cell.axes
+    return cell.backend, cell.variant, axes["d_key"], axes["d_value"], axes["dtype"], cell.mode
 
 
-def _cell_seconds(cell: dict, costs: Costs) -> float:
+def _cell_seconds(cell: Cell, costs: Costs) -> float:
     """A speed cell: its overhead, every call (a warm-up build, the NaN check, ``warmup``, ``repeats``)
     and at most ``max_time_s`` of sampling beyond the repeats."""
-    measure = cell["measure"]
+    measure = cell.measure
     calls = 2 + measure["warmup"] + measure["repeats"]
     return costs.cell_overhead_s + calls * costs.call_s + (measure.get("max_time_s") or 0.0)
 

@@ -1,6 +1,6 @@
 """Profiles of cells, ``attnbench run --profile [torch|ncu|nsys]`` (docs/profiling.md).
 
-The runner asks (``request``): each speed cell gets ``cell["profile"]``, the tool and, for ncu
+The runner asks (``request``): each speed cell gets ``cell.profile``, the tool and, for ncu
 and nsys, the report to write, or the reason it is not profiled (a tool not on PATH, a CPU cell
 under a CUDA tool, a quality cell). The worker profiles one more call of the cell after its
 timed ones, never a timed call (``profile``): torch.profiler's trace (Chrome/Perfetto JSON)
@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .cell import Cell
 from .files import write_json_atomic
 from .measure import quiet_profiler, synchronize
 
@@ -57,23 +58,23 @@ def missing_tool(tool: str) -> str | None:
     return None
 
 
-def request(cell: dict, tool: str | None, results: Path) -> dict:
+def request(cell: Cell, tool: str | None, results: Path) -> Cell:
     """``cell`` with its ``profile`` request for ``tool`` (None: as it is): ``{"tool"}`` and for
     ncu and nsys the ``report`` path their wrapper writes (without its suffix) and the name the
     record keeps (``recorded``, relative to the results file's directory), or ``{"tool", "skipped": reason}``."""
     if tool is None:
         return cell
-    if cell["mode"] == "quality":
-        return dict(cell, profile={"tool": tool, "skipped": "a quality cell (a whole training run) is not profiled"})
+    if cell.quality:
+        return cell.replace(profile={"tool": tool, "skipped": "a quality cell (a whole training run) is not profiled"})
     if reason := missing_tool(tool):
-        return dict(cell, profile={"tool": tool, "skipped": reason})
+        return cell.replace(profile={"tool": tool, "skipped": reason})
     if tool == "torch":
-        return dict(cell, profile={"tool": tool})
-    if not cell["axes"]["device"].startswith("cuda"):
-        return dict(cell, profile={"tool": tool, "skipped": f"{tool} profiles CUDA kernels; this cell runs on the CPU (--profile torch profiles it)"})
+        return cell.replace(profile={"tool": tool})
+    if not cell.device.startswith("cuda"):
+        return cell.replace(profile={"tool": tool, "skipped": f"{tool} profiles CUDA kernels; this cell runs on the CPU (--profile torch profiles it)"})
     directory = profiles_dir(results)
-    report = {"report": str(directory.resolve() / cell["cell_id"]), "recorded": f"{directory.name}/{cell['cell_id']}{REPORT_SUFFIX[tool]}"}
-    return dict(cell, profile={"tool": tool, **report})
+    report = {"report": str(directory.resolve() / cell.cell_id), "recorded": f"{directory.name}/{cell.cell_id}{REPORT_SUFFIX[tool]}"}
+    return cell.replace(profile={"tool": tool, **report})
 
 
 def wrapper(profile: dict | None) -> list[str] | None:
@@ -87,11 +88,11 @@ def wrapper(profile: dict | None) -> list[str] | None:
     return ["ncu", "--profile-from-start", "off", "--nvtx", "--nvtx-include", f"{NVTX_RANGE}/", "--force-overwrite", "-o", profile["report"]]
 
 
-def profile(cell: dict, call, device: torch.device) -> tuple[dict | None, dict | None]:
+def profile(cell: Cell, call, device: torch.device) -> tuple[dict | None, dict | None]:
     """``(metrics.profile, trace)`` of one more ``call()`` of ``cell``, after its timing: None
     without a request; the request's reason when skipped; torch: the trace (Chrome JSON with
     ``traceEvents``) and the top operators; ncu and nsys: the report their wrapper writes."""
-    asked = cell.get("profile")
+    asked = cell.profile
     if asked is None or "skipped" in asked:
         return asked, None
     if asked["tool"] != "torch":

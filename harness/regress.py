@@ -38,6 +38,7 @@ from tqdm import tqdm
 from variants.backends import OWN_FORMS
 
 from . import machine, runner
+from .cell import Cell
 from .checkouts import SIDES, RegressError, Revision, changed_files, repository, worktrees
 from .compare import EXIT_OK, EXIT_REGRESSION, CompareResult, compare
 from .executors import main_device, unmeasured
@@ -64,9 +65,9 @@ def _config_name(config: dict) -> str:
     return f"{config['variant']}{'(' + params + ')' if params else ''}[{config['backend']}]"
 
 
-def scenario_cells(loaded: LoadedScenario, only: set[str] | None = None) -> list[dict]:
+def scenario_cells(loaded: LoadedScenario, only: set[str] | None = None) -> list[Cell]:
     """The scenario's cells, only those whose ``cell_id`` is in ``only`` when given."""
-    return [cell for cell in loaded.cells() if only is None or cell["cell_id"] in only]
+    return [cell for cell in loaded.cells() if only is None or cell.cell_id in only]
 
 
 def configurations(loaded: LoadedScenario, only: set[str] | None = None) -> dict[str, dict]:
@@ -76,10 +77,10 @@ def configurations(loaded: LoadedScenario, only: set[str] | None = None) -> dict
     for cell in scenario_cells(loaded, only):
         for backend in OWN_FORMS:
             config = configs.setdefault(
-                _config_key(cell["variant"], backend, cell["params"]),
-                {"variant": cell["variant"], "backend": backend, "params": cell["params"], "d_key": cell["axes"]["d_key"]},
+                _config_key(cell.variant, backend, cell.params),
+                {"variant": cell.variant, "backend": backend, "params": cell.params, "d_key": cell.axes["d_key"]},
             )
-            config["d_key"] = min(config["d_key"], cell["axes"]["d_key"])
+            config["d_key"] = min(config["d_key"], cell.axes["d_key"])
             config["decode"] = "decode" in loaded.scenario.modes
     return configs
 
@@ -146,20 +147,20 @@ class _Rounds:
     def run_line(self, fingerprint: dict, node_id) -> None:
         """Nothing yet: each side's file gets its run line with the pooled records."""
 
-    def starting(self, cell: dict) -> None:
+    def starting(self, cell: Cell) -> None:
         pass
 
-    def cell_line(self, cell: dict, observation: dict) -> None:
-        self.measured[cell["cell_id"]].append(cell_record(cell, observation, self.run_id, observation["machine"]))
+    def cell_line(self, cell: Cell, observation: dict) -> None:
+        self.measured[cell.cell_id].append(cell_record(cell, observation, self.run_id, observation["machine"]))
 
 
-def measure_rounds(revisions, cells: dict[str, list[dict]], rounds: int, fingerprints: dict, run_ids: dict, progress: bool) -> dict:
+def measure_rounds(revisions, cells: dict[str, list[Cell]], rounds: int, fingerprints: dict, run_ids: dict, progress: bool) -> dict:
     """``{side: {cell_id: [record per round]}}``: each side's ``cells[side]`` measured ``rounds``
     times by the run loop (``runner.measure_cells``), the sides alternating (base head, head
     base, ...) so that drift hits both alike; each side's round in a fresh worker of its own
     checkout, kept from cell to cell (regress compares time, not peak memory) unless a cell
     failed or asks for a fresh one (``measure.fresh_worker``)."""
-    measured = {side: {cell["cell_id"]: [] for cell in side_cells} for side, side_cells in cells.items()}
+    measured = {side: {cell.cell_id: [] for cell in side_cells} for side, side_cells in cells.items()}
     bar = tqdm(total=rounds * sum(map(len, cells.values())), unit="cell", disable=not progress, dynamic_ncols=True)
     try:
         for number in range(rounds):
@@ -176,7 +177,7 @@ def measure_rounds(revisions, cells: dict[str, list[dict]], rounds: int, fingerp
     return measured
 
 
-def _incorrect_record(cell: dict, check: dict, run_id: str, fingerprint: dict) -> dict:
+def _incorrect_record(cell: Cell, check: dict, run_id: str, fingerprint: dict) -> dict:
     """The record of a cell that is not timed because its revision computes the wrong thing."""
     return cell_record(cell, unmeasured("error", "incorrect, not timed: " + "; ".join(check["problems"])), run_id, fingerprint)
 
@@ -271,13 +272,13 @@ def regress(
     return result
 
 
-def _cells_to_measure(cells: list[dict], result: RegressResult, all_variants: bool) -> list[dict]:
+def _cells_to_measure(cells: list[Cell], result: RegressResult, all_variants: bool) -> list[Cell]:
     """Every one of ``cells`` with ``all_variants``; otherwise those of the touched configurations and
     of any configuration that is incorrect on either side (so that compare marks it)."""
     if all_variants:
         return cells
     chosen = set(result.touched) | {key for side in SIDES for key, check in result.checks[side].items() if not check["ok"]}
-    return [cell for cell in cells if _config_key(cell["variant"], cell["backend"], cell["params"]) in chosen]
+    return [cell for cell in cells if _config_key(cell.variant, cell.backend, cell.params) in chosen]
 
 
 def _kernel_diff(revisions, changed: list[str], say) -> list | None:
@@ -292,8 +293,8 @@ def _kernel_diff(revisions, changed: list[str], say) -> list | None:
         return None
 
 
-def _check_of(checks: dict, cell: dict) -> dict:
-    return checks[_config_key(cell["variant"], cell["backend"], cell["params"])]
+def _check_of(checks: dict, cell: Cell) -> dict:
+    return checks[_config_key(cell.variant, cell.backend, cell.params)]
 
 
 def _say_checks(result: RegressResult, say) -> None:
@@ -342,7 +343,7 @@ def _measure_and_compare(revisions, cells, checks, loaded, rounds, out_dir, fact
         for cell in cells:
             check = _check_of(checks[side], cell)
             if check["ok"]:
-                record = pool(measured[side][cell["cell_id"]])
+                record = pool(measured[side][cell.cell_id])
             else:
                 record = _incorrect_record(cell, check, run_ids[side], fingerprints[side])
             writer.write_cell({**record, "revision": side})

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 import pandas as pd
 
+from .cell import Cell
 from .files import open_regular
 from .locking import LockedError
 from .stats import median_rel_ci
@@ -236,7 +237,7 @@ def run_header(loaded: LoadedScenario, run_id: str, command: str, fingerprint: d
     }
 
 
-def cell_record(cell: dict, observation: dict, run_id: str, fingerprint: dict) -> dict:
+def cell_record(cell: Cell, observation: dict, run_id: str, fingerprint: dict) -> dict:
     """The results record of ``cell`` from its ``observe``-ation: with the GPU's throttle state,
     the roofline fraction and the machine and the commit of ``fingerprint`` (the machine that
     measured it) and, for a Ray executor's cell, the ``node_id`` of the Ray node."""
@@ -244,27 +245,18 @@ def cell_record(cell: dict, observation: dict, run_id: str, fingerprint: dict) -
 
     result, before, after = observation["result"], observation["throttle_before"], observation["throttle_after"]
     metrics = dict(result["metrics"])
-    if cell["mode"] != "quality":
-        metrics.update(roofline(metrics, fingerprint.get("calibration"), cell["axes"]["dtype"]))
+    if not cell.quality:
+        metrics.update(roofline(metrics, fingerprint.get("calibration"), cell.axes["dtype"]))
     if before is not None or after is not None:
         metrics.update(
             throttle_before=before,
             throttle_after=after,
             throttled=bool((before or {}).get("throttled") or (after or {}).get("throttled")),
         )
-    task = {"task": cell["task"]} if cell.get("task") else {}
     node = {"node_id": observation["node_id"]} if observation.get("node_id") else {}
     return {
         "run_id": run_id,
-        "cell_id": cell["cell_id"],
-        "scenario": cell["scenario"],
-        "variant": cell["variant"],
-        "backend": cell["backend"],
-        "params": cell["params"],
-        "axes": cell["axes"],
-        **task,
-        "mode": cell["mode"],
-        "target": cell["target"],
+        **cell.record(),
         "status": result["status"],
         "error": result["error"],
         "metrics": metrics,

@@ -25,6 +25,7 @@ from tqdm import tqdm
 
 from . import machine, profiling
 from .busyness import busy_warning, other_cores_now
+from .cell import Cell
 from .executors import main_device
 from .executors.local import LocalExecutor
 from .expansion import describe
@@ -59,7 +60,7 @@ class RunSummary:
     failures: list = field(default_factory=list)  #: (describe(cell), status, message) of each cell measured FAILING or inaccurate (``problem``)
     earlier_failures: list = field(default_factory=list)  #: the same of the cells a resumed file holds so and this run left alone
 
-    def count(self, cell: dict, record: dict) -> None:
+    def count(self, cell: Cell, record: dict) -> None:
         """Add a finished cell: its status, whether it was unstable, the load it saw."""
         self.statuses[record["status"]] = self.statuses.get(record["status"], 0) + 1
         if (found := problem(record)) is not None:
@@ -210,22 +211,22 @@ def _resume_state(writer: ResultsWriter, loaded: LoadedScenario, fingerprint: di
 
 
 
-def _failures_in(path: Path, cells: list[dict], cell_ids: set) -> list[tuple]:
+def _failures_in(path: Path, cells: list[Cell], cell_ids: set) -> list[tuple]:
     """(describe(cell), status, message) of each of ``cells`` in ``cell_ids`` whose latest record in ``path`` is a ``problem``."""
     latest = {record["cell_id"]: record for record in read_records(path) if record["kind"] == "cell"}
-    found = [(cell, problem(latest[cell["cell_id"]])) for cell in cells if cell["cell_id"] in cell_ids]
+    found = [(cell, problem(latest[cell.cell_id])) for cell in cells if cell.cell_id in cell_ids]
     return [(describe(cell), *problem_found) for cell, problem_found in found if problem_found is not None]
 
 
 
-def measure_cells(executor, todo: list[dict], fingerprint: dict, journal, bar: tqdm, label=describe) -> None:
+def measure_cells(executor, todo: list[Cell], fingerprint: dict, journal, bar: tqdm, label=describe) -> None:
     """The run loop: ``executor`` measures ``todo`` (``fingerprint``: the main device's machine);
     ``journal`` gets a ``run_line(fingerprint, node_id)`` for each run line the executor asks for
     at its start, ``starting(cell)`` before each cell and ``cell_line(cell, observation)`` as each
     finishes; ``bar`` shows ``label(cell)`` and counts the cells. The executor is closed however
     the loop ends (Ctrl-C, a full disk)."""
 
-    def starting(cell: dict) -> None:
+    def starting(cell: Cell) -> None:
         bar.set_description(label(cell))
         journal.starting(cell)
 
@@ -257,26 +258,26 @@ class ResultsJournal:
             self.writer.write_run(self.header(self.run_ids[key], fp, node_id))
         return self.run_ids[key]
 
-    def starting(self, cell: dict) -> None:
+    def starting(self, cell: Cell) -> None:
         others = self.machine_runs.others()
         if others and not self.warned.issuperset(o.get("pid") for o in others):
             self.warned.update(o.get("pid") for o in others)
             tqdm.write(f"warning: other attnbench runs are measuring on this machine ({describe_runs(others)}); "
                        "cells measured meanwhile record them in concurrent_runs", file=sys.stderr)
-        self.overlapping[cell["cell_id"]] = others
+        self.overlapping[cell.cell_id] = others
 
-    def cell_line(self, cell: dict, observation: dict) -> None:
+    def cell_line(self, cell: Cell, observation: dict) -> None:
         node_fp = observation["machine"]
         trace = observation["result"].pop("trace", None)
         record = cell_record(cell, observation, self.run_line(node_fp, observation["node_id"]), node_fp)
         if trace is not None:  # --profile: the trace goes beside the results file, its name into the record
-            record["metrics"]["profile"]["trace"] = profiling.write_trace(self.writer.path, cell["cell_id"], trace)
-        others = self.overlapping.pop(cell["cell_id"], None)
+            record["metrics"]["profile"]["trace"] = profiling.write_trace(self.writer.path, cell.cell_id, trace)
+        others = self.overlapping.pop(cell.cell_id, None)
         if others and node_fp["machine_id"] == self.machine_id:
             record["concurrent_runs"] = others
         self.writer.write_cell(record)
-        if record["status"] == "ok" and cell.get("checkpoint_dir"):
-            remove_checkpoints(Path(cell["checkpoint_dir"]))
+        if record["status"] == "ok" and cell.checkpoint_dir:
+            remove_checkpoints(Path(cell.checkpoint_dir))
         self.summary.count(cell, record)
 
 
@@ -310,7 +311,7 @@ def _run_locked(loaded, out_dir, resume, retry_failed, executor, command, progre
         except BaseException:
             writer.close()
             raise
-    todo = [profiling.request(with_checkpoint_dir(cell, path), profile, path) for cell in cells if cell["cell_id"] not in done]
+    todo = [profiling.request(with_checkpoint_dir(cell, path), profile, path) for cell in cells if cell.cell_id not in done]
     summary = RunSummary(path=path, total=len(cells), skipped_as_done=len(cells) - len(todo))
     if done:
         summary.earlier_failures = _failures_in(path, cells, done)
@@ -336,14 +337,14 @@ def _run_locked(loaded, out_dir, resume, retry_failed, executor, command, progre
     return summary
 
 
-def with_checkpoint_dir(cell: dict, results: Path) -> dict:
+def with_checkpoint_dir(cell: Cell, results: Path) -> Cell:
     """A quality cell with its own ``checkpoint_dir`` beside the results file
     (``<results>.checkpoints/<cell_id>``): its training saves its state there and continues
     from it when the cell is measured again (``--resume``); the runner removes it once the cell
     is recorded as ok. A speed cell as it is."""
-    if cell["mode"] != "quality":
+    if not cell.quality:
         return cell
-    return dict(cell, checkpoint_dir=str(results.with_suffix(".checkpoints") / cell["cell_id"]))
+    return cell.replace(checkpoint_dir=str(results.with_suffix(".checkpoints") / cell.cell_id))
 
 
 def remove_checkpoints(directory: Path) -> None:

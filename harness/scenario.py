@@ -12,6 +12,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from . import scenario_files
+from .cell import Cell
 from .expansion import check_cell_count, expand
 from .scenario_files import ScenarioError, resolve_path, shipped  # noqa: F401 (the public face)
 from .schema import Scenario, scenario_model
@@ -32,7 +33,7 @@ def load_scenario(spec: str, *, preset: str | None = None, overrides: list[str] 
 class LoadedScenario:
     """A validated scenario, its expanded cells and where it came from."""
 
-    def __init__(self, scenario: Scenario, cells: list[dict], path: Path, sha256: str, preset: str | None, overrides: list[str]):
+    def __init__(self, scenario: Scenario, cells: list[Cell], path: Path, sha256: str, preset: str | None, overrides: list[str]):
         self.scenario, self._cells, self.path, self.sha256 = scenario, cells, path, sha256
         self.preset, self.overrides = preset, overrides
 
@@ -40,7 +41,7 @@ class LoadedScenario:
     def name(self) -> str:
         return self.scenario.name
 
-    def cells(self) -> list[dict]:
+    def cells(self) -> list[Cell]:
         return self._cells
 
 

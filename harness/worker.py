@@ -2,7 +2,7 @@
 
 A worker is a separate process, so a crash, a hang or an out-of-memory kill in one cell costs
 that cell only: ``Worker`` turns each into the cell's status and message and starts a new
-process for the next cell. The pipe to the worker carries two kinds of message: a cell (a dict,
+process for the next cell. The pipe to the worker carries two kinds of message: a cell (``harness.cell.Cell``,
 measured by ``harness.workloads.measure_cell``) and a ``Calibration`` request; ``None`` stops it.
 """
 
@@ -20,6 +20,7 @@ import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from .cell import Cell
 from .plugins import load_plugins
 from .results import FAILING
 
@@ -103,12 +104,12 @@ def serve(conn, plugins, parent_pid=None) -> None:
         _empty_cuda_cache()
 
 
-def memory_limit(cell: dict) -> int | None:
+def memory_limit(cell: Cell) -> int | None:
     """The bytes of host memory ``cell``'s worker may take: ``measure.max_memory``, else for a
     CPU cell ``MEMORY_SHARE`` of physical memory, else None (no limit: a GPU cell's host memory
     is its driver's, and how the driver takes to ``RLIMIT_DATA`` is not measured here)."""
-    chosen = cell["measure"].get("max_memory")
-    if chosen is not None or not str(cell["axes"].get("device", "cpu")).startswith("cpu"):
+    chosen = cell.measure.get("max_memory")
+    if chosen is not None or not cell.device.startswith("cpu"):
         return chosen
     return int(MEMORY_SHARE * os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
 
@@ -258,7 +259,7 @@ class Worker:
                 else:
                     os.environ[key] = value
 
-    def measure(self, cell: dict, timeout_s: float) -> dict:
+    def measure(self, cell: Cell, timeout_s: float) -> dict:
         """The result of ``cell`` measured within ``timeout_s``; ``crashed`` when the worker,
         started again after one that did not start in time, does not start either."""
         return self._ask(cell, timeout_s)
@@ -317,7 +318,7 @@ class Worker:
         self.kill()
 
 
-def needs_fresh_worker(cell: dict, status: str, shared: bool = False) -> bool:
+def needs_fresh_worker(cell: Cell, status: str, shared: bool = False) -> bool:
     """Whether the worker that measured ``cell``, which ended ``status``, is replaced before the
     next cell. Always after a ``FAILING`` cell (``error``, a timeout included; ``crashed``; ``nan``):
     a sticky CUDA error (an illegal address, a device-side assert) leaves the process's CUDA
@@ -333,7 +334,7 @@ def needs_fresh_worker(cell: dict, status: str, shared: bool = False) -> bool:
     regress``, which compares time and starts a worker per revision and round)."""
     if status in FAILING:
         return True
-    choice = cell["measure"].get("fresh_worker")
+    choice = cell.measure.get("fresh_worker")
     if choice is None:
-        return not shared and cell["mode"] != "quality" and str(cell["axes"].get("device", "cpu")).startswith("cpu")
+        return not shared and not cell.quality and cell.device.startswith("cpu")
     return choice

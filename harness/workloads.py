@@ -23,6 +23,7 @@ from variants.compiled import compiled_frames
 from . import accuracy, profiling, tasks
 from .builders import BUILDERS, CellError, attention_inputs, build_core, build_decoder, head_arguments, lengths_of
 from .busyness import LoadMeter, other_cores_now, spare_threads
+from .cell import Cell
 from .machine import missing_tensor_cores
 from .measure import (
     DECODE_TIMINGS,
@@ -44,7 +45,7 @@ def _finite(output) -> bool:
     return bool(torch.isfinite(output).all())
 
 
-def measure_cell(cell: dict) -> dict:
+def measure_cell(cell: Cell) -> dict:
     """Build, check and time one cell: ``{"status", "error", "metrics"}``, with the machine's
     load meanwhile in ``metrics.load``. A backend that turns out not to run the cell
     (``variants.UnsupportedBackend``) makes it skipped with the reason; other exceptions (and
@@ -52,14 +53,14 @@ def measure_cell(cell: dict) -> dict:
     GPU as the current device (``on_device``); a 16-bit cell on a GPU without tensor cores for
     its dtype is skipped before anything is built (``machine.missing_tensor_cores``). A timed CPU
     cell without ``measure.cpus`` runs on the threads other processes leave free (``load.spare_threads``)."""
-    axes = cell["axes"]
+    axes = cell.axes
     device, dtype = torch.device(axes["device"]), DTYPES[axes["dtype"]]
     if device.type == "cuda" and not torch.cuda.is_available():
         return {"status": "skipped", "error": "CUDA is not available on this machine", "metrics": {}}
     if refusal := missing_tensor_cores(device, axes["dtype"]):
         return {"status": "skipped", "error": refusal, "metrics": {}}
-    pin(cell["measure"].get("cpus"))
-    if device.type == "cpu" and cell["mode"] != "quality" and cell["measure"].get("cpus") is None:
+    pin(cell.measure.get("cpus"))
+    if device.type == "cpu" and not cell.quality and cell.measure.get("cpus") is None:
         torch.set_num_threads(spare_threads(torch.get_num_threads(), len(_UNPINNED[0] or range(os.cpu_count())), other_cores_now()))
     with on_device(device), LoadMeter(device) as load:
         try:
@@ -91,25 +92,25 @@ def _sampling(measure: dict) -> dict:
 
 def _timing(cell) -> str:
     """The cell's ``measure.timing`` (``events`` for a cell of a scenario loaded before there were modes)."""
-    return cell["measure"].get("timing", "events")
+    return cell.measure.get("timing", "events")
 
 
 def _measure(cell, device, dtype) -> dict:
-    measure = cell["measure"]
-    if cell["mode"] == "quality":
+    measure = cell.measure
+    if cell.quality:
         return _measure_quality(cell, device, dtype)
     torch.manual_seed(0)
     choices = _implementation_choices(cell, device, dtype)
     with _kernel_identity(cell) as identity:
         first_call_s = _warm_up_libraries(cell, device, dtype)
     choices.update(identity)
-    compiled_before = compiled_frames() if cell["backend"] == "compile" else 0
-    if cell["mode"] == "decode":
+    compiled_before = compiled_frames() if cell.backend == "compile" else 0
+    if cell.mode == "decode":
         result = _measure_decode(cell, device, dtype)
         result["metrics"].update(choices)
         return _compile_record(cell, result, first_call_s, compiled_before)
     with PeakMemory(device) as peak:
-        workload = BUILDERS[cell["target"]](cell, device, dtype)
+        workload = BUILDERS[cell.target](cell, device, dtype)
         finite = _finite(workload.run())
     with usual_allocator():
         timing = time_callable(workload.run, warmup=measure["warmup"], device=device, flush_l2=measure["flush_l2"], timing=_timing(cell), **_sampling(measure))
@@ -127,7 +128,7 @@ def _measure(cell, device, dtype) -> dict:
         **_lengths(cell),
         **choices,
     }
-    if cell["target"] == "model":
+    if cell.target == "model":
         metrics["words_per_s"] = metrics["tokens_per_s"]
     result = _compile_record(cell, _result(finite, metrics), first_call_s, compiled_before)
     result["metrics"].update(_accuracy(lambda: accuracy.measure(cell, device, dtype, workload)))
@@ -162,13 +163,13 @@ def _implementation_choices(cell, device, dtype) -> dict:
     that cannot run them skips the cell with the core's reason (UnsupportedBackend). The inputs
     require grad in a train cell, as SDPA's dispatcher weighs that too."""
     core = build_core(cell).to(device=device, dtype=dtype)
-    return core.implementation_choices(**attention_inputs(core, cell, device, dtype, cell["mode"] == "train"))
+    return core.implementation_choices(**attention_inputs(core, cell, device, dtype, cell.mode == "train"))
 
 
 def _kernel_identity(cell):
     """A Triton cell's kernels over its warm-up call, where they compile and autotune (``variants.kernels.identity``:
     ``metrics.triton_version``, ``metrics.triton_kernels``); nothing for other backends."""
-    if cell["backend"] != "triton":
+    if cell.backend != "triton":
         return contextlib.nullcontext({})
     from variants.kernels import identity
 
@@ -179,19 +180,19 @@ def _compile_record(cell, result: dict, first_call_s: float, compiled_before: in
     """For a 'compile' cell: ``metrics.compile_s`` (the warm-up's first call: tracing, compiling
     and one run) and ``metrics.backend_options``; a CellError if anything compiled after the
     warm-up (a recompilation would have been timed)."""
-    if cell["backend"] != "compile":
+    if cell.backend != "compile":
         return result
     again = compiled_frames() - compiled_before
     if again:
         raise CellError(f"torch.compile compiled {again} frame(s) again after the warm-up (a guard failed); the timings would include compilation")
-    result["metrics"].update(compile_s=first_call_s, backend_options=cell.get("backend_options") or {})
+    result["metrics"].update(compile_s=first_call_s, backend_options=cell.backend_options)
     return result
 
 
 def _measure_quality(cell, device, dtype) -> dict:
     """Train and evaluate the cell's registered task (``harness.tasks``); its metrics are the task's own."""
-    task = tasks.get(cell["task"]["name"])
-    if cell["axes"]["dtype"] not in TRAIN_DTYPES or (device.type != "cpu" and not task.any_device):
+    task = tasks.get(cell.task["name"])
+    if cell.axes["dtype"] not in TRAIN_DTYPES or (device.type != "cpu" and not task.any_device):
         where = "" if task.any_device else " on the CPU (axes.device: cpu)"
         raise CellError(f"task {task.name!r} trains in {', '.join(TRAIN_DTYPES)} (axes.dtype){where}")
     metrics = tasks.resolve(task.run)(cell)
@@ -206,15 +207,15 @@ def _warm_up_libraries(cell, device, dtype) -> float:
     took (``metrics.compile_s`` of a 'compile' cell); a compilation failure is a CellError."""
     clock = Clock(device, flush_l2=False)
     try:
-        if cell["mode"] == "decode":
+        if cell.mode == "decode":
             with torch.no_grad():  # the decoder of the measurement (same shapes and strides), two steps: a growing KV cache recompiles once
-                new_tokens = cell["decode"]["new_tokens"]
-                decoder = build_decoder(cell, device, dtype, cell["axes"]["seq_len"], new_tokens)
+                new_tokens = cell.decode["new_tokens"]
+                decoder = build_decoder(cell, device, dtype, cell.axes["seq_len"], new_tokens)
                 _, seconds = clock(lambda: functools.reduce(lambda state, i: decoder.step(i, state)[1], range(min(2, new_tokens)), decoder.prefill()[1]))
         else:
-            _, seconds = clock(BUILDERS[cell["target"]](cell, device, dtype).run)
+            _, seconds = clock(BUILDERS[cell.target](cell, device, dtype).run)
     except Exception as exc:
-        if cell["backend"] == "compile" and _compile_failure(exc):
+        if cell.backend == "compile" and _compile_failure(exc):
             raise CellError(f"torch.compile failed: {type(exc).__name__}: {_first_paragraph(exc)}") from None
         raise
     gc.collect()
@@ -240,9 +241,9 @@ def _measure_decode(cell, device, dtype) -> dict:
     ``warmup`` untimed ones) sampled as any call is (``sample_until_stable``: a sample is the
     total of a round's steps); each round starts from a fresh prefill. Peak memory is that of
     building the decoder and one round, before any timing."""
-    axes, measure, new_tokens = cell["axes"], cell["measure"], cell["decode"]["new_tokens"]
-    if cell["target"] not in ("core", "layer"):
-        raise CellError(f"decode mode measures target 'core' or 'layer', not {cell['target']!r}")
+    axes, measure, new_tokens = cell.axes, cell.measure, cell.decode["new_tokens"]
+    if cell.target not in ("core", "layer"):
+        raise CellError(f"decode mode measures target 'core' or 'layer', not {cell.target!r}")
     if _timing(cell) not in DECODE_TIMINGS:
         raise TimingError(f"measure.timing: {_timing(cell)!r} times one call; a decode cell times each step with {' or '.join(DECODE_TIMINGS)}")
     context, clock = axes["seq_len"], clock_for(_timing(cell), device, flush_l2=False)
@@ -272,7 +273,7 @@ def _measure_decode(cell, device, dtype) -> dict:
             timing = sample_until_stable(timed_round, **_sampling(measure))
     finite = all(ok for _, _, ok in rounds)
     heads, grouped = head_arguments(core, axes)
-    rows = collections.Counter(lengths_of(cell) if "lengths" in cell else [context] * axes["batch"])  # prompt length -> sequences
+    rows = collections.Counter(lengths_of(cell) if cell.lengths is not None else [context] * axes["batch"])  # prompt length -> sequences
     tokens = sum(rows.values()) * new_tokens
     flops = sum(core.step_flops(count, heads, axes["d_value"], length + i, **grouped) for length, count in rows.items() for i in range(new_tokens))
     state_bytes = torch.finfo(core.state_dtype(dtype)).bits // 8
@@ -306,7 +307,7 @@ def _state_traffic(core, batch: int, heads: int, d_value: int, position: int, gr
 
 def _lengths(cell) -> dict:
     """``metrics.lengths``: a packed batch's sequence lengths (``axes.lengths`` names their distribution)."""
-    return {"lengths": cell["lengths"]} if "lengths" in cell else {}
+    return {"lengths": cell.lengths} if cell.lengths is not None else {}
 
 
 def _result(finite: bool, metrics: dict) -> dict:

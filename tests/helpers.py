@@ -1,6 +1,6 @@
 """What the tests share (imported as ``helpers``; pyproject puts tests/ on the path): the variant
 configurations under test, fresh random inputs, the forms-agree checks, the command line in a
-subprocess, the shared-data skip, scratch git repositories of this project (regress, bisect). Fixtures are in
+subprocess, the shared-data skip, a cell built by hand, scratch git repositories of this project (regress, bisect). Fixtures are in
 tests/conftest.py."""
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import variants
+from harness.cell import Cell
 from harness.tasks.download import SHARED_DATA
 
 #: Skips a test that reads the shared WikiText-2 (``../shared/data`` beside the checkout).
@@ -22,6 +23,13 @@ needs_shared = pytest.mark.skipif(
     not (SHARED_DATA / "wikitext-2" / "wiki.train.tokens").is_file(),
     reason=f"the shared WikiText-2 is not at {SHARED_DATA / 'wikitext-2'}",
 )
+
+
+def make_cell(**fields) -> Cell:
+    """A cell of a test's own making: a CPU float32 forward core cell of linear attention, with ``fields`` in place."""
+    base = dict(scenario="s", variant="linear", backend="torch", backend_options={}, params={}, axes={"device": "cpu", "dtype": "float32"},
+                mode="forward", target="core", decode={"new_tokens": 1}, model=None, task=None, measure={"timeout_s": 60}, skip=None)  # fmt: skip
+    return Cell(**{**base, **fields})
 
 
 def attnbench(*args, env=None, **kwargs) -> subprocess.CompletedProcess:

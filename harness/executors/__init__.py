@@ -15,25 +15,26 @@ import sys
 import time
 
 from .. import machine
+from ..cell import Cell
 from ..results import utc_now
 from ..worker import Calibration, Worker
 
 
 def main_device(cells) -> str:
     """The main device of ``cells``: the first CUDA device they name (``cuda:1`` stays GPU 1), else the CPU."""
-    return next((cell["axes"]["device"] for cell in cells if cell["axes"]["device"].startswith("cuda")), "cpu")
+    return next((cell.device for cell in cells if cell.device.startswith("cuda")), "cpu")
 
 
-def observe(worker: Worker | None, cell: dict) -> dict:
+def observe(worker: Worker | None, cell: Cell) -> dict:
     """Measure ``cell`` in ``worker`` (or skip it), where it runs: its result, the GPU's throttle
     state before and after, when it started and how long it took."""
-    device = cell["axes"]["device"]
+    device = cell.device
     before = machine.throttle_state(device)
     started, clock = utc_now(), time.perf_counter()
-    if cell["skip"]:
-        result = {"status": "skipped", "error": cell["skip"], "metrics": {}}
+    if cell.skip:
+        result = {"status": "skipped", "error": cell.skip, "metrics": {}}
     else:
-        result = worker.measure(cell, cell["measure"]["timeout_s"])
+        result = worker.measure(cell, cell.measure["timeout_s"])
     after = machine.throttle_state(device)
     return {"result": result, "throttle_before": before, "throttle_after": after, "started_at": started, "duration_s": time.perf_counter() - clock}
 
@@ -44,18 +45,18 @@ def unmeasured(status: str, error: str) -> dict:
             "started_at": utc_now(), "duration_s": 0.0}
 
 
-def calibration(worker: Worker, cells: list[dict], fingerprint: dict) -> dict | None:
+def calibration(worker: Worker, cells: list[Cell], fingerprint: dict) -> dict | None:
     """``machine.calibration`` for ``cells``, measured in ``worker`` (its threads, the cells'
     ``measure.cpus``) on their device (``cuda:N``: GPU N, with its SM clock): None when no cell
     is timed, when ``ATTNBENCH_CALIBRATE=0``, or when it failed (with a warning)."""
-    timed = [cell for cell in cells if cell["mode"] != "quality" and not cell["skip"]]
+    timed = [cell for cell in cells if not cell.quality and not cell.skip]
     if not timed or os.environ.get("ATTNBENCH_CALIBRATE", "1") == "0":
         return None
     device = main_device(timed)
     request = Calibration(
-        machine_id=fingerprint["machine_id"], dtypes=sorted({cell["axes"]["dtype"] for cell in timed}), device=device,
+        machine_id=fingerprint["machine_id"], dtypes=sorted({cell.axes["dtype"] for cell in timed}), device=device,
         gpu_name=(fingerprint.get("gpu") or {}).get("name"), sm_clock_mhz=(machine.throttle_state(device) or {}).get("sm_clock_mhz"),
-        cpus=timed[0]["measure"].get("cpus"),
+        cpus=timed[0].measure.get("cpus"),
     )
     result = worker.calibrate(request)
     if result["status"] != "ok":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from .. import machine, profiling
+from ..cell import Cell
 from ..worker import Worker, needs_fresh_worker
 from . import calibration, observe
 
@@ -23,37 +24,37 @@ class LocalExecutor:
         self.worker = None
         self.fingerprints = {}  # device -> its fingerprint with its calibration
 
-    def start(self, todo: list[dict], fingerprint: dict) -> list[dict]:
+    def start(self, todo: list[Cell], fingerprint: dict) -> list[Cell]:
         """Start the worker; fingerprint and calibrate each device the cells run on (``cuda:1``:
         GPU 1), so that each cell is recorded with its own device's machine and roofline; the
         fingerprints to write run lines for now (``fingerprint``, the main device's, when no
         cell is left to measure)."""
-        self.tune_malloc = any(cell["mode"] != "quality" for cell in todo)
+        self.tune_malloc = any(not cell.quality for cell in todo)
         self.worker = self._worker()
         if self.fingerprint is not None:
-            self.fingerprints = {cell["axes"]["device"]: self.fingerprint for cell in todo}
+            self.fingerprints = {cell.device: self.fingerprint for cell in todo}
             return [self.fingerprint]
-        for device in dict.fromkeys(cell["axes"]["device"] for cell in todo):
+        for device in dict.fromkeys(cell.device for cell in todo):
             fp = machine.fingerprint(device)
-            on_device = [cell for cell in todo if cell["axes"]["device"] == device]
+            on_device = [cell for cell in todo if cell.device == device]
             self.fingerprints[device] = {**fp, "calibration": calibration(self.worker, on_device, fp)}
         return list(self.fingerprints.values()) or [{**fingerprint, "calibration": None}]
 
     def _worker(self, wrapper=None) -> Worker:
         return Worker(self.plugins, code_root=self.code_root, env=self.env, tune_malloc=self.tune_malloc, wrapper=wrapper)
 
-    def measure(self, todo: list[dict], starting):
+    def measure(self, todo: list[Cell], starting):
         """Measure ``todo`` in order, calling ``starting(cell)`` before each; yield ``(cell, observation)``.
         A cell profiled with ncu or nsys (``profiling.wrapper``) gets a worker of its own under the
         tool, closed after it so that the tool writes its report."""
         for cell in todo:
             starting(cell)
-            wrapper = profiling.wrapper(cell.get("profile"))
+            wrapper = profiling.wrapper(cell.profile)
             if wrapper:
                 self.worker.close()
                 self.worker = self._worker(wrapper)
             observation = observe(self.worker, cell)
-            yield cell, {**observation, "machine": self.fingerprints[cell["axes"]["device"]], "node_id": None}
+            yield cell, {**observation, "machine": self.fingerprints[cell.device], "node_id": None}
             if wrapper:
                 self.worker.close()
                 self.worker = self._worker()

@@ -21,6 +21,7 @@ import os
 import sys
 
 from .. import machine
+from ..cell import Cell
 from ..runner import RunError
 from ..worker import Worker, needs_fresh_worker
 from . import calibration, observe, unmeasured
@@ -39,23 +40,23 @@ def import_ray():
     return ray
 
 
-def _is_cuda(cell: dict) -> bool:
-    return str(cell["axes"]["device"]).startswith("cuda")
+def _is_cuda(cell: Cell) -> bool:
+    return cell.device.startswith("cuda")
 
 
-def _is_cpu_timing(cell: dict) -> bool:
-    return cell["mode"] != "quality" and not _is_cuda(cell)
+def _is_cpu_timing(cell: Cell) -> bool:
+    return not cell.quality and not _is_cuda(cell)
 
 
-def _on_task_device(cell: dict) -> dict:
+def _on_task_device(cell: Cell) -> Cell:
     """``cell`` as its Ray task measures it: a CUDA cell on ``cuda``, the one GPU Ray made visible
     to the task (CUDA_VISIBLE_DEVICES), whatever GPU index the scenario named."""
-    return {**cell, "axes": {**cell["axes"], "device": "cuda" if _is_cuda(cell) else "cpu"}}
+    return cell.replace(axes={**cell.axes, "device": "cuda" if _is_cuda(cell) else "cpu"})
 
 
-def _cpus(cell: dict) -> int:
+def _cpus(cell: Cell) -> int:
     """The CPUs (and torch threads) of a quality or CUDA cell: its task's ``threads``, else 1."""
-    return (cell.get("task") or {}).get("threads") or 1
+    return (cell.task or {}).get("threads") or 1
 
 
 #: The workers a Ray worker process keeps between its tasks, as the local executor keeps its
@@ -73,7 +74,7 @@ def _worker(plugins: list[str], threads: int, tune_malloc: bool) -> tuple[tuple,
     return key, worker
 
 
-def _on_node(cell: dict, plugins: list[str], threads: int, calibrate: list[dict] | None) -> dict:
+def _on_node(cell: Cell, plugins: list[str], threads: int, calibrate: list[Cell] | None) -> dict:
     """The body of a Ray task, on its node: a worker measures ``cell`` with ``threads`` torch
     threads (or, given ``calibrate``, calibrates the node for those cells); the observation,
     with the node's fingerprint and id. A CUDA cell runs on the GPU Ray gave the task
@@ -81,8 +82,8 @@ def _on_node(cell: dict, plugins: list[str], threads: int, calibrate: list[dict]
     cell needs a fresh one."""
     import ray
 
-    node = {"node_id": ray.get_runtime_context().get_node_id(), "machine": machine.fingerprint(_on_task_device(cell)["axes"]["device"])}
-    key, worker = _worker(plugins, threads, cell["mode"] != "quality")
+    node = {"node_id": ray.get_runtime_context().get_node_id(), "machine": machine.fingerprint(_on_task_device(cell).device)}
+    key, worker = _worker(plugins, threads, not cell.quality)
     keep = False
     try:
         if calibrate is not None:
@@ -120,7 +121,7 @@ class RayExecutor:
 
     # --- the cluster -----------------------------------------------------------------------
 
-    def start(self, todo: list[dict], fingerprint: dict) -> list[dict]:
+    def start(self, todo: list[Cell], fingerprint: dict) -> list[Cell]:
         """Connect to (or start) Ray and calibrate each node for the timed cells; no run line yet
         (each node's is written with its first cell)."""
         ray = self.ray
@@ -134,7 +135,7 @@ class RayExecutor:
                 ray.init(num_cpus=cores, num_gpus=torch.cuda.device_count(), include_dashboard=False, logging_level="WARNING")
             self.connected = True
         self.driver = {**fingerprint, "calibration": None}
-        self._calibrate([cell for cell in todo if cell["mode"] != "quality" and not cell["skip"]])
+        self._calibrate([cell for cell in todo if not cell.quality and not cell.skip])
         return []
 
     def _nodes(self) -> list[dict]:
@@ -145,7 +146,7 @@ class RayExecutor:
         """The CPUs a CPU speed cell holds on ``node``: its CPUs over ``cells_per_node``."""
         return max(1, int(node["Resources"]["CPU"]) // self.cells_per_node)
 
-    def _calibrate(self, timed: list[dict]) -> None:
+    def _calibrate(self, timed: list[Cell]) -> None:
         """``machine.calibration`` of every node, measured on it by one task holding what its timed
         cells will (a GPU, or the CPU share of a speed cell), all nodes at once."""
         if not timed or os.environ.get("ATTNBENCH_CALIBRATE", "1") == "0":
@@ -180,13 +181,13 @@ class RayExecutor:
 
     # --- the cells -------------------------------------------------------------------------
 
-    def measure(self, todo: list[dict], starting):
+    def measure(self, todo: list[Cell], starting):
         """Submit the cells (CPU speed cells as their nodes' shares free up), calling ``starting``
         for each; yield ``(cell, observation)`` as cells finish, in the order they finish."""
-        timing = [cell for cell in todo if _is_cpu_timing(cell) and not cell["skip"]]
+        timing = [cell for cell in todo if _is_cpu_timing(cell) and not cell.skip]
         held = {}  # node id -> CPU speed cells running there
         for cell in todo:
-            if cell["skip"] or not _is_cpu_timing(cell):
+            if cell.skip or not _is_cpu_timing(cell):
                 refused = self._refusal(cell)
                 if refused is not None:
                     yield cell, refused
@@ -208,26 +209,26 @@ class RayExecutor:
                     held[node_id] -= 1
                 yield cell, self._result(ref, cell)
 
-    def _submit(self, cell: dict, num_cpus: int, node_id: str | None, starting) -> None:
+    def _submit(self, cell: Cell, num_cpus: int, node_id: str | None, starting) -> None:
         """Start ``cell``'s task: ``num_cpus`` CPUs and threads (on ``node_id``, for a CPU speed
         cell), and a GPU for a CUDA cell."""
         starting(cell)
-        task = self._task(f"cell {cell['cell_id']}", num_cpus, node_id, num_gpus=1 if _is_cuda(cell) else 0)
+        task = self._task(f"cell {cell.cell_id}", num_cpus, node_id, num_gpus=1 if _is_cuda(cell) else 0)
         self.pending[task.remote(cell, self.plugins, num_cpus, None)] = (cell, node_id)
 
-    def _refusal(self, cell: dict) -> dict | None:
+    def _refusal(self, cell: Cell) -> dict | None:
         """The observation of a cell measured without a task: a skipped cell, or a CUDA cell on a
         cluster without GPUs (skipped, as a CUDA cell on a machine without CUDA)."""
-        if cell["skip"]:
-            return self._here(cell, "skipped", cell["skip"])
+        if cell.skip:
+            return self._here(cell, "skipped", cell.skip)
         if _is_cuda(cell) and not any(node["Resources"].get("GPU", 0) >= 1 for node in self._nodes()):
             return self._here(cell, "skipped", "no node of the Ray cluster has a GPU")
         return None
 
-    def _here(self, cell: dict, status: str, error: str) -> dict:
+    def _here(self, cell: Cell, status: str, error: str) -> dict:
         return {**unmeasured(status, error), "machine": self.driver, "node_id": None}
 
-    def _result(self, ref, cell: dict) -> dict:
+    def _result(self, ref, cell: Cell) -> dict:
         """The observation of a finished task, with its node's calibration: one Ray killed for
         memory is an ``oom`` cell, one whose code raised (a worker that did not start) an ``error``
         one, any other failure (its Ray worker or node died) a ``crashed`` one."""

@@ -114,13 +114,13 @@ class Task:
 
     - ``name``: the scenario's ``task.name``, and its cells' ``target``.
     - ``config``: a pydantic model of the ``task:`` section (a ``TaskConfig``) whose first field
-      is ``name: Literal[name]``; a cell carries its ``model_dump()`` as ``cell["task"]``. It and
+      is ``name: Literal[name]``; a cell carries its ``model_dump()`` as ``cell.task``. It and
       ``run`` may be given as ``"module:attribute"``, imported when first needed (``resolve``).
     - ``axes``: the axes of its cells (``dtype`` and ``device`` come with every task); the
       first is what its results are plotted against. An axis that is not one of the speed
       axes (``harness.schema.AXES``) takes positive integers.
-    - ``run(cell) -> metrics``: train and evaluate one cell (``cell["variant"]``, ``["params"]``,
-      ``["backend"]``, ``["axes"]``, ``["task"]``); a ``loss`` metric that is not finite marks
+    - ``run(cell) -> metrics``: train and evaluate one cell (a ``harness.cell.Cell``: its variant,
+      params, backend, axes and task); a ``loss`` metric that is not finite marks
       the cell ``nan``.
     - ``d_keys(config, axes) -> [d_key, ...]``: the head widths its variants are built with,
       from the config and the swept axis values (lists); every variant configuration is built at

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field
 
+from ..cell import Cell
 from ..models import DecoderConfig, DecoderLM
 from . import MAX_BATCH, MAX_LAYERS, MAX_VOCAB, MAX_WIDTH, Seed, Steps, TaskConfig
 from .batches import GeneratorBatches
@@ -159,8 +160,8 @@ def run_copy(variant: str, params: dict, config: CopyConfig, *, seq_len: int, de
     }
 
 
-def run_cell(cell: dict) -> dict:
+def run_cell(cell: Cell) -> dict:
     """Train and evaluate one cell (axis seq_len)."""
-    config = CopyConfig.model_validate(cell["task"])
-    params = dict(cell["params"], backend=cell["backend"])
-    return run_copy(cell["variant"], params, config, seq_len=cell["axes"]["seq_len"], device=cell["axes"]["device"], dtype=cell["axes"]["dtype"])
+    config = CopyConfig.model_validate(cell.task)
+    params = dict(cell.params, backend=cell.backend)
+    return run_copy(cell.variant, params, config, seq_len=cell.axes["seq_len"], device=cell.device, dtype=cell.axes["dtype"])

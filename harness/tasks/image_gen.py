@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field
 
+from ..cell import Cell
 from ..models import DecoderConfig, DecoderLM
 from . import MAX_BATCH, MAX_LAYERS, MAX_LENGTH, MAX_STEPS, MAX_WIDTH, Seed, Steps, TaskConfig
 from .batches import GeneratorBatches
@@ -201,9 +202,9 @@ def run_image_gen(variant: str, params: dict, config: ImageGenConfig, *, d_model
     return metrics
 
 
-def run_cell(cell: dict) -> dict:
+def run_cell(cell: Cell) -> dict:
     """Train, score and time one cell (axis d_model)."""
-    config = ImageGenConfig.model_validate(cell["task"])
-    params = dict(cell["params"], backend=cell["backend"])
-    return run_image_gen(cell["variant"], params, config, d_model=cell["axes"]["d_model"], device=cell["axes"]["device"],
-                         dtype=cell["axes"]["dtype"])
+    config = ImageGenConfig.model_validate(cell.task)
+    params = dict(cell.params, backend=cell.backend)
+    return run_image_gen(cell.variant, params, config, d_model=cell.axes["d_model"], device=cell.device,
+                         dtype=cell.axes["dtype"])

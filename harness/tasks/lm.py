@@ -39,6 +39,7 @@ from pydantic import Field, field_validator
 
 from variants import VariantError
 
+from ..cell import Cell
 from ..files import write_json_atomic
 from ..models import LM_PRESETS, DecoderConfig, DecoderLM, SegmentConfig, lm_config
 from . import MAX_BATCH, MAX_LAYERS, MAX_LENGTH, MAX_VOCAB, MAX_WIDTH, Seed, Steps, TaskConfig
@@ -339,16 +340,16 @@ def run_lm(variant: str, params: dict, config: LMConfig, *, context: int | None 
     return metrics
 
 
-def run_cell(cell: dict) -> dict:
-    """The metrics of a scenario cell of this task: ``cell["task"]`` validated as an LMConfig,
+def run_cell(cell: Cell) -> dict:
+    """The metrics of a scenario cell of this task: ``cell.task`` validated as an LMConfig,
     the cell's variant with its parameters and backend, ``axes.seq_len`` as the context, on
     ``axes.device`` in ``axes.dtype``; a checkpoint at every evaluation into the cell's
     ``checkpoint_dir``, from which the cell continues when it is measured again."""
-    axes = cell["axes"]
-    params = dict(cell["params"], backend=cell["backend"])
-    config = LMConfig.model_validate(cell["task"])
-    return run_lm(cell["variant"], params, config, context=axes["seq_len"], device=axes["device"], dtype=axes["dtype"],
-                  out_dir=cell.get("checkpoint_dir"), checkpoint_every=config.eval_every)
+    axes = cell.axes
+    params = dict(cell.params, backend=cell.backend)
+    config = LMConfig.model_validate(cell.task)
+    return run_lm(cell.variant, params, config, context=axes["seq_len"], device=axes["device"], dtype=axes["dtype"],
+                  out_dir=cell.checkpoint_dir, checkpoint_every=config.eval_every)
 
 
 def _final_evaluation(model, corpus, context, precision, eval_tokens, sliding_tokens, carry) -> dict:

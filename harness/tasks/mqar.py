@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field
 
+from ..cell import Cell
 from ..models import check_positive_int
 from ..models.mqar import MQARModel
 from . import MAX_BATCH, MAX_VOCAB, Seed, Steps, TaskConfig
@@ -222,8 +223,8 @@ def run_mqar(variant: str, params: dict, config: MQARConfig, *, seq_len: int, d_
 # --- the task, as scenarios, the runner and the report see it ---------------------------------
 
 
-def run_cell(cell: dict) -> dict:
+def run_cell(cell: Cell) -> dict:
     """Train and evaluate one cell (axes seq_len and d_model, in axes.dtype)."""
-    axes = cell["axes"]
-    return run_mqar(cell["variant"], dict(cell["params"], backend=cell["backend"]), MQARConfig.model_validate(cell["task"]),
-                    seq_len=axes["seq_len"], d_model=axes["d_model"], dtype=axes["dtype"], checkpoint_dir=cell.get("checkpoint_dir"))
+    axes = cell.axes
+    return run_mqar(cell.variant, dict(cell.params, backend=cell.backend), MQARConfig.model_validate(cell.task),
+                    seq_len=axes["seq_len"], d_model=axes["d_model"], dtype=axes["dtype"], checkpoint_dir=cell.checkpoint_dir)

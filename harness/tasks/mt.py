@@ -35,6 +35,7 @@ from pydantic import Field, field_validator
 
 import variants
 
+from ..cell import Cell
 from ..files import write_json_atomic
 from ..measure import synchronize
 from ..models import config_from_preset
@@ -395,15 +396,15 @@ def run_mt(variant: str, params: dict, config: MTConfig, *, device="cpu", dtype:
     return metrics
 
 
-def run_cell(cell: dict) -> dict:
-    """The metrics of a scenario cell of this task: ``cell["task"]`` validated as an MTConfig,
+def run_cell(cell: Cell) -> dict:
+    """The metrics of a scenario cell of this task: ``cell.task`` validated as an MTConfig,
     the cell's variant with its parameters and backend, on ``axes.device``; a checkpoint at every
     evaluation into the cell's ``checkpoint_dir``, from which the cell continues when it is
     measured again."""
-    params = dict(cell["params"], backend=cell["backend"])
-    config = MTConfig.model_validate(cell["task"])
-    return run_mt(cell["variant"], params, config, device=cell["axes"]["device"], dtype=cell["axes"]["dtype"],
-                  out_dir=cell.get("checkpoint_dir"), checkpoint_every=config.resolved().eval_every)
+    params = dict(cell.params, backend=cell.backend)
+    config = MTConfig.model_validate(cell.task)
+    return run_mt(cell.variant, params, config, device=cell.device, dtype=cell.axes["dtype"],
+                  out_dir=cell.checkpoint_dir, checkpoint_every=config.resolved().eval_every)
 
 
 def _command_line() -> CommandLine:

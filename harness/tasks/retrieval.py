@@ -23,6 +23,7 @@ from pydantic import Field
 
 import variants
 
+from ..cell import Cell
 from ..models import check_positive_int
 from ..models.retrieval import RetrievalModel
 from . import MAX_BATCH, Seed, Steps, TaskConfig
@@ -248,11 +249,11 @@ def run_retrieval(variant: str, params: dict, config: RetrievalConfig, *, S: int
 # --- the task, as scenarios, the runner and the report see it ---------------------------------
 
 
-def run_cell(cell: dict) -> dict:
+def run_cell(cell: Cell) -> dict:
     """Train and evaluate one cell (axes S and d_key); its metrics also carry the variant's d_dot,
     the capacity its loss is read against."""
-    axes = cell["axes"]
-    metrics = run_retrieval(cell["variant"], dict(cell["params"], backend=cell["backend"]), RetrievalConfig.model_validate(cell["task"]),
-                            S=axes["S"], d_key=axes["d_key"], dtype=axes["dtype"], checkpoint_dir=cell.get("checkpoint_dir"))
-    metrics["d_dot"] = variants.create(cell["variant"], axes["d_key"], backend=cell["backend"], **cell["params"]).d_dot
+    axes = cell.axes
+    metrics = run_retrieval(cell.variant, dict(cell.params, backend=cell.backend), RetrievalConfig.model_validate(cell.task),
+                            S=axes["S"], d_key=axes["d_key"], dtype=axes["dtype"], checkpoint_dir=cell.checkpoint_dir)
+    metrics["d_dot"] = variants.create(cell.variant, axes["d_key"], backend=cell.backend, **cell.params).d_dot
     return metrics

@@ -38,6 +38,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from ..cell import Cell
 from ..measure import PeakMemory, synchronize
 from .batches import BatchStream
 from .distributed import Distributed
@@ -241,13 +242,13 @@ CELL_IDENTITY = ("cell_id", "variant", "backend", "params", "axes", "task")
 
 
 @contextlib.contextmanager
-def cell_checkpoints(cell: dict):
+def cell_checkpoints(cell: Cell):
     """``with cell_checkpoints(cell):`` every checkpoint saved meanwhile carries the cell's id,
     variant, parameters, axes and task config, and one loaded must carry the same (else
     ``CheckpointError`` naming the file and what differs): a checkpoint copied from another
     cell's directory is refused, not continued."""
     global _cell_identity
-    saved, _cell_identity = _cell_identity, {key: cell.get(key) for key in CELL_IDENTITY}
+    saved, _cell_identity = _cell_identity, {key: getattr(cell, key) for key in CELL_IDENTITY}
     try:
         yield
     finally:

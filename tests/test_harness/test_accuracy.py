@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import make_cell
 
 import variants
 from harness import accuracy, workloads
@@ -21,11 +22,11 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def _cell(variant, mode, *, target="core", dtype="float32", seq_len=12, **axes):
-    return {
-        "variant": variant, "params": {}, "backend": "torch", "target": target, "mode": mode,
-        "axes": {"seq_len": seq_len, "batch": 2, "heads": 2, "d_key": 8, "d_value": 8, "device": "cpu", "dtype": dtype, **axes},
-        "decode": {"new_tokens": 3}, "model": {"preset": "cpu", "vocab_size": 40, "overrides": {"n_layers": 1, "d_model": 32, "n_heads": 2, "d_ff": 64}},
-    }  # fmt: skip
+    return make_cell(
+        variant=variant, target=target, mode=mode,
+        axes={"seq_len": seq_len, "batch": 2, "heads": 2, "d_key": 8, "d_value": 8, "device": "cpu", "dtype": dtype, **axes},
+        decode={"new_tokens": 3}, model={"preset": "cpu", "vocab_size": 40, "overrides": {"n_layers": 1, "d_model": 32, "n_heads": 2, "d_ff": 64}},
+    )  # fmt: skip
 
 
 @pytest.fixture
@@ -46,11 +47,11 @@ def off_by_one_percent(own_registry):
 
 
 def _metrics(cell) -> dict:
-    device, dtype = torch.device("cpu"), DTYPES[cell["axes"]["dtype"]]
-    if cell["mode"] == "decode":
-        decoder = build_decoder(cell, device, dtype, cell["axes"]["seq_len"], cell["decode"]["new_tokens"])
+    device, dtype = torch.device("cpu"), DTYPES[cell.axes["dtype"]]
+    if cell.mode == "decode":
+        decoder = build_decoder(cell, device, dtype, cell.axes["seq_len"], cell.decode["new_tokens"])
         return accuracy.measure_decode(cell, device, dtype, decoder)
-    return accuracy.measure(cell, device, dtype, BUILDERS[cell["target"]](cell, device, dtype))
+    return accuracy.measure(cell, device, dtype, BUILDERS[cell.target](cell, device, dtype))
 
 
 @pytest.mark.parametrize("mode", ["forward", "train", "decode"])
@@ -139,7 +140,7 @@ def test_a_variant_without_a_reference_is_checked_against_its_float64_form(monke
 
 
 def test_a_timed_cell_records_its_accuracy():
-    cell = _cell("linear", "train") | {"measure": {"warmup": 0, "repeats": 2, "target_rel_ci": None, "flush_l2": False, "cpus": None}}
+    cell = _cell("linear", "train").replace(measure={"warmup": 0, "repeats": 2, "target_rel_ci": None, "flush_l2": False, "cpus": None})
     result = workloads.measure_cell(cell)
     assert result["status"] == "ok" and 0 < result["metrics"]["rel_error"] < 1e-5 and result["metrics"]["inaccurate"] is False, result
 

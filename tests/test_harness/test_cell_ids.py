@@ -24,7 +24,7 @@ def expansions() -> dict[str, str]:
     for name in shipped():
         presets = yaml.safe_load(resolve_path(name).read_text()).get("presets") or {}
         for preset in [None, *sorted(presets)]:
-            ids = [cell["cell_id"] for cell in load_scenario(name, preset=preset).cells()]
+            ids = [cell.cell_id for cell in load_scenario(name, preset=preset).cells()]
             found[f"{name}:{preset}"] = f"{len(ids)} {hashlib.sha256(' '.join(ids).encode()).hexdigest()[:16]}"
     return found
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from harness import executors, machine, measure, roofline, worker, workloads
+from harness.cell import Cell
 from harness.executors import local
 from harness.scenario import load_scenario
 
@@ -48,7 +49,7 @@ def two_gpus(monkeypatch):
     return gpus
 
 
-def _cell(device: str, dtype: str = "float32") -> dict:
+def _cell(device: str, dtype: str = "float32") -> Cell:
     (cell,) = load_scenario("seq-sweep", overrides=["seq_len=16", "heads=1", "d_key=8", "measure.repeats=1", f"dtype={dtype}",
                                                     f"device={device}"]).cells()[:1]
     return cell

@@ -16,6 +16,7 @@ import time
 
 import pytest
 import torch
+from helpers import make_cell
 
 from harness import runner
 from harness import worker as workers
@@ -176,8 +177,7 @@ def test_resume_refuses_other_set_overrides_naming_them(tmp_path):
 
 
 def _cell(cell_id, variant="delta", **params):
-    return {"cell_id": cell_id, "variant": variant, "backend": "torch", "params": params, "axes": {"seq_len": 16},
-            "task": {"name": "mqar", "steps": 10}}
+    return make_cell(cell_id=cell_id, variant=variant, params=params, axes={"seq_len": 16}, task={"name": "mqar", "steps": 10})
 
 
 def _payload(step: int) -> dict:
@@ -244,7 +244,7 @@ def test_a_cell_over_its_memory_limit_is_oom_and_the_worker_goes_on(tmp_path):
     path.write_text("name: big\nvariants: {softmax: {}}\naxes: {seq_len: [16, 65536], batch: 4, heads: 4, d_key: 64}\n"
                     "measure: {warmup: 0, repeats: 1, target_rel_ci: null, max_memory: 500000000, fresh_worker: false}\n")
     small, big = load_scenario(str(path)).cells()
-    assert big["axes"]["seq_len"] == 65536  # q, k and v take 268 MB each
+    assert big.axes["seq_len"] == 65536  # q, k and v take 268 MB each
     worker = workers.Worker()
     try:
         result = worker.measure(big, 60)
@@ -256,10 +256,10 @@ def test_a_cell_over_its_memory_limit_is_oom_and_the_worker_goes_on(tmp_path):
 
 def test_the_memory_limit_is_max_memory_else_a_share_of_ram_on_the_cpu():
     ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    cell = {"measure": {"max_memory": None}, "axes": {"device": "cpu"}}
+    cell = make_cell(measure={"max_memory": None})
     assert workers.memory_limit(cell) == int(workers.MEMORY_SHARE * ram)
-    assert workers.memory_limit({**cell, "axes": {"device": "cuda:1"}}) is None
-    assert workers.memory_limit({"measure": {"max_memory": 1 << 30}, "axes": {"device": "cuda:0"}}) == 1 << 30
+    assert workers.memory_limit(cell.replace(axes={"device": "cuda:1"})) is None
+    assert workers.memory_limit(make_cell(measure={"max_memory": 1 << 30}, axes={"device": "cuda:0"})) == 1 << 30
     before = resource.getrlimit(resource.RLIMIT_DATA)
     try:
         workers.limit_memory(1 << 40)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import commit, edit, project_repository
+from helpers import commit, edit, make_cell, project_repository
 from helpers import git as _git
 
 import variants
@@ -191,22 +191,18 @@ def test_a_failed_cell_costs_its_worker_and_the_next_cell_gets_a_fresh_one(monke
 
     def measure(self, cell, timeout_s):
         self.measured += 1
-        log.append((self.code_root.name, cell["variant"], len(starts)))
-        return {"status": cell["variant"], "error": None if cell["variant"] == "ok" else "injected", "metrics": {}}
+        log.append((self.code_root.name, cell.variant, len(starts)))
+        return {"status": cell.variant, "error": None if cell.variant == "ok" else "injected", "metrics": {}}
 
     monkeypatch.setattr(workers.Worker, "_start", start)
     monkeypatch.setattr(workers.Worker, "measure", measure)
     monkeypatch.setattr(workers.Worker, "close", lambda self: None)
     statuses = ["ok", "error", "ok", "nan", "ok", "crashed", "ok", "oom", "ok"]
-    cells = [
-        {"cell_id": f"{number}", "scenario": "s", "variant": status, "backend": "torch", "params": {}, "mode": "forward", "target": "core",
-         "axes": {"device": "cpu", "dtype": "float32"}, "skip": None, "measure": {"fresh_worker": None, "timeout_s": 60}}
-        for number, status in enumerate(statuses)
-    ]
+    cells = [make_cell(cell_id=f"{number}", variant=status, measure={"fresh_worker": None, "timeout_s": 60}) for number, status in enumerate(statuses)]
     revisions = [Revision(side, side, side * 10, tmp_path / side) for side in ("base", "head")]
     fingerprints = {side: {"machine_id": "m", "git": {"commit": side * 10, "dirty": False}} for side in ("base", "head")}
     measured = measure_rounds(revisions, {"base": cells, "head": cells}, 2, fingerprints, {"base": "b", "head": "h"}, progress=False)
-    assert [[record["status"] for record in measured["base"][cell["cell_id"]]] for cell in cells] == [[status] * 2 for status in statuses]
+    assert [[record["status"] for record in measured["base"][cell.cell_id]] for cell in cells] == [[status] * 2 for status in statuses]
     workers_of = [[start - first for _, _, start in log[first_cell:first_cell + len(statuses)]]
                   for first_cell, first in zip(range(0, 4 * len(statuses), len(statuses)), (1, 5, 9, 13))]
     # a new worker after the error, the nan and the crash; the same one after ok and oom
@@ -233,8 +229,7 @@ def test_each_revision_has_a_triton_cache_of_its_own_in_its_check_and_its_worker
     monkeypatch.setattr(workers.Worker, "_start", start)
     monkeypatch.setattr(workers.Worker, "measure", lambda self, cell, timeout_s: {"status": "ok", "error": None, "metrics": {}})
     monkeypatch.setattr(workers.Worker, "close", lambda self: None)
-    cell = {"cell_id": "c", "scenario": "s", "variant": "linear", "backend": "torch", "params": {}, "mode": "forward", "target": "core",
-            "axes": {"device": "cpu", "dtype": "float32"}, "skip": None, "measure": {"fresh_worker": None, "timeout_s": 60}}  # fmt: skip
+    cell = make_cell(cell_id="c", measure={"fresh_worker": None, "timeout_s": 60})
     with worktrees(repo, commits["plain"], commits["slow"]) as revisions:
         caches = [Path(revision.env["TRITON_CACHE_DIR"]) for revision in revisions]
         scratch = revisions[0].root.parent

@@ -7,6 +7,7 @@ import sys
 
 import pytest
 import torch
+from helpers import make_cell
 
 from harness import roofline
 from harness.builders import BUILDERS, build_decoder
@@ -63,8 +64,8 @@ def test_calibration_keeps_the_best_figures_of_a_machine(tmp_path, monkeypatch):
 
 
 def _cell(variant, mode, target="core", **axes):
-    return {"variant": variant, "backend": "torch", "params": {}, "mode": mode, "target": target,
-            "axes": {"seq_len": 16, "batch": 2, "heads": 3, "d_key": 4, "d_value": 5, "dtype": "float32", "device": "cpu", **axes}}
+    return make_cell(variant=variant, mode=mode, target=target,
+                     axes={"seq_len": 16, "batch": 2, "heads": 3, "d_key": 4, "d_value": 5, "dtype": "float32", "device": "cpu", **axes})
 
 
 def test_min_bytes_of_the_core():

@@ -14,8 +14,9 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import attnbench
+from helpers import attnbench, make_cell
 
+from harness.cell import Cell
 from harness.results import load, read_records
 
 PLUGIN = str(Path(__file__).with_name("fault_plugin.py"))
@@ -270,8 +271,8 @@ class _ScriptedWorker:
 
     def measure(self, cell, timeout_s):
         self.measured += 1
-        self.log.append((cell["variant"], self.starts))
-        status = cell["variant"]
+        self.log.append((cell.variant, self.starts))
+        status = cell.variant
         if status in ("crashed", "timeout"):
             self.restart()
         return {"status": "error" if status == "timeout" else status, "error": status, "metrics": {}}
@@ -283,9 +284,8 @@ class _ScriptedWorker:
         pass
 
 
-def _cuda_cell(status: str) -> dict:
-    return {"variant": status, "axes": {"device": "cuda:0", "dtype": "float32"}, "mode": "forward", "skip": None,
-            "measure": {"fresh_worker": None, "timeout_s": 60}, "cell_id": status}
+def _cuda_cell(status: str) -> Cell:
+    return make_cell(variant=status, axes={"device": "cuda:0", "dtype": "float32"}, measure={"fresh_worker": None, "timeout_s": 60}, cell_id=status)
 
 
 def test_a_failed_cuda_cell_gets_a_fresh_worker_and_an_ok_or_oom_one_keeps_it(monkeypatch):
@@ -320,7 +320,7 @@ def test_a_failed_cuda_cell_gets_a_fresh_worker_and_an_ok_or_oom_one_keeps_it(mo
 def test_which_cells_need_a_fresh_worker(status, device, mode, fresh_worker, expected):
     from harness.worker import needs_fresh_worker
 
-    cell = {"axes": {"device": device}, "mode": mode, "measure": {"fresh_worker": fresh_worker}}
+    cell = make_cell(axes={"device": device}, mode=mode, measure={"fresh_worker": fresh_worker})
     assert needs_fresh_worker(cell, status) is expected
 
 

@@ -36,16 +36,16 @@ def error_of(tmp_path, data, **kwargs) -> str:
 @pytest.mark.parametrize("preset", [None, "ci"])
 def test_shipped_scenarios_validate_and_expand(name, preset):
     cells = load_scenario(name, preset=preset).cells()
-    assert cells and len({cell["cell_id"] for cell in cells}) == len(cells)
+    assert cells and len({cell.cell_id for cell in cells}) == len(cells)
 
 
 def test_expansion_counts_and_order(tmp_path):
     cells = load_scenario(write(tmp_path, BASE)).cells()
     # (1 softmax + 3 dpfp) configurations x 2 modes x 2 lengths
     assert len(cells) == 16
-    assert [c["params"].get("nu") for c in cells[:4]] == [None] * 4
-    assert {c["axes"]["d_value"] for c in cells} == {8}, "d_value defaults to d_key"
-    assert sorted({(c["variant"], c["params"].get("nu")) for c in cells}, key=str) == sorted(
+    assert [c.params.get("nu") for c in cells[:4]] == [None] * 4
+    assert {c.axes["d_value"] for c in cells} == {8}, "d_value defaults to d_key"
+    assert sorted({(c.variant, c.params.get("nu")) for c in cells}, key=str) == sorted(
         [("softmax", None), ("dpfp", 1), ("dpfp", 2), ("dpfp", 3)], key=str
     )
 
@@ -54,13 +54,13 @@ def test_cell_ids_are_stable_and_ignore_repeats(tmp_path):
     first = load_scenario(write(tmp_path, BASE)).cells()
     more_repeats = dict(BASE, measure={"repeats": 20})
     second = load_scenario(write(tmp_path, more_repeats, "u.yaml")).cells()
-    assert [c["cell_id"] for c in first] == [c["cell_id"] for c in second]
+    assert [c.cell_id for c in first] == [c.cell_id for c in second]
 
 
 def test_list_of_parameter_sets_and_d_dot_axis(tmp_path):
     data = dict(BASE, variants={"performer": {}, "dpfp": {}}, axes={"seq_len": 32, "d_key": 8, "d_dot": [16, 32]})
     cells = load_scenario(write(tmp_path, data)).cells()
-    assert sorted((c["variant"], c["params"]["d_dot"]) for c in cells if c["mode"] == "forward") == [
+    assert sorted((c.variant, c.params["d_dot"]) for c in cells if c.mode == "forward") == [
         ("dpfp", 16),
         ("dpfp", 32),
         ("performer", 16),
@@ -69,7 +69,7 @@ def test_list_of_parameter_sets_and_d_dot_axis(tmp_path):
     data["variants"] = {"delta": [{}, {"phi": "dpfp", "nu": [1, 2]}]}
     data["axes"] = {"seq_len": 32, "d_key": 8}
     cells = load_scenario(write(tmp_path, data, "v.yaml")).cells()
-    assert [c["params"] for c in cells if c["mode"] == "forward"] == [{}, {"phi": "dpfp", "nu": 1}, {"phi": "dpfp", "nu": 2}]
+    assert [c.params for c in cells if c.mode == "forward"] == [{}, {"phi": "dpfp", "nu": 1}, {"phi": "dpfp", "nu": 2}]
 
 
 def test_unreachable_d_dot_is_a_clear_error(tmp_path):
@@ -84,17 +84,17 @@ def test_unreachable_d_dot_is_a_clear_error(tmp_path):
 def test_tokens_per_batch_rule_scales_batch(tmp_path):
     data = dict(BASE, variants={"softmax": {}}, modes=["forward"], axes={"seq_len": [512, 1024, 4096], "batch": 1}, rules={"tokens_per_batch": 8192})
     cells = load_scenario(write(tmp_path, data)).cells()
-    assert [(c["axes"]["seq_len"], c["axes"]["batch"]) for c in cells] == [(512, 16), (1024, 8), (4096, 2)]
+    assert [(c.axes["seq_len"], c.axes["batch"]) for c in cells] == [(512, 16), (1024, 8), (4096, 2)]
 
 
 def test_preset_and_set_overrides(tmp_path):
     data = dict(BASE, presets={"ci": {"axes": {"seq_len": [16]}, "measure": {"repeats": 2}}})
     path = write(tmp_path, data)
     cells = load_scenario(path, preset="ci").cells()
-    assert {c["axes"]["seq_len"] for c in cells} == {16} and cells[0]["measure"]["repeats"] == 2
+    assert {c.axes["seq_len"] for c in cells} == {16} and cells[0].measure["repeats"] == 2
     cells = load_scenario(path, overrides=["seq_len=[256, 512]", "measure.repeats=4", "dtype=float64"]).cells()
-    assert {c["axes"]["seq_len"] for c in cells} == {256, 512}
-    assert cells[0]["measure"]["repeats"] == 4 and cells[0]["axes"]["dtype"] == "float64"
+    assert {c.axes["seq_len"] for c in cells} == {256, 512}
+    assert cells[0].measure["repeats"] == 4 and cells[0].axes["dtype"] == "float64"
 
 
 @pytest.mark.parametrize(
@@ -154,9 +154,9 @@ TASK = {
 
 def test_task_scenario_expands_over_s(tmp_path):
     cells = load_scenario(write(tmp_path, TASK)).cells()
-    assert len(cells) == 6 and {c["axes"]["S"] for c in cells} == {4, 8}
-    assert set(cells[0]["axes"]) == {"S", "d_key", "dtype", "device"}
-    assert cells[0]["task"]["max_steps"] == 10 and cells[0]["mode"] == "quality"
+    assert len(cells) == 6 and {c.axes["S"] for c in cells} == {4, 8}
+    assert set(cells[0].axes) == {"S", "d_key", "dtype", "device"}
+    assert cells[0].task["max_steps"] == 10 and cells[0].mode == "quality"
 
 
 @pytest.mark.parametrize(
@@ -181,13 +181,13 @@ def test_quality_mode_needs_a_task(tmp_path):
 def test_a_preset_replaces_the_variants(tmp_path):
     data = dict(BASE, presets={"small": {"variants": {"linear": {}}}})
     cells = load_scenario(write(tmp_path, data), preset="small").cells()
-    assert {c["variant"] for c in cells} == {"linear"}
+    assert {c.variant for c in cells} == {"linear"}
 
 
 def test_mqar_task_scenario(tmp_path):
     data = {**TASK, "task": {"name": "mqar", "steps": 5}, "target": "mqar", "axes": {"seq_len": [32, 64], "d_model": 16}}
     cells = load_scenario(write(tmp_path, data)).cells()
-    assert len(cells) == 6 and set(cells[0]["axes"]) == {"seq_len", "d_model", "dtype", "device"}
+    assert len(cells) == 6 and set(cells[0].axes) == {"seq_len", "d_model", "dtype", "device"}
     message = error_of(tmp_path, {**data, "axes": {"seq_len": 32}})
     assert "axes.d_model" in message
 
@@ -201,7 +201,7 @@ def test_a_variant_configuration_with_its_own_axes(tmp_path):
         "variants": {"softmax": {}, "linear": {"axes": {"S": [4, 8]}}, "dpfp": [{"nu": 1, "axes": {"S": 16}}, {"nu": 2, "axes": {"S": [32, 48], "seed": 7}}]},
     }
     cells = load_scenario(write(tmp_path, data)).cells()
-    grid = {(c["variant"], c["params"].get("nu"), c["axes"]["S"], c["axes"]["seed"]) for c in cells}
+    grid = {(c.variant, c.params.get("nu"), c.axes["S"], c.axes["seed"]) for c in cells}
     assert grid == {("softmax", None, S, seed) for S in (4, 300) for seed in (0, 1)} | {("linear", None, S, seed) for S in (4, 8) for seed in (0, 1)} | {
         ("dpfp", 1, 16, 0),
         ("dpfp", 1, 16, 1),
@@ -209,12 +209,12 @@ def test_a_variant_configuration_with_its_own_axes(tmp_path):
         ("dpfp", 2, 48, 7),
     }
     assert len(cells) == len(grid)
-    assert all("axes" not in c["params"] for c in cells)
-    assert {c["task"]["seed"] for c in cells if c["params"].get("nu") == 2} == {7}
+    assert all("axes" not in c.params for c in cells)
+    assert {c.task["seed"] for c in cells if c.params.get("nu") == 2} == {7}
     # the cells of a configuration without its own axes keep their ids
     plain = {**data, "variants": {"softmax": {}}}
-    softmax_ids = {c["cell_id"] for c in cells if c["variant"] == "softmax"}
-    assert {c["cell_id"] for c in load_scenario(write(tmp_path, plain, "p.yaml")).cells()} == softmax_ids
+    softmax_ids = {c.cell_id for c in cells if c.variant == "softmax"}
+    assert {c.cell_id for c in load_scenario(write(tmp_path, plain, "p.yaml")).cells()} == softmax_ids
 
 
 @pytest.mark.parametrize(
@@ -236,7 +236,7 @@ def test_a_configurations_axes_are_checked_like_the_scenarios(tmp_path, variant_
 
 def test_a_speed_scenario_configuration_may_have_its_own_lengths(tmp_path):
     data = dict(BASE, variants={"softmax": {"axes": {"seq_len": 32}}, "linear": {}})
-    lengths = {(c["variant"], c["axes"]["seq_len"]) for c in load_scenario(write(tmp_path, data)).cells()}
+    lengths = {(c.variant, c.axes["seq_len"]) for c in load_scenario(write(tmp_path, data)).cells()}
     assert lengths == {("softmax", 32), ("linear", 64), ("linear", 128)}
     message = error_of(tmp_path, dict(BASE, variants={"linear": {"axes": {"S": 4}}}))
     assert "variants.linear.axes.S: the scenario has no such axis" in message and "seq_len" in message
@@ -246,12 +246,12 @@ def test_a_variant_of_its_own_d_key(tmp_path):
     """Based's 16-dimensional keys beside 64-dimensional heads: the core's d_key axis is the
     variant's, values keep the axis width; a task's layer receives d_key as a parameter."""
     data = dict(BASE, variants={"linear": {}, "based": {"d_key": 16}}, axes={"seq_len": 32, "d_key": 64})
-    cells = [c for c in load_scenario(write(tmp_path, data)).cells() if c["mode"] == "forward"]
-    shapes = {c["variant"]: (c["axes"]["d_key"], c["axes"]["d_value"], c["params"]) for c in cells}
+    cells = [c for c in load_scenario(write(tmp_path, data)).cells() if c.mode == "forward"]
+    shapes = {c.variant: (c.axes["d_key"], c.axes["d_value"], c.params) for c in cells}
     assert shapes == {"linear": (64, 64, {}), "based": (16, 64, {})}
     mqar = {**TASK, "task": {"name": "mqar", "steps": 5}, "target": "mqar", "axes": {"seq_len": 32, "d_model": 64}, "variants": {"rebased": {"d_key": 16}}}
     (cell,) = load_scenario(write(tmp_path, mqar, "m.yaml")).cells()
-    assert cell["params"] == {"d_key": 16} and cell["axes"]["d_model"] == 64
+    assert cell.params == {"d_key": 16} and cell.axes["d_model"] == 64
     message = error_of(tmp_path, dict(data, variants={"based": {"d_key": 0}}))
     assert "variants.based" in message and "d_key must be a positive int" in message
 
@@ -271,6 +271,6 @@ def test_cells_of_a_variant_with_its_own_d_key_measure(tmp_path, target):
     )
     for cell in load_scenario(write(tmp_path, data)).cells():
         result = measure_cell(cell)
-        assert result["status"] == "ok", (cell["mode"], result)
+        assert result["status"] == "ok", (cell.mode, result)
     # the decoding state holds d_dot x d_value = 16 x 8 per head
     assert result["metrics"]["state_numel"] == 2 * (16 * 8 + 16)

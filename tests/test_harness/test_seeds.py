@@ -42,14 +42,14 @@ def cells_of(rows: list[tuple[str, int, int, float, float]], machine: str = "m1"
 
 def test_a_seed_axis_gives_each_cell_its_seed_in_axes_and_task():
     cells = load_scenario("quality/mqar", preset="ci", overrides=["seed=[0, 1, 2]"]).cells()
-    assert sorted((cell["variant"], cell["axes"]["seed"]) for cell in cells) == [(v, s) for v in ("linear", "softmax") for s in (0, 1, 2)]
-    assert all(cell["task"]["seed"] == cell["axes"]["seed"] for cell in cells)
-    assert len({cell["cell_id"] for cell in cells}) == 6
+    assert sorted((cell.variant, cell.axes["seed"]) for cell in cells) == [(v, s) for v in ("linear", "softmax") for s in (0, 1, 2)]
+    assert all(cell.task["seed"] == cell.axes["seed"] for cell in cells)
+    assert len({cell.cell_id for cell in cells}) == 6
 
 
 def test_without_a_seed_axis_cells_keep_the_task_seed_and_their_ids():
     cells = load_scenario("quality/mqar", preset="ci", overrides=["task.seed=4"]).cells()
-    assert all("seed" not in cell["axes"] and cell["task"]["seed"] == 4 for cell in cells)
+    assert all("seed" not in cell.axes and cell.task["seed"] == 4 for cell in cells)
 
 
 @pytest.mark.parametrize(

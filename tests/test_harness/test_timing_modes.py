@@ -36,11 +36,11 @@ def _scenario(tmp_path, *, modes="[forward]", measure="", device="cpu", extra=""
 
 def test_events_is_the_default_and_every_mode_loads_where_it_can_run(tmp_path):
     (cell,) = load_scenario(str(_scenario(tmp_path))).cells()
-    assert cell["measure"]["timing"] == "events"
+    assert cell.measure["timing"] == "events"
     for timing in ("profiler", "wall"):
-        assert load_scenario(str(_scenario(tmp_path, measure=f"timing: {timing}"))).cells()[0]["measure"]["timing"] == timing
-    assert load_scenario(str(_scenario(tmp_path, measure="timing: cudagraph", device="cuda"))).cells()[0]["measure"]["timing"] == "cudagraph"
-    assert load_scenario(str(_scenario(tmp_path, modes="[decode]", measure="timing: wall"))).cells()[0]["measure"]["timing"] == "wall"
+        assert load_scenario(str(_scenario(tmp_path, measure=f"timing: {timing}"))).cells()[0].measure["timing"] == timing
+    assert load_scenario(str(_scenario(tmp_path, measure="timing: cudagraph", device="cuda"))).cells()[0].measure["timing"] == "cudagraph"
+    assert load_scenario(str(_scenario(tmp_path, modes="[decode]", measure="timing: wall"))).cells()[0].measure["timing"] == "wall"
 
 
 @pytest.mark.parametrize(
@@ -79,10 +79,9 @@ def test_a_cpu_cell_asked_for_cudagraph_is_refused_before_it_is_timed(tmp_path):
     """A cell that reaches a worker with ``cudagraph`` on the CPU (a results file's cells, a plugin
     scenario) raises TimingError, which the worker records as the cell's error."""
     (cell,) = load_scenario(str(_scenario(tmp_path))).cells()
-    cell["measure"]["timing"] = "cudagraph"
     with pytest.raises(TimingError, match="'cudagraph' replays a CUDA graph"):
-        workloads.measure_cell(cell)
-    cell["mode"], cell["axes"]["new_tokens"], cell["measure"]["timing"] = "decode", 2, "profiler"
+        workloads.measure_cell(cell.replace(measure={**cell.measure, "timing": "cudagraph"}))
+    cell = cell.replace(mode="decode", axes={**cell.axes, "new_tokens": 2}, measure={**cell.measure, "timing": "profiler"})
     with pytest.raises(TimingError, match="'profiler' times one call; a decode cell times each step with events or wall"):
         workloads.measure_cell(cell)
 
@@ -128,21 +127,21 @@ def test_what_each_profile_tool_is_asked_and_why_a_cell_is_skipped(tmp_path, mon
     results = tmp_path / "timing-1.jsonl"
     (cell,) = load_scenario(str(_scenario(tmp_path))).cells()
     assert profiling.request(cell, None, results) is cell
-    assert profiling.request(cell, "torch", results)["profile"] == {"tool": "torch"}
+    assert profiling.request(cell, "torch", results).profile == {"tool": "torch"}
     monkeypatch.setattr(profiling.shutil, "which", lambda name: None)
     for tool in ("ncu", "nsys"):
-        assert profiling.request(cell, tool, results)["profile"] == {"tool": tool, "skipped": f"{tool} is not on PATH"}
-        assert profiling.wrapper(profiling.request(cell, tool, results)["profile"]) is None
+        assert profiling.request(cell, tool, results).profile == {"tool": tool, "skipped": f"{tool} is not on PATH"}
+        assert profiling.wrapper(profiling.request(cell, tool, results).profile) is None
     monkeypatch.setattr(profiling.shutil, "which", lambda name: f"/usr/bin/{name}")
-    assert "this cell runs on the CPU" in profiling.request(cell, "nsys", results)["profile"]["skipped"]
-    asked = profiling.request(dict(cell, axes=dict(cell["axes"], device="cuda")), "nsys", results)["profile"]
-    assert asked["recorded"] == f"timing-1.profiles/{cell['cell_id']}.nsys-rep"
+    assert "this cell runs on the CPU" in profiling.request(cell, "nsys", results).profile["skipped"]
+    asked = profiling.request(cell.replace(axes=dict(cell.axes, device="cuda")), "nsys", results).profile
+    assert asked["recorded"] == f"timing-1.profiles/{cell.cell_id}.nsys-rep"
     command = profiling.wrapper(asked)
     assert command[:2] == ["nsys", "profile"] and "--capture-range=cudaProfilerApi" in command and command[-1] == asked["report"]
     assert (tmp_path / "timing-1.profiles").is_dir(), "the tool's report goes beside the results file"
     assert profiling.wrapper(dict(asked, tool="ncu"))[:3] == ["ncu", "--profile-from-start", "off"]
-    quality = dict(cell, mode="quality")
-    assert profiling.request(quality, "torch", results)["profile"]["skipped"].startswith("a quality cell")
+    quality = cell.replace(mode="quality")
+    assert profiling.request(quality, "torch", results).profile["skipped"].startswith("a quality cell")
 
 
 @pytest.mark.slow

@@ -16,6 +16,7 @@ import pytest
 
 import harness
 import harness.stats as stats
+from harness.cell import Cell
 from harness.compare import EXIT_OK, EXIT_REGRESSION, UNSTABLE, compare, ratio_ci
 from harness.results import read_records
 
@@ -144,7 +145,7 @@ def test_the_threads_of_a_cpu_measurement_leave_the_busy_cores_alone():
     assert spare_threads(2, 8, 3.0) == 2
 
 
-def _cells(tmp_path, device: str = "cpu", **measure) -> list[dict]:
+def _cells(tmp_path, device: str = "cpu", **measure) -> list[Cell]:
     from harness.scenario import load_scenario
 
     scenario = tmp_path / "tiny.yaml"
@@ -160,7 +161,7 @@ def test_a_busy_machine_is_announced_before_cpu_cells(tmp_path):
     line = busy_warning(cells, 1.6, 2)
     assert line.startswith("warning: the machine is busy: other processes keep 1.6 of 2 cores busy, 0 free;") and "1 thread(s)" in line, line
     assert "\n" not in line and busy_warning(cells, 0.3, 2) is None and busy_warning(cells, None, 2) is None
-    assert busy_warning([dict(cell, axes=dict(cell["axes"], device="cuda")) for cell in cells], 1.6, 2) is None
+    assert busy_warning([cell.replace(axes=dict(cell.axes, device="cuda")) for cell in cells], 1.6, 2) is None
 
 
 def test_a_cpu_cell_records_the_threads_the_load_left_it(tmp_path, monkeypatch):

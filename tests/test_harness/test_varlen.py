@@ -11,6 +11,7 @@ import yaml
 
 import variants
 from harness import builders, lengths
+from harness.cell import Cell
 from harness.scenario import ScenarioError, load_scenario
 from harness.workloads import measure_cell
 
@@ -30,7 +31,7 @@ def write(tmp_path, data, name="v.yaml"):
     return str(path)
 
 
-def cells_of(tmp_path, **changes) -> list[dict]:
+def cells_of(tmp_path, **changes) -> list[Cell]:
     return load_scenario(write(tmp_path, {**BASE, **changes})).cells()
 
 
@@ -93,9 +94,9 @@ def test_cells_and_their_skips(tmp_path):
     is refused by itself, and a backend that takes no cu_seqlens by ``variants.supports``."""
     cells = cells_of(tmp_path, variants={**BASE["variants"], "rwkv": {}}, **with_axes(head_ratio=[1, 2]))
     for cell in cells:
-        assert (cell["axes"]["seq_len"], cell["axes"]["batch"], cell["lengths"]) == (13, 4, [7, 1, 13, 4])
-        assert cell["axes"]["lengths"] == "[7,1,13,4]"
-    skips = {(c["variant"], c["mode"], c["axes"]["packing"], c["axes"]["head_ratio"]): c["skip"] for c in cells}
+        assert (cell.axes["seq_len"], cell.axes["batch"], cell.lengths) == (13, 4, [7, 1, 13, 4])
+        assert cell.axes["lengths"] == "[7,1,13,4]"
+    skips = {(c.variant, c.mode, c.axes["packing"], c.axes["head_ratio"]): c.skip for c in cells}
     assert all(skips[(name, "decode", packing, 1)] is None for name in ("softmax", "linear", "delta") for packing in ("packed", "padded"))
     assert "rwkv: prefill takes no cu_seqlens" in skips[("rwkv", "decode", "packed", 1)]
     assert "rwkv: prefill takes no lengths" in skips[("rwkv", "decode", "padded", 1)]
@@ -114,7 +115,7 @@ def test_a_padded_decode_needs_what_its_prefill_runs(tmp_path):
     """The sum and delta rules' padded prefill runs its rows packed: on a backend that takes no cu_seqlens their padded
     decode is skipped with its reason; softmax's runs the padded batch densely, so its cell is not."""
     cells = cells_of(tmp_path, backends=["compile"], modes=["decode"], **with_axes(packing="padded"))
-    skips = {c["variant"]: c["skip"] for c in cells}
+    skips = {c.variant: c.skip for c in cells}
     assert skips["softmax"] is None and "delta: backend 'compile' takes no cu_seqlens" in skips["delta"], skips
     core = variants.create("delta", 4, backend="compile")
     with pytest.raises(variants.UnsupportedBackend, match="takes no cu_seqlens .the padded prefill of the sum and delta rules runs its rows packed"):
@@ -123,7 +124,7 @@ def test_a_padded_decode_needs_what_its_prefill_runs(tmp_path):
 
 def test_axes_are_absent_unless_set(tmp_path):
     cells = load_scenario(write(tmp_path, {**BASE, "axes": {"seq_len": 8, "heads": 2, "d_key": 4}})).cells()
-    assert all(set(c["axes"]) <= {"seq_len", "batch", "heads", "d_key", "d_value", "dtype", "device", "new_tokens"} and "lengths" not in c for c in cells)
+    assert all(set(c.axes) <= {"seq_len", "batch", "heads", "d_key", "d_value", "dtype", "device", "new_tokens"} and c.lengths is None for c in cells)
 
 
 @pytest.mark.parametrize("mode", ["forward", "train"])
@@ -133,13 +134,13 @@ def test_packed_and_padded_count_the_real_tokens_and_compute_the_same(tmp_path, 
     and its cu_seqlens), and give the same outputs at the real positions."""
     cells = cells_of(tmp_path, modes=[mode], **with_axes(head_ratio=ratio))
     for variant in ("softmax", "linear", "delta"):
-        packed, padded = (next(c for c in cells if c["variant"] == variant and c["axes"]["packing"] == p) for p in ("packed", "padded"))
+        packed, padded = (next(c for c in cells if c.variant == variant and c.axes["packing"] == p) for p in ("packed", "padded"))
         one, other = (builders.core_workload(cell, torch.device("cpu"), torch.float64) for cell in (packed, padded))
         core = one.module
-        heads = builders.head_counts(core, packed["axes"])
+        heads = builders.head_counts(core, packed.axes)
         assert (one.tokens, one.flops) == (other.tokens, other.flops)
         assert 0 < one.min_bytes - other.min_bytes <= 2 * 5 * 4, "the bytes of the real tokens, and the packed row's 5 int32 offsets"
-        query_heads, grouped = builders.head_arguments(core, packed["axes"])
+        query_heads, grouped = builders.head_arguments(core, packed.axes)
         assert one.tokens == 25 and one.flops == sum(core.flops(1, query_heads, n, 4, **grouped) for n in (7, 1, 13, 4)) * (3 if mode == "train" else 1)
         assert (one.inputs["q"].shape[1], one.inputs["k"].shape[1], one.inputs["v"].shape[1]) == heads
         rows = torch.cat([other.run()[n : n + 1, :, :length] for n, length in enumerate((7, 1, 13, 4))], 2)
@@ -151,7 +152,7 @@ def test_a_mixed_decode_batch_steps_each_sequence_from_its_own_context(tmp_path,
     """Prefilled each to its own length (packed, or padded to the longest), then stepped together: row n's
     steps are sequence n's reference at positions lengths[n] ... lengths[n] + new_tokens - 1."""
     cells = cells_of(tmp_path, modes=["decode"], **with_axes(packing=packing, head_ratio=2))
-    assert len(cells) == 3 and not any(cell["skip"] for cell in cells)
+    assert len(cells) == 3 and not any(cell.skip for cell in cells)
     for cell in cells:
         decoder = builders.build_decoder(cell, torch.device("cpu"), torch.float64, None, 3)
         _, state = decoder.prefill()
@@ -160,9 +161,9 @@ def test_a_mixed_decode_batch_steps_each_sequence_from_its_own_context(tmp_path,
             out, state = decoder.step(i, state)
             steps.append(out)
         steps = torch.stack(steps, 2)
-        for n, length in enumerate(cell["lengths"]):
+        for n, length in enumerate(cell.lengths):
             row = {name: x[n : n + 1, :, : length + 3] for name, x in decoder.inputs.items()}
-            torch.testing.assert_close(steps[n : n + 1], decoder.core.reference(**row)[:, :, length:], msg=f"{cell['variant']} row {n}")
+            torch.testing.assert_close(steps[n : n + 1], decoder.core.reference(**row)[:, :, length:], msg=f"{cell.variant} row {n}")
 
 
 @pytest.mark.parametrize("variant", [{"delta": {"chunk_size": 4}}, {"softmax": {}}], ids=["delta", "softmax"])
@@ -170,13 +171,13 @@ def test_measured_packed_cells_are_ok_and_accurate(tmp_path, variant):
     """Every cell, packed and padded, forward, training and decode, ok and accurate; a decode cell counts its
     sequences' real steps (4 x 3) and their FLOPs at each one's own position, packed and padded alike."""
     cells = cells_of(tmp_path, variants=variant, **with_axes(head_ratio=2))
-    assert len(cells) == 6 and not any(c["skip"] for c in cells)
+    assert len(cells) == 6 and not any(c.skip for c in cells)
     decoded = {}
     for cell in cells:
         result = measure_cell(cell)
         metrics = result["metrics"]
-        assert result["status"] == "ok" and not metrics["inaccurate"] and metrics["lengths"] == [7, 1, 13, 4], (cell["mode"], result)
-        assert metrics["tokens"] == (4 * 3 if cell["mode"] == "decode" else 25)
-        if cell["mode"] == "decode":
-            decoded[cell["axes"]["packing"]] = (metrics["flops"], metrics["state_numel"], metrics["min_bytes"])
+        assert result["status"] == "ok" and not metrics["inaccurate"] and metrics["lengths"] == [7, 1, 13, 4], (cell.mode, result)
+        assert metrics["tokens"] == (4 * 3 if cell.mode == "decode" else 25)
+        if cell.mode == "decode":
+            decoded[cell.axes["packing"]] = (metrics["flops"], metrics["state_numel"], metrics["min_bytes"])
     assert decoded["packed"] == decoded["padded"]

@@ -83,9 +83,9 @@ class SpreadConfig(tasks.TaskConfig):
 
 
 def run_spread(cell: dict) -> dict:
-    config = SpreadConfig.model_validate(cell["task"])
-    width = cell["axes"]["width"]
-    core = variants.create(cell["variant"], width, backend=cell["backend"], **cell["params"])
+    config = SpreadConfig.model_validate(cell.task)
+    width = cell.axes["width"]
+    core = variants.create(cell.variant, width, backend=cell.backend, **cell.params)
     inputs = core.example_inputs(1, 2, 16, width, generator=torch.Generator().manual_seed(0))
     return {"spread": config.scale * float(core(**inputs).std()), "loss": 0.0}
 

@@ -17,6 +17,7 @@ import types
 import triton
 
 from harness import workloads
+from harness.cell import Cell
 from harness.scenario import load_scenario
 from variants.kernels import delta_rule, identity, sum_rule
 
@@ -24,7 +25,7 @@ DEVICE = os.environ.get("ATTNBENCH_TEST_DEVICE", "cpu")
 DELTA_KERNELS = ["ut_transform", "state_pass", "output", "backward_local", "backward_pass", "backward_chunk"]
 
 
-def _cells(tmp_path, variants: str, backends: str) -> list[dict]:
+def _cells(tmp_path, variants: str, backends: str) -> list[Cell]:
     path = tmp_path / "s.yaml"
     path.write_text(
         f"variants: {variants}\nbackends: {backends}\naxes: {{seq_len: 16, batch: 1, heads: 2, d_key: 8, device: {DEVICE}}}\n"

@@ -126,5 +126,5 @@ def test_ci_preset_runs_through_attnbench_run(tmp_path):
 def test_the_cpu_preset_trains_the_papers_four_kinds_of_attention():
     """A preset's ``variants`` replace the scenario's: the cpu preset must list softmax, linear and delta beside lsh."""
     cells = load_scenario("quality/copy", preset="cpu").cells()
-    assert {cell["variant"] for cell in cells} == {"softmax", "linear", "lsh", "delta"}
-    assert sorted(cell["params"]["n_rounds"] for cell in cells if cell["variant"] == "lsh") == [1, 4]
+    assert {cell.variant for cell in cells} == {"softmax", "linear", "lsh", "delta"}
+    assert sorted(cell.params["n_rounds"] for cell in cells if cell.variant == "lsh") == [1, 4]

@@ -157,4 +157,4 @@ def test_ci_preset_runs_through_attnbench_run(tmp_path):
 
 def test_the_cpu_preset_compares_softmax_linear_lsh_and_delta():
     """A preset's ``variants`` replace the scenario's: the cpu preset must list every compared variant."""
-    assert {cell["variant"] for cell in load_scenario("quality/image-gen", preset="cpu").cells()} == {"softmax", "linear", "lsh", "delta"}
+    assert {cell.variant for cell in load_scenario("quality/image-gen", preset="cpu").cells()} == {"softmax", "linear", "lsh", "delta"}

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import attnbench, needs_shared
+from helpers import attnbench, make_cell, needs_shared
 
 from harness.models import DecoderConfig, DecoderLM
 from harness.tasks.batches import WindowBatches
@@ -206,10 +206,8 @@ def test_command_line_writes_metrics_and_a_rerun_resumes(tmp_path, capsys):
 def test_a_harness_cell_checkpoints_at_its_evaluations_and_continues(tmp_path):
     """The runner's ``checkpoint_dir``: a checkpoint at every evaluation; measured again, the cell
     continues from the last one to the same result."""
-    cell = {"variant": "linear", "params": {}, "backend": "torch", "axes": {"seq_len": 16, "device": "cpu", "dtype": "float32"},
-            "task": {"name": "lm", "steps": 4, "batch": 4, "warmup": 1, "eval_every": 2, "eval_tokens": 300, "sliding_tokens": 40,
-                     "threads": 1},
-            "checkpoint_dir": str(tmp_path / "cell")}
+    task = {"name": "lm", "steps": 4, "batch": 4, "warmup": 1, "eval_every": 2, "eval_tokens": 300, "sliding_tokens": 40, "threads": 1}
+    cell = make_cell(mode="quality", target="lm", axes={"seq_len": 16, "device": "cpu", "dtype": "float32"}, task=task, checkpoint_dir=str(tmp_path / "cell"))
     first = run_cell(cell)
     assert first["resumed_from"] is None
     assert [p.name for p in (tmp_path / "cell" / "checkpoints").iterdir()] == ["step-000000004.pt"]

@@ -143,7 +143,7 @@ def test_softmax_learns_mqar():
 def test_a_quality_scenario_takes_the_dtypes_of_the_policy_and_refuses_others():
     """``dtype`` of a quality scenario is checked when it loads (harness.tasks.precision)."""
     cells = load_scenario("quality/mqar", preset="ci", overrides=["dtype=[bfloat16, float16]"]).cells()
-    assert {cell["axes"]["dtype"] for cell in cells} == {"bfloat16", "float16"}
+    assert {cell.axes["dtype"] for cell in cells} == {"bfloat16", "float16"}
     with pytest.raises(ScenarioError, match=r"axes\.dtype: a quality task trains in float32, bfloat16, float16 .*not 'float64'"):
         load_scenario("quality/mqar", preset="ci", overrides=["dtype=float64"])
 

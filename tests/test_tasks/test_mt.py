@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import needs_shared
+from helpers import make_cell, needs_shared
 from pydantic import ValidationError
 
 import variants
@@ -342,8 +342,7 @@ def test_a_harness_cell_checkpoints_at_its_evaluations_and_continues(tmp_path, m
     fake_wmt(tmp_path, torch.Generator().manual_seed(0))
     task = {"name": "mt", "preset": "ci", "dataset": "wmt14", "data": str(tmp_path), "steps": 6, "warmup": 2, "eval_every": 3,
             "vocab_size": 300, "beam": 1, "threads": 1}
-    cell = {"variant": "delta", "params": {}, "backend": "torch", "axes": {"device": "cpu", "dtype": "float32"}, "task": task,
-            "checkpoint_dir": str(tmp_path / "cell")}
+    cell = make_cell(variant="delta", mode="quality", target="mt", task=task, checkpoint_dir=str(tmp_path / "cell"))
     first = run_cell(cell)
     assert first["resumed_from"] is None
     assert [p.name for p in (tmp_path / "cell" / "checkpoints").iterdir()] == ["step-000000006.pt"]
@@ -376,7 +375,7 @@ def test_ci_preset_end_to_end_through_the_runner(tmp_path, monkeypatch):
         pytest.skip(f"multi30k is not at {data_root() / 'multi30k'}")
     monkeypatch.setenv("ATTNBENCH_CACHE", str(tmp_path / "cache"))
     loaded = load_scenario("quality/mt-multi30k", preset="ci")
-    assert [cell["variant"] for cell in loaded.cells()] == ["delta"]
+    assert [cell.variant for cell in loaded.cells()] == ["delta"]
     summary = runner.run(loaded, tmp_path / "results", progress=False)
     assert summary.statuses == {"ok": 1}, summary
     records = [json.loads(line) for line in summary.path.read_text().splitlines()]

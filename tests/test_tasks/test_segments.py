@@ -234,13 +234,13 @@ def test_segment_presets_build_their_models(preset):
     from harness.scenario import load_scenario
 
     cells = load_scenario("quality/lm-wikitext", preset=preset).cells()
-    assert cells and all(cell["task"]["segment"]["kind"] != "none" for cell in cells)
+    assert cells and all(cell.task["segment"]["kind"] != "none" for cell in cells)
     for cell in cells:
-        segment = SegmentConfig(**dict(cell["task"]["segment"], length=cell["axes"]["seq_len"]))
-        sizes = dict(cell["task"]["model_overrides"], context=segment.positions())
-        model = DecoderLM(lm_config(cell["task"]["preset"], VOCAB, variant=cell["variant"], variant_params=cell["params"],
+        segment = SegmentConfig(**dict(cell.task["segment"], length=cell.axes["seq_len"]))
+        sizes = dict(cell.task["model_overrides"], context=segment.positions())
+        model = DecoderLM(lm_config(cell.task["preset"], VOCAB, variant=cell.variant, variant_params=cell.params,
                                     segment=segment, **sizes))
-        assert (model.memory is not None) == (segment.kind == "rmt"), cell["variant"]
+        assert (model.memory is not None) == (segment.kind == "rmt"), cell.variant
 
 
 def test_segment_targets_cover_every_position(seed):

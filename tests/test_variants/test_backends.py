@@ -141,18 +141,18 @@ def test_the_sdpa_option_is_checked(name, backend, options, message):
 def _scenario_cells(tmp_path, extra: str) -> dict:
     path = tmp_path / "s.yaml"
     path.write_text("variants: {softmax: {}, linear: {}}\naxes: {seq_len: 16, batch: 1, heads: 2, d_key: 8}\n" + extra)
-    return {(cell["variant"], cell["backend"]): cell for cell in load_scenario(str(path)).cells()}
+    return {(cell.variant, cell.backend): cell for cell in load_scenario(str(path)).cells()}
 
 
 def test_a_scenario_pins_the_sdpa_kernel_of_its_softmax_cells_only(tmp_path):
     """The option reaches softmax's torch and compile cells (and their ids), not the other variants'."""
     plain = _scenario_cells(tmp_path, "backends: [torch, compile]\n")
     pinned = _scenario_cells(tmp_path, "backends: [torch, compile]\nbackend_options: {sdpa: math, mode: default}\n")
-    assert pinned["softmax", "torch"]["backend_options"] == {"sdpa": "math"}
-    assert pinned["softmax", "compile"]["backend_options"] == {"sdpa": "math", "mode": "default"}
-    assert pinned["linear", "torch"]["backend_options"] == {} and pinned["linear", "compile"]["backend_options"] == {"mode": "default"}
-    assert pinned["linear", "torch"]["cell_id"] == plain["linear", "torch"]["cell_id"]
-    assert pinned["softmax", "torch"]["cell_id"] != plain["softmax", "torch"]["cell_id"]
+    assert pinned["softmax", "torch"].backend_options == {"sdpa": "math"}
+    assert pinned["softmax", "compile"].backend_options == {"sdpa": "math", "mode": "default"}
+    assert pinned["linear", "torch"].backend_options == {} and pinned["linear", "compile"].backend_options == {"mode": "default"}
+    assert pinned["linear", "torch"].cell_id == plain["linear", "torch"].cell_id
+    assert pinned["softmax", "torch"].cell_id != plain["softmax", "torch"].cell_id
     with pytest.raises(ScenarioError, match=r"backend_options: backend 'torch': option sdpa must be one of auto \| flash"):
         _scenario_cells(tmp_path, "backend_options: {sdpa: flash2}\n")
 

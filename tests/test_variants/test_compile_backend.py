@@ -20,6 +20,7 @@ from torch._dynamo.utils import counters
 
 import variants
 from harness import workloads
+from harness.cell import Cell
 from harness.report import baseline_backend, build_report, prepare
 from harness.report.header import runs_of
 from harness.report.tables import backend_ratios
@@ -97,7 +98,7 @@ def test_the_compiled_graph_does_not_grow_with_the_length(name, seed):
     assert captured[0][0] > 0 and captured[0] == captured[1], f"{name}: (frames, operations) captured at T = 9, 37: {captured}"
 
 
-def _cells(tmp_path, text: str, **kwargs) -> list[dict]:
+def _cells(tmp_path, text: str, **kwargs) -> list[Cell]:
     path = tmp_path / "c.yaml"
     path.write_text(text)
     return load_scenario(str(path), **kwargs).cells()
@@ -107,12 +108,12 @@ BASE = "variants: {linear: {}}\naxes: {seq_len: 32, batch: 1, heads: 2, d_key: 8
 
 
 def test_backend_options_reach_the_compiled_cells_and_their_ids(tmp_path):
-    plain = {c["backend"]: c for c in _cells(tmp_path, BASE + "backends: [torch, compile]\n")}
-    tuned = {c["backend"]: c for c in _cells(tmp_path, BASE + "backends: [torch, compile]\nbackend_options: {mode: max-autotune, dynamic: false}\n")}
-    assert tuned["compile"]["backend_options"] == {"mode": "max-autotune", "dynamic": False}
-    assert tuned["torch"]["backend_options"] == {} and plain["compile"]["backend_options"] == {}
-    assert tuned["torch"]["cell_id"] == plain["torch"]["cell_id"], "options of another backend changed a torch cell's id"
-    assert tuned["compile"]["cell_id"] != plain["compile"]["cell_id"], "a compile cell's id must say how it was compiled"
+    plain = {c.backend: c for c in _cells(tmp_path, BASE + "backends: [torch, compile]\n")}
+    tuned = {c.backend: c for c in _cells(tmp_path, BASE + "backends: [torch, compile]\nbackend_options: {mode: max-autotune, dynamic: false}\n")}
+    assert tuned["compile"].backend_options == {"mode": "max-autotune", "dynamic": False}
+    assert tuned["torch"].backend_options == {} and plain["compile"].backend_options == {}
+    assert tuned["torch"].cell_id == plain["torch"].cell_id, "options of another backend changed a torch cell's id"
+    assert tuned["compile"].cell_id != plain["compile"].cell_id, "a compile cell's id must say how it was compiled"
 
 
 @pytest.mark.parametrize(
@@ -144,7 +145,7 @@ def test_create_checks_the_compile_options():
         variants.create("linear", 8, backend_options={"mode": "default"})
 
 
-def _compile_cell(tmp_path, mode="forward") -> dict:
+def _compile_cell(tmp_path, mode="forward") -> Cell:
     text = BASE + f"backends: [compile]\nmodes: [{mode}]\ndecode: {{new_tokens: 3}}\nmeasure: {{warmup: 1, repeats: 2, max_time_s: 0}}\n"
     return _cells(tmp_path, text)[0]
 

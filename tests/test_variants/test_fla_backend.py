@@ -214,10 +214,10 @@ def test_a_scenario_skips_the_cells_fla_does_not_compute(tmp_path):
     """softmax[fla] is a skipped cell with the reason; linear[fla] is measured (or skipped naming the missing package)."""
     path = tmp_path / "b.yaml"
     path.write_text("variants: {softmax: {}, linear: {}}\nbackends: [torch, fla]\nreport: {baseline_backend: torch}\naxes: {seq_len: 16}\n")
-    cells = {(cell["variant"], cell["backend"]): cell for cell in load_scenario(str(path)).cells()}
-    assert "no kernel computing this variant's function" in cells["softmax", "fla"]["skip"]
-    assert cells["softmax", "torch"]["skip"] is None
-    linear = cells["linear", "fla"]["skip"]
+    cells = {(cell.variant, cell.backend): cell for cell in load_scenario(str(path)).cells()}
+    assert "no kernel computing this variant's function" in cells["softmax", "fla"].skip
+    assert cells["softmax", "torch"].skip is None
+    linear = cells["linear", "fla"].skip
     assert linear is None if importlib.util.find_spec("fla") else "attnbench[fla]" in linear
 
 
