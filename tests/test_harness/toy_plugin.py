@@ -17,6 +17,7 @@ import torch
 
 import variants
 from harness import tasks
+from harness.cell import Cell
 from variants.base import AttentionCore, TokenInput, activated_linear
 
 TEMPERATURE = TokenInput(
@@ -82,7 +83,7 @@ class SpreadConfig(tasks.TaskConfig):
     scale: float = 1.0
 
 
-def run_spread(cell: dict) -> dict:
+def run_spread(cell: Cell) -> dict:
     config = SpreadConfig.model_validate(cell.task)
     width = cell.axes["width"]
     core = variants.create(cell.variant, width, backend=cell.backend, **cell.params)
