@@ -168,11 +168,17 @@ def calibrate(machine_id: str, dtypes: list[str], device: str = "cpu", gpu_name:
 def roofline(metrics: dict, calibration: dict | None, dtype: str) -> dict:
     """``roofline_s`` (the time the limit allows: the larger of the compute time at the calibrated
     matmul FLOP/s and the memory time at the calibrated bandwidth), ``roofline_fraction`` (that
-    over ``median_s``) and ``bound`` ("compute" or "memory"); empty without what it needs."""
+    over ``median_s``) and ``bound`` ("compute" or "memory"); empty without what it needs. A CPU cell
+    timed on fewer threads than the calibration's (``busyness.spare_threads`` on a busy machine) is held
+    to the matmul figure scaled to its ``torch_threads``, as ``calibrate`` scales one thread's to several
+    (the bandwidth is left whole: a roof too high, never too low)."""
     peak = ((calibration or {}).get("matmul_flops_per_s") or {}).get(dtype)
     needed = ("flops", "min_bytes", "median_s")
     if not peak or any(metrics.get(key) is None for key in needed) or metrics["median_s"] <= 0:
         return {}
+    threads, calibrated = metrics.get("torch_threads"), calibration.get("torch_threads")
+    if calibration.get("device") == "cpu" and threads and calibrated and threads < calibrated:
+        peak = peak * threads / calibrated
     compute_s, memory_s = metrics["flops"] / peak, metrics["min_bytes"] / calibration["bandwidth_bytes_per_s"]
     limit_s = max(compute_s, memory_s)
     return {"roofline_s": limit_s, "roofline_fraction": limit_s / metrics["median_s"], "bound": "compute" if compute_s >= memory_s else "memory"}

@@ -26,6 +26,15 @@ def test_the_roofline_takes_the_slower_of_compute_and_memory():
     assert roofline.roofline({"flops": 1e6, "median_s": 0.02}, None, "float32") == {}
 
 
+def test_a_cpu_cell_on_fewer_threads_than_the_calibration_has_their_share_of_the_matmul_roof():
+    two_threads = {**CALIBRATION, "device": "cpu", "torch_threads": 2}
+    cell = {"flops": 1e9, "min_bytes": 1e6, "median_s": 0.04}
+    assert roofline.roofline({**cell, "torch_threads": 1}, two_threads, "float32")["roofline_fraction"] == pytest.approx(0.5)
+    assert roofline.roofline({**cell, "torch_threads": 2}, two_threads, "float32")["roofline_fraction"] == pytest.approx(0.25)
+    on_gpu = {**two_threads, "device": "cuda:0"}
+    assert roofline.roofline({**cell, "torch_threads": 1}, on_gpu, "float32")["roofline_fraction"] == pytest.approx(0.25)
+
+
 @pytest.mark.parametrize(("name", "matched", "bandwidth"), [
     ("NVIDIA H100 80GB HBM3", "H100", 3.35e12),
     ("NVIDIA H100 PCIe", "H100 PCIe", 2.0e12),
