@@ -142,3 +142,19 @@ def test_what_cannot_decode_a_mixed_batch_refuses_in_one_line(name, call, match)
     with pytest.raises(variants.VariantError, match=match) as raised:
         core.prefill(**inputs, **call)
     assert "\n" not in str(raised.value)
+
+
+@pytest.mark.parametrize("name", ["linear", "delta", "gated_delta"])
+def test_triton_padded_prefill_gives_each_rows_state(name, seed):
+    """backend='triton' (its interpreter on a CPU): a padded prefill's outputs at the real tokens and each row's
+    state in float32 == the float64 torch core on the row's own tokens, within float32's tolerance."""
+    pytest.importorskip("triton")
+    core = variants.create(name, 6, backend="triton", chunk_size=16)
+    exact = variants.create(name, 6, chunk_size=16).double()
+    inputs, lengths = make_inputs(core, 3, 2, 21, 3, dtype=torch.float32, seed=seed), [7, 21, 1]
+    with torch.no_grad():
+        out, states = core.prefill(**inputs, lengths=lengths)
+        for n, length in enumerate(lengths):
+            alone, state = exact.prefill(**{label: x[n : n + 1, :, :length].double() for label, x in inputs.items()})
+            assert_close(out[n : n + 1, :, :length], alone, torch.float32, f"{name} triton padded row {n}", seed)
+            assert_close(states.weights[n : n + 1], state.weights, torch.float32, f"{name} triton padded state {n}", seed)
