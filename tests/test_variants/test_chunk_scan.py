@@ -12,6 +12,7 @@ from helpers import make_inputs, to
 import variants
 from harness.profiling import OperationCount
 from variants.chunk_scan import affine_scan
+from variants.chunked import _solve_unit_lower
 from variants.precision import REL_ERROR_TOLERANCE, rel_error
 
 RULES = [("linear", {}), ("linear", {"normalize": False}), ("delta", {}), ("delta", {"normalize": True}), ("gated_delta", {})]
@@ -50,6 +51,24 @@ def test_parallel_scan_from_a_state_matches_float64(rule, dtype, seed):
     grads = torch.autograd.grad((out * cotangent.to(dtype)).sum(), list(low.values()))
     for label, grad, target in zip(low, grads, wanted, strict=True):
         assert rel_error(grad, target) <= tolerance, f"{what}: d/d{label} error {rel_error(grad, target):.3g}"
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_ut_transforms_solve_matches_float64_on_any_thread_count(threads, seed):
+    """``_solve_unit_lower`` solves the transposed system on one CPU thread, the system itself on more:
+    both against float64's solve, forward and backward (the forms' tests run on the session's threads)."""
+    generator = torch.Generator().manual_seed(seed)
+    lower = (torch.randn(2, 3, 16, 16, generator=generator) / 4).tril(-1).requires_grad_()
+    rhs = torch.randn(2, 3, 16, 10, generator=generator, requires_grad=True)
+    eye = torch.eye(16, dtype=torch.float64)
+    expected = torch.linalg.solve(eye + lower.double(), rhs.double())
+    torch.set_num_threads(threads)
+    got = _solve_unit_lower(lower, rhs, torch.float32)
+    assert rel_error(got, expected) <= REL_ERROR_TOLERANCE[torch.float32]
+    cotangent = torch.randn(expected.shape, generator=generator, dtype=torch.float64)
+    wanted = torch.autograd.grad((torch.linalg.solve(eye + lower.double().tril(-1), rhs.double()) * cotangent).sum(), [lower, rhs])
+    for grad, target in zip(torch.autograd.grad((got * cotangent.float()).sum(), [lower, rhs]), wanted, strict=True):
+        assert rel_error(grad, target) <= REL_ERROR_TOLERANCE[torch.float32]
 
 
 @pytest.mark.parametrize("steps", range(1, 10))
