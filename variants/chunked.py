@@ -16,7 +16,7 @@ chunk straddles a boundary and each sequence starts from its own row of the init
 Precision: the state is kept in ``state_dtype`` (float32 for bfloat16 and float16 inputs, as the
 Triton kernels keep theirs), and every product with the state, and the delta rule's triangular
 solve, is taken in that dtype; the products within a chunk (φ(Q)φ(K)ᵀ, KKᵀ, scores times values)
-stay in the input dtype (``chunk_dtype``: float32 for float16 inputs with the attention normaliser).
+stay in the input dtype (``chunk_dtype``: float32 for 16-bit inputs with the attention normaliser).
 The output is in the input dtype.
 """
 
@@ -130,11 +130,13 @@ def causal_read(read, values: torch.Tensor, dim: int = 2, *, every_channel: bool
 
 
 def chunk_dtype(dtype: torch.dtype, normalised: bool) -> torch.dtype:
-    """The dtype of a scan's products within a chunk: the input's, except float16 with an attention
-    normaliser, whose backward holds g / (φ(q)·z + ε) in a 16-bit tensor: that is ~1/ε where φ(q)·z = 0
-    (ReLU-type features), beyond float16's 65,504, and inf·0 = NaN reaches every gradient. bfloat16
-    has float32's range."""
-    return state_dtype(dtype) if normalised and dtype == torch.float16 else dtype
+    """The dtype of a scan's products within a chunk: the input's, except 16 bits with an attention
+    normaliser (then float32, as the step computes it). float16: its backward holds g / (φ(q)·z + ε) in a
+    16-bit tensor, ~1/ε where φ(q)·z = 0 (ReLU-type features), beyond float16's 65,504, and inf·0 = NaN
+    reaches every gradient. bfloat16: the delta rule's erase β / ((z − φ(k))·φ(k)) (and its gradient)
+    divides by a sum of products of features rounded to 8 bits; with sum-normalised FAVOR+ features
+    d/dk was off by 7-16 % on 2 of 20 seeds."""
+    return state_dtype(dtype) if normalised else dtype
 
 
 def _identity(x):
