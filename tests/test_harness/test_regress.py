@@ -45,8 +45,8 @@ def history(tmp_path_factory):
     commits["slow"] = commit(repo, "slow linear")
     (repo / "README.md").write_text((repo / "README.md").read_text() + "\nA line of prose.\n")
     commits["readme"] = commit(repo, "README only")
-    right = "read = causal_read(scores.matmul, values) + features_q.to(wide) @ weights"
-    edit(repo, "variants/chunked.py", right, "read = features_q.to(wide) @ weights - causal_read(scores.matmul, values)")
+    right = "read = (features_q.to(wide) @ weights).add_(causal_read(scores.matmul, values))"
+    edit(repo, "variants/chunked.py", right, "read = (features_q.to(wide) @ weights).sub_(causal_read(scores.matmul, values))")
     commits["wrong"] = commit(repo, "wrong sign")
     return repo, commits
 
