@@ -81,6 +81,12 @@ def lengths_of(cell) -> list[int]:
     return cell.lengths or [cell.axes["seq_len"]] * cell.axes["batch"]
 
 
+def decode_contexts(cell, context: int) -> list[int]:
+    """Each decoded sequence's prompt length: a cell of mixed lengths its ``lengths_of``, else ``context``
+    for each of ``batch``."""
+    return lengths_of(cell) if cell.lengths is not None else [context] * cell.axes["batch"]
+
+
 def packed(cell) -> bool:
     return cell.axes.get("packing") == "packed"
 
@@ -265,7 +271,7 @@ def build_decoder(cell, device, dtype, context, new_tokens):
     axes = cell.axes
     if cell.target == "core":
         core = build_core(cell).to(device=device, dtype=dtype)
-        contexts = lengths_of(cell) if cell.lengths is not None else [context] * axes["batch"]
+        contexts = decode_contexts(cell, context)
         inputs = shaped_inputs(core, dict(axes, batch=len(contexts), seq_len=max(contexts) + new_tokens), None, device, dtype, False)
         # the prompt in the core's layout (a packed batch's prompts packed, each prefilled to its own length) and each
         # step's inputs, row n's token contexts[n] + i, contiguous, so that no timed call copies them

@@ -21,7 +21,7 @@ import variants
 from variants.compiled import compiled_frames
 
 from . import accuracy, profiling, tasks
-from .builders import BUILDERS, CellError, attention_inputs, build_core, build_decoder, head_arguments, lengths_of
+from .builders import BUILDERS, CellError, attention_inputs, build_core, build_decoder, decode_contexts, head_arguments
 from .busyness import LoadMeter, other_cores_now, spare_threads
 from .cell import Cell
 from .machine import missing_tensor_cores
@@ -273,7 +273,7 @@ def _measure_decode(cell, device, dtype) -> dict:
             timing = sample_until_stable(timed_round, **_sampling(measure))
     finite = all(ok for _, _, ok in rounds)
     heads, grouped = head_arguments(core, axes)
-    rows = collections.Counter(lengths_of(cell) if cell.lengths is not None else [context] * axes["batch"])  # prompt length -> sequences
+    rows = collections.Counter(decode_contexts(cell, context))  # prompt length -> sequences
     tokens = sum(rows.values()) * new_tokens
     flops = sum(core.step_flops(count, heads, axes["d_value"], length + i, **grouped) for length, count in rows.items() for i in range(new_tokens))
     state_bytes = torch.finfo(core.state_dtype(dtype)).bits // 8
