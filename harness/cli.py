@@ -30,7 +30,23 @@ def _default_scenarios() -> list[tuple[str, str | None]]:
     return GPU_DEFAULT if torch.cuda.is_available() else CPU_DEFAULT
 
 
+def _option_error(args) -> str | None:
+    """What is wrong with ``attnbench run``'s options taken together, found before anything is imported or loaded."""
+    if args.retry_failed and not args.resume:
+        return "--retry-failed re-runs the failed cells of a results file: use it with --resume"
+    if args.profile in ("ncu", "nsys") and args.executor != "local":
+        return f"--profile {args.profile} wraps the local worker; with --executor {args.executor} use --profile (torch.profiler)"
+    if args.executor == "local" and (args.address or args.cells_per_node != 1):
+        return "--address and --cells-per-node are options of --executor ray"
+    if args.cells_per_node < 1:
+        return f"--cells-per-node must be at least 1, got {args.cells_per_node}"
+    return None
+
+
 def _run(args) -> int:
+    if error := _option_error(args):
+        print(f"error: {error}", file=sys.stderr)
+        return EXIT_ERROR
     from . import runner
     from .expansion import describe
     from .plugins import load_plugins
@@ -56,12 +72,6 @@ def _run(args) -> int:
             for cell in cells:
                 print(f"  {cell.cell_id}  {describe(cell)}")
         return 0
-    if args.retry_failed and not args.resume:
-        print("error: --retry-failed re-runs the failed cells of a results file: use it with --resume", file=sys.stderr)
-        return 2
-    if args.profile in ("ncu", "nsys") and args.executor != "local":
-        print(f"error: --profile {args.profile} wraps the local worker; with --executor {args.executor} use --profile (torch.profiler)", file=sys.stderr)
-        return 2
     if args.profile and (reason := missing_tool(args.profile)):
         print(f"--profile {args.profile}: skipped, {reason}; the cells are measured without it (metrics.profile.skipped)", file=sys.stderr)
     command = "attnbench " + " ".join(shlex.quote(arg) for arg in sys.argv[1:])
@@ -95,11 +105,8 @@ def _run(args) -> int:
 def _executor(args, plugins: list[str]):
     """The executor ``--executor`` names: the local worker, or Ray (harness.executors.ray)."""
     from .executors.local import LocalExecutor
-    from .runner import RunError
 
     if args.executor == "local":
-        if args.address or args.cells_per_node != 1:
-            raise RunError("--address and --cells-per-node are options of --executor ray")
         return LocalExecutor(plugins)
     from .executors.ray import RayExecutor
 

@@ -76,7 +76,7 @@ def die_with_parent() -> None:
 
 def serve(conn, plugins, parent_pid=None) -> None:
     """The worker's loop: receive a cell (or a ``Calibration``), measure it, send back its result;
-    ``None`` stops. It starts with SIGINT ignored (``Worker._start``): Ctrl-C is the runner's to handle."""
+    ``None`` stops. It starts with SIGINT ignored (``Worker._start_spawned``): Ctrl-C is the runner's to handle."""
     from .tasks.training import cell_checkpoints
     from .workloads import is_out_of_memory, measure_cell
 
@@ -246,13 +246,18 @@ class Worker:
         os.environ.update(self.env)
         # A process that starts with SIGINT ignored keeps it ignored (Python installs its
         # KeyboardInterrupt handler only over the default), so Ctrl-C, which the terminal sends
-        # to the whole process group, never reaches the worker even while it imports.
+        # to the whole process group, never reaches the worker even while it imports. Blocked
+        # meanwhile here: Linux keeps a blocked signal pending even while it is ignored, so a
+        # Ctrl-C to the runner while its worker starts interrupts it once the mask is restored
+        # (an ignored one was lost, and the run went on).
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         interrupt = signal.signal(signal.SIGINT, signal.SIG_IGN)
         try:
             self.process = context.Process(target=serve, args=(child, self.plugins, os.getpid()), daemon=True)
             self.process.start()
         finally:
             signal.signal(signal.SIGINT, interrupt)
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
             for key, value in saved.items():
                 if value is None:
                     os.environ.pop(key)

@@ -25,6 +25,18 @@ needs_shared = pytest.mark.skipif(
 )
 
 
+#: Where the Triton kernels run in this session (tests/test_kernels/conftest.py): "cpu", through
+#: Triton's interpreter, where one kernel call takes a fraction of a second per program, or "cuda".
+KERNEL_DEVICE = os.environ.get("ATTNBENCH_TEST_DEVICE", "cpu")
+
+
+def slow_interpreted(*values, id: str | None = None):
+    """A parameter set of a kernel test that is ``slow`` through Triton's interpreter (seconds there: more
+    programs, chunks or dtypes of a code path the quick loop already runs once) and quick natively, so
+    the quick loop keeps one case of each path, and the whole suite, CI and ``gpu-check`` run them all."""
+    return pytest.param(*values, id=id, marks=[pytest.mark.slow] if KERNEL_DEVICE == "cpu" else [])
+
+
 def make_cell(**fields) -> Cell:
     """A cell of a test's own making: a CPU float32 forward core cell of linear attention, with ``fields`` in place."""
     base = dict(scenario="s", variant="linear", backend="torch", backend_options={}, params={}, axes={"device": "cpu", "dtype": "float32"},

@@ -9,9 +9,9 @@ from . import calibration, observe
 
 
 class LocalExecutor:
-    """One worker process measures the cells in order, a new one after each CPU speed cell and
-    each failed cell (``needs_fresh_worker``; ``shared``: only after a failed cell or where
-    ``measure.fresh_worker`` asks). ``code_root`` and ``env`` go to the ``Worker`` (another
+    """One worker process measures the cells in order, a new one for the cell after each CPU speed
+    cell and each failed cell (``needs_fresh_worker``; ``shared``: only after a failed cell or where
+    ``measure.fresh_worker`` asks; none is started after the last cell). ``code_root`` and ``env`` go to the ``Worker`` (another
     checkout's code, harness.regress). ``fingerprint``: record every cell with this machine,
     uncalibrated, instead of fingerprinting and calibrating each device the cells run on."""
 
@@ -47,19 +47,21 @@ class LocalExecutor:
         """Measure ``todo`` in order, calling ``starting(cell)`` before each; yield ``(cell, observation)``.
         A cell profiled with ncu or nsys (``profiling.wrapper``) gets a worker of its own under the
         tool, closed after it so that the tool writes its report."""
+        stale = False  # whether the worker must be replaced before the next cell (none after the last)
         for cell in todo:
             starting(cell)
             wrapper = profiling.wrapper(cell.profile)
             if wrapper:
                 self.worker.close()
                 self.worker = self._worker(wrapper)
+            elif stale:
+                self.worker.restart()
             observation = observe(self.worker, cell)
             yield cell, {**observation, "machine": self.fingerprints[cell.device], "node_id": None}
             if wrapper:
                 self.worker.close()
                 self.worker = self._worker()
-            elif self.worker.measured and needs_fresh_worker(cell, observation["result"]["status"], self.shared):
-                self.worker.restart()
+            stale = not wrapper and self.worker.measured and needs_fresh_worker(cell, observation["result"]["status"], self.shared)
 
     def run_fields(self, node_id) -> dict:
         """What a run line adds for a node of this executor (nothing: the run line is as it always was)."""

@@ -24,6 +24,7 @@ import torch
 triton = pytest.importorskip("triton")
 
 import variants  # noqa: E402
+from helpers import slow_interpreted  # noqa: E402
 from variants import kernels  # noqa: E402
 from variants.chunked import delta_rule_chunked  # noqa: E402
 from variants.kernels import _common  # noqa: E402
@@ -140,12 +141,12 @@ CASES = [
     # T = 1 in 6 heads: a head's dq and dβ are each one dot product (dq = β (v·dy) k), whose relative error
     # u·Σ|v_j dy_j| / |v·dy| is unbounded as v ⊥ dy (bf16 dq 64 % with one head, 7 % of seeds failed); the
     # relative L2 over 6 heads' independent products is large only when all 6 cancel at once.
-    pytest.param((2, 3, 1, 16, 16, None, False, "unit"), id="T1-bh6"),
+    slow_interpreted((2, 3, 1, 16, 16, None, False, "unit"), id="T1-bh6"),
     pytest.param((1, 1, 1, 8, 8, None, True, "unit"), id="T1-s0"),
-    pytest.param((2, 3, 17, 16, 8, 16, True, "unit"), id="T17-bh6-F16-Dv8-c16-s0"),
+    slow_interpreted((2, 3, 17, 16, 8, 16, True, "unit"), id="T17-bh6-F16-Dv8-c16-s0"),
     pytest.param((1, 1, 63, 5, 7, None, True, "unit"), id="T63-F5-Dv7-s0"),
     pytest.param((1, 1, 63, 16, 8, 32, False, "sumnorm"), id="T63-c32-sumnorm"),
-    pytest.param((1, 2, 130, 32, 48, 64, True, "unit"), id="T130-F32-Dv48-c64-s0"),
+    slow_interpreted((1, 2, 130, 32, 48, 64, True, "unit"), id="T130-F32-Dv48-c64-s0"),
 ]
 
 
@@ -163,7 +164,7 @@ def test_16_bit_matches_reference(case, dtype, gated, seed):
     check(case, seed, dtype=dtype, gated=gated)
 
 
-@pytest.mark.parametrize("gated", [False, True], ids=["delta", "gated"])
+@pytest.mark.parametrize("gated", [slow_interpreted(False), True], ids=["delta", "gated"])
 def test_blocks_of_the_head_dims(monkeypatch, gated, seed):
     """[C, 16] tiles: loops over F and Dv blocks in the chunk kernels, ragged last blocks, and the passes over
     several Dv blocks; d_dot = 256 (the largest) with its default chunk of 32."""
@@ -173,7 +174,7 @@ def test_blocks_of_the_head_dims(monkeypatch, gated, seed):
     check((1, 1, 20, 256, 20, None, True, "unit"), seed, gated=gated)
 
 
-@pytest.mark.parametrize("block_v", [16, 32])
+@pytest.mark.parametrize("block_v", [16, slow_interpreted(32)])
 def test_every_pass_candidate(monkeypatch, block_v, seed):
     """Each autotuning candidate of the two passes (its Dv columns; the interpreter ignores warps) computes the
     same thing: the interpreter keeps one (``_pass_candidates``), so the test forces each in turn."""
@@ -184,7 +185,7 @@ def test_every_pass_candidate(monkeypatch, block_v, seed):
     check((1, 1, 40, 24, 40, 16, True, "unit"), seed, gated=True)
 
 
-@pytest.mark.parametrize("cotangent", ["y", "S_T"])
+@pytest.mark.parametrize("cotangent", [slow_interpreted("y"), "S_T"])
 def test_gradient_from_one_output(cotangent, seed):
     """A loss on y alone (no gradient arrives on S_T) or on S_T alone (none on y)."""
     check((1, 2, 33, 16, 16, 16, True, "unit"), seed, gated=True, cotangents=(cotangent,))
@@ -202,8 +203,8 @@ def test_tf32_is_asked_for_float32(seed):
     check((1, 1, 40, 16, 16, 16, True, "unit"), seed, gated=True, precision="tf32", tol=1e-4 if DEVICE == "cpu" else 1e-2)
 
 
-@pytest.mark.parametrize("gated", [False, True], ids=["delta", "gated"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("gated", [slow_interpreted(False), True], ids=["delta", "gated"])
+@pytest.mark.parametrize("dtype", [slow_interpreted(torch.float32), torch.bfloat16], ids=str)
 def test_chaining_through_the_state(gated, dtype, seed):
     """Two calls, the second starting from the first's S_T (split inside a chunk), equal the float64 reference over
     the whole sequence: outputs, final state and every gradient, including through the carried state."""

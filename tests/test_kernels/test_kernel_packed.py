@@ -18,6 +18,7 @@ import torch
 
 pytest.importorskip("triton")
 
+from helpers import slow_interpreted  # noqa: E402
 from variants.chunked import delta_rule_chunked, sum_rule_chunked  # noqa: E402
 from variants.kernels import _common  # noqa: E402
 from variants.kernels.delta_rule import delta_rule_triton  # noqa: E402
@@ -31,7 +32,7 @@ LENGTHS = (21, 1, 40, 16)
 BOUNDS = [0, 21, 22, 62, 78]
 HEADS, D_DOT, D_VALUE = 2, 5, 7
 #: (rule, normalize or gated)
-RULES = [("sum", True), ("sum", False), ("delta", False), ("delta", True)]
+RULES = [("sum", True), slow_interpreted("sum", False), slow_interpreted("delta", False), ("delta", True)]
 
 
 @pytest.fixture(autouse=True)
@@ -125,7 +126,7 @@ def test_bad_packing_is_an_error(batch, bounds, match):
         sum_rule_triton(q, q, q, normalize=False, cu_seqlens=bounds)
 
 
-@pytest.mark.parametrize("gated, packed", [(False, False), (True, True)], ids=["delta-dense", "gated_delta-packed"])
+@pytest.mark.parametrize("gated, packed", [slow_interpreted(False, False), (True, True)], ids=["delta-dense", "gated_delta-packed"])
 def test_grouped_value_heads_equal_repeated_heads(gated, packed, seed):
     """GVA: q, k on 2 heads, v, β, g and the states on 6; every value head reads its group's q/k head by index
     (no copy), dq and dk are summed over the group. Against the float64 reference on q, k repeated (float32)."""

@@ -24,6 +24,7 @@ import torch
 pytest.importorskip("triton")
 
 import variants  # noqa: E402
+from helpers import slow_interpreted  # noqa: E402
 from variants.chunked import sum_rule_chunked  # noqa: E402
 from variants.kernels import _common  # noqa: E402
 from variants.kernels import sum_rule as kernel_module  # noqa: E402
@@ -138,12 +139,12 @@ def _check_against_reference(case, seed, *, dtype=torch.float32, state_cotangent
 CASES = [
     (1, 1, 1, 16, 8, None, True, True),
     (1, 1, 1, 5, 7, 16, False, False),
-    (2, 3, 17, 16, 8, 16, True, True),
+    slow_interpreted((2, 3, 17, 16, 8, 16, True, True)),
     (2, 3, 17, 5, 7, None, False, False),
     (1, 1, 63, 5, 7, 16, True, False),
     (1, 1, 63, 16, 8, 32, False, True),
     (1, 1, 130, 16, 8, 32, True, True),
-    (2, 3, 130, 5, 7, 64, False, True),
+    slow_interpreted((2, 3, 130, 5, 7, 64, False, True)),
 ]
 
 
@@ -159,8 +160,8 @@ def test_cotangent_on_output_only(normalize, seed):
     _check_against_reference((1, 2, 40, 7, 16, 16, normalize, True), seed, state_cotangent=False)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=lambda d: str(d).removeprefix("torch."))
-@pytest.mark.parametrize("normalize", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, slow_interpreted(torch.bfloat16)], ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("normalize", [True, slow_interpreted(False)])
 def test_state_split_into_blocks(monkeypatch, normalize, dtype, seed):
     """State tiles of 16: several programs per (chunk, b·h), loops over F and Dv blocks, ragged last blocks."""
     monkeypatch.setattr(kernel_module, "STATE_BLOCK", 16)
@@ -197,8 +198,8 @@ def test_some_inputs_without_grad(seed):
             _assert_close(grad, grad_ref, f"d{name} (only {wanted} need grad)")
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=lambda d: str(d).removeprefix("torch."))
-@pytest.mark.parametrize("normalize", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, slow_interpreted(torch.bfloat16)], ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("normalize", [True, slow_interpreted(False)])
 def test_chaining_through_the_state(normalize, dtype, seed):
     """Two calls with the state carried (split inside a chunk) == the float64 reference over the whole
     sequence, forward and backward; in float32 also == one call over the whole sequence, to 1e-5."""

@@ -15,7 +15,7 @@ import importlib.util
 
 import pytest
 import torch
-from helpers import assert_close, check_forms, config_id, make_inputs, to
+from helpers import assert_close, check_forms, config_id, make_inputs, slow_interpreted, to
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import variants
@@ -105,7 +105,7 @@ def test_fla_based_and_rebased_match_the_reference(config, seed):
 
 
 @needs_fla
-@pytest.mark.parametrize("config", [STATEFUL[0], STATEFUL[1], STATEFUL[5], STATEFUL[7]], ids=config_id)
+@pytest.mark.parametrize("config", [STATEFUL[0], slow_interpreted(STATEFUL[1]), slow_interpreted(STATEFUL[5]), STATEFUL[7]], ids=config_id)
 def test_fla_prefill_state_continues_into_steps(config, seed):
     """prefill -> prefill from its state -> steps == the reference over the whole sequence (the
     state's layout, and the normaliser z of the normalised sum rule, carried through fla)."""
@@ -125,7 +125,7 @@ CU_SEQLENS = torch.tensor([0, 7, 8, 21, 25], dtype=torch.int32)
 
 
 @needs_fla
-@pytest.mark.parametrize("config", [STATEFUL[0], STATEFUL[1], STATEFUL[5], STATEFUL[7]], ids=config_id)
+@pytest.mark.parametrize("config", [STATEFUL[0], slow_interpreted(STATEFUL[1]), slow_interpreted(STATEFUL[5]), STATEFUL[7]], ids=config_id)
 def test_fla_packed_equals_each_sequence_alone(config, seed):
     """``cu_seqlens`` reach fla's kernels: a packed row == the float64 torch core on each sequence alone, forward
     and the gradients of q, k, v (where fla's kernel has a backward: not the gated rule's recurrent one on a CPU),
@@ -268,7 +268,7 @@ def _in_float32(kernel, dtype):
 
 
 @needs_fla
-@pytest.mark.parametrize(("name", "chunk_size"), [("delta", 16), ("delta", 32), ("gated_delta", 32), ("gated_delta", 64)])
+@pytest.mark.parametrize(("name", "chunk_size"), [slow_interpreted("delta", 16), ("delta", 32), ("gated_delta", 32), slow_interpreted("gated_delta", 64)])
 def test_the_chunk_size_reaches_fla_chunk_kernel(monkeypatch, name, chunk_size, seed):
     """On CUDA the delta rules run fla's chunk kernel at the core's chunk_size; ``flops`` counts that
     chunk and ``implementation_choices`` records it. Here the kernel is a recording stand-in that
