@@ -5,11 +5,14 @@ tests/conftest.py."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -28,13 +31,15 @@ needs_shared = pytest.mark.skipif(
 #: Where the Triton kernels run in this session (tests/test_kernels/conftest.py): "cpu", through
 #: Triton's interpreter, where one kernel call takes a fraction of a second per program, or "cuda".
 KERNEL_DEVICE = os.environ.get("ATTNBENCH_TEST_DEVICE", "cpu")
+#: A test's mark: ``slow`` through Triton's interpreter, none natively (``usefixtures()`` marks nothing).
+slow_when_interpreted = pytest.mark.slow if KERNEL_DEVICE == "cpu" else pytest.mark.usefixtures()
 
 
 def slow_interpreted(*values, id: str | None = None):
     """A parameter set of a kernel test that is ``slow`` through Triton's interpreter (seconds there: more
     programs, chunks or dtypes of a code path the quick loop already runs once) and quick natively, so
     the quick loop keeps one case of each path, and the whole suite, CI and ``gpu-check`` run them all."""
-    return pytest.param(*values, id=id, marks=[pytest.mark.slow] if KERNEL_DEVICE == "cpu" else [])
+    return pytest.param(*values, id=id, marks=[slow_when_interpreted])
 
 
 def make_cell(**fields) -> Cell:
@@ -48,6 +53,18 @@ def attnbench(*args, env=None, **kwargs) -> subprocess.CompletedProcess:
     """``python -m harness.cli ARGS`` in a subprocess, output captured."""
     command = [sys.executable, "-m", "harness.cli", *args]
     return subprocess.run(command, capture_output=True, text=True, env={**os.environ, **(env or {})}, timeout=300, **kwargs)
+
+
+def attnbench_here(*args, env=None) -> subprocess.CompletedProcess:
+    """``attnbench ARGS`` in this process (``harness.cli.main``: the same exit code and output as the
+    command, ``env`` set meanwhile), for a command that stops before it measures: without an
+    interpreter's start and its second import of torch, a second or more each in a subprocess."""
+    from harness.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with mock.patch.dict(os.environ, env or {}), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(list(args))
+    return subprocess.CompletedProcess(["attnbench", *args], code, out.getvalue(), err.getvalue())
 
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import attnbench, needs_shared
+from helpers import attnbench, attnbench_here, needs_shared
 
 from harness import gpu_check
 from harness.gpu_check import BUDGET_S, Check
@@ -61,6 +61,7 @@ def test_without_the_kernel_tests_it_says_how_to_go_on(with_a_gpu, monkeypatch, 
     assert gpu_check.missing(kernel_tests=False) == []
 
 
+@pytest.mark.slow  # it collects the kernel tests in a pytest of its own
 def test_the_plan_fits_the_budget_and_follows_the_cells(monkeypatch):
     phases = {phase.name: phase for phase in gpu_check.plan()}
     assert list(phases) == ["preflight", *gpu_check.CHECKS]
@@ -73,7 +74,7 @@ def test_the_plan_fits_the_budget_and_follows_the_cells(monkeypatch):
 
 
 def test_dry_run_prints_the_plan():
-    done = attnbench("gpu-check", "--dry-run", "--no-kernel-tests")
+    done = attnbench_here("gpu-check", "--dry-run", "--no-kernel-tests")
     assert done.returncode == 0, done.stderr
     assert "within the budget" in done.stdout and "timing" in done.stdout and "40 cells" in done.stdout
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import attnbench
+from helpers import attnbench, attnbench_here
 from torch import nn
 
 from harness.results import ResultsFileError, ResultsWriter, read_records
@@ -305,7 +305,7 @@ def test_load_and_compare_refuse_impossible_timings_with_file_and_line(tmp_path,
     good, bad = _results_file(tmp_path / "good.jsonl", [0.1, 0.2, 0.3]), _results_file(tmp_path / "bad.jsonl", samples)
     with pytest.raises(ResultsFileError, match=r"bad\.jsonl, line 2"):
         read_records(bad)
-    _refused(attnbench("compare", str(good), str(bad)), "bad.jsonl, line 2", "finite numbers >= 0")
+    _refused(attnbench_here("compare", str(good), str(bad)), "bad.jsonl, line 2", "finite numbers >= 0")
 
 
 @pytest.mark.slow

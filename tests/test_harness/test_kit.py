@@ -9,7 +9,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from helpers import attnbench, needs_shared
+from helpers import attnbench, attnbench_here, needs_shared
 
 from harness import kit
 from harness.kit import KitError
@@ -58,13 +58,13 @@ def test_the_pip_command_lines(tmp_path):
 
 
 def test_a_bad_python_version_is_one_line(tmp_path):
-    done = attnbench("kit", str(tmp_path / "kit"), "--python", "py312")
+    done = attnbench_here("kit", str(tmp_path / "kit"), "--python", "py312")
     assert done.returncode == 2
     assert done.stderr.strip() == "error: kit: --python: expected a Python version such as 3.12, got 'py312'"
 
 
 def test_missing_data_says_where_it_looked(tmp_path):
-    done = attnbench("kit", str(tmp_path / "kit"), env={"ATTNBENCH_DATA": str(tmp_path / "nothing")})
+    done = attnbench_here("kit", str(tmp_path / "kit"), env={"ATTNBENCH_DATA": str(tmp_path / "nothing")})
     assert done.returncode == 2
     (line,) = done.stderr.strip().splitlines()
     assert line.startswith("error: kit: the data of gpu-check's LM cell is not on this machine: wikitext-2: ")
@@ -74,7 +74,7 @@ def test_missing_data_says_where_it_looked(tmp_path):
 
 @needs_shared
 def test_without_the_index_it_says_pip_could_not_reach_it(tmp_path):
-    done = attnbench("kit", str(tmp_path / "kit"), env={"PIP_INDEX_URL": "http://127.0.0.1:9/simple/"})  # port 9: nothing listens
+    done = attnbench_here("kit", str(tmp_path / "kit"), env={"PIP_INDEX_URL": "http://127.0.0.1:9/simple/"})  # port 9: nothing listens
     assert done.returncode == 2
     (line,) = done.stderr.strip().splitlines()
     assert line.startswith("error: kit: pip could not reach the package index http://127.0.0.1:9/simple/ (")

@@ -1,7 +1,7 @@
 """pytest-benchmark micro-benchmarks: each registered variant's parallel form and decode step.
 
 ``nox -s microbench`` times them; the test session runs each once with
-``--benchmark-disable`` (a smoke test, no timing). fp32 on the CPU, B=4, H=8, D=64; every
+``--benchmark-disable`` (a smoke test, no timing; T = 4096 is ``slow``, left out of the quick loop). fp32 on the CPU, B=4, H=8, D=64; every
 registered variant with its defaults (Based and ReBased at their own d_key,
 ``harness.demo.OWN_D_KEY``; values keep D) on its own ``example_inputs``.
 """
@@ -22,7 +22,7 @@ def _core_and_inputs(name, length):
     return core, core.example_inputs(BATCH, HEADS, length, DIM, generator=torch.Generator().manual_seed(0))
 
 
-@pytest.mark.parametrize("length", [1024, 4096])
+@pytest.mark.parametrize("length", [1024, pytest.param(4096, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("name", variants.names())
 def test_parallel_forward(benchmark, name, length):
     core, inputs = _core_and_inputs(name, length)

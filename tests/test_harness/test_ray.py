@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import attnbench
+from helpers import attnbench, attnbench_here
 
 from harness.results import ResultsFileError, read_records
 
@@ -133,10 +133,9 @@ def test_a_killed_driver_loses_no_finished_cell_and_resume_measures_only_the_mis
     assert {cell["status"] for cell in cells} == {"ok"}
 
 
-def test_without_ray_the_ray_executor_says_how_to_install_it(tmp_path):
-    (tmp_path / "ray.py").write_text("raise ImportError('No module named ray (hidden by the test)')\n")
-    path = os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))
-    done = attnbench("run", "smoke-cpu", "--preset", "ci", "--executor", "ray", "--out", str(tmp_path / "out"), env={"PYTHONPATH": path})
+def test_without_ray_the_ray_executor_says_how_to_install_it(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray raises ImportError, as where it is not installed
+    done = attnbench_here("run", "smoke-cpu", "--preset", "ci", "--executor", "ray", "--out", str(tmp_path / "out"))
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
     assert done.stderr.startswith("error: ") and "pip install 'attnbench[ray]'" in done.stderr, done.stderr
     assert not list((tmp_path / "out").glob("*.jsonl"))

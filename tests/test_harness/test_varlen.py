@@ -166,7 +166,7 @@ def test_a_mixed_decode_batch_steps_each_sequence_from_its_own_context(tmp_path,
             torch.testing.assert_close(steps[n : n + 1], decoder.core.reference(**row)[:, :, length:], msg=f"{cell.variant} row {n}")
 
 
-@pytest.mark.parametrize("variant", [{"delta": {"chunk_size": 4}}, {"softmax": {}}], ids=["delta", "softmax"])
+@pytest.mark.parametrize("variant", [{"delta": {"chunk_size": 4}}, pytest.param({"softmax": {}}, marks=pytest.mark.slow)], ids=["delta", "softmax"])
 def test_measured_packed_cells_are_ok_and_accurate(tmp_path, variant):
     """Every cell, packed and padded, forward, training and decode, ok and accurate; a decode cell counts its
     sequences' real steps (4 x 3) and their FLOPs at each one's own position, packed and padded alike."""

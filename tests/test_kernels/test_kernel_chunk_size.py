@@ -13,6 +13,8 @@ import torch
 
 pytest.importorskip("triton")
 
+from helpers import slow_interpreted  # noqa: E402
+
 import variants  # noqa: E402
 from variants import kernels  # noqa: E402
 from variants.kernels import _common, delta_rule, delta_rule_forward, sum_rule  # noqa: E402
@@ -36,7 +38,8 @@ def _launched(monkeypatch, module) -> list[tuple[int, int]]:
 
 
 @pytest.mark.parametrize(
-    ("name", "module", "chunk"), [("linear", sum_rule, 16), ("linear", sum_rule, 32), ("gated_delta", delta_rule, 16), ("gated_delta", delta_rule, 32)]
+    ("name", "module", "chunk"),
+    [slow_interpreted("linear", sum_rule, 16), ("linear", sum_rule, 32), slow_interpreted("gated_delta", delta_rule, 16), ("gated_delta", delta_rule, 32)],
 )
 def test_the_kernels_run_the_asked_chunk(monkeypatch, name, module, chunk, seed):
     """Forward and backward launch at chunk C (T = 40: two or three chunks, the last ragged), the output and every

@@ -23,8 +23,9 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-import variants  # noqa: E402
 from helpers import slow_interpreted  # noqa: E402
+
+import variants  # noqa: E402
 from variants import kernels  # noqa: E402
 from variants.chunked import delta_rule_chunked  # noqa: E402
 from variants.kernels import _common  # noqa: E402

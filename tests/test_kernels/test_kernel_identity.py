@@ -15,6 +15,7 @@ import time
 import types
 
 import triton
+from helpers import slow_when_interpreted
 
 from harness import workloads
 from harness.cell import Cell
@@ -91,6 +92,7 @@ def test_the_source_hash_follows_the_helpers_a_kernel_calls(tmp_path, monkeypatc
     sys.modules.pop("kd_probe")
 
 
+@slow_when_interpreted  # a second interpreter imports the kernels
 def test_the_source_hash_is_the_same_natively_and_interpreted():
     """Triton's own ``cache_key`` exists only for native kernels; this hash is the same either way."""
     code = "from variants.kernels import identity, sum_rule; print(identity.source_hash(identity.python_function(sum_rule._chunk_output_kernel)))"

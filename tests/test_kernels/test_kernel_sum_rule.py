@@ -23,8 +23,9 @@ import torch
 
 pytest.importorskip("triton")
 
-import variants  # noqa: E402
 from helpers import slow_interpreted  # noqa: E402
+
+import variants  # noqa: E402
 from variants.chunked import sum_rule_chunked  # noqa: E402
 from variants.kernels import _common  # noqa: E402
 from variants.kernels import sum_rule as kernel_module  # noqa: E402

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import assert_close, config_id, make_inputs, to
+from helpers import assert_close, config_id, make_inputs, slow_interpreted, to
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import variants
@@ -23,10 +23,10 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 CONFIGS = [
     ("linear", {}),
     ("linear", {"phi": "identity", "normalize": False}),
-    ("performer", {"m": 8}),
-    ("dpfp", {"nu": 2}),
+    slow_interpreted(("performer", {"m": 8})),
+    slow_interpreted(("dpfp", {"nu": 2})),
     ("delta", {}),
-    ("delta", {"phi": "dpfp", "nu": 1}),
+    slow_interpreted(("delta", {"phi": "dpfp", "nu": 1})),
 ]
 
 

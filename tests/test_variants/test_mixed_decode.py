@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import assert_close, make_inputs
+from helpers import assert_close, make_inputs, slow_interpreted
 
 import variants
 from variants.precision import REL_ERROR_TOLERANCE, rel_error
@@ -144,7 +144,7 @@ def test_what_cannot_decode_a_mixed_batch_refuses_in_one_line(name, call, match)
     assert "\n" not in str(raised.value)
 
 
-@pytest.mark.parametrize("name", ["linear", "delta", "gated_delta"])
+@pytest.mark.parametrize("name", ["linear", slow_interpreted("delta"), "gated_delta"])
 def test_triton_padded_prefill_gives_each_rows_state(name, seed):
     """backend='triton' (its interpreter on a CPU): a padded prefill's outputs at the real tokens and each row's
     state in float32 == the float64 torch core on the row's own tokens, within float32's tolerance."""

@@ -149,7 +149,14 @@ TRITON_CU_SEQLENS = torch.tensor([0, 7, 8, 41, 45], dtype=torch.int32)
 
 
 @pytest.mark.parametrize(
-    "config", [("linear", {}), slow_interpreted(("linear", {"phi": "identity", "normalize": False})), slow_interpreted(("delta", {})), ("gated_delta", {})], ids=config_id
+    "config",
+    [
+        ("linear", {}),
+        slow_interpreted(("linear", {"phi": "identity", "normalize": False})),
+        slow_interpreted(("delta", {})),
+        slow_interpreted(("gated_delta", {})),
+    ],
+    ids=config_id,
 )
 def test_triton_packed_equals_each_sequence_alone(config, seed):
     """backend='triton' (its interpreter on a CPU): a packed row in float32 equals the float64 torch core on each
@@ -174,7 +181,7 @@ def test_triton_packed_equals_each_sequence_alone(config, seed):
             assert_close(states.weights[n : n + 1], exact.prefill(**piece)[1].weights, torch.float32, f"{name} triton state {n}", seed)
 
 
-@pytest.mark.parametrize("name", ["delta", slow_interpreted("gated_delta")])
+@pytest.mark.parametrize("name", [slow_interpreted("delta"), slow_interpreted("gated_delta")])
 def test_triton_grouped_value_heads_equal_repeated_heads(name, seed):
     """backend='triton' takes GVA's fewer q/k heads as they are: float32 == the float64 torch core on explicitly
     repeated heads, forward and every gradient, dense and packed; the decoding state on the value heads."""
