@@ -145,6 +145,7 @@ def test_a_timed_cell_records_its_accuracy():
     assert result["status"] == "ok" and 0 < result["metrics"]["rel_error"] < 1e-5 and result["metrics"]["inaccurate"] is False, result
 
 
+@pytest.mark.slow
 def test_an_inaccurate_cell_is_named_and_the_run_exits_1(tmp_path, capsys, own_registry):
     """Done-when of issue 32 item 1: the 1 %-off plugin variant's cell is ok (timed) but inaccurate,
     named in the summary, and the run exits 1; linear beside it is accurate."""
