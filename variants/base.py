@@ -230,6 +230,10 @@ class AttentionCore(nn.Module):
     d_value_is_d_key = False
     #: the layer computes keys from the queries, k = q / ‖q‖ (the Reformer's shared-QK attention)
     shared_qk = False
+    #: its parallel form is an algorithm that approximates ``reference`` on some inputs, not the same
+    #: function (LSH's sorted chunks, once a bucket outgrows the window): a cell's accuracy is then
+    #: judged against the parallel form itself in float64 (harness.accuracy)
+    approximates_reference = False
     #: example_inputs draws unit-norm q and k (plain rules without φ, stable only for bounded keys)
     example_unit_keys = False
     #: the memory layout the parallel form wants its inputs in (``example_inputs`` gives them so):

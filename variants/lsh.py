@@ -84,6 +84,7 @@ class LSHAttention(AttentionCore):
 
     supports_noncausal = False
     shared_qk = True
+    approximates_reference = True
     PARAMS = {
         "n_rounds": integer(optional=False),
         "n_buckets": integer(2, optional=False),
