@@ -13,10 +13,10 @@ sequence: its reference runs each (``cu_seqlens``); a mixed decode batch is judg
 
 The reference of a core is ``core.reference`` (the plainest form: quadratic, or a token loop) up to
 ``REFERENCE_MAX_TOKENS`` tokens, beyond them the torch backend's parallel form in float64 (which the
-tests tie to ``core.reference``; a core whose parallel form approximates its reference, LSH's sorted
-chunks, which differ from exact bucketed attention once a bucket outgrows the window by design, not
-by rounding, is judged against each form's own function: ``_exact_reference``); a layer or a model
-is its own twin in float64 with the torch backend and the same weights, dropout off. Every call here is outside the timed calls.
+tests tie to ``core.reference``). A core whose parallel form only approximates its reference by design
+(``approximates_reference``: LSH's sorted chunks once a bucket outgrows the window) is judged against the
+function each form computes (``_exact_reference``). A layer or a model is its own twin in float64 with
+the torch backend and the same weights, dropout off. Every call here is outside the timed calls.
 """
 
 from __future__ import annotations
