@@ -44,6 +44,8 @@ LM_DATA = "wikitext-2"  # the data set the LM task reads (harness.tasks.lm)
 CHECKS = ("kernel-tests", "timing", "lm", "report")
 KERNEL_TESTS = Path("tests") / "test_kernels"
 PYTEST_ARGS = ("-m", "not slow", "-q", "-p", "no:cacheprovider")
+#: A line of ``pytest --collect-only -q`` that is a test's node id (not a warning that quotes one).
+NODE_ID = re.compile(r"\S+\.py::\S")
 #: At most this many pytest processes share the kernel tests (compiling is single-threaded per process).
 KERNEL_TEST_WORKERS = 8
 
@@ -192,7 +194,11 @@ def plan(kernel_tests: bool = True, costs: Costs = COSTS) -> list[Phase]:
     lm = load_scenario(LM[0], preset=LM[1], overrides=LM[2]).cells()
     phases = [Phase("preflight", "", costs.preflight_s)]
     if kernel_tests:
-        tests = len(collect_kernel_tests())
+        try:
+            tests = len(collect_kernel_tests())
+        except CollectionError as exc:
+            tests = 0
+            print(f"gpu-check: {exc}", file=sys.stderr)
         work = tests * costs.test_s + costs.kernel_test_compilations * costs.compile_s
         units = f"{tests} tests, {costs.kernel_test_compilations} compilations, in {costs.kernel_test_workers} pytest processes"
         phases.append(Phase("kernel-tests", units, costs.pytest_start_s + work / costs.kernel_test_workers))
@@ -219,15 +225,24 @@ def _cell_seconds(cell: Cell, costs: Costs) -> float:
     return costs.cell_overhead_s + calls * costs.call_s + (measure.get("max_time_s") or 0.0)
 
 
+class CollectionError(RuntimeError):
+    """pytest could not collect the kernel tests (a module failed to import or to parametrize)."""
+
+
 def collect_kernel_tests(device: str = "cpu") -> list[str]:
     """The node ids of the non-slow kernel tests (none without the tests), collected by pytest in a
-    subprocess with ``ATTNBENCH_TEST_DEVICE=device`` (their conftest picks Triton's interpreter for "cpu")."""
+    subprocess with ``ATTNBENCH_TEST_DEVICE=device`` (their conftest picks Triton's interpreter for "cpu").
+    A module pytest cannot collect is a CollectionError with pytest's error lines: a check that silently
+    ran the tests it could collect would pass without the kernels' own tests."""
     tests = kernel_tests_dir()
     if tests is None:
         return []
     done = subprocess.run([sys.executable, "-m", "pytest", str(tests), *PYTEST_ARGS, "--collect-only"],
                           capture_output=True, text=True, env=_test_env(device), cwd=tests.parents[1])
-    return [line.strip() for line in done.stdout.splitlines() if "::" in line]
+    if done.returncode not in (0, 5):  # 5: nothing collected
+        errors = [line for line in (done.stdout + done.stderr).splitlines() if line.startswith(("ERROR", "E "))]
+        raise CollectionError(f"pytest could not collect the kernel tests (exit code {done.returncode}): " + " | ".join(errors[:6] or ["no error lines"]))
+    return [line.strip() for line in done.stdout.splitlines() if NODE_ID.match(line.strip())]
 
 
 def _test_env(device: str) -> dict:
@@ -287,7 +302,10 @@ def _kernel_tests(out: Path) -> Check:
     ``KERNEL_TEST_WORKERS`` pytest processes at once (compiling is the slow part, one core each);
     each block's log and JUnit XML in ``out``."""
     tests = kernel_tests_dir()
-    ids = collect_kernel_tests("cuda")
+    try:
+        ids = collect_kernel_tests("cuda")
+    except CollectionError as exc:
+        return Check("kernel-tests", "failed", detail=str(exc))
     if not ids:
         how = f"ATTNBENCH_TEST_DEVICE=cuda {Path(sys.executable).name} -m pytest {tests} --collect-only"
         return Check("kernel-tests", "failed", detail=f"pytest collected no kernel tests in {tests} ({how} says why)")

@@ -31,15 +31,20 @@ needs_shared = pytest.mark.skipif(
 #: Where the Triton kernels run in this session (tests/test_kernels/conftest.py): "cpu", through
 #: Triton's interpreter, where one kernel call takes a fraction of a second per program, or "cuda".
 KERNEL_DEVICE = os.environ.get("ATTNBENCH_TEST_DEVICE", "cpu")
-#: A test's mark: ``slow`` through Triton's interpreter, none natively (``usefixtures()`` marks nothing).
-slow_when_interpreted = pytest.mark.slow if KERNEL_DEVICE == "cpu" else pytest.mark.usefixtures()
+
+
+def slow_when_interpreted(test):
+    """Mark ``test`` ``slow`` through Triton's interpreter and leave it unmarked natively (a decorator)."""
+    return pytest.mark.slow(test) if KERNEL_DEVICE == "cpu" else test
 
 
 def slow_interpreted(*values, id: str | None = None):
     """A parameter set of a kernel test that is ``slow`` through Triton's interpreter (seconds there: more
     programs, chunks or dtypes of a code path the quick loop already runs once) and quick natively, so
-    the quick loop keeps one case of each path, and the whole suite, CI and ``gpu-check`` run them all."""
-    return pytest.param(*values, id=id, marks=[slow_when_interpreted])
+    the quick loop keeps one case of each path, and the whole suite, CI and ``gpu-check`` run them all.
+    Natively it carries no mark (``pytest.param`` refuses a ``usefixtures()`` placeholder: the modules
+    would not even collect on a GPU)."""
+    return pytest.param(*values, id=id, marks=[pytest.mark.slow] if KERNEL_DEVICE == "cpu" else [])
 
 
 def make_cell(**fields) -> Cell:

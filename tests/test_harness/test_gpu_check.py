@@ -95,6 +95,37 @@ def test_a_failed_kernel_test_stops_the_check(with_a_gpu, monkeypatch, tmp_path)
     assert [phase["name"] for phase in summary["plan"]] == ["preflight", *gpu_check.CHECKS]
 
 
+@pytest.mark.slow  # 5 s: pytest imports every kernel module
+def test_every_kernel_test_module_collects_as_on_a_gpu():
+    """With ATTNBENCH_TEST_DEVICE=cuda (torch told it has a GPU: collecting runs no kernel) pytest collects every
+    kernel test module, no error, and gpu-check's parser keeps node ids only (not the warnings that quote one).
+    The first GPU run collected 3 of the 7 modules: ``slow_interpreted`` gave natively a mark pytest.param refuses."""
+    import os
+    import subprocess
+    import sys
+
+    tests = gpu_check.kernel_tests_dir()
+    arguments = [str(tests), *gpu_check.PYTEST_ARGS, "--collect-only"]
+    code = f"import sys, torch, pytest; torch.cuda.is_available = lambda: True; sys.exit(pytest.main({arguments!r}))"
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"} | {"ATTNBENCH_TEST_DEVICE": "cuda"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tests.parents[1])
+    assert done.returncode == 0, done.stdout[-3000:]
+    ids = [line for line in done.stdout.splitlines() if gpu_check.NODE_ID.match(line)]
+    assert {node.split("::")[0].rsplit("/", 1)[-1] for node in ids} == {path.name for path in tests.glob("test_*.py")}
+
+
+def test_a_kernel_test_module_that_does_not_collect_fails_the_check(with_a_gpu, monkeypatch, tmp_path):
+    """pytest's collection error is the check's failure, with its error lines; nothing runs."""
+    import subprocess
+
+    line = "ERROR tests/test_kernels/test_a.py - ValueError: pytest.param cannot add pytest.mark.usefixtures\n"
+    error = subprocess.CompletedProcess([], 2, stdout=line, stderr="")
+    monkeypatch.setattr(gpu_check.subprocess, "run", lambda *args, **kwargs: error)
+    check = gpu_check._kernel_tests(tmp_path)
+    assert check.status == "failed" and "exit code 2" in check.detail and "pytest.param cannot add" in check.detail
+    assert list(tmp_path.iterdir()) == []
+
+
 def _cell(variant, backend, mode, seq_len, median_s, status="ok"):
     axes = {"seq_len": seq_len, "batch": 4, "heads": 16, "d_key": 128, "dtype": "bfloat16"}
     return {"run_id": "r", "cell_id": f"{variant}-{backend}-{mode}-{seq_len}", "scenario": "gpu-check", "variant": variant,

@@ -361,3 +361,30 @@ def test_table_from_the_cache_prunes_candidates(tmp_path, monkeypatch):
     assert rows["output"].problem == f"shared memory {over} B > {sm_80.max_shared_per_block} B per block"
     assert all(row.problem.startswith("every autotuning candidate is over the limits") for name, row in rows.items() if name.startswith("backward_pass"))
     assert {row.kernel.split("[")[0] for row in rows.values() if row.problem} == {"output", "backward_pass"}
+
+
+def test_the_pass_pruner_compiles_each_candidate_with_the_kernels_own_arguments(monkeypatch):
+    """Triton's autotuner calls a pass's pruner with its launch keywords beside the constexprs (grid, warmup,
+    as ``Autotuner.prune_configs`` does); on a GPU the pruner compiles each candidate (``_common.fitting``) and
+    must hand the kernel its own arguments only (the first GPU run failed: warmup() got grid twice)."""
+    from unittest import mock
+
+    from variants.kernels import delta_rule_forward
+
+    tuner = delta_rule_forward._state_pass_kernel
+    cuda_tensor = mock.Mock(spec=torch.Tensor, device=torch.device("cuda", 0))
+    constexprs = {"HAS_S0": False, "GATED": False, "VARLEN": False, "BLOCK_C": 64, "PAD_F": 64, "PRECISION": "input_bf16"}
+    positional = [name for name in tuner.arg_names if name not in constexprs and name != "BLOCK_V"]
+    nargs = {name: cuda_tensor if name.endswith("_ptr") else 64 for name in positional}
+    launch_keywords = {"grid": (1, 1), "warmup": False}
+    compiled = []
+
+    def warmup(*args, grid, **kwargs):
+        compiled.append(sorted(kwargs))
+        return mock.Mock(metadata=mock.Mock(shared=1024), n_regs=64)
+
+    monkeypatch.setattr(tuner.fn, "warmup", warmup)
+    monkeypatch.setattr(_common, "device_limits", lambda device: _common.Limits(shared=228 * 1024))
+    kept = tuner.early_config_prune(tuner.configs, nargs, **constexprs, **launch_keywords)
+    assert kept and len(compiled) == len(kept)
+    assert all("grid" not in names and "warmup" not in names and set(constexprs) <= set(names) for names in compiled)

@@ -205,6 +205,8 @@ def fitting(kernel, configs: list, args: dict, constexprs: dict) -> list:
     device = next(a.device for a in args.values() if isinstance(a, torch.Tensor))
     if device.type != "cuda":
         return configs
+    # the kernel's own arguments only: the autotuner hands its pruner its launch keywords too (grid, warmup)
+    constexprs = {name: value for name, value in constexprs.items() if name in kernel.arg_names}
     return keep_fitting(kernel.__name__, configs, lambda config: kernel.warmup(**args, **constexprs, **config.all_kwargs(), grid=(1,)), device_limits(device))
 
 
