@@ -147,10 +147,16 @@ def _chunk_output_kernel(
     v = _load_tokens(v_ptr, bh, seq_len, rows, row_ok, offs_v, d_value)
     out += dot(scores, v, PRECISION, input_type)
     if NORMALIZE:
-        # A 1 as a product with [1, 0, ..., 0] columns, which keeps A in the layout of the dot above (a
-        # row sum of A beside it held A twice: fp32 spilled 1.2 KB a thread)
-        first_column = tl.zeros((BLOCK_C, 16), dtype=tl.float32) + (tl.arange(0, 16) == 0).to(tl.float32)[None, :]
-        rinv = 1.0 / (den + tl.sum(dot(scores, first_column, PRECISION, input_type), axis=1) + EPSILON)
+        if PRECISION.startswith("input"):
+            # 16-bit operands: A 1 summed from A's fp32 tile (the product below, natively on the H200 with
+            # bf16 operands, gave NaN or Inf in 22-38 % of the rows: docs/performance.md, "First GPU contact")
+            row_sums = tl.sum(scores, axis=1)
+        else:
+            # fp32 operands: A 1 as a product with [1, 0, ..., 0] columns, which keeps A in the layout of the dot
+            # above (a row sum of A beside it held A twice: fp32 spilled 1.2 KB a thread)
+            first_column = tl.zeros((BLOCK_C, 16), dtype=tl.float32) + (tl.arange(0, 16) == 0).to(tl.float32)[None, :]
+            row_sums = tl.sum(dot(scores, first_column, PRECISION, input_type), axis=1)
+        rinv = 1.0 / (den + row_sums + EPSILON)
         out = out * rinv[:, None]
         if not DELTA_ONLY:
             if pid_v == 0:
