@@ -1,6 +1,6 @@
 """Expanding a validated scenario into cells: every variant configuration at every point of its
-axes, per backend and mode, each with its stable ``cell_id``; a cell its backend cannot compute is
-marked skipped with the reason. ``describe`` names a cell in one line."""
+axes, per backend and mode (but those ``exclude`` leaves out), each with its stable ``cell_id``; a cell
+its backend cannot compute is marked skipped with the reason. ``describe`` names a cell in one line."""
 
 from __future__ import annotations
 
@@ -81,6 +81,8 @@ def expand(scenario: Scenario, path: str = "<scenario>") -> list[Cell]:
             unsupported = _unsupported_backends(name, [own_d_key] if own_d_key is not None else d_keys, places, core_params_at, scenario, field, path)
             shapes = _ShapeSupport(name, core_params_at)
             for backend, mode in itertools.product(scenario.backends, scenario.modes):
+                if any(exclusion.matches(name, backend, mode) for exclusion in scenario.exclude):
+                    continue
                 for combo in itertools.product(*(axis_values[axis] for axis in names)):
                     cell_axes = dict(zip(names, combo))
                     packed = _packed_batch(cell_axes)

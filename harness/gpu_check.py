@@ -53,16 +53,17 @@ KERNEL_TEST_WORKERS = 8
 @dataclass(frozen=True)
 class Costs:
     """The cost model of the plan, in seconds, for one H100-class GPU and a cold Triton cache. Design
-    estimates (no GPU has run the check yet), except where a comment says measured."""
+    estimates, except where a comment says measured (the first runs on an H200, 2026-12-04: torch 2.11,
+    triton 3.6, fla-core 0.6.0; docs/performance.md, "First GPU contact")."""
 
     preflight_s: float = 10.0  # import torch, start CUDA, fingerprint the machine, look up the data
-    run_start_s: float = 12.0  # an `attnbench run`: its worker imports torch and starts CUDA, then calibrates
+    run_start_s: float = 12.0  # an `attnbench run`: its worker imports torch and starts CUDA, then calibrates (measured: 12 s)
     cell_overhead_s: float = 0.5  # a speed cell's build, NaN check, peak memory and results record
-    call_s: float = 0.05  # one call of a timed cell (generous: at T <= 16k most take a few ms)
-    #: compilations and autotuning the first cell of each (backend, variant, d, dtype, mode) pays: the
-    #: attnbench kernels are 2-4 per pass with 4 autotune candidates; fla's chunk kernels about 5-8
-    #: per pass, most autotuned over 4-16 candidates
-    first_use_s: dict = field(default_factory=lambda: {"triton": 12.0, "fla": 35.0})
+    call_s: float = 0.05  # one call of a timed cell (measured: torch, triton cells took 0.5-2 s each, calls included)
+    #: compilations and autotuning the first cell of each (backend, variant, d, dtype, mode) pays. Measured: attnbench's
+    #: kernels 3.4-4.8 s a cell; fla's forward 53 s (linear) and 60 s (delta), its training over 120 s (the cell's
+    #: limit then: gpu-check's scenario leaves fla's training out)
+    first_use_s: dict = field(default_factory=lambda: {"triton": 5.0, "fla": 60.0})
     pytest_start_s: float = 8.0  # pytest imports torch and triton, collects the kernel tests
     test_s: float = 0.3  # one kernel test's launches and its float64 reference, compilations apart
     compile_s: float = 1.0  # one native compilation of one kernel specialization, on one core

@@ -45,6 +45,8 @@ AxisInt = Annotated[int, PydanticStrict()]
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
 #: The longest scenario name: ``<name>-<time>.jsonl`` must fit a file name (255 bytes on most file systems).
 NAME_MAX_BYTES = 200
+#: What a cell does: time a call (forward), a training step (train), decoding steps (decode), or train a task (quality).
+MODES = ("forward", "train", "decode", "quality")
 #: The longest time a setting may give in seconds (a week): longer ones overflow timers and alarms.
 MAX_SECONDS = 7 * 24 * 3600.0
 #: The most tokens a decode cell generates (its steps' latencies are kept one by one).
@@ -152,6 +154,29 @@ class Rules(StrictSettings):
     tokens_per_batch: int | None = Field(None, ge=1, description="batch = max(1, tokens_per_batch // seq_len)")
 
 
+class Exclusion(StrictSettings):
+    """Cells the sweep leaves out: those matching every field given (each a name or a list of names), e.g.
+    ``{backend: fla, mode: train}`` keeps fla's forward cells only."""
+
+    variant: str | list[str] | None = None
+    backend: str | list[str] | None = None
+    mode: str | list[str] | None = None
+
+    @model_validator(mode="after")
+    def _something(self):
+        if not self.fields():
+            raise ValueError("expected at least one of variant, backend, mode")
+        return self
+
+    def fields(self) -> dict[str, list[str]]:
+        """The given fields, each as a list of names."""
+        return {key: sweep(value) for key, value in self.model_dump().items() if value is not None}
+
+    def matches(self, variant: str, backend: str, mode: str) -> bool:
+        cell = {"variant": variant, "backend": backend, "mode": mode}
+        return all(cell[key] in names for key, names in self.fields().items())
+
+
 class ReportSpec(StrictSettings):
     baseline_backend: str | None = Field(None, description="the report shows each backend's time as a ratio to this backend's, per variant")
 
@@ -186,13 +211,14 @@ class Scenario(Strict):
     backends: list[str] = Field(["torch"], min_length=1)
     backend_options: dict[str, Any] = Field({}, description="backend options: compile's mode and dynamic, softmax's sdpa (torch, compile)")
     axes: Axes
-    modes: list[Literal["forward", "train", "decode", "quality"]] = Field(["forward"], min_length=1)
+    modes: list[Literal[MODES]] = Field(["forward"], min_length=1)
     target: str = "core"
     task: Any = None
     decode: Decode = Decode()
     measure: Measure = Measure()
     rules: Rules = Rules()
     model: ModelSpec | None = None
+    exclude: list[Exclusion] = Field([], description="cells left out of the sweep: those matching every field of an entry")
     presets: dict[str, dict[str, Any]] = {}
     report: ReportSpec = ReportSpec()
     _folder: Path | None = PrivateAttr(None)
@@ -247,6 +273,18 @@ class Scenario(Strict):
             except variants.VariantError as exc:
                 raise ValueError(str(exc)) from None
         return value
+
+    @model_validator(mode="after")
+    def _exclusions(self):
+        """Each exclusion names known variants, backends and modes (a typo would leave nothing out); a preset may
+        drop what one names (the ci preset of a GPU scenario: its torch cells only)."""
+        known = {"variant": variants.names(), "backend": BACKENDS, "mode": MODES}
+        for i, exclusion in enumerate(self.exclude):
+            for key, names in exclusion.fields().items():
+                unknown = [name for name in names if name not in known[key]]
+                if unknown:
+                    raise ValueError(f"exclude.{i}.{key}: expected one of {', '.join(known[key])}, got {quote(unknown[0])}")
+        return self
 
     @model_validator(mode="after")
     def _baseline_backend(self):

@@ -57,6 +57,18 @@ def test_cell_ids_are_stable_and_ignore_repeats(tmp_path):
     assert [c.cell_id for c in first] == [c.cell_id for c in second]
 
 
+def test_exclude_leaves_out_the_cells_matching_every_field(tmp_path):
+    """``exclude`` drops the cells that match every field of an entry (a name or a list of names); the other
+    cells keep their ids; an unknown name or an empty entry is an error naming the field."""
+    whole = load_scenario(write(tmp_path, BASE)).cells()
+    data = dict(BASE, exclude=[{"variant": "dpfp", "mode": "train"}, {"variant": ["softmax"], "mode": ["forward"]}])
+    cells = load_scenario(write(tmp_path, data, "e.yaml")).cells()
+    assert {(c.variant, c.mode) for c in cells} == {("softmax", "train"), ("dpfp", "forward")}
+    assert [c.cell_id for c in cells] == [c.cell_id for c in whole if (c.variant, c.mode) in {("softmax", "train"), ("dpfp", "forward")}]
+    assert 'exclude.0.mode: expected one of forward, train, decode, quality, got "trian"' in error_of(tmp_path, dict(BASE, exclude=[{"mode": "trian"}]))
+    assert "exclude.0: expected at least one of variant, backend, mode" in error_of(tmp_path, dict(BASE, exclude=[{}]))
+
+
 def test_list_of_parameter_sets_and_d_dot_axis(tmp_path):
     data = dict(BASE, variants={"performer": {}, "dpfp": {}}, axes={"seq_len": 32, "d_key": 8, "d_dot": [16, 32]})
     cells = load_scenario(write(tmp_path, data)).cells()
