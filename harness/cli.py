@@ -280,7 +280,8 @@ def _gpu_check(args) -> int:
     if args.dry_run:
         print(gpu_check.format_plan(gpu_check.plan(kernel_tests=not args.no_kernel_tests)))
         return 0
-    return gpu_check.run_check(args.dir or gpu_check.default_dir(), kernel_tests=not args.no_kernel_tests, progress=not args.no_progress)
+    return gpu_check.run_check(args.dir or gpu_check.default_dir(), kernel_tests=not args.no_kernel_tests, progress=not args.no_progress,
+                               keep_going=args.keep_going)
 
 
 def _kit(args) -> int:
@@ -410,6 +411,7 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("dir", nargs="?", type=Path, help="where results, report and summary.json go (default: results/gpu-check-TIME)")
     check.add_argument("--dry-run", action="store_true", help="print the plan (cells and estimated seconds per phase) and run nothing")
     check.add_argument("--no-kernel-tests", action="store_true", help="skip the kernel tests (where attnbench is installed without its tests)")
+    check.add_argument("--keep-going", action="store_true", help="run every check even when the kernel tests fail (a GPU lent for minutes: what else fails)")
     check.add_argument("--no-progress", action="store_true", help="no progress bars")
     check.set_defaults(handler=_gpu_check)
 

@@ -262,8 +262,9 @@ def format_plan(phases: list[Phase]) -> str:
 # --- the checks --------------------------------------------------------------------------------
 
 
-def run_check(out: Path, *, kernel_tests: bool = True, progress: bool = True) -> int:
-    """Run every check into ``out``, write ``out/summary.json``; the exit code (``EXIT_*``)."""
+def run_check(out: Path, *, kernel_tests: bool = True, progress: bool = True, keep_going: bool = False) -> int:
+    """Run every check into ``out``, write ``out/summary.json``; the exit code (``EXIT_*``). A failed kernel
+    test skips the rest, unless ``keep_going`` (the exit code still says it failed)."""
     lacking = missing(kernel_tests)
     if lacking:
         for line in lacking:
@@ -277,7 +278,7 @@ def run_check(out: Path, *, kernel_tests: bool = True, progress: bool = True) ->
     started, start = dt.datetime.now(dt.timezone.utc), time.perf_counter()
     checks, results = [], {}
     for name in CHECKS:
-        if checks and checks[0].status == "failed":
+        if checks and checks[0].status == "failed" and not keep_going:
             checks.append(Check(name, "skipped", detail="the kernel tests failed: wrong kernels are not worth timing"))
             continue
         print(f"gpu-check: {name} ...", flush=True)

@@ -126,6 +126,20 @@ def test_a_kernel_test_module_that_does_not_collect_fails_the_check(with_a_gpu, 
     assert list(tmp_path.iterdir()) == []
 
 
+@needs_shared
+def test_keep_going_runs_every_check_after_a_failed_kernel_test(with_a_gpu, monkeypatch, tmp_path):
+    """``--keep-going`` (a GPU lent for minutes): the timing and LM checks run all the same; the exit code says it failed."""
+    ran = []
+    monkeypatch.setattr(gpu_check, "collect_kernel_tests", lambda device="cpu": ["tests/test_kernels/test_a.py::test_b"])
+    monkeypatch.setattr(gpu_check, "_kernel_tests", lambda out: Check("kernel-tests", "failed", detail="1 failed"))
+    monkeypatch.setattr(gpu_check, "_run_scenario", lambda name, out, progress: (ran.append(name), (Check(name, "passed"), None))[1])
+    assert gpu_check.run_check(tmp_path, progress=False, keep_going=True) == gpu_check.EXIT_FAILED
+    assert ran == ["timing", "lm"]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert [(c["name"], c["status"]) for c in summary["checks"]] == [
+        ("kernel-tests", "failed"), ("timing", "passed"), ("lm", "passed"), ("report", "failed")]  # (no results file written here)
+
+
 def _cell(variant, backend, mode, seq_len, median_s, status="ok"):
     axes = {"seq_len": seq_len, "batch": 4, "heads": 16, "d_key": 128, "dtype": "bfloat16"}
     return {"run_id": "r", "cell_id": f"{variant}-{backend}-{mode}-{seq_len}", "scenario": "gpu-check", "variant": variant,
