@@ -193,9 +193,8 @@ def _exact_reference(core, length: int, *, steps: bool = False):
     (``approximates_reference``, LSH) is judged against the function each form computes: its
     parallel form against itself in float64, its ``steps`` (the exact definition) against the
     reference at any length."""
-    if core.approximates_reference and _defines_reference(core):
-        return (core.reference, "reference") if steps else (core, "torch float64")
-    return (core.reference, "reference") if _defines_reference(core) and length <= REFERENCE_MAX_TOKENS else (core, "torch float64")
+    exact = steps if core.approximates_reference else length <= REFERENCE_MAX_TOKENS
+    return (core.reference, "reference") if exact and _defines_reference(core) else (core, "torch float64")
 
 
 def _defines_reference(core) -> bool:

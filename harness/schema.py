@@ -163,7 +163,7 @@ class Exclusion(StrictSettings):
     mode: str | list[str] | None = None
 
     @model_validator(mode="after")
-    def _something(self):
+    def _names_a_field(self):
         if not self.fields():
             raise ValueError("expected at least one of variant, backend, mode")
         return self

@@ -5,6 +5,9 @@ themselves run in the slow test on the CPU forms of its scenarios."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -100,10 +103,6 @@ def test_every_kernel_test_module_collects_as_on_a_gpu():
     """With ATTNBENCH_TEST_DEVICE=cuda (torch told it has a GPU: collecting runs no kernel) pytest collects every
     kernel test module, no error, and gpu-check's parser keeps node ids only (not the warnings that quote one).
     The first GPU run collected 3 of the 7 modules: ``slow_interpreted`` gave natively a mark pytest.param refuses."""
-    import os
-    import subprocess
-    import sys
-
     tests = gpu_check.kernel_tests_dir()
     arguments = [str(tests), *gpu_check.PYTEST_ARGS, "--collect-only"]
     code = f"import sys, torch, pytest; torch.cuda.is_available = lambda: True; sys.exit(pytest.main({arguments!r}))"
@@ -116,8 +115,6 @@ def test_every_kernel_test_module_collects_as_on_a_gpu():
 
 def test_a_kernel_test_module_that_does_not_collect_fails_the_check(with_a_gpu, monkeypatch, tmp_path):
     """pytest's collection error is the check's failure, with its error lines; nothing runs."""
-    import subprocess
-
     line = "ERROR tests/test_kernels/test_a.py - ValueError: pytest.param cannot add pytest.mark.usefixtures\n"
     error = subprocess.CompletedProcess([], 2, stdout=line, stderr="")
     monkeypatch.setattr(gpu_check.subprocess, "run", lambda *args, **kwargs: error)
