@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from ._common import chunk_rows, chunk_span, dot, load_chunk, load_or_zeros, sequence_chunks
-from .delta_rule_forward import _autotune_pass, _chunk_scores, _cumulative_gate, _decay, _state_offsets, _store_chunk, _token_values
+from .delta_rule_forward import _autotune_pass, _chunk_scores, _cumulative_gate, _decay, _prefix_sum, _state_offsets, _store_chunk, _token_values
 
 # --------------------------------------------------------------------------------------
 # Backward
@@ -180,4 +180,4 @@ def _backward_chunk_kernel(
     tl.store(dbeta_ptr + bh * seq_len + tokens, dbeta.to(dbeta_ptr.dtype.element_ty), mask=row_ok)
     if GATED:
         dgate += tl.where(rows == BLOCK_C - 1, dlast, 0.0)
-        tl.store(dg_ptr + bh * seq_len + tokens, tl.cumsum(dgate, axis=0, reverse=True).to(dg_ptr.dtype.element_ty), mask=row_ok)
+        tl.store(dg_ptr + bh * seq_len + tokens, _prefix_sum(dgate, True, BLOCK_C).to(dg_ptr.dtype.element_ty), mask=row_ok)

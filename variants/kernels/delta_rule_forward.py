@@ -37,11 +37,23 @@ def _token_values(ptr, bh, start, stop, chunk_size, seq_len, BLOCK_C: tl.constex
 
 
 @triton.jit
+def _prefix_sum(x, REVERSE: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Σ_{s ≤ t} x_s (Σ_{s ≥ t} with REVERSE) of a [BLOCK_C] vector, as the row sums of the masked [BLOCK_C, BLOCK_C]
+    broadcast: a reduction, not ``tl.cumsum``'s scan (the gated kernels failed natively with scans beside their
+    dots and reductions, a combination Triton has miscompiled: triton-lang/triton#3017, #7817)."""
+    rows = tl.arange(0, BLOCK_C)
+    if REVERSE:
+        kept = rows[None, :] >= rows[:, None]
+    else:
+        kept = rows[None, :] <= rows[:, None]
+    return tl.sum(tl.where(kept, x[None, :], 0.0), axis=1)
+
+
+@triton.jit
 def _cumulative_gate(g_ptr, bh, start, stop, chunk_size, seq_len, BLOCK_C: tl.constexpr):
-    """G_t = Σ_{s ≤ t in the chunk} g_s and G_last (the padding has g = 0, so G_last is the last real token's)."""
-    cumulative = tl.cumsum(_token_values(g_ptr, bh, start, stop, chunk_size, seq_len, BLOCK_C), axis=0)
-    last = tl.sum(tl.where(tl.arange(0, BLOCK_C) == BLOCK_C - 1, cumulative, 0.0), axis=0)
-    return cumulative, last
+    """G_t = Σ_{s ≤ t in the chunk} g_s and G_last = Σ_s g_s (the padding has g = 0)."""
+    gates = _token_values(g_ptr, bh, start, stop, chunk_size, seq_len, BLOCK_C)
+    return _prefix_sum(gates, False, BLOCK_C), tl.sum(gates, axis=0)
 
 
 @triton.jit
