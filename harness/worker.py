@@ -335,11 +335,14 @@ def needs_fresh_worker(cell: Cell, status: str, shared: bool = False) -> bool:
     shared with earlier cells glibc serves the cell's allocations from heap pages they left
     resident, and its peak RSS read 2-3x too low (a delta-rule forward, B=8 H=8 T=512: 15-25 MiB
     against 49 MiB in a fresh worker; its inputs alone are 24 MiB). GPU memory is counted by
-    PyTorch's allocator, exact in a shared worker. ``shared``: null means false (``attnbench
+    PyTorch's allocator, exact in a shared worker. And by default true for a ``compile`` cell on any
+    device: the frames TorchDynamo compiled stay in the process, so the next compile cell's
+    ``metrics.compile_s`` would be a recompilation or a cache hit (on an H200, 2026-12-04: linear's
+    training at T 4096 read 0.004 s after T 1024's 17 s). ``shared``: null means false (``attnbench
     regress``, which compares time and starts a worker per revision and round)."""
     if status in FAILING:
         return True
     choice = cell.measure.get("fresh_worker")
     if choice is None:
-        return not shared and not cell.quality and cell.device.startswith("cpu")
+        return not shared and not cell.quality and (cell.device.startswith("cpu") or cell.backend == "compile")
     return choice
