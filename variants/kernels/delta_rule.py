@@ -22,7 +22,9 @@ tests tie this file to. The gate is a constexpr (``GATED``) of the same kernels.
 
 Forward, three launches:
   1. ``_ut_transform_kernel``, one program per (chunk, b·h): T (stored, fp32, for the backward),
-     W and U (stored in the input dtype, ``[B·H, T, F]`` and ``[B·H, T, Dv]``).
+     W and U (stored in the input dtype, ``[B·H, T, F]`` and ``[B·H, T, Dv]``); gated, G (fp32, ``[B·H, T]``),
+     which every later kernel reads: the prefix sums are a [C, C] masked row sum (``tl.cumsum``'s scan failed
+     natively beside the kernels' dots), computed once per chunk rather than in every kernel and pass step.
   2. ``_state_pass_kernel``, one program per (Dv block, b·h; the block and the warps autotuned,
      ``PASS_CONFIGS``): the only sequential part, light:
      per chunk U' = U − W S (overwrites U), S ← γ_C S + K̃ᵀ U'; the state entering every chunk goes
@@ -41,7 +43,7 @@ Backward, with dO and dS' (the gradient of the state leaving a chunk), M = tril(
         dβ = rowsum(dVb ⊙ (V − diag(γ) K S)) + rowsum(dA ⊙ K Kᵀ ⊙ D)
      (the solve [U | W] = T [diag(β) V | diag(βγ) K] gives d[βV | βγK] = Tᵀ d[U | W] with dW = −dU' Sᵀ, and
      dA = −tril(dR Xᵀ) = −tril(dVb (U − W S)ᵀ, −1)). Gated, the gradient of the in-chunk cumulative
-     log gate, then dg_s = Σ_{t ≥ s in the chunk} dG_t:
+     log gate, then dg_s = Σ_{t ≥ s in the chunk} dG_t (a masked row sum too):
         dG = rowsum(Q ⊙ diag(γ) dO Sᵀ) + rowsum(Z) − colsum(Z)  with Z = dM ⊙ tril(Q Kᵀ) ⊙ D
            + rowsum(Y) − colsum(Y)  with Y = dA ⊙ A        − rowsum(dVb Sᵀ ⊙ diag(βγ) K)
            − rowsum(K̃ ⊙ U' dS'ᵀ),   and at the last row also + Σ_i rowsum(K̃ ⊙ U' dS'ᵀ)_i + γ_C ⟨S, dS'⟩.
@@ -55,7 +57,7 @@ padded to powers of two ≥ 16 with masks; a zero row of K, V, Q, β (and g = 0)
 
 Limits: d_dot and d_value up to 256, chunk_size 16, 32 or 64, at most 32 for d_dot > 128 (``kernels.chunk_sizes``:
 the passes hold [C, F] tiles and a [F, block of Dv] state); default the largest. Memory kept for the
-backward: T (C² per chunk), W, U' (input dtype) and the chunk states (4·F·Dv bytes per chunk and b·h).
+backward: T (C² per chunk), W, U' (input dtype), the chunk states (4·F·Dv bytes per chunk and b·h) and, gated, G.
 """
 
 from __future__ import annotations
@@ -124,8 +126,9 @@ class _Tiles(_common.Tiles):
 
 
 def _forward(q, k, v, beta, log_gate, weights, tiles: _Tiles):
-    """Launches (1)-(3): y, S_T and what the backward keeps (T, W, U', the chunk states)."""
+    """Launches (1)-(3): y, S_T and what the backward keeps (T, W, U', the chunk states, G)."""
     gated, gate = log_gate is not None, log_gate if log_gate is not None else beta
+    cumulative_gate = new_output(beta.shape, q, torch.float32) if gated else beta  # G, written by (1) (ungated: unread)
     inverse = new_output((tiles.bh, tiles.num_chunks, tiles.block_c, tiles.block_c), q, torch.float32)
     w, new_values = tiles.per_value_head(k), new_output(v.shape, v)  # W; U, then U'
     states = new_output((tiles.bh, tiles.num_chunks, tiles.d_dot, tiles.d_value), q, torch.float32)
@@ -133,41 +136,41 @@ def _forward(q, k, v, beta, log_gate, weights, tiles: _Tiles):
     s_final = new_output((tiles.state_batch, tiles.heads, tiles.d_dot, tiles.d_value), q, torch.float32)
     chunk_table = tiles.tables(q)[0]
     launch(
-        _ut_transform_kernel, tiles.chunk_grid(), k, v, beta, gate, inverse, w, new_values, chunk_table, *tiles.sizes(),
+        _ut_transform_kernel, tiles.chunk_grid(), k, v, beta, gate, inverse, w, new_values, cumulative_gate, chunk_table, *tiles.sizes(),
         **tiles.constexprs(gated), options=tiles.options(), name="ut_transform",
     )  # fmt: skip
     launch(
-        _state_pass_kernel, tiles.pass_grid(), k, gate, w, new_values, s_final if weights is None else weights, states, s_final,
+        _state_pass_kernel, tiles.pass_grid(), k, cumulative_gate, w, new_values, s_final if weights is None else weights, states, s_final,
         *tiles.pass_sizes(q), HAS_S0=weights is not None, **tiles.constexprs(gated, sequential=True), options={}, name="state_pass",
     )  # fmt: skip
     launch(
-        _output_kernel, tiles.chunk_grid(True), q, k, gate, new_values, states, y, chunk_table, *tiles.sizes(),
+        _output_kernel, tiles.chunk_grid(True), q, k, cumulative_gate, new_values, states, y, chunk_table, *tiles.sizes(),
         **tiles.constexprs(gated), options=tiles.options(), name="output",
     )  # fmt: skip
-    return y, s_final, (inverse, w, new_values, states)
+    return y, s_final, (inverse, w, new_values, states, cumulative_gate)
 
 
 def _backward(q, k, v, beta, log_gate, saved, dy, ds_final, tiles: _Tiles):
     """Launches (4)-(6): dq, dk, dv, dβ, dg (None ungated) and dS_0 (fp32)."""
-    inverse, w, new_values, states = saved
-    gated, gate = log_gate is not None, log_gate if log_gate is not None else beta
+    inverse, w, new_values, states, cumulative_gate = saved
+    gated = log_gate is not None
     dnew_values = new_output(v.shape, v, torch.float32)
     dstates = new_output(states.shape, states)
     ds0 = new_output((tiles.state_batch, tiles.heads, tiles.d_dot, tiles.d_value), q, torch.float32)
     chunk_table = tiles.tables(q)[0]
     launch(
-        _backward_local_kernel, tiles.chunk_grid(True), q, k, gate, dy, dnew_values, chunk_table, *tiles.sizes(),
+        _backward_local_kernel, tiles.chunk_grid(True), q, k, cumulative_gate, dy, dnew_values, chunk_table, *tiles.sizes(),
         **tiles.constexprs(gated), options=tiles.options(), name="backward_local",
     )  # fmt: skip
     launch(
-        _backward_pass_kernel, tiles.pass_grid(), q, k, gate, w, dy, dnew_values, ds0 if ds_final is None else ds_final, dstates, ds0,
+        _backward_pass_kernel, tiles.pass_grid(), q, k, cumulative_gate, w, dy, dnew_values, ds0 if ds_final is None else ds_final, dstates, ds0,
         *tiles.pass_sizes(q), HAS_DS_FINAL=ds_final is not None, **tiles.constexprs(gated, sequential=True), options={}, name="backward_pass",
     )  # fmt: skip
     dq, dk, dv, dbeta = tiles.per_value_head(q), tiles.per_value_head(k), new_output(v.shape, v), new_output(beta.shape, beta)
     dgate = new_output(log_gate.shape, log_gate) if gated else dbeta
     launch(
         _backward_chunk_kernel, tiles.chunk_grid(),
-        q, k, v, beta, gate, dy, inverse, new_values, dnew_values, states, dstates, dq, dk, dv, dbeta, dgate, chunk_table, *tiles.sizes(),
+        q, k, v, beta, cumulative_gate, dy, inverse, new_values, dnew_values, states, dstates, dq, dk, dv, dbeta, dgate, chunk_table, *tiles.sizes(),
         **tiles.constexprs(gated), options=tiles.options(8), name="backward_chunk",
     )  # fmt: skip
     return tiles.qk_heads(dq), tiles.qk_heads(dk), dv, dbeta, dgate if gated else None, ds0

@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from ._common import chunk_rows, chunk_span, dot, load_chunk, load_or_zeros, sequence_chunks
-from .delta_rule_forward import _autotune_pass, _chunk_scores, _cumulative_gate, _decay, _prefix_sum, _state_offsets, _store_chunk, _token_values
+from .delta_rule_forward import _autotune_pass, _chunk_gate, _chunk_scores, _decay, _prefix_sum, _state_offsets, _store_chunk, _token_values
 
 # --------------------------------------------------------------------------------------
 # Backward
@@ -16,7 +16,7 @@ from .delta_rule_forward import _autotune_pass, _chunk_scores, _cumulative_gate,
 
 @triton.jit
 def _backward_local_kernel(
-    q_ptr, k_ptr, g_ptr, dy_ptr,  # inputs
+    q_ptr, k_ptr, gc_ptr, dy_ptr,  # inputs (gc: G, if GATED)
     du_ptr,  # output (fp32) [BH, T, Dv]: Mᵀ dO
     chunk_table_ptr,  # [num_chunks, 2] with VARLEN
     seq_len, d_dot, d_value, chunk_size, num_chunks, group,
@@ -31,7 +31,7 @@ def _backward_local_kernel(
     rows = tl.arange(0, BLOCK_C)
     scores = _chunk_scores(q_ptr, k_ptr, bh_qk, start, stop, chunk_size, seq_len, d_dot, PRECISION, BLOCK_C, BLOCK_F)
     if GATED:
-        cumulative, _ = _cumulative_gate(g_ptr, bh, start, stop, chunk_size, seq_len, BLOCK_C)
+        cumulative, _ = _chunk_gate(gc_ptr, bh, start, stop, chunk_size, seq_len, BLOCK_C)
         scores = scores * _decay(cumulative, False, BLOCK_C)
     else:
         scores = tl.where(rows[:, None] >= rows[None, :], scores, 0.0)
@@ -43,7 +43,7 @@ def _backward_local_kernel(
 @_autotune_pass("du_ptr")
 @triton.jit
 def _backward_pass_kernel(
-    q_ptr, k_ptr, g_ptr, w_ptr, dy_ptr,  # inputs
+    q_ptr, k_ptr, gc_ptr, w_ptr, dy_ptr,  # inputs (gc: G, if GATED)
     du_ptr,  # in: Mᵀ dO (fp32); out: dU' = Mᵀ dO + K̃ dS'
     ds_final_ptr,  # [BH, F, Dv] (if HAS_DS_FINAL)
     dstates_ptr, ds0_ptr,  # outputs (fp32): [BH, NC, F, Dv] the gradient on the state leaving each chunk, dS_0
@@ -71,7 +71,7 @@ def _backward_pass_kernel(
         keys = load_chunk(k_ptr, bh_qk, start, stop, chunk_size, seq_len, d_dot, 0, BLOCK_C, PAD_F)
         queries = load_chunk(q_ptr, bh_qk, start, stop, chunk_size, seq_len, d_dot, 0, BLOCK_C, PAD_F)
         if GATED:
-            cumulative, last = _cumulative_gate(g_ptr, bh, start, stop, chunk_size, seq_len, BLOCK_C)
+            cumulative, last = _chunk_gate(gc_ptr, bh, start, stop, chunk_size, seq_len, BLOCK_C)
             keys = keys.to(tl.float32) * tl.exp(last - cumulative)[:, None]
             queries = queries.to(tl.float32) * tl.exp(cumulative)[:, None]
         local = load_chunk(du_ptr, bh, start, stop, chunk_size, seq_len, d_value, v_start, BLOCK_C, BLOCK_V)
@@ -87,7 +87,7 @@ def _backward_pass_kernel(
 
 @triton.jit
 def _backward_chunk_kernel(
-    q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, dy_ptr,  # inputs
+    q_ptr, k_ptr, v_ptr, beta_ptr, gc_ptr, dy_ptr,  # inputs (gc: G, if GATED)
     t_ptr, u_ptr, du_ptr, states_ptr, dstates_ptr,  # saved: T, U', dU' (fp32), S_c, dS'_c
     dq_ptr, dk_ptr, dv_ptr, dbeta_ptr, dg_ptr,  # outputs
     chunk_table_ptr,  # [num_chunks, 2] with VARLEN
@@ -123,7 +123,7 @@ def _backward_chunk_kernel(
     gram = _chunk_scores(k_ptr, k_ptr, bh_qk, start, stop, chunk_size, seq_len, d_dot, PRECISION, BLOCK_C, BLOCK_F)
     grad_a = -tl.where(rows[:, None] > rows[None, :], dsolve, 0.0)  # dA
     if GATED:
-        cumulative, last = _cumulative_gate(g_ptr, bh, start, stop, chunk_size, seq_len, BLOCK_C)
+        cumulative, last = _chunk_gate(gc_ptr, bh, start, stop, chunk_size, seq_len, BLOCK_C)
         gamma = tl.exp(cumulative)
         dscores = dscores * _decay(cumulative, False, BLOCK_C)
         gram = gram * _decay(cumulative, True, BLOCK_C)

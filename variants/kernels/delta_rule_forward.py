@@ -50,10 +50,13 @@ def _prefix_sum(x, REVERSE: tl.constexpr, BLOCK_C: tl.constexpr):
 
 
 @triton.jit
-def _cumulative_gate(g_ptr, bh, start, stop, chunk_size, seq_len, BLOCK_C: tl.constexpr):
-    """G_t = Σ_{s ≤ t in the chunk} g_s and G_last = Σ_s g_s (the padding has g = 0)."""
-    gates = _token_values(g_ptr, bh, start, stop, chunk_size, seq_len, BLOCK_C)
-    return _prefix_sum(gates, False, BLOCK_C), tl.sum(gates, axis=0)
+def _chunk_gate(gc_ptr, bh, start, stop, chunk_size, seq_len, BLOCK_C: tl.constexpr):
+    """G_t = Σ_{s ≤ t in the chunk} g_s of the chunk's tokens, as ``_ut_transform_kernel`` stored them in a [B·H, T]
+    fp32 tensor, and G_last, the last token's (the padding rows get G_last, as g = 0 there)."""
+    tokens, row_ok = chunk_rows(start, stop, chunk_size, BLOCK_C)
+    last = tl.load(gc_ptr + bh * seq_len + tl.minimum(start + chunk_size, stop) - 1)
+    cumulative = tl.load(gc_ptr + bh * seq_len + tokens, mask=row_ok, other=0.0)
+    return tl.where(row_ok, cumulative, last), last
 
 
 @triton.jit
@@ -103,11 +106,12 @@ def _chunk_scores(a_ptr, b_ptr, bh, start, stop, chunk_size, seq_len, d_dot, PRE
 def _ut_transform_kernel(
     k_ptr, v_ptr, beta_ptr, g_ptr,  # inputs [BH, T, F], [BH, T, Dv], [BH, T], [BH, T] (if GATED)
     t_ptr, w_ptr, u_ptr,  # outputs: T (fp32) [BH, NC, BLOCK_C, BLOCK_C], W [BH, T, F], U [BH, T, Dv]
+    gc_ptr,  # output (if GATED): G (fp32) [BH, T], the gate summed within each chunk (``_chunk_gate`` reads it)
     chunk_table_ptr,  # [num_chunks, 2] with VARLEN
     seq_len, d_dot, d_value, chunk_size, num_chunks, group,
     GATED: tl.constexpr, VARLEN: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_V: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """(1) Program (chunk, b·h): T = (I + tril(diag(β)(K Kᵀ ⊙ D), −1))⁻¹, W = T diag(βγ) K, U = T diag(β) V."""
+    """(1) Program (chunk, b·h): G, T = (I + tril(diag(β)(K Kᵀ ⊙ D), −1))⁻¹, W = T diag(βγ) K, U = T diag(β) V."""
     chunk = tl.program_id(0)
     start, stop = chunk_span(chunk, seq_len, chunk_size, chunk_table_ptr, VARLEN)
     bh = tl.program_id(1).to(tl.int64)
@@ -117,7 +121,9 @@ def _ut_transform_kernel(
     beta = _token_values(beta_ptr, bh, start, stop, chunk_size, seq_len, BLOCK_C)
     gram = _chunk_scores(k_ptr, k_ptr, bh_qk, start, stop, chunk_size, seq_len, d_dot, PRECISION, BLOCK_C, BLOCK_F)
     if GATED:
-        cumulative, _ = _cumulative_gate(g_ptr, bh, start, stop, chunk_size, seq_len, BLOCK_C)
+        cumulative = _prefix_sum(_token_values(g_ptr, bh, start, stop, chunk_size, seq_len, BLOCK_C), False, BLOCK_C)
+        tokens, row_ok = chunk_rows(start, stop, chunk_size, BLOCK_C)
+        tl.store(gc_ptr + bh * seq_len + tokens, cumulative, mask=row_ok)
         gram = gram * _decay(cumulative, True, BLOCK_C)
         key_scale = beta * tl.exp(cumulative)
     else:
@@ -175,7 +181,7 @@ def _autotune_pass(restore: str):
 @_autotune_pass("u_ptr")
 @triton.jit
 def _state_pass_kernel(
-    k_ptr, g_ptr, w_ptr, u_ptr,  # inputs; u (U) is overwritten with U'
+    k_ptr, gc_ptr, w_ptr, u_ptr,  # inputs (gc: G, if GATED); u (U) is overwritten with U'
     s0_ptr,  # [BH, F, Dv] (if HAS_S0)
     states_ptr, s_final_ptr,  # outputs (fp32): [BH, NC, F, Dv] the state entering each chunk, [BH, F, Dv]
     chunk_table_ptr, sequence_table_ptr,  # [num_chunks, 2] and [N + 1] with VARLEN
@@ -206,7 +212,7 @@ def _state_pass_kernel(
         _store_chunk(u_ptr, new_values, bh, start, stop, chunk_size, seq_len, d_value, v_start, BLOCK_C, BLOCK_V)
         keys = load_chunk(k_ptr, bh_qk, start, stop, chunk_size, seq_len, d_dot, 0, BLOCK_C, PAD_F)
         if GATED:
-            cumulative, last = _cumulative_gate(g_ptr, bh, start, stop, chunk_size, seq_len, BLOCK_C)
+            cumulative, last = _chunk_gate(gc_ptr, bh, start, stop, chunk_size, seq_len, BLOCK_C)
             keys = keys.to(tl.float32) * tl.exp(last - cumulative)[:, None]
             state = state * tl.exp(last)
         state += dot(tl.trans(keys), new_values, PRECISION, input_type)
@@ -215,7 +221,7 @@ def _state_pass_kernel(
 
 @triton.jit
 def _output_kernel(
-    q_ptr, k_ptr, g_ptr, u_ptr, states_ptr,  # inputs (u holds U')
+    q_ptr, k_ptr, gc_ptr, u_ptr, states_ptr,  # inputs (gc: G, if GATED; u holds U')
     y_ptr,  # output [BH, T, Dv]
     chunk_table_ptr,  # [num_chunks, 2] with VARLEN
     seq_len, d_dot, d_value, chunk_size, num_chunks, group,
@@ -239,7 +245,7 @@ def _output_kernel(
         scores += dot(queries, tl.trans(keys), PRECISION, input_type)
         out += dot(queries, tl.load(states_ptr + offs, mask=mask, other=0.0), PRECISION, input_type)
     if GATED:
-        cumulative, _ = _cumulative_gate(g_ptr, bh, start, stop, chunk_size, seq_len, BLOCK_C)
+        cumulative, _ = _chunk_gate(gc_ptr, bh, start, stop, chunk_size, seq_len, BLOCK_C)
         out = out * tl.exp(cumulative)[:, None]
         scores = scores * _decay(cumulative, False, BLOCK_C)
     else:
