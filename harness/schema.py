@@ -141,7 +141,9 @@ class Measure(StrictSettings):
     cpus: list[Annotated[int, Field(ge=0)]] | None = Field(None, min_length=1, description="pin the worker to these CPUs (os.sched_setaffinity)")
     timeout_s: float = Field(900.0, gt=0, le=MAX_SECONDS, description="a cell running longer is stopped and recorded as an error")
     flush_l2: bool = True
-    fresh_worker: bool | None = Field(None, description="a new worker process for each cell; default: for CPU speed cells (exact peak RSS) and compile cells (compile_s from no compiled frames), not for other GPU cells")
+    fresh_worker: bool | None = Field(
+        None, description="a new worker process for each cell; default: CPU speed cells (exact peak RSS), compile cells (compile_s from nothing compiled)"
+    )
     max_memory: int | None = Field(None, ge=1 << 20, description="bytes of host memory a worker may take (a cell over it: oom); null: 80 % of RAM on the CPU")
     timing: Literal[TIMINGS] = Field("events", description="what one sample times: events, cudagraph, profiler or wall (docs/profiling.md)")
 
