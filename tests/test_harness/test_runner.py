@@ -306,21 +306,23 @@ def test_a_failed_cuda_cell_gets_a_fresh_worker_and_an_ok_or_oom_one_keeps_it(mo
     assert executor.worker.starts == 5
 
 
-@pytest.mark.parametrize("status, device, mode, fresh_worker, expected", [
-    ("error", "cuda", "forward", None, True),
-    ("nan", "cuda:1", "forward", False, True),  # a failed cell's worker goes, whatever the setting
-    ("crashed", "cpu", "quality", None, True),
-    ("oom", "cuda", "forward", None, False),
-    ("ok", "cuda", "forward", None, False),
-    ("ok", "cuda", "forward", True, True),
-    ("ok", "cpu", "forward", None, True),  # exact CPU peak memory
-    ("ok", "cpu", "quality", None, False),
-    ("skipped", "cuda", "forward", None, False),
+@pytest.mark.parametrize("status, device, mode, fresh_worker, expected, backend", [
+    ("error", "cuda", "forward", None, True, "torch"),
+    ("nan", "cuda:1", "forward", False, True, "torch"),  # a failed cell's worker goes, whatever the setting
+    ("crashed", "cpu", "quality", None, True, "torch"),
+    ("oom", "cuda", "forward", None, False, "torch"),
+    ("ok", "cuda", "forward", None, False, "torch"),
+    ("ok", "cuda", "forward", True, True, "torch"),
+    ("ok", "cuda", "train", None, True, "compile"),  # the next compile cell's compile_s: a compilation, not a cache hit
+    ("ok", "cuda", "train", False, False, "compile"),
+    ("ok", "cpu", "forward", None, True, "torch"),  # exact CPU peak memory
+    ("ok", "cpu", "quality", None, False, "torch"),
+    ("skipped", "cuda", "forward", None, False, "torch"),
 ])
-def test_which_cells_need_a_fresh_worker(status, device, mode, fresh_worker, expected):
+def test_which_cells_need_a_fresh_worker(status, device, mode, fresh_worker, expected, backend):
     from harness.worker import needs_fresh_worker
 
-    cell = make_cell(axes={"device": device}, mode=mode, measure={"fresh_worker": fresh_worker})
+    cell = make_cell(axes={"device": device}, mode=mode, backend=backend, measure={"fresh_worker": fresh_worker})
     assert needs_fresh_worker(cell, status) is expected
 
 
