@@ -53,10 +53,9 @@ def _prefix_sum(x, REVERSE: tl.constexpr, BLOCK_C: tl.constexpr):
 def _chunk_gate(gc_ptr, bh, start, stop, chunk_size, seq_len, BLOCK_C: tl.constexpr):
     """G_t = Σ_{s ≤ t in the chunk} g_s of the chunk's tokens, as ``_ut_transform_kernel`` stored them in a [B·H, T]
     fp32 tensor, and G_last, the last token's (the padding rows get G_last, as g = 0 there)."""
-    tokens, row_ok = chunk_rows(start, stop, chunk_size, BLOCK_C)
+    _, row_ok = chunk_rows(start, stop, chunk_size, BLOCK_C)
     last = tl.load(gc_ptr + bh * seq_len + tl.minimum(start + chunk_size, stop) - 1)
-    cumulative = tl.load(gc_ptr + bh * seq_len + tokens, mask=row_ok, other=0.0)
-    return tl.where(row_ok, cumulative, last), last
+    return tl.where(row_ok, _token_values(gc_ptr, bh, start, stop, chunk_size, seq_len, BLOCK_C), last), last
 
 
 @triton.jit
