@@ -5,6 +5,7 @@ its own Triton cache)."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import tempfile
@@ -71,18 +72,40 @@ def repository(path) -> Path:
 
 def _copy_working_tree(repo: Path, root: Path) -> int:
     """Make ``root`` (a worktree at HEAD) a copy of ``repo``'s working tree: every tracked and
-    untracked, not ignored file as it is now (deleted ones deleted). Returns how many files
-    differ from HEAD."""
+    untracked, not ignored file as it is now (deleted ones deleted), symbolic links copied as links,
+    never followed, nothing written outside ``root``. Returns how many files differ from HEAD."""
     for path in git(repo, "ls-files", "--cached", "--others", "--exclude-standard", "-z").split("\0"):
-        source, target = repo / path, root / path
         if not path:
             continue
-        if source.is_file():
-            target.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(source, target)
-        elif target.is_file():
+        source = repo / path
+        present = not _beyond_link(repo, path) and (source.is_symlink() or source.is_file())
+        target = _real_directory(root, Path(path).parent) / Path(path).name
+        if target.is_symlink() or target.is_file():
             target.unlink()
+        elif target.is_dir() and present:
+            shutil.rmtree(target)
+        if present and source.is_symlink():
+            os.symlink(os.readlink(source), target)
+        elif present:
+            shutil.copy2(source, target, follow_symlinks=False)
     return len(git(repo, "status", "--porcelain", "--untracked-files=all").splitlines())
+
+
+def _beyond_link(top: Path, path: str) -> bool:
+    """Whether a directory of ``path`` under ``top`` is a symbolic link (git sees no file beyond one)."""
+    return any((top / parent).is_symlink() for parent in Path(path).parents if parent != Path("."))
+
+
+def _real_directory(root: Path, relative: Path) -> Path:
+    """``root/relative`` as a real directory: a link or file standing at any part of it (HEAD's,
+    replaced by a directory in the working tree) removed first, so no write follows it out of ``root``."""
+    directory = root
+    for part in relative.parts:
+        directory = directory / part
+        if directory.is_symlink() or directory.is_file():
+            directory.unlink()
+        directory.mkdir(exist_ok=True)
+    return directory
 
 
 @contextmanager
@@ -109,6 +132,9 @@ def worktrees(repo: Path, base: str, head: str | None) -> Iterator[tuple[Revisio
 
 
 def changed_files(base: Revision, head: Revision) -> list[str]:
-    """The files that differ between the two checkouts (the head with its uncommitted changes)."""
-    git(head.root, "add", "--all")  # the head worktree's own index; the user's is untouched
-    return git(head.root, "diff", "--cached", "--name-only", "--no-renames", base.commit).splitlines()
+    """The files that differ between the two checkouts (the head with its uncommitted changes): the
+    tracked ones git compares with the base commit, and the untracked ones. Nothing is added to an
+    index: the worktree shares the user's object database, which stays as it was."""
+    tracked = git(head.root, "diff", "--name-only", "--no-renames", "-z", base.commit, "--").split("\0")
+    untracked = git(head.root, "ls-files", "--others", "--exclude-standard", "-z").split("\0")
+    return sorted({path for path in tracked + untracked if path})
