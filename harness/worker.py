@@ -77,7 +77,6 @@ def die_with_parent() -> None:
 def serve(conn, plugins, parent_pid=None) -> None:
     """The worker's loop: receive a cell (or a ``Calibration``), measure it, send back its result;
     ``None`` stops. It starts with SIGINT ignored (``Worker._start_spawned``): Ctrl-C is the runner's to handle."""
-    from .tasks.training import cell_checkpoints
     from .workloads import is_out_of_memory, measure_cell
 
     die_with_parent()
@@ -91,8 +90,7 @@ def serve(conn, plugins, parent_pid=None) -> None:
                 result = calibrated(cell)
             else:
                 limit_memory(memory_limit(cell))
-                with cell_checkpoints(cell):
-                    result = measure_cell(cell)
+                result = measure_cell(cell)
         except BaseException as exc:  # noqa: BLE001 - every failure of a cell is recorded
             status = "oom" if is_out_of_memory(exc) else "error"
             summary = "".join(traceback.format_exception_only(type(exc), exc)).strip()

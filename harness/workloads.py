@@ -39,6 +39,7 @@ from .measure import (
 )
 from .roofline import DTYPES
 from .tasks.precision import TRAIN_DTYPES
+from .tasks.training import cell_checkpoints
 
 
 def _finite(output) -> bool:
@@ -190,12 +191,14 @@ def _compile_record(cell, result: dict, first_call_s: float, compiled_before: in
 
 
 def _measure_quality(cell, device, dtype) -> dict:
-    """Train and evaluate the cell's registered task (``harness.tasks``); its metrics are the task's own."""
+    """Train and evaluate the cell's registered task (``harness.tasks``); its metrics are the task's own.
+    Its checkpoints carry the cell's identity, and one of another cell is refused (``cell_checkpoints``)."""
     task = tasks.get(cell.task["name"])
     if cell.axes["dtype"] not in TRAIN_DTYPES or (device.type != "cpu" and not task.any_device):
         where = "" if task.any_device else " on the CPU (axes.device: cpu)"
         raise CellError(f"task {task.name!r} trains in {', '.join(TRAIN_DTYPES)} (axes.dtype){where}")
-    metrics = tasks.resolve(task.run)(cell)
+    with cell_checkpoints(cell):
+        metrics = tasks.resolve(task.run)(cell)
     return _profiled(cell, _result(bool(np.isfinite(metrics.get("loss", 0.0))), metrics), None, device)
 
 
