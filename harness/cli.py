@@ -40,6 +40,15 @@ def _option_error(args) -> str | None:
         return "--address and --cells-per-node are options of --executor ray"
     if args.cells_per_node < 1:
         return f"--cells-per-node must be at least 1, got {args.cells_per_node}"
+    if (args.estimate_for or args.estimate_from) and not (args.dry_run or args.budget):
+        return "--estimate-for and --estimate-from estimate the cells of --dry-run or --budget: use them with one of those"
+    if args.budget is not None:
+        from .estimate import parse_duration
+
+        try:
+            parse_duration(args.budget)
+        except ValueError as exc:
+            return f"--budget: {exc}"
     return None
 
 
@@ -48,7 +57,6 @@ def _run(args) -> int:
         print(f"error: {error}", file=sys.stderr)
         return EXIT_ERROR
     from . import runner
-    from .expansion import describe
     from .plugins import load_plugins
     from .profiling import missing_tool
     from .scenario import ScenarioError, load_scenario
@@ -65,13 +73,19 @@ def _run(args) -> int:
     except ScenarioError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    if args.dry_run:
-        for scenario in loaded:
-            cells = scenario.cells()
-            print(f"{scenario.path} ({scenario.name}{', preset ' + scenario.preset if scenario.preset else ''}): {len(cells)} cells")
-            for cell in cells:
-                print(f"  {cell.cell_id}  {describe(cell)}")
-        return 0
+    if args.dry_run or args.budget:
+        from .estimate import EstimateError, parse_duration
+        from .planning import plan
+
+        try:
+            loaded, lines = plan(loaded, gpu=args.estimate_for, measured_from=args.estimate_from,
+                                 budget_s=parse_duration(args.budget) if args.budget else None, dry_run=args.dry_run)
+        except EstimateError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return EXIT_ERROR
+        print("\n".join(lines))
+        if args.dry_run:
+            return 0
     if args.profile and (reason := missing_tool(args.profile)):
         print(f"--profile {args.profile}: skipped, {reason}; the cells are measured without it (metrics.profile.skipped)", file=sys.stderr)
     command = "attnbench " + " ".join(shlex.quote(arg) for arg in sys.argv[1:])
@@ -306,7 +320,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--out", type=Path, default=Path("results"), help="directory of the results files (default: results/)")
     run.add_argument("--preset", help="apply the scenario's named preset, e.g. ci or full")
     run.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a field: seq_len=1024, measure.repeats=3")
-    run.add_argument("--dry-run", action="store_true", help="list the expanded cells and measure nothing")
+    run.add_argument("--dry-run", action="store_true", help="list the expanded cells with their estimated durations and measure nothing")
+    run.add_argument("--budget", metavar="DURATION", help="measure the most informative cells whose estimates fit DURATION (90s, 8m, 1.5h); list the rest")
+    run.add_argument("--estimate-for", metavar="GPU",
+                     help="estimate CUDA cells on this GPU's datasheet peaks: h100, h200, a100, v100, ... (default: the GPU present, else H100)")
+    run.add_argument("--estimate-from", metavar="FILE", help="estimate each cell from the nearest measured cell of these results (a JSONL file or a directory)")
     run.add_argument("--resume", nargs="?", const=True, metavar="FILE", help="continue the latest (or the given) results file")
     run.add_argument("--retry-failed", action="store_true", help="with --resume: also run again the cells that failed (oom, error, crashed, nan)")
     run.add_argument("--plugin", action="append", help="module or .py file registering extra variants or tasks (also ATTNBENCH_PLUGINS)")

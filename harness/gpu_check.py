@@ -15,7 +15,8 @@ stops with one line per missing thing (exit code 2). Then the checks (``CHECKS``
 DIR/summary.json holds each check's status and seconds, the time ratios of the kernels at the
 largest T (``ratios``), the machine's GPU, driver and versions, and the plan. Exit code 0 when
 every check passed, 1 when one failed. ``plan`` estimates each phase's seconds from the
-scenarios' cells and ``COSTS`` (``attnbench gpu-check --dry-run`` prints it, without a GPU).
+scenarios' cells (``harness.estimate``, the one cost model) and ``COSTS`` (``attnbench gpu-check --dry-run``
+prints it, without a GPU).
 """
 
 from __future__ import annotations
@@ -32,8 +33,6 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-
-from .cell import Cell
 
 EXIT_OK, EXIT_FAILED, EXIT_MISSING = 0, 1, 2
 #: Minutes the whole check should take on one H100-class GPU.
@@ -52,18 +51,11 @@ KERNEL_TEST_WORKERS = 8
 
 @dataclass(frozen=True)
 class Costs:
-    """The cost model of the plan, in seconds, for one H100-class GPU and a cold Triton cache. Design
-    estimates, except where a comment says measured (the first runs on an H200, 2026-12-04: torch 2.11,
-    triton 3.6, fla-core 0.6.0; docs/performance.md, "First GPU contact")."""
+    """The terms of the plan that are gpu-check's own, in seconds, for one H100-class GPU and a cold Triton cache;
+    its scenarios' cells are estimated by attnbench's one cost model (``harness.estimate``). Design estimates,
+    except where a comment says measured (on an H200, 2026-12-04: docs/performance.md, "First GPU contact")."""
 
     preflight_s: float = 10.0  # import torch, start CUDA, fingerprint the machine, look up the data
-    run_start_s: float = 12.0  # an `attnbench run`: its worker imports torch and starts CUDA, then calibrates (measured: 12 s)
-    cell_overhead_s: float = 0.5  # a speed cell's build, NaN check, peak memory and results record
-    call_s: float = 0.05  # one call of a timed cell (measured: torch, triton cells took 0.5-2 s each, calls included)
-    #: compilations and autotuning the first cell of each (backend, variant, d, dtype, mode) pays. Measured: attnbench's
-    #: kernels 3.4-4.8 s a cell; fla's forward 53 s (linear) and 60 s (delta), its training over 120 s (the cell's
-    #: limit then: gpu-check's scenario leaves fla's training out)
-    first_use_s: dict = field(default_factory=lambda: {"triton": 5.0, "fla": 60.0})
     pytest_start_s: float = 8.0  # pytest imports torch and triton, collects the kernel tests
     #: one native kernel test, its compilations and autotuning included (measured on the H200, 2026-12-04, second
     #: session: 475 s of test time for the 140 tests, with a cold Triton cache)
@@ -72,7 +64,6 @@ class Costs:
     block_imbalance: float = 2.2
     kernel_test_workers: int = KERNEL_TEST_WORKERS  # pytest processes at once: a GPU host has 8 cores or more
     data_s: float = 6.0  # WikiText-2 tokenised on first use, cached afterwards (measured: 5.3 s on the 2-core development VM)
-    quality_cell_s: float = 10.0  # one LM ci cell on CUDA: a 1-layer model, 6 steps, its evaluations
     report_s: float = 20.0  # the HTML report of about 40 cells (measured: 8 s for 8 cells on the 2-core development VM)
 
 
@@ -185,13 +176,15 @@ def _missing_data() -> list[str]:
 # --- the plan ----------------------------------------------------------------------------------
 
 
-def plan(kernel_tests: bool = True, costs: Costs = COSTS) -> list[Phase]:
-    """The estimated seconds of each phase: the cells of both scenarios as they expand, the kernel
-    tests as pytest collects them, and ``costs``."""
+def plan(kernel_tests: bool = True, costs: Costs = COSTS, gpu: str | None = None) -> list[Phase]:
+    """The estimated seconds of each phase: the cells of both scenarios as they expand, estimated on ``gpu``
+    (default: the GPU present, else an H100: ``harness.estimate``), the kernel tests as pytest collects them, and ``costs``."""
+    from .estimate import Estimator, roofs_for
     from .scenario import load_scenario
 
     timing = load_scenario(TIMING[0], preset=TIMING[1], overrides=TIMING[2]).cells()
     lm = load_scenario(LM[0], preset=LM[1], overrides=LM[2]).cells()
+    estimator = Estimator(roofs_for(timing + lm, gpu))
     phases = [Phase("preflight", "", costs.preflight_s)]
     if kernel_tests:
         try:
@@ -202,27 +195,12 @@ def plan(kernel_tests: bool = True, costs: Costs = COSTS) -> list[Phase]:
         units = f"{tests} tests in {costs.kernel_test_workers} pytest processes"
         slowest_block = costs.block_imbalance * tests * costs.test_s / costs.kernel_test_workers
         phases.append(Phase("kernel-tests", units, costs.pytest_start_s + slowest_block))
-    measured = [cell for cell in timing if not cell.skip]
-    groups = {_first_use_group(cell) for cell in measured if cell.backend in costs.first_use_s}
-    seconds = costs.run_start_s + sum(_cell_seconds(cell, costs) for cell in measured) + sum(costs.first_use_s[group[0]] for group in groups)
-    phases.append(Phase("timing", f"{len(measured)} cells ({len(timing) - len(measured)} skipped), {len(groups)} kernel first uses", seconds))
-    phases.append(Phase("lm", f"{len(lm)} cells", costs.run_start_s + costs.data_s + len(lm) * costs.quality_cell_s))
+    cells = estimator.sweep(timing)
+    units = f"{len(cells.measured)} cells ({len(timing) - len(cells.measured)} skipped), {len(cells.first_uses())} kernel first uses"
+    phases.append(Phase("timing", units, cells.seconds()))
+    phases.append(Phase("lm", f"{len(lm)} cells", costs.data_s + estimator.sweep(lm).seconds()))
     phases.append(Phase("report", "", costs.report_s))
     return phases
-
-
-def _first_use_group(cell: Cell) -> tuple:
-    """The cells that share their kernels' compilations and autotuning (the first of them pays)."""
-    axes = cell.axes
-    return cell.backend, cell.variant, axes["d_key"], axes["d_value"], axes["dtype"], cell.mode
-
-
-def _cell_seconds(cell: Cell, costs: Costs) -> float:
-    """A speed cell: its overhead, every call (a warm-up build, the NaN check, ``warmup``, ``repeats``)
-    and at most ``max_time_s`` of sampling beyond the repeats."""
-    measure = cell.measure
-    calls = 2 + measure["warmup"] + measure["repeats"]
-    return costs.cell_overhead_s + calls * costs.call_s + (measure.get("max_time_s") or 0.0)
 
 
 class CollectionError(RuntimeError):
