@@ -18,6 +18,11 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
+from .files import own_directory, write_atomic
+
+#: Matplotlib settings under which a report's plots are made: every label, title, legend and tick is
+#: plain text (a results file's ``a$b$c`` is not parsed as mathtext, which fails the whole figure).
+PLAIN_TEXT = {"text.parse_math": False}
 #: How a failed cell is drawn: an x, in its line's colour.
 FAILURE_MARK = {"marker": "x", "markersize": 9, "markeredgewidth": 2, "linestyle": "none"}
 
@@ -69,9 +74,8 @@ class Figures:
         buffer = io.BytesIO()
         FigureCanvasAgg(figure).print_png(buffer)
         data = buffer.getvalue()
-        path = self.out_dir / "plots" / f"{name}.png"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(data)
+        path = own_directory(self.out_dir / "plots") / f"{name}.png"
+        write_atomic(path, data)
         return Plot(title, caption, f"plots/{path.name}", "data:image/png;base64," + base64.b64encode(data).decode("ascii"))
 
     def legend(self, figure: Figure, cells: pd.DataFrame, failures: bool) -> None:

@@ -33,18 +33,34 @@ def open_regular(path, flags: int, mode: int = 0o644) -> int:
     return fd
 
 
-def write_json_atomic(path, obj) -> None:
-    """Write ``obj`` as JSON to ``path``: into a temporary file in the same directory, flushed
-    to disk (fsync), then renamed over ``path`` (``os.replace``), so ``path`` holds either its
-    old content or the whole new one, even if the process dies midway."""
+def write_atomic(path, data: bytes | str) -> None:
+    """Write ``data`` (text as UTF-8) to ``path``: into a temporary file in the same directory,
+    flushed to disk (fsync), then renamed over ``path`` (``os.replace``), so ``path`` holds either
+    its old content or the whole new one, even if the process dies midway; a link planted at
+    ``path`` is replaced, never written through."""
     path = Path(path)
     handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(handle, "w", encoding="utf-8") as file:
-            json.dump(obj, file, indent=1)
+        with os.fdopen(handle, "wb") as file:
+            file.write(data.encode("utf-8") if isinstance(data, str) else data)
             file.flush()
             os.fsync(file.fileno())
         os.replace(temporary, path)
     except BaseException:
         os.unlink(temporary)
         raise
+
+
+def write_json_atomic(path, obj) -> None:
+    """Write ``obj`` as JSON to ``path`` (``write_atomic``)."""
+    write_atomic(path, json.dumps(obj, indent=1))
+
+
+def own_directory(path) -> Path:
+    """``path`` made a directory if missing; ``UnsafeFileError`` when a symbolic link stands there
+    (what attnbench writes into its output folder stays in it)."""
+    path = Path(path)
+    if path.is_symlink():
+        raise UnsafeFileError(f"{path} is a symbolic link; attnbench writes only into a directory of its own there")
+    path.mkdir(exist_ok=True)
+    return path

@@ -22,6 +22,7 @@ import pandas as pd
 from .cell import Cell
 from .files import open_regular
 from .locking import LockedError
+from .results_schema import integer, type_error
 from .stats import median_rel_ci
 
 if TYPE_CHECKING:
@@ -44,9 +45,6 @@ REQUIRED = {
     "run": ("run_id", "started_at", "scenario", "machine"),
     "cell": ("run_id", "cell_id", "scenario", "variant", "mode", "status"),
 }
-
-#: The fields of each kind of line that hold a JSON object (or null) when present.
-MAPPINGS = {"run": ("machine", "report"), "cell": ("params", "axes", "metrics")}
 
 #: The columns ``load`` always returns first, even when there are no cells.
 COLUMNS = [
@@ -280,7 +278,7 @@ def repair_tail(path) -> bool:
 def parse_line(raw: bytes, path: Path, where: str) -> dict:
     """One line as a dict with ``kind`` and the current ``schema``, or ResultsFileError."""
     try:
-        record = json.loads(raw.decode("utf-8"))
+        record = json.loads(raw.decode("utf-8"), parse_int=integer)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ResultsFileError(f"{where} is not valid JSON ({exc})") from None
     except RecursionError:
@@ -297,9 +295,10 @@ def parse_line(raw: bytes, path: Path, where: str) -> dict:
     missing = _missing_key(record, record["kind"])
     if missing is not None:
         raise ResultsFileError(f"{where} ({record['kind']} line) is missing the required key {missing!r}")
-    for key in MAPPINGS[record["kind"]]:
-        if record.get(key) is not None and not isinstance(record[key], dict):
-            raise ResultsFileError(f"{where} ({record['kind']} line): {key} must be a JSON object, got {type(record[key]).__name__}")
+    if record["kind"] == "cell":
+        record["metrics"] = _decode(record.get("metrics", {}))
+    if (wrong := type_error(record)) is not None:
+        raise ResultsFileError(f"{where} ({record['kind']} line): {wrong}")
     return record
 
 
@@ -342,7 +341,6 @@ def read_records(path) -> list[dict]:
         if record["kind"] == "run":
             run_ids.add(record["run_id"])
         else:
-            record["metrics"] = _decode(record.get("metrics", {}))
             _check_cell(record, run_ids, where)
         records.append(_upgrade(record))
     return records

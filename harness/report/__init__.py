@@ -19,11 +19,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import jinja2
+import matplotlib
 import pandas as pd
 
 from .. import tasks
 from ..compare import CompareResult
-from ..figures import Figures, Plot, Table
+from ..figures import PLAIN_TEXT, Figures, Plot, Table
+from ..files import write_atomic
 from ..frontier import cell_flags, frontier_plot
 from ..results import load
 from ..seeds import seed_table
@@ -109,7 +111,7 @@ def write_cells_csv(frame: pd.DataFrame, path: Path, cells: pd.DataFrame | None 
         flags = [cell_flags(cells[cells["target"] == task.name], task.score) for task in tasks_of(cells) if task.score]
         if flags:
             frame = frame.assign(quality_frontier=pd.concat(flags).reindex(frame.index))
-    frame.map(_csv_value).to_csv(path, index=False)
+    write_atomic(path, frame.map(_csv_value).to_csv(index=False))
 
 
 def _template() -> jinja2.Template:
@@ -129,10 +131,11 @@ def build_report(paths, out_dir, *, title: str | None = None, compare_base: Comp
     write_cells_csv(frame, out_dir / "cells.csv", cells)
     runs = runs_of(frame["file"].unique())
     figures = Figures(out_dir, palette(cells), machine_styles(cells))
-    scenarios = [
-        _scenario_section(name, group, figures, baseline_backend([run for run in runs if run["scenario"] == name], group))
-        for name, group in cells.groupby("scenario", sort=True)
-    ]
+    with matplotlib.rc_context(PLAIN_TEXT):
+        scenarios = [
+            _scenario_section(name, group, figures, baseline_backend([run for run in runs if run["scenario"] == name], group))
+            for name, group in cells.groupby("scenario", sort=True)
+        ]
     page = _template().render(
         title=title or "attnbench report: " + ", ".join(section.name for section in scenarios),
         generated=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
@@ -143,5 +146,5 @@ def build_report(paths, out_dir, *, title: str | None = None, compare_base: Comp
         comparison=compare_table(compare_base) if compare_base is not None else None,
     )
     index = out_dir / "index.html"
-    index.write_text(page, encoding="utf-8")
+    write_atomic(index, page)
     return index

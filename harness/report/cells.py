@@ -22,6 +22,8 @@ DASHES = ("-", "--", ":", "-.")
 #: What one measurement is, per machine and timing mode (``timing``: metrics.timing, ``events``
 #: in files from before the modes): a cell measured again in the same mode supersedes the earlier one.
 MEASUREMENT = CELL_KEY + ["machine_key", "axes.device", "timing"]
+#: Optional columns of a cell line (docs/results.md) the report reads, added empty when no cell has them.
+READ = ["axes.device"]
 #: Metric columns the plots and tables read (added, empty, when no cell has them).
 PLOTTED = [
     f"metrics.{name}"
@@ -93,7 +95,7 @@ def prepare(frame: pd.DataFrame) -> pd.DataFrame:
     matched without the device name), the machine's display name, each scenario's x axis
     and each cell's line label (``series``; with its timing mode where the report holds several);
     the latest measurement of each cell in each timing mode only."""
-    cells = identify(frame, ignore_axes=("device",))
+    cells = identify(frame.assign(**{column: np.nan for column in READ if column not in frame}), ignore_axes=("device",))
     timing = cells["metrics.timing"] if "metrics.timing" in cells else pd.Series(np.nan, index=cells.index)
     cells["timing"] = timing.where(timing.map(present), "events").where(cells["mode"] != "quality")
     cells = latest(cells, MEASUREMENT)

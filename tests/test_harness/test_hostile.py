@@ -300,12 +300,16 @@ def _results_file(path, samples) -> Path:
     return Path(path)
 
 
-@pytest.mark.parametrize("samples", [[-0.5, 0.1, 0.2], [0.1, float("nan"), 0.2], [0.1, "fast", 0.2]], ids=["negative", "nan", "string"])
-def test_load_and_compare_refuse_impossible_timings_with_file_and_line(tmp_path, samples):
+@pytest.mark.parametrize(
+    "samples, expected",
+    [([-0.5, 0.1, 0.2], "finite numbers >= 0"), ([0.1, float("nan"), 0.2], "finite numbers >= 0"), ([0.1, "fast", 0.2], "metrics.median_s: expected a number")],
+    ids=["negative", "nan", "string"],
+)
+def test_load_and_compare_refuse_impossible_timings_with_file_and_line(tmp_path, samples, expected):
     good, bad = _results_file(tmp_path / "good.jsonl", [0.1, 0.2, 0.3]), _results_file(tmp_path / "bad.jsonl", samples)
     with pytest.raises(ResultsFileError, match=r"bad\.jsonl, line 2"):
         read_records(bad)
-    _refused(attnbench_here("compare", str(good), str(bad)), "bad.jsonl, line 2", "finite numbers >= 0")
+    _refused(attnbench_here("compare", str(good), str(bad)), "bad.jsonl, line 2", expected)
 
 
 @pytest.mark.slow

@@ -255,7 +255,7 @@ CORRUPTIONS = {
                         "'cell_id'"),
     "nested too deeply": (lambda run, cell: f"{run}\n" + "[" * 100_000 + "]" * 100_000 + "\n", 2, "nested too deeply"),
     "metrics a list": (lambda run, cell: f"{run}\n" + json.dumps(dict(json.loads(cell), metrics=[1, 2])) + "\n", 2,
-                       "metrics must be a JSON object, got list"),
+                       "metrics: expected a JSON object, got \\[1, 2\\]"),
 }
 
 
