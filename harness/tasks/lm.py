@@ -322,6 +322,8 @@ def run_lm(variant: str, params: dict, config: LMConfig, *, context: int | None 
         **training_metrics(result, dist, model),
         "words": result.units,
         "words_per_s": result.units_per_s,
+        # seconds a training step takes: what the paper's 20,000 steps would cost at this setting
+        "step_s": result.train_s / result.steps if result.steps else None,
         "vocab_size": corpus.vocab_size,
         "context": context,
         "segment": asdict(segment) if segment else None,

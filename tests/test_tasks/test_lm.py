@@ -186,6 +186,31 @@ def test_ci_preset_runs_through_the_runner(tmp_path):
     assert "valid_ppl_sliding" in (tmp_path / "report" / "index.html").read_text()
 
 
+def test_the_gpu_preset_has_a_cpu_twin():
+    """lm-wikitext's ``gpu`` preset (the small model for 200 steps on a GPU) and its twin ``gpu-twin`` on
+    this CPU: the same settings but the sizes."""
+    from harness.scenario import load_scenario
+
+    gpu, twin = (load_scenario("quality/lm-wikitext", preset=name).scenario for name in ("gpu", "gpu-twin"))
+    sizes = {"model_overrides", "steps", "batch", "warmup", "eval_tokens", "sliding_tokens", "threads", "log_every"}
+    assert gpu.task.model_dump(exclude=sizes) == twin.task.model_dump(exclude=sizes)
+    assert (gpu.task.preset, gpu.task.steps, gpu.axes.seq_len, gpu.axes.device) == ("small", 200, 256, "cuda")
+
+
+@needs_shared
+@pytest.mark.slow
+def test_the_gpu_twin_trains_and_reports_the_step_time(tmp_path):
+    """The twin of the ``gpu`` preset runs through the runner and reports ``step_s`` (train_s / steps)."""
+    from harness.results import load
+
+    done = attnbench("run", "quality/lm-wikitext", "--preset", "gpu-twin", "--out", str(tmp_path), "--no-progress")
+    assert done.returncode == 0, done.stderr
+    table = load([tmp_path])
+    assert set(table["status"]) == {"ok"}, table[["variant", "error"]]
+    assert (table["metrics.step_s"] > 0).all() and (table["metrics.valid_ppl"] > 1).all()
+    assert (table["metrics.step_s"] * 4 - table["metrics.train_s"]).abs().max() < 1e-9
+
+
 @needs_shared
 @pytest.mark.slow
 def test_command_line_writes_metrics_and_a_rerun_resumes(tmp_path, capsys):
