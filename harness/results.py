@@ -145,10 +145,9 @@ class ResultsWriter:
 
     def repair_tail(self) -> bool:
         """``repair_tail`` of the file this writer holds locked; True if anything was cut."""
-        if not repair_tail(self.path):
-            return False
+        cut = repair_tail(self.path)
         self.size = os.fstat(self.fd).st_size
-        return True
+        return cut
 
     def write_run(self, record: dict) -> None:
         """Append a ``run`` line (the fingerprint of this run: machine, commit, scenario)."""
@@ -267,12 +266,24 @@ def cell_record(cell: Cell, observation: dict, run_id: str, fingerprint: dict) -
 
 
 def repair_tail(path) -> bool:
-    """Cut an interrupted last line (one without its newline); True if anything was cut."""
+    """Repair the last line of an interrupted write: one that is not whole JSON is cut (True); a whole
+    record that lacks only its newline gets it, so no finished cell is lost (False: nothing was cut)."""
     data = Path(path).read_bytes()
     if not data or data.endswith(b"\n"):
         return False
-    os.truncate(path, data.rfind(b"\n") + 1)
-    return True
+    start = data.rfind(b"\n") + 1
+    try:
+        json.loads(data[start:].decode("utf-8"), parse_int=integer)
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        os.truncate(path, start)
+        return True
+    fd = open_regular(path, os.O_WRONLY | os.O_APPEND)
+    try:
+        os.write(fd, b"\n")
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return False
 
 
 def parse_line(raw: bytes, path: Path, where: str) -> dict:
