@@ -42,13 +42,12 @@ def _kernel_cache(tmp_path_factory):
 
 
 SUM_RULE_KERNELS = {
-    "forward_states", "forward_prefix", "forward_output",
-    "recompute_states", "recompute_prefix", "recompute_dy_dot_y", "backward_states", "backward_prefix", "backward_dqk", "backward_dv",
+    "forward_scan", "forward_output", "recompute_scan", "recompute_dy_dot_y", "backward_scan", "backward_dqk", "backward_dv",
 }  # fmt: skip
-#: The sum rule's prefix passes add chunk states: no dot, no MMA.
-SUM_RULE_PREFIX = {"forward_prefix", "recompute_prefix", "backward_prefix"}
+#: The sum rule's scans: one program per (sequence, b·h, state tile), walking the chunks.
+SUM_RULE_SCANS = {"forward_scan", "recompute_scan", "backward_scan"}
 DELTA_RULE_KERNELS = {"ut_transform", "state_pass", "output", "backward_local", "backward_pass", "backward_chunk"}
-FORWARD_KERNELS = {"forward_states", "forward_prefix", "forward_output", "ut_transform", "state_pass", "output"}
+FORWARD_KERNELS = {"forward_scan", "forward_output", "ut_transform", "state_pass", "output"}
 #: The matrix instruction of bf16 inputs: 16-bit dots from sm_80 on (wgmma on sm_90 where a dot has 64 rows; the
 #: delta rule's passes and chunk kernels mix it with mma); the kernels refuse 16-bit inputs on sm_70.
 MMA_BF16 = {"sm_80": {"mma bf16"}, "sm_90": {"wgmma bf16", "mma bf16", "mma bf16+wgmma bf16"}}
@@ -92,7 +91,7 @@ def _rule(row: kt.Row) -> str:
 
 
 def _expected_mma(row: kt.Row, dtype: str) -> set[str]:
-    if dtype == "fp32" or row.kernel in SUM_RULE_PREFIX:
+    if dtype == "fp32":
         return {"fma"}
     return {kind.replace("bf16", dtype.replace("fp16", "f16")) for kind in MMA_BF16[row.arch]}
 
@@ -115,8 +114,8 @@ def test_bf16_every_kernel_every_arch_at_d64():
         if _kernel(row) in ("state_pass", "backward_pass"):  # (sequence, b·h) × Dv blocks of the candidate
             block = int(row.kernel.split("BLOCK_V=")[1].split(",")[0])
             assert row.programs == sequences * 64 // block, row
-        elif row.kernel in SUM_RULE_PREFIX:  # (sequence, b·h) × blocks of 256 state entries (S: 64·64, and z: 64 when normalised)
-            assert row.programs == sequences * (17 if row.config.removesuffix(" packed").endswith("norm") else 16), row
+        elif row.kernel in SUM_RULE_SCANS:  # (sequence, b·h) × one 64×64 state tile
+            assert row.programs == sequences, row
         else:  # (chunk, b·h) and, where tiled, one 64×64 state tile
             assert row.programs == chunks, row
 
@@ -157,19 +156,19 @@ def test_16_bit_is_refused_below_sm80():
         delta_rule.record_launches({**config, "gated": True}, 70)
     assert {launch.constexprs["PRECISION"] for launch in delta_rule.record_launches({**config, "gated": True}, 80)} == {"input"}
     launches = sum_rule.record_launches({**config, "normalize": True}, 80)
-    assert {launch.constexprs.get("PRECISION") for launch in launches} == {"input", None}  # None: the prefix passes
+    assert {launch.constexprs.get("PRECISION") for launch in launches} == {"input"}
 
 
 def test_recorded_launches_are_a_training_step():
     """Forward and every backward kernel, at the reference shape, with the tiles the wrapper chooses."""
     launches = sum_rule.record_launches(dict(dtype=torch.float16, d_dot=256, d_value=64, chunk_size=None, normalize=True), 80)
     assert [(launch.name, launch.grid) for launch in launches] == [
-        ("forward_states", (256, 8, 4)), ("forward_prefix", (8, 65)), ("forward_output", (256, 8, 1)),
-        ("recompute_states", (256, 8, 4)), ("recompute_prefix", (8, 65)), ("recompute_dy_dot_y", (256, 8, 1)),
-        ("backward_states", (256, 8, 4)), ("backward_prefix", (8, 65)), ("backward_dqk", (256, 8, 4)), ("backward_dv", (256, 8, 1)),
-    ]  # fmt: skip  # 256 chunks of 64, d_dot 256 in tiles of 64, a state row of 256·64 + 256 in blocks of 256
+        ("forward_scan", (8, 4)), ("forward_output", (256, 8, 1)),
+        ("recompute_scan", (8, 4)), ("recompute_dy_dot_y", (256, 8, 1)),
+        ("backward_scan", (8, 4)), ("backward_dqk", (256, 8, 4)), ("backward_dv", (256, 8, 1)),
+    ]  # fmt: skip  # 256 chunks of 64, d_dot 256 in tiles of 64 (the scans: 8 b·h × 4 state tiles)
     assert launches[0].constexprs["BLOCK_C"] == 64 and launches[0].args[0].dtype == torch.float16
-    assert {launch.options["num_warps"] for launch in launches if "prefix" not in launch.name and launch.name != "backward_dqk"} == {4}
+    assert {launch.options["num_warps"] for launch in launches if launch.name != "backward_dqk"} == {4}
     launches = delta_rule.record_launches(dict(dtype=torch.float32, d_dot=64, d_value=64, chunk_size=32, gated=True), 90)
     assert [(launch.name, launch.grid, launch.options["num_warps"]) for launch in launches] == [
         ("ut_transform", (512, 8), 8), ("state_pass[BLOCK_V=16,w=4]", (4, 8), 4), ("state_pass[BLOCK_V=16,w=8]", (4, 8), 8), ("output", (512, 8, 2), 8),
@@ -186,15 +185,15 @@ def test_recorded_launches_are_a_training_step():
 @pytest.mark.parametrize("module", [sum_rule, delta_rule], ids=["sum_rule", "delta_rule"])
 def test_forward_fills_an_h100(module, capability):
     """Every shipped configuration: the heaviest forward kernel launches at least 132 programs (H100's SMs) at
-    the reference shape, and every chunk kernel one program per (chunk, b·h) at least (all but the passes)."""
-    forward_names = {"forward_states", "forward_prefix", "forward_output", "ut_transform", "state_pass", "output"}
+    the reference shape, and every chunk kernel one program per (chunk, b·h) at least (all but the passes and the sum rule's scans)."""
+    forward_names = FORWARD_KERNELS
     for config in module.compile_configs():
         if config["dtype"] != torch.float32 and capability < 80:
             continue  # refused there
         launches = module.record_launches(config, capability)
         assert max(launch.programs for launch in launches if launch.name in forward_names) >= 132, config
         chunk = config["chunk_size"]
-        assert all(launch.programs >= 8 * -(-16384 // chunk) for launch in launches if "pass" not in launch.name and "prefix" not in launch.name), config
+        assert all(launch.programs >= 8 * -(-16384 // chunk) for launch in launches if "pass" not in launch.name and "scan" not in launch.name), config
 
 
 def test_signature_specialised_as_triton_launches():

@@ -1,7 +1,7 @@
 """``attnbench kernels --compare REV`` (harness.kernel_diff) and the ``--kernel`` filter of ``attnbench kernels``.
 
 The verdicts on rows are checked on made-up rows; the command end to end (``slow``: it compiles) on a temporary
-git repository holding this project's ``variants/``: one kernel (the sum rule's ``forward_prefix``), one target
+git repository holding this project's ``variants/``: one kernel (the sum rule's ``forward_scan``), one target
 (sm_80), one shape (fp32, d = 16, chunk 16, with and without the normaliser: one compilation a side).
 """
 
@@ -64,8 +64,8 @@ def test_the_kernel_filter_keeps_the_named_kernels_and_refuses_unknown_ones(tmp_
     monkeypatch.setattr(kt.concurrent.futures, "ProcessPoolExecutor", None)  # compiling would fail
     rows = kt.build_table([kt.ARCHS["sm_80"]], selected, cache=tmp_path, kernels={"output", "state_pass"})
     assert [row.kernel for row in rows] == [f"state_pass[BLOCK_V={b},w={w}]" for b in (16, 32) for w in (4, 8)] + ["output"]
-    with pytest.raises(kt.KernelTableError, match="unknown kernel forward_prefix: the selected configurations launch backward_chunk, .*, ut_transform"):
-        kt.table("sm_80", rules="delta_rule", dtypes="bf16", head_dims="64", chunks="64", kernels="output,forward_prefix")
+    with pytest.raises(kt.KernelTableError, match="unknown kernel forward_scan: the selected configurations launch backward_chunk, .*, ut_transform"):
+        kt.table("sm_80", rules="delta_rule", dtypes="bf16", head_dims="64", chunks="64", kernels="output,forward_scan")
 
 
 def _git(repo: Path, *args: str) -> str:
@@ -76,7 +76,7 @@ def _git(repo: Path, *args: str) -> str:
 @pytest.mark.slow
 def test_compare_head_is_0_unchanged_and_1_naming_the_rows_after_fewer_warps(tmp_path, monkeypatch, capsys):
     """The done-when of issue 32 item 5, on one kernel, target and shape: an unchanged tree exits 0 with no row
-    changed; a prefix pass launched with 1 warp instead of 2 keeps 32 warps per SM instead of 64 (32 blocks at
+    changed; a scan launched with 1 warp instead of 8 keeps 32 warps per SM instead of 64 (32 blocks at
     most), so its rows are worse and the command exits 1 naming them. About 20 CPU-seconds (two child processes
     and one compilation a side, twice)."""
     if shutil.which("git") is None or subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True).returncode:
@@ -90,21 +90,21 @@ def test_compare_head_is_0_unchanged_and_1_naming_the_rows_after_fewer_warps(tmp
     _git(repo, "commit", "-q", "-m", "kernels")
     monkeypatch.chdir(repo)
     args = ["kernels", "--compare", "HEAD", "--arch", "sm_80", "--rule", "sum_rule", "--dtype", "fp32", "--d", "16", "--chunk", "16"]
-    args += ["--kernel", "forward_prefix", "--jobs", "1"]
+    args += ["--kernel", "forward_scan", "--jobs", "1"]
     assert main(args) == 0
     out, err = capsys.readouterr()
     assert out.startswith("no row changed between HEAD") and "2 rows of HEAD" in err and "0 changed, 0 worse" in err
 
     source = repo / "variants" / "kernels" / "sum_rule.py"
-    old = 'options=dict(num_warps=2, num_stages=1), name=f"{name}_prefix"'
-    assert source.read_text().count(old) == 1, "sum_rule.py no longer launches its prefix pass so: update the test's edit"
-    source.write_text(source.read_text().replace(old, old.replace("num_warps=2", "num_warps=1")))
+    old = 'options=tiles.options(), name=f"{name}_scan"'
+    assert source.read_text().count(old) == 1, "sum_rule.py no longer launches its scan so: update the test's edit"
+    source.write_text(source.read_text().replace(old, old.replace("tiles.options()", "dict(tiles.options(), num_warps=1)")))
     assert main([*args, "--json", str(tmp_path / "diff.json")]) == 1
     out, err = capsys.readouterr()
     for config in ("fp32 F16 Dv16 C16 norm", "fp32 F16 Dv16 C16 plain"):
-        assert f"error: forward_prefix [{config}] on sm_80: fewer warps per SM (64 -> 32)" in err
-        (line,) = [line for line in out.splitlines() if line.startswith("forward_prefix") and config in line]
-        assert "sm_80" in line and "2 -> 1" in line and "64 -> 32" in line, out
+        assert f"error: forward_scan [{config}] on sm_80: fewer warps per SM (64 -> 32)" in err
+        (line,) = [line for line in out.splitlines() if line.startswith("forward_scan") and config in line]
+        assert "sm_80" in line and "8 -> 1" in line and "64 -> 32" in line, out
     assert len(_git(repo, "worktree", "list").splitlines()) == 1, "a temporary git worktree was not removed"
 
 

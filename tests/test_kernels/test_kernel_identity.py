@@ -14,6 +14,7 @@ import sys
 import time
 import types
 
+import pytest
 import triton
 from helpers import slow_when_interpreted
 
@@ -55,8 +56,19 @@ def test_a_triton_cell_records_its_kernels(tmp_path):
         assert state_pass["autotune"] in ("timing", "only candidate", "earlier call")
         assert all(entry["compile_s"] >= 0 for entry in kernels.values())
     assert json.loads(json.dumps(metrics["triton_kernels"])) == metrics["triton_kernels"]
+    assert metrics["compile_s"] > 0  # the untimed warm-up call, first use included
     (torch_cell,) = _cells(tmp_path, "{delta: {}}", "[torch]")
-    assert not [name for name in workloads.measure_cell(torch_cell)["metrics"] if name.startswith("triton")]
+    torch_metrics = workloads.measure_cell(torch_cell)["metrics"]
+    assert not [name for name in torch_metrics if name.startswith("triton")] and "compile_s" not in torch_metrics
+
+
+def test_an_fla_cell_records_its_first_use_apart(tmp_path):
+    """An fla cell: its warm-up call (fla's kernels compiled and autotuned there, through the interpreter its
+    recurrent kernels) is ``metrics.compile_s``, apart from the timed calls, beside the versions it ran."""
+    pytest.importorskip("fla")
+    (cell,) = _cells(tmp_path, "{linear: {}}", "[fla]")
+    metrics = workloads.measure_cell(cell)["metrics"]
+    assert metrics["compile_s"] > 0 and metrics["median_s"] > 0 and metrics["fla_version"]
 
 
 PROBE = """import triton

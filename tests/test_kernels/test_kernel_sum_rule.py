@@ -169,10 +169,10 @@ def test_state_split_into_blocks(monkeypatch, normalize, dtype, seed):
     _check_against_reference((1, 2, 33, 40, 24, 16, normalize, True), seed, dtype=dtype)
 
 
-@pytest.mark.parametrize(("skipped", "message"), [("forward_prefix", "^y: "), ("backward_prefix", "^dk: "), ("backward_dv", "^dv: NaN")])
+@pytest.mark.parametrize(("skipped", "message"), [("forward_scan", "^y: "), ("backward_scan", "^dk: "), ("backward_dv", "^dv: NaN")])
 def test_a_wrong_kernel_fails_the_check(monkeypatch, skipped, message, seed):
-    """The check can fail: without the prefix pass (chunks start from their own sums, not the state before
-    them) or without the dv kernel (dv stays poisoned), the comparison with the reference fails."""
+    """The check can fail: without a scan (the chunk states are never written) or without the dv kernel (dv stays
+    poisoned), the comparison with the reference fails."""
     real_launch = kernel_module.launch
 
     def launch(kernel, grid, *args, name=None, **kwargs):
@@ -241,12 +241,12 @@ def test_tf32_is_asked_for_float32(seed):
     """``precision="tf32"`` reaches the dots of float32 inputs (not on sm_70, which has no TF32; not 16-bit
     inputs); the interpreter multiplies in fp32, a GPU in TF32 (checked at TF32's resolution there)."""
     config = dict(dtype=torch.float32, d_dot=64, d_value=64, chunk_size=None, normalize=True)
-    assert {launch.constexprs.get("PRECISION") for launch in kernel_module.record_launches(config, 80)} == {"ieee", None}
+    assert {launch.constexprs.get("PRECISION") for launch in kernel_module.record_launches(config, 80)} == {"ieee"}
     for capability, dtype, expected in ((80, torch.float32, "tf32"), (70, torch.float32, "ieee"), (90, torch.bfloat16, "input")):
         with _common.recording(capability) as launches:
             q = _common.meta_tensor(1, 1, 64, 16, dtype=dtype)
             sum_rule_triton(q, q, q, normalize=False, precision="tf32")
-        assert {launch.constexprs.get("PRECISION") for launch in launches} == {expected, None}, capability
+        assert {launch.constexprs.get("PRECISION") for launch in launches} == {expected}, capability
     with pytest.raises(variants.VariantError, match="precision must be one of 'ieee', 'tf32'"):
         sum_rule_triton(q, q, q, normalize=False, precision="fp16")
     drawn = _inputs(1, 1, 40, 16, 8, normalize=True, initial=True, seed=seed)

@@ -13,20 +13,18 @@ Three faces, as everywhere in the library: :func:`sum_rule_triton` (these kernel
 parallel form), ``variants.chunked.sum_rule_chunked`` (the PyTorch chunked form, the reference the
 tests tie this file to) and the recurrent ``step`` of ``variants.sum_rule``.
 
-Forward, in three launches, with chunk c holding Q_c, K_c ``[C, F]``, V_c ``[C, Dv]``:
+Forward, in two launches, with chunk c holding Q_c, K_c ``[C, F]``, V_c ``[C, Dv]``:
 
-  (a) ``_chunk_sums_kernel``, one program per (chunk, b·h, F×Dv tile), all in parallel:
-      the chunk's own contribution ΔS_c = K_cᵀ V_c and Δz_c = K_cᵀ 1;
-  (b) ``_chunk_prefix_kernel``, one program per (b·h, block of state elements): the only
-      sequential part, an exclusive prefix sum over chunks, in place, in fp32:
-      S_c = S_0 + Σ_{c'<c} ΔS_c', z_c likewise (the state each chunk starts from), and S_T, z_T;
-  (c) ``_chunk_output_kernel``, one program per (chunk, b·h, Dv block), in parallel:
+  (a) ``_chunk_scan_kernel``, one program per (state row: b·h, F×Dv tile), the only sequential part: it walks
+      the chunks with its state tile in fp32 registers, stores the state each chunk starts from,
+      S_c = S_0 + Σ_{c'<c} K_c'ᵀ V_c' (z_c likewise, from K_c'ᵀ 1), then adds the chunk's own K_cᵀ V_c;
+      the last sum is S_T, z_T (fla's ``chunk_fwd_h`` has the same shape);
+  (b) ``_chunk_output_kernel``, one program per (chunk, b·h, Dv block), in parallel:
       A = tril(Q_c K_cᵀ) (causal, inclusive), num = A V_c + Q_c S_c, den = A 1 + Q_c z_c.
 
-For the normalised form (c) also keeps r_t = 1 / (den_t + ε) for the backward. The states of
-(b) live in one fp32 buffer ``[B·H, n_chunks, W]``, row c = [S_c flattened (F·Dv), z_c (F, only
-when normalising)], so one prefix launch carries both; the backward recomputes them ((a) and (b)
-are light) rather than keeping them from the forward.
+For the normalised form (b) also keeps r_t = 1 / (den_t + ε) for the backward. The states of
+(a) live in one fp32 buffer ``[B·H, n_chunks, W]``, row c = [S_c flattened (F·Dv), z_c (F, only
+when normalising)]; the backward recomputes them (one launch of (a)) rather than keeping them from the forward.
 
 Backward. Let dy_t, dS_T, dz_T be the incoming gradients (zero when absent), and
 
@@ -45,13 +43,13 @@ dS_c, dz_c the gradient reaching chunk c from after it:
     dq = P K + G S_cᵀ + dden z_cᵀ,   dk = Pᵀ Q + V dS_cᵀ + 1 dz_cᵀ,   dv = Aᵀ G + K dS_c,
     dS_c = dS_T + Σ_{c'>c} Q_c'ᵀ G_c',   dz_c = dz_T + Σ_{c'>c} Q_c'ᵀ dden_c'.
 
-The same (a) and (b) give dS_c, dz_c: (a) on (Q, G, dden) instead of (K, V, 1), (b) in reverse,
+The same (a) gives dS_c, dz_c: on (Q, G, dden) instead of (K, V, 1), walking the chunks in reverse,
 starting from dS_T, dz_T and ending with dS_0, dz_0. Then ``_backward_dqk_kernel`` (one program per
 (chunk, b·h, F block)) and ``_backward_dv_kernel`` (per (chunk, b·h, Dv block)), in parallel, with
 G = diag(r) dY applied after the products with dY: P = diag(r)(dY Vᵀ − δ 1ᵀ) (before tril),
 G S_cᵀ + dden z_cᵀ = diag(r)(dY S_cᵀ − δ z_cᵀ), Aᵀ G = (diag(r) A)ᵀ dY. So dY enters the dots as it
 is and the nearly cancelling differences (g_t·v_i vs r_t δ_t) are taken in float32.
-δ_t = dy_t·y_t uses the returned y for float32 inputs; for 16-bit inputs (c) reruns to recompute y
+δ_t = dy_t·y_t uses the returned y for float32 inputs; for 16-bit inputs (b) reruns to recompute y
 in float32 (the rounded y would put its rounding error into dq and dk, badly so at tokens where
 q·z is small).
 
@@ -76,13 +74,11 @@ from ..feature_maps import EPS
 from . import _common, check_chunk_size, default_chunk_size
 from ._common import launch, new_output
 from .sum_rule_backward import _backward_dqk_kernel, _backward_dv_kernel
-from .sum_rule_forward import _chunk_output_kernel, _chunk_prefix_kernel, _chunk_sums_kernel
+from .sum_rule_forward import _chunk_output_kernel, _chunk_scan_kernel
 
 #: Rows (d_dot) or columns (d_value) of a state tile with 16-bit dot operands up to C = 64, a power of two ≥ 16
 #: (``_common.tile_plan`` narrows it for fp32 operands and C = 128).
 STATE_BLOCK = 64
-#: State elements (of one b·h) one program of the prefix pass carries.
-PREFIX_BLOCK = 256
 
 
 # --------------------------------------------------------------------------------------
@@ -93,7 +89,7 @@ PREFIX_BLOCK = 256
 class _Tiles(_common.Tiles):
     """Chunk kernels: [C, ``block_f``] tiles of q, k and [C, ``block_v``] of v and their warps
     (``_common.tile_plan`` of STATE_BLOCK), 8 warps for dq, dk (``options(wide=True)``: three [C, ·] fp32
-    accumulators); the prefix pass: ``PREFIX_BLOCK`` state entries a program. ``width`` is a state row (S, then z).
+    accumulators); the scan (a) carries one [``block_f``, ``block_v``] state tile a program. ``width`` is a state row (S, then z).
     Chosen by compiling (docs/performance.md, "Compiled kernels"): at every chunk size these spill nothing at
     d ≤ 128 in 16-bit on sm_80, sm_90."""
 
@@ -119,23 +115,18 @@ class _Tiles(_common.Tiles):
 
 
 def _chunk_states(x, y, initial, tiles: _Tiles, *, rinv=None, delta=None, reverse=False, name=""):
-    """(a) then (b): the state every chunk starts from ``[B·H, n_chunks, width]`` and the last one of each
-    state row ``[B·H (packed: N·H), width]`` (S_T, z_T); with ``reverse`` (x = q, y = dy) the gradient reaching
-    each chunk from after it and dS_0, dz_0."""
+    """(a): the state every chunk starts from ``[B·H, n_chunks, width]`` and the last one of each state row
+    ``[B·H (packed: N·H), width]`` (S_T, z_T); with ``reverse`` (x = q, y = dy) the gradient reaching each chunk
+    from after it and dS_0, dz_0."""
     states = new_output((tiles.bh, tiles.num_chunks, tiles.width), x, torch.float32)
     final = new_output((tiles.state_rows, tiles.width), x, torch.float32)
     chunk_table, sequence_table = tiles.tables(x)
     launch(
-        _chunk_sums_kernel, (tiles.num_chunks, tiles.bh, tiles.num_f * tiles.num_v),
-        x, y, states if rinv is None else rinv, states if delta is None else delta, states, chunk_table, *tiles.sizes(),
-        NORMALIZE=tiles.normalize, COTANGENT=reverse, **tiles.constexprs(),
-        options=tiles.options(), name=f"{name}_states",
-    )  # fmt: skip
-    launch(
-        _chunk_prefix_kernel, (tiles.state_rows, triton.cdiv(tiles.width, PREFIX_BLOCK)),
-        states, states if initial is None else initial, final, sequence_table, tiles.width, tiles.num_chunks, tiles.heads,
-        HAS_INITIAL=initial is not None, REVERSE=reverse, VARLEN=tiles.varlen, BLOCK=PREFIX_BLOCK,
-        options=dict(num_warps=2, num_stages=1), name=f"{name}_prefix",
+        _chunk_scan_kernel, (tiles.state_rows, tiles.num_f * tiles.num_v),
+        x, y, states if rinv is None else rinv, states if delta is None else delta, states if initial is None else initial, states, final,
+        chunk_table, sequence_table, *tiles.sizes(), tiles.heads,
+        HAS_INITIAL=initial is not None, NORMALIZE=tiles.normalize, COTANGENT=reverse, REVERSE=reverse, **tiles.constexprs(),
+        options=tiles.options(), name=f"{name}_scan",
     )  # fmt: skip
     return states, final
 
@@ -160,7 +151,7 @@ def _split_state_row(row: torch.Tensor, tiles: _Tiles):
 
 
 def _output(q, k, v, states, tiles: _Tiles, *, dy=None, name="forward_output"):
-    """(c): y and r (None without the normaliser); with ``dy``, δ = dy·y in float32 ``[B, H, T]`` instead."""
+    """(b): y and r (None without the normaliser); with ``dy``, δ = dy·y in float32 ``[B, H, T]`` instead."""
     shape = (tiles.batch, tiles.heads, tiles.seq_len)
     if dy is None:
         y = new_output((*shape, tiles.d_value), v)

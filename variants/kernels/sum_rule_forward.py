@@ -1,4 +1,4 @@
-"""The sum rule's forward Triton kernels: (a) the chunks' own sums, (b) the prefix over chunks, (c) the
+"""The sum rule's forward Triton kernels: (a) the scan over chunks (the state each chunk starts from), (b) the
 outputs, and the tile helpers the backward shares. The maths and the launches: ``kernels.sum_rule``."""
 
 from __future__ import annotations
@@ -43,67 +43,57 @@ def _token_values(ptr, bh, seq_len, rows, row_ok):
 
 
 @triton.jit
-def _chunk_sums_kernel(
+def _chunk_scan_kernel(
     x_ptr, y_ptr, rinv_ptr, delta_ptr,  # inputs: (K, V) or (Q, dY with r, δ)
-    states_ptr,  # output [B·H, num_chunks, width]
-    chunk_table_ptr,  # [num_chunks, 2] with VARLEN
-    seq_len, d_dot, d_value, chunk_size, num_chunks, width,
-    NORMALIZE: tl.constexpr, COTANGENT: tl.constexpr, VARLEN: tl.constexpr,
+    initial_ptr,  # [state rows, width] with HAS_INITIAL
+    states_ptr, final_ptr,  # outputs [B·H, num_chunks, width], [state rows, width]
+    chunk_table_ptr, sequence_table_ptr,  # [num_chunks, 2], [N + 1] with VARLEN
+    seq_len, d_dot, d_value, chunk_size, num_chunks, width, heads,
+    HAS_INITIAL: tl.constexpr, NORMALIZE: tl.constexpr, COTANGENT: tl.constexpr, REVERSE: tl.constexpr, VARLEN: tl.constexpr,
     BLOCK_C: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_V: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """(a) Program (chunk c, bh, tile (i, j)): rows block i, columns block j of ΔS_c = K_cᵀ V_c and,
-    with NORMALIZE (j = 0), block i of Δz_c = K_cᵀ 1. With COTANGENT the backward's Q_cᵀ G_c and Q_cᵀ dden_c."""
-    chunk = tl.program_id(0)
-    bh = tl.program_id(1).to(tl.int64)
-    tile = tl.program_id(2)
+    """(a) Program (state row, tile (i, j)): rows block i, columns block j of the state, walking the row's chunks in
+    order (with REVERSE backwards) with the tile in fp32 registers: it stores the state chunk c starts from,
+    S_c = S_0 + Σ_{c'<c} K_c'ᵀ V_c', then adds K_cᵀ V_c; the sum over all its chunks (S_T) goes to ``final``. With
+    NORMALIZE the programs of column block 0 carry block i of z_c = z_0 + Σ_{c'<c} K_c'ᵀ 1 alike. With COTANGENT
+    (x = Q, y = dY) the backward's dS_c = dS_T + Σ_{c'>c} Q_c'ᵀ G_c' and dz_c from Q_c'ᵀ dden_c', ending at dS_0, dz_0.
+    A state row is a b·h, or with VARLEN a sequence's head (``sequence_chunks``), whose chunks are its sequence's."""
+    program = tl.program_id(0).to(tl.int64)
+    tile = tl.program_id(1)
+    bh, first, end = sequence_chunks(program, heads, num_chunks, sequence_table_ptr, VARLEN)
     n_v = tl.cdiv(d_value, BLOCK_V)
     offs_f = (tile // n_v) * BLOCK_F + tl.arange(0, BLOCK_F)
     offs_v = (tile % n_v) * BLOCK_V + tl.arange(0, BLOCK_V)
-    start, stop = chunk_span(chunk, seq_len, chunk_size, chunk_table_ptr, VARLEN)
-    rows, row_ok = chunk_rows(start, stop, chunk_size, BLOCK_C)
-
-    x = _load_tokens(x_ptr, bh, seq_len, rows, row_ok, offs_f, d_dot)
-    y = _load_tokens(y_ptr, bh, seq_len, rows, row_ok, offs_v, d_value)
-    if COTANGENT and NORMALIZE:
-        rinv = _token_values(rinv_ptr, bh, seq_len, rows, row_ok)
-        y = y.to(tl.float32) * rinv[:, None]  # G = diag(r) dY
-    sums = dot(tl.trans(x), y, PRECISION, x_ptr.dtype.element_ty)
-    base = (bh * num_chunks + chunk) * width
-    mask = (offs_f < d_dot)[:, None] & (offs_v < d_value)[None, :]
-    tl.store(states_ptr + base + offs_f[:, None] * d_value + offs_v[None, :], sums, mask=mask)
+    f_ok = offs_f < d_dot
+    mask = f_ok[:, None] & (offs_v < d_value)[None, :]
+    tile_offs = offs_f[:, None] * d_value + offs_v[None, :]
+    norm_ok = offs_f < tl.where(tile % n_v == 0, d_dot, 0)  # z: the programs of column block 0
+    norm_offs = d_dot * d_value + offs_f
+    running = load_or_zeros(initial_ptr, program * width + tile_offs, mask, HAS_INITIAL)
     if NORMALIZE:
-        if tile % n_v == 0:
-            if COTANGENT:
-                dden = -rinv * _token_values(delta_ptr, bh, seq_len, rows, row_ok)
-                norm = tl.sum(x.to(tl.float32) * dden[:, None], axis=0)
-            else:
-                norm = tl.sum(x.to(tl.float32), axis=0)
-            tl.store(states_ptr + base + d_dot * d_value + offs_f, norm, mask=offs_f < d_dot)
-
-
-@triton.jit
-def _chunk_prefix_kernel(
-    states_ptr, initial_ptr, final_ptr,
-    sequence_table_ptr,  # [N + 1] with VARLEN
-    width, num_chunks, heads,
-    HAS_INITIAL: tl.constexpr, REVERSE: tl.constexpr, VARLEN: tl.constexpr, BLOCK: tl.constexpr,
-):  # fmt: skip
-    """(b) Program (state row, block): in place over its chunks, ΔS_c -> S_c = S_0 + Σ_{c'<c} ΔS_c' (with REVERSE
-    dS_c = dS_T + Σ_{c'>c} ΔS_c'), for ``BLOCK`` entries of a state row; the sum over all its chunks (S_T, or dS_0
-    with REVERSE) goes to ``final``. A state row is a b·h, or with VARLEN a sequence's head (``sequence_chunks``),
-    whose chunks are its sequence's; ``initial`` and ``final`` are [state rows, width]."""
-    program = tl.program_id(0).to(tl.int64)
-    bh, first, end = sequence_chunks(program, heads, num_chunks, sequence_table_ptr, VARLEN)
-    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    ok = offs < width
-    running = load_or_zeros(initial_ptr, program * width + offs, ok, HAS_INITIAL)
-    row_ptr = states_ptr + bh * num_chunks * width + offs
+        running_norm = load_or_zeros(initial_ptr, program * width + norm_offs, norm_ok, HAS_INITIAL)
+    row_ptr = states_ptr + bh * num_chunks * width
     for step in range(end - first):
         chunk = end - 1 - step if REVERSE else first + step
-        own = tl.load(row_ptr + chunk * width, mask=ok, other=0.0)
-        tl.store(row_ptr + chunk * width, running, mask=ok)
-        running += own
-    tl.store(final_ptr + program * width + offs, running, mask=ok)
+        start, stop = chunk_span(chunk, seq_len, chunk_size, chunk_table_ptr, VARLEN)
+        rows, row_ok = chunk_rows(start, stop, chunk_size, BLOCK_C)
+        x = _load_tokens(x_ptr, bh, seq_len, rows, row_ok, offs_f, d_dot)
+        y = _load_tokens(y_ptr, bh, seq_len, rows, row_ok, offs_v, d_value)
+        if COTANGENT and NORMALIZE:
+            rinv = _token_values(rinv_ptr, bh, seq_len, rows, row_ok)
+            y = y.to(tl.float32) * rinv[:, None]  # G = diag(r) dY
+        tl.store(row_ptr + chunk * width + tile_offs, running, mask=mask)
+        running += dot(tl.trans(x), y, PRECISION, x_ptr.dtype.element_ty)
+        if NORMALIZE:
+            tl.store(row_ptr + chunk * width + norm_offs, running_norm, mask=norm_ok)
+            if COTANGENT:
+                dden = -rinv * _token_values(delta_ptr, bh, seq_len, rows, row_ok)
+                running_norm += tl.sum(x.to(tl.float32) * dden[:, None], axis=0)
+            else:
+                running_norm += tl.sum(x.to(tl.float32), axis=0)
+    tl.store(final_ptr + program * width + tile_offs, running, mask=mask)
+    if NORMALIZE:
+        tl.store(final_ptr + program * width + norm_offs, running_norm, mask=norm_ok)
 
 
 @triton.jit
@@ -117,7 +107,7 @@ def _chunk_output_kernel(
     BLOCK_C: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_V: tl.constexpr,
     PRECISION: tl.constexpr, EPSILON: tl.constexpr,
 ):  # fmt: skip
-    """(c) Program (chunk c, bh, j): y_c[:, block j] = (A V + Q S_c) r with A = tril(Q Kᵀ) and, with
+    """(b) Program (chunk c, bh, j): y_c[:, block j] = (A V + Q S_c) r with A = tril(Q Kᵀ) and, with
     NORMALIZE, r = 1 / (A 1 + Q z_c + ε) (block 0 stores r). A and the reads of S_c, z_c sum over F
     in blocks of BLOCK_F.
 
