@@ -18,6 +18,7 @@ import json
 import math
 import re
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from .cell import Cell
 
@@ -35,8 +36,8 @@ class Costs:
 
     run_start_s: float = 12.0  # an `attnbench run`: its worker imports torch, starts CUDA, calibrates (measured: 12 s)
     #: a new worker (import torch, start the device) for a cell after a CPU speed or compile cell (harness.worker.needs_fresh_worker);
-    #: measured on the H200: a cell after a failed one waited 13 s
-    worker_start_s: dict = field(default_factory=lambda: {"cuda": 13.0, "cpu": 3.0})
+    #: measured on the H200: a cell after a failed one waited 13 s; on the VM a decode cell, its worker's start included, 2.9 s
+    worker_start_s: dict = field(default_factory=lambda: {"cuda": 13.0, "cpu": 2.0})
     cell_overhead_s: float = 0.5  # a speed cell's build, NaN check, peak memory and results record
     #: compilations and autotuning the first cell of each (backend, variant, d, dtype, mode) pays. Measured: attnbench's
     #: kernels 3.4-4.8 s a cell; fla's forward 53 s (linear) and 60 s (delta), its training over 120 s; torch.compile
@@ -49,6 +50,9 @@ class Costs:
         "cpu": {SDPA: 0.4, "torch": 0.2, "compile": 0.2},
     })  # fmt: skip
     memory_efficiency: float = 0.5  # the fraction of the bandwidth a memory-bound call reaches (design)
+    #: the fraction of the roof dense matmuls reach (a layer's projections; a model's feed-forward layers, embedding and
+    #: head): design, as SDPA's 0.46 on the H200
+    dense_efficiency: float = 0.4
     #: the shortest forward call of a form, launches and Python (measured on the H200 at T 1,024: SDPA 0.12 ms, the
     #: torch forms 0.94 ms, Triton 0.76 ms, fla 0.78-1.2 ms; the CPU's: design)
     floor_s: dict = field(default_factory=lambda: {
@@ -101,15 +105,14 @@ def gpu_roof(name: str) -> Roof:
 
 
 @functools.cache
-def cpu_roof(dtypes: tuple[str, ...] = ("float32",), seconds: float = 0.1) -> Roof:
-    """This CPU's roof, measured now (``seconds`` per figure) at torch's thread count."""
-    import torch
+def cpu_roof(dtypes: tuple[str, ...] = ("float32",)) -> Roof:
+    """This CPU's roof at torch's thread count: the best of its calibrations, as a run's (``harness.roofline.calibrate``)."""
+    from . import machine
+    from .roofline import calibrate
 
-    from .roofline import copy_bytes_per_s, matmul_flops_per_s
-
-    cpu = torch.device("cpu")
-    rates = {dtype: matmul_flops_per_s(dtype, cpu, seconds) for dtype in dtypes}
-    return Roof(f"this CPU (measured now, {torch.get_num_threads()} threads)", rates, copy_bytes_per_s(cpu, seconds))
+    found = calibrate(machine.fingerprint("cpu")["machine_id"], list(dtypes))
+    name = f"this CPU (calibrated: the best of this machine's calibrations, {found['torch_threads']} threads)"
+    return Roof(name, found["matmul_flops_per_s"], found["bandwidth_bytes_per_s"])
 
 
 def default_gpu() -> str:
@@ -158,9 +161,19 @@ def _module(cell: Cell) -> tuple:
     return _MODULES[key]
 
 
-def work(cell: Cell) -> tuple[float, float]:
-    """``(flops, bytes)`` of one call (a decode cell: of its ``new_tokens`` steps), FLOPs as the cell's
-    workload counts them (harness.builders, harness.workloads) and the bytes of its inputs and outputs."""
+class Work(NamedTuple):
+    """What one call does: FLOPs, bytes, the share of the FLOPs in dense matmuls (a layer's projections, a model's
+    other layers) and how many attention-core calls it makes (a model: one per layer)."""
+
+    flops: float
+    bytes: float
+    dense_share: float = 0.0
+    core_calls: int = 1
+
+
+def work(cell: Cell) -> Work:
+    """One call (a decode cell: its ``new_tokens`` steps), FLOPs as the cell's workload counts them
+    (harness.builders, harness.workloads) and the bytes of its inputs and outputs (for a model its weights and logits)."""
     from .builders import core_counts, head_arguments, layer_flops, module_bytes
 
     core, module, config = _module(cell)
@@ -172,17 +185,28 @@ def work(cell: Cell) -> tuple[float, float]:
         new, batch, context = cell.decode["new_tokens"], axes["batch"], axes["seq_len"]
         flops = sum(core.step_flops(batch, heads, axes["d_value"], context + i, **grouped) for i in range(new))
         state = 2 * core.state_numel(batch, heads, axes["d_value"], context + new // 2, **grouped) * size
-        return flops, new * (state + io_bytes / axes["seq_len"])
+        return Work(flops, new * (state + io_bytes / axes["seq_len"]))
+    layers = 1
     if cell.target == "model":  # as harness.builders.model_workload counts a model's FLOPs
-        dense = sum(p.numel() for name, p in module.named_parameters() if p.dim() == 2 and "pos" not in name)
-        flops = 2 * dense * tokens + config.n_layers * core.flops(axes["batch"], config.n_heads, axes["seq_len"], config.d_model // config.n_heads)
+        layers = config.n_layers
+        attention = layers * core.flops(axes["batch"], config.n_heads, axes["seq_len"], config.d_model // config.n_heads)
+        flops = 2 * sum(p.numel() for name, p in module.named_parameters() if p.dim() == 2 and "pos" not in name) * tokens + attention
         io_bytes = module_bytes(module) // 4 * size + tokens * config.vocab_size * size
     elif cell.target == "layer":
-        flops = layer_flops(module, axes)
+        flops, attention = layer_flops(module, axes), core.flops(axes["batch"], axes["heads"], axes["seq_len"], axes["d_value"])
         io_bytes += module_bytes(module) // 4 * size
     else:
-        flops = core_counts(core, cell)[1]
-    return (3 * flops, 2 * io_bytes) if cell.mode == "train" else (flops, io_bytes)
+        flops = attention = core_counts(core, cell)[1]
+    share = 1.0 - attention / flops if flops else 0.0
+    return Work(3 * flops, 2 * io_bytes, share, layers) if cell.mode == "train" else Work(flops, io_bytes, share, layers)
+
+
+def _work(cell: Cell) -> Work:
+    """``work``, or none (the call's floor only) for a plugin's core that counts no FLOPs or a cell that cannot be built."""
+    try:
+        return work(cell)
+    except (NotImplementedError, ValueError):
+        return Work(0.0, 0.0)
 
 
 def form(cell: Cell) -> str:
@@ -219,8 +243,9 @@ class Estimator:
     def __init__(self, roofs: dict[str, Roof], costs: Costs = COSTS, measured=None):
         self.roofs, self.costs, self.measured = roofs, costs, measured
 
-    def model_call_s(self, cell: Cell, flops: float, nbytes: float) -> float:
-        """One call (a decode cell: its steps) by the roof: compute or memory over the form's fraction of it, or its floor."""
+    def model_call_s(self, cell: Cell, done: Work) -> float:
+        """One call (a decode cell: its steps) by the roof: its attention FLOPs over the form's fraction of the roof
+        plus its dense FLOPs over ``dense_efficiency``'s, or its bytes at ``memory_efficiency``, or the form's floor."""
         costs, kind = self.costs, cell.device.split(":")[0]
         roof, name = self.roofs[kind], form(cell)
         efficiency = costs.efficiency[kind].get(name, costs.efficiency[kind]["torch"])
@@ -228,16 +253,19 @@ class Estimator:
             floor = cell.decode["new_tokens"] * costs.step_floor_s[kind]
         else:
             floor = costs.floor_s[kind].get(name, costs.floor_s[kind]["torch"]) * (costs.train_floor if cell.mode == "train" else 1.0)
-        return max(roof.compute_s(flops, cell.axes["dtype"]) / efficiency, nbytes / roof.bandwidth_bytes_per_s / costs.memory_efficiency, floor)
+        compute = roof.compute_s(done.flops, cell.axes["dtype"])
+        compute = compute * (1 - done.dense_share) / efficiency + compute * done.dense_share / costs.dense_efficiency
+        return max(compute, done.bytes / roof.bandwidth_bytes_per_s / costs.memory_efficiency, floor * done.core_calls)
 
     def call_s(self, cell: Cell) -> tuple[float, bool]:
-        """One call's seconds and whether they come from a measured cell."""
-        flops, nbytes = work(cell)
-        model = self.model_call_s(cell, flops, nbytes)
-        near = self.measured.nearest(cell, flops) if self.measured is not None else None
+        """One call's seconds and whether they come from a measured cell (its median, scaled by the model's
+        ratio of this cell's call to that cell's, whose FLOPs and bytes are as recorded)."""
+        done = _work(cell)
+        model = self.model_call_s(cell, done)
+        near = self.measured.nearest(cell, done.flops) if self.measured is not None else None
         if near is None:
             return model, False
-        return near["median_s"] * model / self.model_call_s(cell, near["flops"], near["min_bytes"]), True
+        return near["median_s"] * model / self.model_call_s(cell, done._replace(flops=near["flops"], bytes=near["min_bytes"])), True
 
     def cell(self, cell: Cell) -> CellEstimate:
         """A cell's own seconds: overhead, the calls before timing (warm-up build, NaN check, ``warmup``), the
@@ -249,7 +277,8 @@ class Estimator:
             return CellEstimate(cell, costs.quality_cell_s, 0.0)
         call, measured = self.call_s(cell)
         if cell.mode == "decode":  # a round: the prefill, then the steps; the warm-up's prefill and two steps, the memory round
-            call += self.model_call_s(cell.replace(mode="forward"), *work(cell.replace(mode="forward")))
+            prefill = cell.replace(mode="forward")
+            call += self.model_call_s(prefill, _work(prefill))
         measure = cell.measure
         repeats = measure.get("repeats", 7)
         calls = 2 + measure.get("warmup", 2) + repeats + costs.accuracy_calls
