@@ -8,6 +8,8 @@ import shlex
 import sys
 from pathlib import Path
 
+from . import options
+
 #: What ``attnbench run`` measures when no scenario is named.
 CPU_DEFAULT = [("smoke-cpu", None)]
 GPU_DEFAULT = [("seq-sweep", "gpu"), ("d-dot-sweep", "gpu"), ("decode", "gpu"), ("paper-small-lm", "gpu")]
@@ -253,6 +255,9 @@ def _env(args) -> int:
 
 
 def _demo(args) -> int:
+    if error := options.demo_error(args.batch, args.heads, args.seq_len):
+        print(f"error: {error}", file=sys.stderr)
+        return EXIT_ERROR
     import torch
 
     from .demo import DemoShape, format_table, run_demo
@@ -311,7 +316,7 @@ def _kit(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="attnbench", description="Benchmark attention variants across hardware.")
+    parser = options.Parser(prog="attnbench", description="Benchmark attention variants across hardware.")
     parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
     commands = parser.add_subparsers(dest="command", required=True)
 
@@ -345,8 +350,8 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("-o", "--out", type=Path, required=True, help="directory for index.html, cells.csv and plots/")
     report.add_argument("--title")
     report.add_argument("--compare-base", nargs="+", metavar="BASE", help="also compare RESULTS against these results")
-    report.add_argument("--factor", type=float, default=1.1)
-    report.add_argument("--alpha", type=float, default=0.05)
+    report.add_argument("--factor", type=options.factor, default=1.1)
+    report.add_argument("--alpha", type=options.alpha, default=0.05)
     report.add_argument("--plugin", action="append", help="module or .py file registering the tasks of plugin cells (also ATTNBENCH_PLUGINS)")
     report.set_defaults(handler=_report)
 
@@ -355,9 +360,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     compare.add_argument("base", nargs=1, help="results file or directory of the base")
     compare.add_argument("head", nargs=1, help="results file or directory of the head")
-    compare.add_argument("--factor", type=float, default=1.1, help="a regression must be slower by more than this ratio")
-    compare.add_argument("--alpha", type=float, default=0.05, help="significance level of the bootstrap interval")
-    compare.add_argument("--seed", type=int, default=0)
+    compare.add_argument("--factor", type=options.factor, default=1.1, help="a regression must be slower by more than this ratio")
+    compare.add_argument("--alpha", type=options.alpha, default=0.05, help="significance level of the bootstrap interval")
+    compare.add_argument("--seed", type=options.seed, default=0)
     compare.add_argument("--allow-different-machines", action="store_true", help="mark cells of different machines as not comparable")
     compare.add_argument("--report", type=Path, help="also write an HTML report with the comparison into this directory")
     compare.set_defaults(handler=_compare)
@@ -378,15 +383,15 @@ def build_parser() -> argparse.ArgumentParser:
     for shared in (regress, bisect):
         shared.add_argument("scenario", nargs="?", help="scenario file or shipped name (default: regress-cpu; its gpu preset where CUDA is present)")
         shared.add_argument("--all-variants", action="store_true", help="measure every cell, not only those of the variants the diff touches")
-        shared.add_argument("--rounds", type=int, default=3, help="rounds of base and head, alternating, each in fresh processes (default: 3)")
+        shared.add_argument("--rounds", type=options.rounds, default=3, help="rounds of base and head, alternating, each in fresh processes (default: 3)")
         shared.add_argument(
-            "--threads", type=int, default=1, help="CPU threads of each measuring process (OMP_NUM_THREADS; default 1, 0: PyTorch's default)"
+            "--threads", type=options.threads, default=1, help="CPU threads of each measuring process (OMP_NUM_THREADS; default 1, 0: PyTorch's default)"
         )
         shared.add_argument("--out", type=Path, default=Path("results"), help="directory of the regress- or bisect-SCENARIO-TIME/ folder (default: results/)")
         shared.add_argument("--preset", help="apply the scenario's named preset")
         shared.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a field of the scenario, as for run")
-        shared.add_argument("--factor", type=float, default=1.1, help="a regression must be slower by more than this ratio")
-        shared.add_argument("--alpha", type=float, default=0.05, help="significance level of the bootstrap interval")
+        shared.add_argument("--factor", type=options.factor, default=1.1, help="a regression must be slower by more than this ratio")
+        shared.add_argument("--alpha", type=options.alpha, default=0.05, help="significance level of the bootstrap interval")
         shared.add_argument("--repo", type=Path, default=Path("."), help="the git repository (default: the one holding the current directory)")
         shared.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -394,15 +399,15 @@ def build_parser() -> argparse.ArgumentParser:
     listing.set_defaults(handler=_list)
 
     env = commands.add_parser("env", help="print this machine's fingerprint")
-    env.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    env.add_argument("--device", type=options.device, default="cpu", help="cpu or cuda[:N]")
     env.set_defaults(handler=_env)
 
     demo = commands.add_parser("demo", help="run every variant's forms on a small CPU input and print a table")
-    demo.add_argument("--batch", type=int, default=2)
-    demo.add_argument("--heads", type=int, default=4)
-    demo.add_argument("--seq-len", type=int, default=256)
-    demo.add_argument("--d-key", type=int, default=64)
-    demo.add_argument("--repeats", type=int, default=5)
+    demo.add_argument("--batch", type=options.DEMO["batch"], default=2)
+    demo.add_argument("--heads", type=options.DEMO["heads"], default=4)
+    demo.add_argument("--seq-len", type=options.DEMO["seq_len"], default=256)
+    demo.add_argument("--d-key", type=options.DEMO["d_key"], default=64)
+    demo.add_argument("--repeats", type=options.DEMO["repeats"], default=5)
     demo.set_defaults(handler=_demo)
 
     data = commands.add_parser("data", help="data sets of the quality tasks").add_subparsers(dest="data_command", required=True)
@@ -419,7 +424,7 @@ def build_parser() -> argparse.ArgumentParser:
     kernels.add_argument("--d", help="only d_dot = d_value in this list, e.g. 64,256 (default: every shipped shape)")
     kernels.add_argument("--chunk", help="only these chunk sizes, e.g. 64,128 (default: every one the kernels take)")
     kernels.add_argument("--kernel", help="only these kernels, e.g. forward_prefix,state_pass (an autotuned one: each candidate; default: all)")
-    kernels.add_argument("--jobs", type=int, help="compiler processes (default: one per CPU)")
+    kernels.add_argument("--jobs", type=options.jobs, help="compiler processes (default: one per CPU)")
     kernels.add_argument("--compare", metavar="REV", help="compile REV's kernels and the working tree's, print the rows that changed (exit 1: a row got worse)")
     kernels.set_defaults(handler=_kernels)
 

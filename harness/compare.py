@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import textwrap
 from dataclasses import dataclass
 
@@ -294,8 +295,8 @@ def compare(base_paths, head_paths, *, factor: float = 1.1, alpha: float = 0.05,
     """Match the cells of ``base_paths`` and ``head_paths`` (files or directories, as for
     ``load``) and mark each pair; raises CompareError for results of different machines
     unless ``allow_different_machines`` (then those cells are marked "not comparable")."""
-    if factor < 1 or not 0 < alpha < 1:
-        raise CompareError(f"factor must be >= 1 and alpha in (0, 1); got factor={factor}, alpha={alpha}")
+    if not (1 <= factor < math.inf and 0 < alpha < 1):  # NaN fails both: it would make no cell ever worse
+        raise CompareError(f"factor must be a finite number >= 1 and alpha in (0, 1); got factor={factor}, alpha={alpha}")
     columns = CELL_KEY + ["status", "error", "machine_key", "machine", "gpu", "params_text", "axes_text", "metrics.median_s", "metrics.samples_s",
                "metrics.round_samples_s", "metrics.unstable", "metrics.rel_ci", "metrics.load.other_cores", "metrics.timing"]
     base, head = _side(base_paths), _side(head_paths)
