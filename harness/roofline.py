@@ -7,17 +7,23 @@ traffic no implementation can avoid, counted in harness.workloads); the fraction
 over the measured median. Calibrated figures are the best rate of repeated calls, and the best
 ever measured on this machine and setting is kept in a cache file, so that a run calibrated on
 a busy machine does not lower the roof. ``ATTNBENCH_CALIBRATE=0`` skips calibration (no
-fractions are recorded then).
+fractions are recorded then). The cache is keyed by what its figures were measured on and how
+(``cache_key``); one that does not validate (``CalibrationCache``) is ignored with a warning and
+rebuilt (harness.caches).
 """
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from pathlib import Path
+from typing import Annotated, Literal
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from .caches import ignored, validated
+from .files import write_atomic
 
 #: Seconds each figure is measured for: the first time on a machine and setting, then (with
 #: the cache's best to fall back on) each later run.
@@ -94,24 +100,50 @@ def copy_bytes_per_s(device: torch.device, seconds: float) -> float:
     return _best_rate(lambda: target.copy_(source), 2 * COPY_BYTES[device.type], seconds, device)
 
 
+#: The layout of ``calibration.json`` (a file of another version is rebuilt).
+CACHE_VERSION = 2
+Rate = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+
+
+class CalibrationCache(BaseModel):
+    """``calibration.json``: per ``cache_key`` the best rate ever measured of each figure
+    (``matmul_flops_per_s.<dtype>``, ``bandwidth_bytes_per_s``), each a positive finite number."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    version: Literal[CACHE_VERSION]
+    entries: dict[str, dict[str, Rate]] = {}
+
+
+def cache_key(machine_id: str, device: torch.device, threads: int, cpus) -> str:
+    """What a cached figure was measured on and how: the machine (``machine.machine_id``: host, CPU,
+    GPU and its driver, torch, triton and CUDA versions), the device type, the torch threads, the
+    CPUs the process may run on, and the sizes of the matmul and the copy."""
+    return (f"{machine_id}/{device.type}/{threads} threads/cpus {','.join(map(str, cpus or []))}/"
+            f"matmul {MATMUL_SIDE[device.type]}/copy {COPY_BYTES[device.type]} bytes")
+
+
 def _cache_path() -> Path:
     return Path(os.environ.get("ATTNBENCH_CACHE") or Path.home() / ".cache" / "attnbench") / "calibration.json"
 
 
-def _read_cache() -> dict:
+def _read_cache() -> CalibrationCache:
+    """The cache, or an empty one where there is none or it does not validate (with a warning)."""
+    path, empty = _cache_path(), CalibrationCache(version=CACHE_VERSION)
     try:
-        return json.loads(_cache_path().read_text())
-    except (OSError, ValueError):
-        return {}
+        text = path.read_bytes()
+    except FileNotFoundError:
+        return empty
+    except OSError as exc:
+        ignored(path, exc.strerror or type(exc).__name__)
+        return empty
+    return validated(path, CalibrationCache, text, json=True) or empty
 
 
-def _write_cache(cache: dict) -> None:
+def _write_cache(cache: CalibrationCache) -> None:
     path = _cache_path()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        temporary = path.with_suffix(f".{os.getpid()}.tmp")
-        temporary.write_text(json.dumps(cache, indent=1, sort_keys=True))
-        temporary.replace(path)
+        write_atomic(path, cache.model_dump_json(indent=1))
     except OSError:
         return
 
@@ -141,21 +173,22 @@ def calibrate(machine_id: str, dtypes: list[str], device: str = "cpu", gpu_name:
     bandwidth at least the one-thread bandwidth (``_single_thread``)."""
     device = torch.device(device)
     threads = torch.get_num_threads()
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
     cache = _read_cache()
-    key = f"{machine_id}/{device.type}/{threads} threads"
-    known = cache.get(key, {})
+    key = cache_key(machine_id, device, threads, cpus)
+    known = cache.entries.get(key, {})
     seconds = CACHED_CALIBRATION_S if known else FIRST_CALIBRATION_S
     measured = _measure(dtypes, device, seconds)
     single = _single_thread(dtypes, device, seconds) if device.type == "cpu" and threads > 1 else None
     if single is not None:
         measured = {name: max(value, single[name] * (threads if name.startswith("matmul") else 1)) for name, value in measured.items()}
     best = {name: max(value, known.get(name, 0.0)) for name, value in measured.items()}
-    cache[key] = {**known, **best}
+    cache.entries[key] = {**known, **best}
     _write_cache(cache)
     return {
         "device": str(device),
         "torch_threads": threads,
-        "cpus": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "cpus": cpus,
         "matmul_flops_per_s": {dtype: best[f"matmul_flops_per_s.{dtype}"] for dtype in dtypes},
         "bandwidth_bytes_per_s": best["bandwidth_bytes_per_s"],
         "this_run": {"matmul_flops_per_s": {dtype: measured[f"matmul_flops_per_s.{dtype}"] for dtype in dtypes},

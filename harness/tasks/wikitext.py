@@ -8,24 +8,35 @@ comes from the training split, most frequent first (ties in order of first appea
 vocabulary (none in WikiText) is read as ``<unk>``.
 
 Reading WikiText-103 takes minutes, so the token ids are cached in
-``$XDG_CACHE_HOME/attnbench`` (``~/.cache/attnbench``), keyed by the files' paths, sizes and
-modification times; a changed file is read again.
+``$XDG_CACHE_HOME/attnbench`` (``~/.cache/attnbench``), keyed by what they were built from: the
+SHA-256 of the three files' content and the tokenizer's settings (``TOKENIZER``), not their paths,
+sizes or modification times. A cache that does not validate (``TokenCache``) or holds another key
+is ignored with a warning and rebuilt (harness.caches).
 """
 
 from __future__ import annotations
 
 import hashlib
+import io
+import json
 import os
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated
 
 import torch
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
+from ..caches import ignored, validated
+from ..files import write_atomic
 from .download import DataError, dataset_dir
 
 EOS, UNK = "<eos>", "<unk>"
 SPLITS = ("train", "valid", "test")
+#: How the files become token ids (``read_words``, ``build_vocab``, ``_read``): part of the cache's key.
+TOKENIZER = {"words": "whitespace-separated, <eos> after each line", "eos": EOS, "unk": UNK,
+             "vocab": "the training split's words by descending count, ties in order of first appearance", "ids": "int64"}
 
 
 def split_path(directory: Path, split: str) -> Path:
@@ -75,30 +86,74 @@ def build_vocab(words: list[str]) -> list[str]:
     return [word for word, _ in Counter(words).most_common()]
 
 
+def _token_ids(ids: torch.Tensor) -> torch.Tensor:
+    if ids.dtype != torch.long or ids.dim() != 1:
+        raise ValueError(f"expected a 1-D tensor of int64 token ids, got {ids.dtype} of shape {tuple(ids.shape)}")
+    return ids
+
+
+TokenIds = Annotated[torch.Tensor, AfterValidator(_token_ids)]
+
+
+class TokenCache(BaseModel):
+    """A token cache file: its ``key`` (``cache_key``), the vocabulary and each split's ids, all within the vocabulary."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, arbitrary_types_allowed=True)
+    key: str
+    vocab: list[str] = Field(min_length=1)
+    train: TokenIds
+    valid: TokenIds
+    test: TokenIds
+
+    @model_validator(mode="after")
+    def _within_vocab(self) -> TokenCache:
+        for split in SPLITS:
+            ids = getattr(self, split)
+            if ids.numel() and not 0 <= int(ids.min()) <= int(ids.max()) < len(self.vocab):
+                raise ValueError(f"{split}: token ids outside the vocabulary of {len(self.vocab)}")
+        return self
+
+
 def load_wikitext(directory=None, name: str = "wikitext-2") -> WikiText:
     """Load a WikiText directory: ``directory``, else ``$ATTNBENCH_DATA/<name>``, else the shared
     data (``harness.tasks.download.dataset_dir``); an incomplete one is a DataError naming it."""
     directory = dataset_dir(name, directory).resolve()
-    cache = _cache_path(directory)
-    if cache.is_file():
-        cached = torch.load(cache, weights_only=True)
-        return WikiText(directory, cached["vocab"], cached["splits"])
+    key = cache_key(directory)
+    path = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "attnbench" / f"wikitext-{key[:20]}.pt"
+    if (cached := _read_cache(path, key)) is not None:
+        return WikiText(directory, cached.vocab, {split: getattr(cached, split) for split in SPLITS})
     corpus = _read(directory)
-    cache.parent.mkdir(parents=True, exist_ok=True)
-    temporary = cache.with_suffix(f".{os.getpid()}.tmp")
-    torch.save({"vocab": corpus.vocab, "splits": corpus.splits}, temporary)
-    os.replace(temporary, cache)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    payload = io.BytesIO()
+    torch.save({"key": key, "vocab": corpus.vocab, **corpus.splits}, payload)
+    write_atomic(path, payload.getbuffer())
     return corpus
 
 
-def _cache_path(directory: Path) -> Path:
-    """The cache file of ``directory``: a hash of each split file's path, size and mtime."""
-    key = hashlib.sha256()
+def cache_key(directory: Path) -> str:
+    """The SHA-256 of the tokenizer's settings and each split file's content: what the ids are built from."""
+    key = hashlib.sha256(json.dumps(TOKENIZER, sort_keys=True).encode())
     for split in SPLITS:
-        stat = split_path(directory, split).stat()
-        key.update(f"{split_path(directory, split)}:{stat.st_size}:{stat.st_mtime_ns};".encode())
-    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "attnbench"
-    return root / f"wikitext-{key.hexdigest()[:20]}.pt"
+        with open(split_path(directory, split), "rb") as file:
+            key.update(f"{split}:{hashlib.file_digest(file, 'sha256').hexdigest()};".encode())
+    return key.hexdigest()
+
+
+def _read_cache(path: Path, key: str) -> TokenCache | None:
+    """The cache at ``path`` if it is one of ``key``; None where there is none, or (with a warning) where it
+    does not load as data, does not validate or was built from other files or settings."""
+    if not path.is_file():
+        return None
+    try:
+        payload = torch.load(path, weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - every way a foreign or corrupt file fails to load is the same answer
+        ignored(path, (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200])
+        return None
+    cached = validated(path, TokenCache, payload)
+    if cached is not None and cached.key != key:
+        ignored(path, "built from other files or tokenizer settings")
+        return None
+    return cached
 
 
 def _read(directory: Path) -> WikiText:
