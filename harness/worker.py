@@ -16,6 +16,7 @@ import resource
 import signal
 import subprocess
 import sys
+import time
 import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -28,9 +29,14 @@ from .results import FAILING
 #: memory leaves a worker's resident set and the per-cell peak RSS (harness.measure.PeakMemory)
 #: follows live memory to about 2 MiB.
 WORKER_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0", "MALLOC_TOP_PAD_": "0"}
-#: Seconds a worker may take to start (its imports, the plugins); one that takes longer is
-#: killed and costs the cell it was started for (``crashed``), and the sweep goes on.
+#: Seconds a worker may take to start (its imports, the plugins), counted from its spawn: a cell's
+#: ``timeout_s`` plus ``START_MARGIN_S``, at most ``WORKER_START_TIMEOUT_S`` (``start_allowance``).
+#: One that takes longer is killed and costs the cell it was started for (``crashed``) within that
+#: allowance, and the sweep goes on (a frozen start once cost 300 s per try, ~1,000 s for one cell).
 WORKER_START_TIMEOUT_S = 300
+START_MARGIN_S = 60
+#: Seconds a calibration (``roofline.calibrate``, a few seconds of matmuls and copies) may take.
+CALIBRATION_TIMEOUT_S = 120
 PR_SET_PDEATHSIG = 1
 #: The cgroup (v2, then v1) counters of out-of-memory kills, read before and after a cell.
 OOM_COUNTERS = (Path("/sys/fs/cgroup/memory.events"), Path("/sys/fs/cgroup/memory/memory.oom_control"))
@@ -62,6 +68,11 @@ class Calibration:
     gpu_name: str | None
     sm_clock_mhz: float | None
     cpus: list | None = None
+
+
+def start_allowance(timeout_s: float) -> float:
+    """The seconds from its spawn within which the worker of a cell of ``timeout_s`` must have started."""
+    return min(WORKER_START_TIMEOUT_S, timeout_s + START_MARGIN_S)
 
 
 def die_with_parent() -> None:
@@ -206,26 +217,35 @@ class Worker:
         self._start()
 
     def _start(self) -> None:
+        """Spawn the process; its ``"ready"`` is awaited before the first message (``_started``), so that
+        the runner goes on meanwhile and a cell's timeout counts its own time only."""
         self.measured = 0  #: cells (and calibrations) sent to this process since it started
+        self.ready, self.start_error = False, None
         context = multiprocessing.get_context("spawn")
         self.conn, child = context.Pipe()
+        self.spawned = time.monotonic()
         if self.code_root is not None or self.wrapper:
             self._start_command(child)
         else:
             self._start_spawned(context, child)
         child.close()
-        # Wait for the imports, so that a cell's timeout counts its own time only.
-        self.start_error = None
-        try:
-            ready = self.conn.poll(WORKER_START_TIMEOUT_S) and self.conn.recv() == "ready"
-        except EOFError:
-            ready = False
-        if not ready:
-            frozen = self.process.is_alive()
-            self.kill()
-            if not frozen:
-                raise RuntimeError(f"the worker process did not start (exit code {self.process.exitcode}); see the messages above")
-            self.start_error = f"the worker process did not start within {WORKER_START_TIMEOUT_S:g} s (killed; WORKER_START_TIMEOUT_S)"
+
+    def _started(self, start_s: float) -> str | None:
+        """None once the worker has said it is ready, waiting for it until ``start_s`` after its spawn
+        (a fresh one where the last never started); else why not, the process left as it is. A worker
+        that exits while starting (a plugin that fails to import) is a RuntimeError: no cell can run."""
+        if self.start_error is not None:
+            self._start()
+        if not self.ready:
+            try:
+                self.ready = self.conn.poll(max(0.0, self.spawned + start_s - time.monotonic())) and self.conn.recv() == "ready"
+            except EOFError:  # its end of the pipe closed: exited, or about to
+                self.process.join(1)
+                if not self.process.is_alive():
+                    raise RuntimeError(f"the worker process did not start (exit code {self.process.exitcode}); see the messages above") from None
+        if self.ready:
+            return None
+        return f"the worker process did not start within {start_s:g} s"
 
     def _start_command(self, child) -> None:
         """A fresh interpreter running ``CHECKOUT_WORKER``: another checkout's (in its directory, only it on
@@ -263,19 +283,23 @@ class Worker:
                     os.environ[key] = value
 
     def measure(self, cell: Cell, timeout_s: float) -> dict:
-        """The result of ``cell`` measured within ``timeout_s``; ``crashed`` when the worker,
-        started again after one that did not start in time, does not start either."""
+        """The result of ``cell`` measured within ``timeout_s``; ``crashed`` (the worker killed, a fresh
+        one for the next message) when the worker does not start within ``start_allowance(timeout_s)``."""
+        if (error := self._started(start_allowance(timeout_s))) is not None:
+            self.kill()
+            self.start_error = f"{error} (killed; the cell's timeout_s + START_MARGIN_S, at most WORKER_START_TIMEOUT_S)"
+            return {"status": "crashed", "error": self.start_error, "metrics": {}}
         return self._ask(cell, timeout_s)
 
-    def calibrate(self, request: Calibration) -> dict:
-        """The result of ``request`` (its ``metrics``: the calibration), as a cell's is."""
-        return self._ask(request, WORKER_START_TIMEOUT_S)
+    def calibrate(self, request: Calibration, start_s: float = WORKER_START_TIMEOUT_S) -> dict:
+        """The result of ``request`` (its ``metrics``: the calibration), as a cell's is. A worker not
+        started within ``start_s`` is left starting (no calibration): the first cell waits for it
+        within its own allowance, counted from the same spawn, so a frozen start costs one wait."""
+        if (error := self._started(start_s)) is not None:
+            return {"status": "crashed", "error": error, "metrics": {}}
+        return self._ask(request, CALIBRATION_TIMEOUT_S)
 
     def _ask(self, message, timeout_s: float) -> dict:
-        if self.start_error is not None:
-            self._start()
-            if self.start_error is not None:
-                return {"status": "crashed", "error": self.start_error, "metrics": {}}
         oom_before = oom_kills()
         self.measured += 1
         self.conn.send(message)

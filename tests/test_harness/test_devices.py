@@ -114,7 +114,7 @@ class _CalibratingWorker:
     def __init__(self, *args, **kwargs):
         self.measured = 0
 
-    def calibrate(self, request):
+    def calibrate(self, request, start_s=None):
         return {"status": "ok", "error": None, "metrics": dataclasses.asdict(request)}
 
 

@@ -4,14 +4,22 @@ wherever the cell is measured (in a worker or not), never continued."""
 
 from __future__ import annotations
 
+import multiprocessing
 import shutil
+import time
+from pathlib import Path
 
 import pytest
 
+from harness import runner
+from harness import worker as workers
+from harness.results import read_records
 from harness.runner import with_checkpoint_dir
 from harness.scenario import load_scenario
 from harness.tasks.training import CheckpointError
 from harness.workloads import measure_cell
+
+PLUGIN = Path(__file__).with_name("frozen_plugin.py")
 
 # --- a checkpoint of another cell is never continued ---------------------------------------------
 
@@ -27,3 +35,25 @@ def test_a_checkpoint_copied_from_another_variants_folder_is_refused_outside_a_w
     shutil.rmtree(linear.checkpoint_dir)
     result = measure_cell(linear)
     assert result["status"] == "ok" and result["metrics"]["resumed_from"] is None
+
+
+# --- a worker frozen before its first answer costs its cell within the cell's timeout --------------
+
+
+@pytest.mark.slow  # about 50 s on a busy 2-core machine: it waits out the frozen start, then a worker starts
+def test_a_worker_frozen_while_starting_costs_its_cell_within_its_timeout_and_the_next_cell_runs(tmp_path, monkeypatch):
+    monkeypatch.setattr(workers, "START_MARGIN_S", 25, raising=False)  # a sound start takes 10-20 s here
+    (tmp_path / "frozen").touch()
+    monkeypatch.setenv("FROZEN_MARKER", str(tmp_path / "frozen"))
+    path = tmp_path / "tiny.yaml"
+    path.write_text("name: tiny\nvariants: {softmax: {}}\naxes: {seq_len: [16, 32], batch: 1, heads: 1, d_key: 8}\n"
+                    "measure: {warmup: 0, repeats: 2, timeout_s: 3, fresh_worker: false}\n")
+    started = time.monotonic()
+    runner.run(load_scenario(str(path)), tmp_path / "out", plugins=[str(PLUGIN)], progress=False)
+    elapsed = time.monotonic() - started
+    frozen, after = [record for record in read_records(next((tmp_path / "out").glob("tiny-*.jsonl"))) if record["kind"] == "cell"]
+    assert frozen["status"] == "crashed" and "did not start within 28 s" in frozen["error"], frozen
+    assert after["status"] == "ok", after
+    assert not (tmp_path / "frozen").exists()  # the frozen worker was the one that took the marker
+    assert elapsed < 28 + 60, elapsed  # its allowance (timeout_s + START_MARGIN_S), then a worker that starts and two cells
+    assert multiprocessing.active_children() == []
