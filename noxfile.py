@@ -3,7 +3,8 @@
 - ``tests``: the test suite (micro-benchmarks run once each, untimed).
 - ``run``: the main job, ``attnbench run`` on the default set (smoke-cpu on a CPU machine,
   the GPU set where CUDA is present); posargs go to ``attnbench run``.
-- ``bench-cpu`` / ``bench-gpu``: every shipped speed scenario on the CPU / on a CUDA GPU.
+- ``bench-cpu`` / ``bench-gpu``: every shipped speed scenario on the CPU / on a CUDA GPU; ``bench-gpu-quick``: the
+  quick form on a GPU (the ``gpu-quick`` presets, a few minutes).
 - ``gpu-check``: ``attnbench gpu-check`` (the first command on a GPU machine) in its own virtual
   environment; on the GPU machine itself ``attnbench gpu-check`` needs neither nox nor internet.
 - ``triton-versions``: the Triton kernels under the oldest and the newest supported Triton
@@ -66,14 +67,26 @@ def bench_cpu(session):
     session.run("attnbench", "run", "smoke-cpu", *SPEED_SCENARIOS, *session.posargs)
 
 
-@nox.session(name="bench-gpu")
-def bench_gpu(session):
-    """The speed scenarios with their gpu presets, on a CUDA machine."""
+def bench_on_gpu(session, preset: str) -> None:
+    """The speed scenarios at ``preset`` on a CUDA machine (``-- --dry-run``: their cells and estimated durations only)."""
     if shutil.which("nvidia-smi") is None:
-        session.error("bench-gpu needs a CUDA GPU and its driver (nvidia-smi not found); on this machine use nox -s bench-cpu")
+        session.error(f"{session.name} needs a CUDA GPU and its driver (nvidia-smi not found); on this machine use nox -s bench-cpu")
     install(session)
     session.run("python", "-c", CUDA_CHECK)
-    session.run("attnbench", "run", *SPEED_SCENARIOS, "--preset", "gpu", *session.posargs)
+    session.run("attnbench", "run", *SPEED_SCENARIOS, "--preset", preset, *session.posargs)
+
+
+@nox.session(name="bench-gpu")
+def bench_gpu(session):
+    """The speed scenarios with their gpu presets, on a CUDA machine (730 cells; about 22 minutes on an H100 by the
+    cost model: docs/performance.md, "Estimated sweep durations"). Posargs go to attnbench run, e.g. --budget 30m."""
+    bench_on_gpu(session, "gpu")
+
+
+@nox.session(name="bench-gpu-quick")
+def bench_gpu_quick(session):
+    """The quick form of bench-gpu: the gpu-quick presets, every core variant in a few minutes on an H100 by the cost model."""
+    bench_on_gpu(session, "gpu-quick")
 
 
 @nox.session(name="gpu-check")
