@@ -45,6 +45,11 @@ _SWITCHES = {
     "math": (cuda_backends.math_sdp_enabled, cuda_backends.enable_math_sdp),
 }
 SDPA_CHOICES = ("auto", *SDPA_BACKENDS)
+#: The most scores [queries, keys] one call of SDPA's math kernel holds in a causal parallel form: it
+#: materialises them three times (the mask, the scores, their softmax), which for float64 on a GPU (no fused
+#: kernel takes it, so the float64 reference of a cell runs there) was 98 GiB at T = 65,536, beyond an
+#: H100's 80 GB; beyond this the form runs in blocks of queries (``_parallel``).
+MATH_BLOCK_SCORES = 2**27
 
 
 class _Pinned:
@@ -148,7 +153,15 @@ class Softmax(AttentionCore):
     def _parallel(self, q, k, v, causal):
         if not causal:
             return self._attend(q, k, v)
+        rows = max(1, MATH_BLOCK_SCORES // k.shape[2])
+        if rows < q.shape[2] and not torch.compiler.is_compiling() and self._sdp_choice(q, k, v, causal) == int(SDPBackend.MATH):
+            return torch.cat([self._causal_block(q, k, v, start, min(start + rows, q.shape[2])) for start in range(0, q.shape[2], rows)], 2)
         return self._causal(q, k, v, is_causal=True)
+
+    def _causal_block(self, q, k, v, start, end):
+        """The causal outputs of queries start..end-1, against the keys up to end-1 (those they see)."""
+        visible = torch.ones(end - start, end, dtype=torch.bool, device=q.device).tril(start)
+        return self._causal(q[:, :, start:end], k[:, :, :end], v[:, :, :end], attn_mask=visible)
 
     def packed_choice(self, device: torch.device) -> str:
         """How the parallel form runs packed sequences on ``device``: 'per_sequence', one SDPA call each, on
@@ -190,12 +203,7 @@ class Softmax(AttentionCore):
         one only). On the CPU PyTorch has two: its flash kernel ('flash') and 'math'.
         UnsupportedBackend names the pinned kernel and the inputs when it cannot run them."""
         names = {int(kernel): name for name, kernel in SDPA_BACKENDS.items()}
-        pinned = contextlib.nullcontext() if self.sdpa == "auto" else _Pinned(self.sdpa)
-        with pinned:
-            try:
-                choice = torch._fused_sdp_choice(q, k, v, is_causal=causal, scale=self.scale, enable_gqa=q.shape[1] != k.shape[1])
-            except RuntimeError:  # "No viable backend for scaled_dot_product_attention was found"
-                choice = int(SDPBackend.ERROR)
+        choice = self._sdp_choice(q, k, v, causal)
         if choice not in names:
             shape = "x".join(map(str, q.shape))
             raise UnsupportedBackend(
@@ -203,6 +211,16 @@ class Softmax(AttentionCore):
                 f"[B, H, T, D] = {shape} (PyTorch has no such kernel for them); pin another ({', '.join(SDPA_CHOICES)})"
             )
         return {"sdpa_backend": names[choice]} | ({} if cu_seqlens is None else {"packed": self.packed_choice(q.device)})
+
+    def _sdp_choice(self, q, k, v, causal) -> int:
+        """The SDPA kernel (``int(SDPBackend)``) a call on these inputs runs, as SDPA's own dispatcher picks
+        it (``torch._fused_sdp_choice``; under a pin, among the pinned one only; ERROR where none can)."""
+        pinned = contextlib.nullcontext() if self.sdpa == "auto" else _Pinned(self.sdpa)
+        with pinned:
+            try:
+                return torch._fused_sdp_choice(q, k, v, is_causal=causal, scale=self.scale, enable_gqa=q.shape[1] != k.shape[1])
+            except RuntimeError:  # "No viable backend for scaled_dot_product_attention was found"
+                return int(SDPBackend.ERROR)
 
     def _prefill(self, q, k, v, state: KVCache | None):
         """Causal parallel form that also returns the KV cache after the last token."""
