@@ -53,14 +53,16 @@ is and the nearly cancelling differences (g_t·v_i vs r_t δ_t) are taken in flo
 in float32 (the rounded y would put its rounding error into dq and dk, badly so at tokens where
 q·z is small).
 
-Precision: states and every accumulation are float32. fp16/bf16 inputs go into 16-bit tensor-core
+Precision: the running states and every accumulation are float32. fp16/bf16 inputs go into 16-bit tensor-core
 dots as they are; the fp32 tiles they meet (A, P, diag(r) A, G in (a), the states) are rounded to the
-input dtype as dot operands (``_common.dot``; sm_70, without bf16 tensor cores, multiplies in fp32).
+input dtype as dot operands (``_common.dot``; sm_70, without bf16 tensor cores, multiplies in fp32), so (a)
+stores the chunk states S_c, dS_c already rounded so (half the bytes; the same products), z_c, dz_c in fp32.
 fp32 inputs use IEEE fp32 dots (``_common.FP32_DOT_PRECISION``), TF32 ones with ``precision="tf32"``. y is written in the input dtype,
 S_T and z_T in float32. F and Dv are padded to powers of two (≥ 16, for tl.dot) with masks, at most
 256 each; the chunk kernels loop over F (or Dv) in blocks of ``STATE_BLOCK``, so their tiles stay
-[C, 64] ([C, 32] with fp32 operands) whatever d. Memory: one fp32 state row per chunk and b·h,
-4·(F·Dv + F) bytes (32 MiB at B·H = 8, T = 16384, d = 64; 0.5 GiB at d = 256); the backward holds two.
+[C, 64] ([C, 32] with fp32 operands) whatever d. Memory: one state per chunk and b·h, 2·F·Dv + 4·F bytes
+with 16-bit inputs, 4·(F·Dv + F) with fp32 ones (16 and 32 MiB at B·H = 8, T = 16384, d = 64; 4× at d = 128);
+the backward holds two.
 """
 
 from __future__ import annotations
@@ -89,7 +91,8 @@ STATE_BLOCK = 64
 class _Tiles(_common.Tiles):
     """Chunk kernels: [C, ``block_f``] tiles of q, k and [C, ``block_v``] of v and their warps
     (``_common.tile_plan`` of STATE_BLOCK), 8 warps for dq, dk (``options(wide=True)``: three [C, ·] fp32
-    accumulators); the scan (a) carries one [``block_f``, ``block_v``] state tile a program. ``width`` is a state row (S, then z).
+    accumulators); the scan (a) carries one [``block_f``, ``block_v``] state tile a program. ``width`` is an initial or final
+state row (S, then z, fp32); ``state_dtype`` the chunk states' (the dots' operand dtype: 16-bit inputs' own, else fp32).
     Chosen by compiling (docs/performance.md, "Compiled kernels"): at every chunk size these spill nothing at
     d ≤ 128 in 16-bit on sm_80, sm_90."""
 
@@ -99,6 +102,7 @@ class _Tiles(_common.Tiles):
         super().__init__(batch, heads, seq_len, d_dot, d_value, chunk_size, q.dtype, q.device, precision, packing)
         self.device, self.normalize = q.device, normalize
         self.width = d_dot * d_value + (d_dot if normalize else 0)
+        self.state_dtype = q.dtype if self.precision.startswith("input") else torch.float32
         block, self.num_warps = _common.tile_plan(self.precision, self.block_c, STATE_BLOCK)
         self.block_f, self.block_v = min(self.pad_f, block), min(self.pad_v, block)
         self.num_f, self.num_v = triton.cdiv(d_dot, self.block_f), triton.cdiv(d_value, self.block_v)
@@ -107,28 +111,27 @@ class _Tiles(_common.Tiles):
     def options(self, wide: bool = False) -> dict:
         return dict(num_warps=8 if wide else self.num_warps, num_stages=self.num_stages)
 
-    def sizes(self) -> tuple[int, ...]:
-        return (*super().sizes(), self.width)
-
     def constexprs(self) -> dict:
         return dict(VARLEN=self.varlen, BLOCK_C=self.block_c, BLOCK_F=self.block_f, BLOCK_V=self.block_v, PRECISION=self.precision)
 
 
 def _chunk_states(x, y, initial, tiles: _Tiles, *, rinv=None, delta=None, reverse=False, name=""):
-    """(a): the state every chunk starts from ``[B·H, n_chunks, width]`` and the last one of each state row
+    """(a): the states every chunk starts from, ``(S_c [B·H, n_chunks, F·Dv] in tiles.state_dtype, z_c [B·H, n_chunks, F]
+    float32)`` (without the normaliser S_c twice: the kernels read no z_c), and the last one of each state row
     ``[B·H (packed: N·H), width]`` (S_T, z_T); with ``reverse`` (x = q, y = dy) the gradient reaching each chunk
     from after it and dS_0, dz_0."""
-    states = new_output((tiles.bh, tiles.num_chunks, tiles.width), x, torch.float32)
+    states = new_output((tiles.bh, tiles.num_chunks, tiles.d_dot * tiles.d_value), x, tiles.state_dtype)
+    norms = new_output((tiles.bh, tiles.num_chunks, tiles.d_dot), x, torch.float32) if tiles.normalize else states
     final = new_output((tiles.state_rows, tiles.width), x, torch.float32)
     chunk_table, sequence_table = tiles.tables(x)
     launch(
         _chunk_scan_kernel, (tiles.state_rows, tiles.num_f * tiles.num_v),
-        x, y, states if rinv is None else rinv, states if delta is None else delta, states if initial is None else initial, states, final,
-        chunk_table, sequence_table, *tiles.sizes(), tiles.heads,
+        x, y, states if rinv is None else rinv, states if delta is None else delta, states if initial is None else initial, states, norms, final,
+        chunk_table, sequence_table, *tiles.sizes(), tiles.width, tiles.heads,
         HAS_INITIAL=initial is not None, NORMALIZE=tiles.normalize, COTANGENT=reverse, REVERSE=reverse, **tiles.constexprs(),
         options=tiles.options(), name=f"{name}_scan",
     )  # fmt: skip
-    return states, final
+    return (states, norms), final
 
 
 def _state_row(weights, normaliser, tiles: _Tiles) -> torch.Tensor | None:
@@ -150,7 +153,7 @@ def _split_state_row(row: torch.Tensor, tiles: _Tiles):
     return weights, normaliser
 
 
-def _output(q, k, v, states, tiles: _Tiles, *, dy=None, name="forward_output"):
+def _output(q, k, v, chunk_states, tiles: _Tiles, *, dy=None, name="forward_output"):
     """(b): y and r (None without the normaliser); with ``dy``, δ = dy·y in float32 ``[B, H, T]`` instead."""
     shape = (tiles.batch, tiles.heads, tiles.seq_len)
     if dy is None:
@@ -162,7 +165,7 @@ def _output(q, k, v, states, tiles: _Tiles, *, dy=None, name="forward_output"):
         y = rinv = partial
     launch(
         _chunk_output_kernel, (tiles.num_chunks, tiles.bh, tiles.num_v),
-        q, k, v, states, y, rinv, partial if dy is None else dy, partial, tiles.tables(q)[0], *tiles.sizes(),
+        q, k, v, *chunk_states, y, rinv, partial if dy is None else dy, partial, tiles.tables(q)[0], *tiles.sizes(),
         NORMALIZE=tiles.normalize, DELTA_ONLY=dy is not None, **tiles.constexprs(), EPSILON=EPS,
         options=tiles.options(), name=name,
     )  # fmt: skip
@@ -177,8 +180,8 @@ class _SumRuleFunction(torch.autograd.Function):
         tiles = _Tiles(q, v, chunk_size, normalize, precision, packing)
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         initial = _state_row(weights, normaliser, tiles)
-        states, final = _chunk_states(k, v, initial, tiles, name="forward")
-        y, rinv = _output(q, k, v, states, tiles)
+        chunk_states, final = _chunk_states(k, v, initial, tiles, name="forward")
+        y, rinv = _output(q, k, v, chunk_states, tiles)
         s_final, z_final = _split_state_row(final, tiles)
         ctx.tiles = tiles
         ctx.state_dtypes = (None if weights is None else weights.dtype, None if normaliser is None else normaliser.dtype)
@@ -194,13 +197,13 @@ class _SumRuleFunction(torch.autograd.Function):
         tiles = ctx.tiles
         need_q, need_k, need_v, need_s0, need_z0 = ctx.needs_input_grad[:5]
         dy = torch.zeros_like(v) if dy is None else dy.contiguous()
-        states = delta = None
+        chunk_states = delta = None
         if need_q or need_k or (tiles.normalize and y is None):
-            states, _ = _chunk_states(k, v, initial, tiles, name="recompute")
+            chunk_states, _ = _chunk_states(k, v, initial, tiles, name="recompute")
         if tiles.normalize:
-            delta = (dy.to(torch.float32) * y).sum(-1) if y is not None else _output(q, k, v, states, tiles, dy=dy, name="recompute_dy_dot_y")
+            delta = (dy.to(torch.float32) * y).sum(-1) if y is not None else _output(q, k, v, chunk_states, tiles, dy=dy, name="recompute_dy_dot_y")
         dinitial = None if ds_final is None and dz_final is None else _state_row(ds_final, dz_final, tiles)
-        dstates, dfinal = _chunk_states(q, dy, dinitial, tiles, rinv=rinv, delta=delta, reverse=True, name="backward")
+        dchunk_states, dfinal = _chunk_states(q, dy, dinitial, tiles, rinv=rinv, delta=delta, reverse=True, name="backward")
         common = dict(**tiles.constexprs(), NORMALIZE=tiles.normalize)
         rinv_arg = dy if rinv is None else rinv
 
@@ -209,14 +212,14 @@ class _SumRuleFunction(torch.autograd.Function):
             dq, dk = new_output(q.shape, q), new_output(k.shape, k)
             launch(
                 _backward_dqk_kernel, (tiles.num_chunks, tiles.bh, tiles.num_f),
-                q, k, v, dy, rinv_arg, dy if delta is None else delta, states, dstates, dq, dk, tiles.tables(q)[0], *tiles.sizes(), **common,
+                q, k, v, dy, rinv_arg, dy if delta is None else delta, *chunk_states, *dchunk_states, dq, dk, tiles.tables(q)[0], *tiles.sizes(), **common,
                 options=tiles.options(wide=True),
             )  # fmt: skip
         if need_v:
             dv = new_output(v.shape, v)
             launch(
                 _backward_dv_kernel, (tiles.num_chunks, tiles.bh, tiles.num_v),
-                q, k, dy, rinv_arg, dstates, dv, tiles.tables(q)[0], *tiles.sizes(), **common, options=tiles.options(),
+                q, k, dy, rinv_arg, dchunk_states[0], dv, tiles.tables(q)[0], *tiles.sizes(), **common, options=tiles.options(),
             )  # fmt: skip
 
         ds0, dz0 = _split_state_row(dfinal, tiles)

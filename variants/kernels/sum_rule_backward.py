@@ -11,10 +11,10 @@ from .sum_rule_forward import _load_tokens, _norm_tile, _state_tile, _token_valu
 
 @triton.jit
 def _backward_dqk_kernel(
-    q_ptr, k_ptr, v_ptr, dy_ptr, rinv_ptr, delta_ptr, states_ptr, dstates_ptr,  # inputs
+    q_ptr, k_ptr, v_ptr, dy_ptr, rinv_ptr, delta_ptr, states_ptr, norms_ptr, dstates_ptr, dnorms_ptr,  # inputs
     dq_ptr, dk_ptr,  # outputs
     chunk_table_ptr,  # [num_chunks, 2] with VARLEN
-    seq_len, d_dot, d_value, chunk_size, num_chunks, width,
+    seq_len, d_dot, d_value, chunk_size, num_chunks,
     NORMALIZE: tl.constexpr, VARLEN: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_V: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """Program (chunk c, bh, i): dq, dk [:, block i of F] = P K + G S_cᵀ + dden z_cᵀ and Pᵀ Q + V dS_cᵀ + 1 dz_cᵀ,
@@ -36,17 +36,17 @@ def _backward_dqk_kernel(
         dy = _load_tokens(dy_ptr, bh, seq_len, rows, row_ok, offs_v, d_value)
         v = _load_tokens(v_ptr, bh, seq_len, rows, row_ok, offs_v, d_value)
         p += dot(dy, tl.trans(v), PRECISION, input_type)
-        state = _state_tile(states_ptr, bh, chunk, num_chunks, width, offs_f, offs_v, d_dot, d_value)
-        dstate = _state_tile(dstates_ptr, bh, chunk, num_chunks, width, offs_f, offs_v, d_dot, d_value)
+        state = _state_tile(states_ptr, bh, chunk, num_chunks, offs_f, offs_v, d_dot, d_value)
+        dstate = _state_tile(dstates_ptr, bh, chunk, num_chunks, offs_f, offs_v, d_dot, d_value)
         dq += dot(dy, tl.trans(state), PRECISION, input_type)
         dk += dot(v, tl.trans(dstate), PRECISION, input_type)
     if NORMALIZE:
         rinv = _token_values(rinv_ptr, bh, seq_len, rows, row_ok)
         delta = _token_values(delta_ptr, bh, seq_len, rows, row_ok)
         p = (p - delta[:, None]) * rinv[:, None]
-        norm = _norm_tile(states_ptr, bh, chunk, num_chunks, width, offs_f, d_dot, d_value)
+        norm = _norm_tile(norms_ptr, bh, chunk, num_chunks, offs_f, d_dot)
         dq = (dq - delta[:, None] * norm[None, :]) * rinv[:, None]
-        dk += _norm_tile(dstates_ptr, bh, chunk, num_chunks, width, offs_f, d_dot, d_value)[None, :]
+        dk += _norm_tile(dnorms_ptr, bh, chunk, num_chunks, offs_f, d_dot)[None, :]
     p = tl.where(rows[:, None] >= rows[None, :], p, 0.0)
     q = _load_tokens(q_ptr, bh, seq_len, rows, row_ok, offs_f, d_dot)
     k = _load_tokens(k_ptr, bh, seq_len, rows, row_ok, offs_f, d_dot)
@@ -62,7 +62,7 @@ def _backward_dv_kernel(
     q_ptr, k_ptr, dy_ptr, rinv_ptr, dstates_ptr,  # inputs
     dv_ptr,  # output
     chunk_table_ptr,  # [num_chunks, 2] with VARLEN
-    seq_len, d_dot, d_value, chunk_size, num_chunks, width,
+    seq_len, d_dot, d_value, chunk_size, num_chunks,
     NORMALIZE: tl.constexpr, VARLEN: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_V: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """Program (chunk c, bh, j): dv[:, block j of Dv] = Aᵀ G + K dS_c = (diag(r) A)ᵀ dY + K dS_c, A = tril(Q Kᵀ)
@@ -81,7 +81,7 @@ def _backward_dv_kernel(
         q = _load_tokens(q_ptr, bh, seq_len, rows, row_ok, offs_f, d_dot)
         k = _load_tokens(k_ptr, bh, seq_len, rows, row_ok, offs_f, d_dot)
         scores += dot(q, tl.trans(k), PRECISION, input_type)
-        dv += dot(k, _state_tile(dstates_ptr, bh, chunk, num_chunks, width, offs_f, offs_v, d_dot, d_value), PRECISION, input_type)
+        dv += dot(k, _state_tile(dstates_ptr, bh, chunk, num_chunks, offs_f, offs_v, d_dot, d_value), PRECISION, input_type)
     scores = tl.where(rows[:, None] >= rows[None, :], scores, 0.0)
     if NORMALIZE:
         scores = scores * _token_values(rinv_ptr, bh, seq_len, rows, row_ok)[:, None]

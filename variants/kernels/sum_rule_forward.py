@@ -9,24 +9,24 @@ import triton.language as tl
 from ._common import chunk_rows, chunk_span, dot, load_or_zeros, sequence_chunks, token_tile
 
 # --------------------------------------------------------------------------------------
-# Kernels. Tensors are contiguous; [B, H] is flattened into one grid axis ``bh``. Chunk states are
-# [B·H, num_chunks, width] with width = d_dot·d_value (+ d_dot with NORMALIZE): S_c, then z_c.
+# Kernels. Tensors are contiguous; [B, H] is flattened into one grid axis ``bh``. Chunk states are S_c
+# [B·H, num_chunks, d_dot·d_value] in the dots' operand dtype and, with NORMALIZE, z_c [B·H, num_chunks, d_dot] in
+# float32; the initial and final states are rows of width = d_dot·d_value (+ d_dot): S, then z, in float32.
 # --------------------------------------------------------------------------------------
 
 
 @triton.jit
-def _state_tile(states_ptr, bh, chunk, num_chunks, width, offs_f, offs_v, d_dot, d_value):
-    """Rows ``offs_f``, columns ``offs_v`` of S_c (float32, 0 outside F × Dv)."""
-    offs = (bh * num_chunks + chunk) * width + offs_f[:, None] * d_value + offs_v[None, :]
+def _state_tile(states_ptr, bh, chunk, num_chunks, offs_f, offs_v, d_dot, d_value):
+    """Rows ``offs_f``, columns ``offs_v`` of S_c (in the states' dtype, 0 outside F × Dv)."""
+    offs = (bh * num_chunks + chunk) * d_dot * d_value + offs_f[:, None] * d_value + offs_v[None, :]
     mask = (offs_f < d_dot)[:, None] & (offs_v < d_value)[None, :]
     return tl.load(states_ptr + offs, mask=mask, other=0.0)
 
 
 @triton.jit
-def _norm_tile(states_ptr, bh, chunk, num_chunks, width, offs_f, d_dot, d_value):
+def _norm_tile(norms_ptr, bh, chunk, num_chunks, offs_f, d_dot):
     """Entries ``offs_f`` of z_c (float32, 0 outside F)."""
-    offs = (bh * num_chunks + chunk) * width + d_dot * d_value + offs_f
-    return tl.load(states_ptr + offs, mask=offs_f < d_dot, other=0.0)
+    return tl.load(norms_ptr + (bh * num_chunks + chunk) * d_dot + offs_f, mask=offs_f < d_dot, other=0.0)
 
 
 @triton.jit
@@ -46,14 +46,15 @@ def _token_values(ptr, bh, seq_len, rows, row_ok):
 def _chunk_scan_kernel(
     x_ptr, y_ptr, rinv_ptr, delta_ptr,  # inputs: (K, V) or (Q, dY with r, δ)
     initial_ptr,  # [state rows, width] with HAS_INITIAL
-    states_ptr, final_ptr,  # outputs [B·H, num_chunks, width], [state rows, width]
+    states_ptr, norms_ptr, final_ptr,  # outputs: S_c, z_c (with NORMALIZE), [state rows, width]
     chunk_table_ptr, sequence_table_ptr,  # [num_chunks, 2], [N + 1] with VARLEN
     seq_len, d_dot, d_value, chunk_size, num_chunks, width, heads,
     HAS_INITIAL: tl.constexpr, NORMALIZE: tl.constexpr, COTANGENT: tl.constexpr, REVERSE: tl.constexpr, VARLEN: tl.constexpr,
     BLOCK_C: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_V: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """(a) Program (state row, tile (i, j)): rows block i, columns block j of the state, walking the row's chunks in
-    order (with REVERSE backwards) with the tile in fp32 registers: it stores the state chunk c starts from,
+    order (with REVERSE backwards) with the tile in fp32 registers: it stores the state chunk c starts from (in the
+    dtype ``states`` has: the input dtype for 16-bit dots, which round it to that anyway),
     S_c = S_0 + Σ_{c'<c} K_c'ᵀ V_c', then adds K_cᵀ V_c; the sum over all its chunks (S_T) goes to ``final``. With
     NORMALIZE the programs of column block 0 carry block i of z_c = z_0 + Σ_{c'<c} K_c'ᵀ 1 alike. With COTANGENT
     (x = Q, y = dY) the backward's dS_c = dS_T + Σ_{c'>c} Q_c'ᵀ G_c' and dz_c from Q_c'ᵀ dden_c', ending at dS_0, dz_0.
@@ -72,7 +73,8 @@ def _chunk_scan_kernel(
     running = load_or_zeros(initial_ptr, program * width + tile_offs, mask, HAS_INITIAL)
     if NORMALIZE:
         running_norm = load_or_zeros(initial_ptr, program * width + norm_offs, norm_ok, HAS_INITIAL)
-    row_ptr = states_ptr + bh * num_chunks * width
+    states_row = states_ptr + bh * num_chunks * d_dot * d_value
+    norms_row = norms_ptr + bh * num_chunks * d_dot
     for step in range(end - first):
         chunk = end - 1 - step if REVERSE else first + step
         start, stop = chunk_span(chunk, seq_len, chunk_size, chunk_table_ptr, VARLEN)
@@ -82,10 +84,10 @@ def _chunk_scan_kernel(
         if COTANGENT and NORMALIZE:
             rinv = _token_values(rinv_ptr, bh, seq_len, rows, row_ok)
             y = y.to(tl.float32) * rinv[:, None]  # G = diag(r) dY
-        tl.store(row_ptr + chunk * width + tile_offs, running, mask=mask)
+        tl.store(states_row + chunk * d_dot * d_value + tile_offs, running.to(states_ptr.dtype.element_ty), mask=mask)
         running += dot(tl.trans(x), y, PRECISION, x_ptr.dtype.element_ty)
         if NORMALIZE:
-            tl.store(row_ptr + chunk * width + norm_offs, running_norm, mask=norm_ok)
+            tl.store(norms_row + chunk * d_dot + offs_f, running_norm, mask=norm_ok)
             if COTANGENT:
                 dden = -rinv * _token_values(delta_ptr, bh, seq_len, rows, row_ok)
                 running_norm += tl.sum(x.to(tl.float32) * dden[:, None], axis=0)
@@ -98,11 +100,11 @@ def _chunk_scan_kernel(
 
 @triton.jit
 def _chunk_output_kernel(
-    q_ptr, k_ptr, v_ptr, states_ptr,  # inputs
+    q_ptr, k_ptr, v_ptr, states_ptr, norms_ptr,  # inputs
     y_ptr, rinv_ptr,  # outputs
     dy_ptr, delta_ptr,  # only with DELTA_ONLY
     chunk_table_ptr,  # [num_chunks, 2] with VARLEN
-    seq_len, d_dot, d_value, chunk_size, num_chunks, width,
+    seq_len, d_dot, d_value, chunk_size, num_chunks,
     NORMALIZE: tl.constexpr, DELTA_ONLY: tl.constexpr, VARLEN: tl.constexpr,
     BLOCK_C: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_V: tl.constexpr,
     PRECISION: tl.constexpr, EPSILON: tl.constexpr,
@@ -129,9 +131,9 @@ def _chunk_output_kernel(
         q = _load_tokens(q_ptr, bh, seq_len, rows, row_ok, offs_f, d_dot)
         k = _load_tokens(k_ptr, bh, seq_len, rows, row_ok, offs_f, d_dot)
         scores += dot(q, tl.trans(k), PRECISION, input_type)
-        out += dot(q, _state_tile(states_ptr, bh, chunk, num_chunks, width, offs_f, offs_v, d_dot, d_value), PRECISION, input_type)
+        out += dot(q, _state_tile(states_ptr, bh, chunk, num_chunks, offs_f, offs_v, d_dot, d_value), PRECISION, input_type)
         if NORMALIZE:
-            norm = _norm_tile(states_ptr, bh, chunk, num_chunks, width, offs_f, d_dot, d_value)
+            norm = _norm_tile(norms_ptr, bh, chunk, num_chunks, offs_f, d_dot)
             den += tl.sum(q.to(tl.float32) * norm[None, :], axis=1)
     scores = tl.where(rows[:, None] >= rows[None, :], scores, 0.0)
     v = _load_tokens(v_ptr, bh, seq_len, rows, row_ok, offs_v, d_value)
