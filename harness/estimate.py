@@ -42,11 +42,13 @@ class Costs:
     #: compilations and autotuning the first cell of each (backend, variant, d, dtype, mode) pays. Measured: attnbench's
     #: kernels 3.4-4.8 s a cell; fla's forward 53 s (linear) and 60 s (delta), its training over 120 s; torch.compile
     #: on CUDA 7.1-7.7 s (linear, T 4096), on the CPU 23-100 s (every compile cell has a fresh worker, so pays it again)
-    first_use_s: dict = field(default_factory=lambda: {"triton": 5.0, "fla": 60.0, "compile": 10.0})
-    #: the fraction of the roof a form reaches (measured on the H200: SDPA 0.36-0.46, the torch forms 0.008-0.03,
-    #: the Triton kernels 0.03-0.07, fla 0.07-0.10; on the VM's CPU every form 0.14-0.33, SDPA 0.24-0.58)
+    first_use_s: dict = field(default_factory=lambda: {"cuda": {"triton": 5.0, "fla": 60.0, "compile": 10.0}, "cpu": {"compile": 40.0}})
+    #: the fraction of the roof a form reaches. CUDA: the geometric means of gpu-check's cells at T 16k on the H200
+    #: (second session; bf16, d 128: linear, delta, gated delta), the model's medians against the measured ones there;
+    #: compile twice the torch forms (linear, T 4096, bf16 on the H200: 0.51 against 1.03 ms forward); on the CPU (the VM,
+    #: seq-sweep's cpu preset) every form reached 0.14-0.33 of its calibrated roof, SDPA 0.24-0.58
     efficiency: dict = field(default_factory=lambda: {
-        "cuda": {SDPA: 0.4, "torch": 0.015, "triton": 0.05, "fla": 0.08, "compile": 0.03},
+        "cuda": {SDPA: 0.31, "torch": 0.007, "triton": 0.026, "fla": 0.047, "compile": 0.014},
         "cpu": {SDPA: 0.4, "torch": 0.2, "compile": 0.2},
     })  # fmt: skip
     memory_efficiency: float = 0.5  # the fraction of the bandwidth a memory-bound call reaches (design)
@@ -54,17 +56,21 @@ class Costs:
     #: head): design, as SDPA's 0.46 on the H200
     dense_efficiency: float = 0.4
     #: the shortest forward call of a form, launches and Python (measured on the H200 at T 1,024: SDPA 0.12 ms, the
-    #: torch forms 0.94 ms, Triton 0.76 ms, fla 0.78-1.2 ms; the CPU's: design)
+    #: torch forms 0.94-2.8 ms, Triton 0.76-1.0 ms, fla 0.78-1.2 ms; the CPU's: design)
     floor_s: dict = field(default_factory=lambda: {
-        "cuda": {SDPA: 1e-4, "torch": 1e-3, "triton": 8e-4, "fla": 9e-4, "compile": 5e-4},
+        "cuda": {SDPA: 1e-4, "torch": 1.5e-3, "triton": 8e-4, "fla": 9e-4, "compile": 5e-4},
         "cpu": {SDPA: 1e-4, "torch": 3e-4, "compile": 3e-4},
     })  # fmt: skip
-    train_floor: float = 2.5  # a training call's floor against the forward's (measured: 2.1-4.5x at T 1,024)
+    train_floor: float = 3.0  # a training call's floor against the forward's (measured on the H200 at T 1,024: 2.1-4.6x)
     #: one decode step of a core, launches and Python (measured on the VM: 0.10-0.23 ms; on CUDA: design)
     step_floor_s: dict = field(default_factory=lambda: {"cuda": 3e-4, "cpu": 1.5e-4})
     unstable_fraction: float = 0.06  # cells that sample on to max_time_s (measured on the H200: 2 of 34)
     accuracy_calls: float = 1.0  # the float64 reference on one row, as calls of the cell (design)
     quality_cell_s: float = 10.0  # a quality cell: one LM ci cell on CUDA, 6 steps and its evaluations (design)
+
+    def first_use(self, cell: Cell) -> float:
+        """What the first cell of ``cell``'s kernel configuration pays to compile and autotune them (0: nothing to compile)."""
+        return self.first_use_s[cell.device.split(":")[0]].get(cell.backend, 0.0)
 
 
 COSTS = Costs()
@@ -214,13 +220,17 @@ def form(cell: Cell) -> str:
     return SDPA if (cell.variant, cell.backend) == ("softmax", "torch") else cell.backend
 
 
-def first_use_group(cell: Cell) -> tuple | None:
-    """The cells that share their kernels' compilations and autotuning (the first of them pays); None
-    for a backend that compiles nothing."""
-    if cell.backend not in COSTS.first_use_s:
+def first_use_group(cell: Cell, costs: Costs = COSTS) -> tuple | None:
+    """The cells that share their kernels' compilations and autotuning (the first of them pays): one backend, variant,
+    d, dtype, mode and device; a cell measured in a fresh worker (a compile cell) compiles again, a group of its own.
+    None for a backend that compiles nothing there."""
+    from .worker import needs_fresh_worker
+
+    if not costs.first_use(cell):
         return None
     axes = cell.axes
-    return cell.backend, cell.variant, axes["d_key"], axes["d_value"], axes["dtype"], cell.mode, axes["device"]
+    group = (cell.backend, cell.variant, axes["d_key"], axes["d_value"], axes["dtype"], cell.mode, axes["device"])
+    return (*group, cell.cell_id) if needs_fresh_worker(cell, "ok") else group
 
 
 # --- the model ------------------------------------------------------------------------------------
@@ -303,8 +313,8 @@ class Sweep:
         return [estimate for estimate in self.cells if not estimate.cell.skip]
 
     def first_uses(self) -> dict[tuple, float]:
-        groups = {first_use_group(e.cell): e.cell.backend for e in self.measured if first_use_group(e.cell)}
-        return {group: self.costs.first_use_s[backend] for group, backend in groups.items()}
+        groups = {first_use_group(e.cell, self.costs): e.cell for e in self.measured}
+        return {group: self.costs.first_use(cell) for group, cell in groups.items() if group is not None}
 
     def worker_starts_s(self) -> float:
         from .worker import needs_fresh_worker

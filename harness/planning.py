@@ -133,9 +133,9 @@ def select(sweeps: list[Sweep], budget_s: float) -> Selection:
     kept, started, groups, spent = set(), set(), set(), 0.0
     for index, estimate in priority(sweeps):
         cell, costs = estimate.cell, sweeps[index].costs
-        group = first_use_group(cell)
+        group = first_use_group(cell, costs)
         extra = estimate.seconds + (costs.run_start_s if index not in started else 0.0)
-        extra += costs.first_use_s[cell.backend] if group is not None and group not in groups else 0.0
+        extra += costs.first_use(cell) if group is not None and group not in groups else 0.0
         extra += costs.worker_start_s[cell.device.split(":")[0]] if needs_fresh_worker(cell, "ok") else 0.0
         if spent + extra <= budget_s:
             spent += extra

@@ -54,10 +54,13 @@ def test_fixed_costs_are_counted_once_per_first_use(tmp_path):
     two = Estimator(H100).sweep(_cells(_scenario(tmp_path, "linear: {}", "[1024, 4096]", backends="[triton]", modes="[forward, train]")))
     four = Estimator(H100).sweep(_cells(_scenario(tmp_path, "linear: {}", "[1024, 2048, 4096, 8192]", backends="[triton]", modes="[forward, train]")))
     assert len(two.first_uses()) == len(four.first_uses()) == 2
-    assert two.fixed_s() == four.fixed_s() == COSTS.run_start_s + 2 * COSTS.first_use_s["triton"]
+    assert two.fixed_s() == four.fixed_s() == COSTS.run_start_s + 2 * COSTS.first_use_s["cuda"]["triton"]
     assert two.seconds() == pytest.approx(two.fixed_s() + sum(e.seconds for e in two.cells))
     torch_only = Estimator(H100).sweep(_cells(_scenario(tmp_path, "linear: {}", "[1024, 4096]")))
     assert torch_only.first_uses() == {} and torch_only.fixed_s() == COSTS.run_start_s
+    # a compile cell has a fresh worker (harness.worker.needs_fresh_worker): each compiles again
+    compiled = Estimator(H100).sweep(_cells(_scenario(tmp_path, "linear: {}", "[1024, 4096]", backends="[compile]")))
+    assert list(compiled.first_uses().values()) == [COSTS.first_use_s["cuda"]["compile"]] * 2
 
 
 def _measured(tmp_path, cells: list, name: str = "measured.jsonl"):
