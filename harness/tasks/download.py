@@ -7,28 +7,48 @@ A data set is a directory in its standard layout (``wikitext-2/wiki.train.tokens
 every extracted file against its published checksum; offline it fails with a message that
 says where to put the files instead.
 
-Checksums: the SHA-1s of the WikiText files are those apache/mxnet gives for
+A download is hostile until checked: it is streamed to disk under a size and time cap, its
+archive's checksum (where one is published) verified before anything is extracted, and each
+member extracted on its own under caps on its size and its ratio to the compressed size (a zip
+or gzip bomb stops at the cap), all in a temporary directory inside the data set's, whose files
+are renamed into place only once every one has its checksum. A truncated archive, a file that is
+not an archive, a bomb or a wrong checksum is a DataError of one line naming the URL and file,
+and leaves nothing behind.
+
+Checksums: the SHA-1s of the WikiText archives and files are those apache/mxnet gives for
 ``wikitext-{2,103}-v1.zip`` (``python/mxnet/gluon/contrib/data/text.py``); the WikiText-2 ones
 were verified against the shared copy. The Multi30k SHA-256s are those of the shared copy
-(``/work/shared/data/README.md``), made from the same URLs.
+(``/work/shared/data/README.md``), made from the same URLs (no checksum of the ``.gz`` files is
+published: each is checked after its capped decompression, before it is renamed into place).
 """
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import hashlib
-import io
 import os
 import shutil
+import tempfile
+import time
 import urllib.request
 import zipfile
-from dataclasses import dataclass
+import zlib
+from dataclasses import dataclass, field
 from pathlib import Path
 
 #: Environment variable naming a directory that holds ``wikitext-2/``, ``multi30k/``, ...
 DATA_ENV = "ATTNBENCH_DATA"
 SHARED_DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
 TIMEOUT_S = 60
+#: Caps on what a download may take: bytes fetched per archive, seconds per archive, bytes of one
+#: extracted file, and the ratio of a file's bytes to its compressed bytes (text deflates about 3-4x;
+#: a decompression bomb, thousands of times). WikiText-103: a 190 MB archive, a 540 MB training file.
+MAX_ARCHIVE_BYTES = 2**30
+MAX_DOWNLOAD_S = 3600
+MAX_FILE_BYTES = 2**31
+MAX_RATIO = 100
+CHUNK = 1 << 20
 
 
 class DataError(FileNotFoundError):
@@ -38,9 +58,11 @@ class DataError(FileNotFoundError):
 @dataclass(frozen=True)
 class Source:
     """A downloadable data set: ``files`` maps each file of the layout to ``(url, algorithm,
-    checksum)``; a ``.zip`` url is shared by several files and extracted, a ``.gz`` one gunzipped."""
+    checksum)``; a ``.zip`` url is shared by several files and extracted, a ``.gz`` one gunzipped.
+    ``archives``: the published ``(algorithm, checksum)`` of a url's archive, checked before extraction."""
 
     files: dict[str, tuple[str, str, str]]
+    archives: dict[str, tuple[str, str]] = field(default_factory=dict)
     note: str = ""
 
 
@@ -52,12 +74,12 @@ SOURCES: dict[str, Source] = {
         "wiki.train.tokens": (f"{_SALESFORCE}/wikitext-2-v1.zip", "sha1", "863f29c46ef9d167fff4940ec821195882fe29d1"),
         "wiki.valid.tokens": (f"{_SALESFORCE}/wikitext-2-v1.zip", "sha1", "0418625c8b4da6e4b5c7a0b9e78d4ae8f7ee5422"),
         "wiki.test.tokens": (f"{_SALESFORCE}/wikitext-2-v1.zip", "sha1", "c7b8ce0aa086fb34dab808c5c49224211eb2b172"),
-    }),
+    }, {f"{_SALESFORCE}/wikitext-2-v1.zip": ("sha1", "3c914d17d80b1459be871a5039ac23e752a53cbe")}),
     "wikitext-103": Source({
         "wiki.train.tokens": (f"{_SALESFORCE}/wikitext-103-v1.zip", "sha1", "b7497e2dfe77e72cfef5e3dbc61b7b53712ac211"),
         "wiki.valid.tokens": (f"{_SALESFORCE}/wikitext-103-v1.zip", "sha1", "c326ac59dc587676d58c422eb8a03e119582f92b"),
         "wiki.test.tokens": (f"{_SALESFORCE}/wikitext-103-v1.zip", "sha1", "8a5befc548865cec54ed4273cf87dbbad60d1e47"),
-    }),
+    }, {f"{_SALESFORCE}/wikitext-103-v1.zip": ("sha1", "0aec09a7537b58d4bb65362fee27650eeaba625a")}),
     "multi30k": Source({
         "train.en": (f"{_MULTI30K}/train.en.gz", "sha256", "460a15fbd157e34a7a9957ee388c1ca247fe47af3ef25fb50442af6c274e0fc6"),
         "train.de": (f"{_MULTI30K}/train.de.gz", "sha256", "2c2b73fd2b548fbcde3a875e0a78d6ee94d498bfdee6bd3eae3945779e9ddf72"),
@@ -128,50 +150,92 @@ def _checksum(path: Path, algorithm: str) -> str:
     return digest.hexdigest()
 
 
-def _fetch(url: str) -> bytes:
-    with urllib.request.urlopen(url, timeout=TIMEOUT_S) as response:
-        return response.read()
-
-
 def download(name: str, to) -> Path:
     """Fetch data set ``name`` into ``to/<name>/`` and verify every file's checksum (files already
-    there with the right checksum are kept). Offline, raises DataError saying where to put them."""
+    there with the right checksum are kept). Offline, raises DataError saying where to put them;
+    a hostile or broken download (module docstring) is a DataError naming it, with nothing left behind."""
     if name in ELSEWHERE:
         raise DataError(f"{name} is fetched with sacrebleu: {ELSEWHERE[name]} (in the directory {Path(to) / name})")
     if name not in SOURCES:
         raise ValueError(f"unknown data set {name!r}; known: {', '.join(list(SOURCES) + list(ELSEWHERE))}")
-    directory = Path(to).expanduser() / name
+    source, directory = SOURCES[name], Path(to).expanduser() / name
     directory.mkdir(parents=True, exist_ok=True)
-    archives: dict[str, bytes] = {}
-    for file, (url, algorithm, expected) in SOURCES[name].files.items():
-        target = directory / file
-        if target.is_file() and _checksum(target, algorithm) == expected:
-            continue
-        if url not in archives:
-            try:
-                archives[url] = _fetch(url)
-            except OSError as exc:  # URLError, timeouts and refused connections are OSErrors
-                raise DataError(f"{name}: cannot download {url} ({exc}). {where_to_put(name)}") from None
-        temporary = target.with_suffix(target.suffix + ".part")
-        with open(temporary, "wb") as out:
-            out.write(_extract(archives[url], url, file))
-        if (actual := _checksum(temporary, algorithm)) != expected:
-            temporary.unlink()
-            raise DataError(f"{name}: {file} from {url} has {algorithm} {actual}, expected {expected}")
-        os.replace(temporary, target)
+    needed = {file: entry for file, entry in source.files.items()
+              if not ((directory / file).is_file() and _checksum(directory / file, entry[1]) == entry[2])}
+    staging = Path(tempfile.mkdtemp(dir=directory, prefix=".download-"))
+    try:
+        for url in dict.fromkeys(url for url, _, _ in needed.values()):
+            archive = staging / ".archive"
+            _fetch(name, url, archive)
+            if url in source.archives and (actual := _checksum(archive, source.archives[url][0])) != source.archives[url][1]:
+                raise DataError(f"{name}: {url} has {source.archives[url][0]} {actual}, expected {source.archives[url][1]}; nothing extracted")
+            for file in (file for file, entry in needed.items() if entry[0] == url):
+                _extract(archive, url, file, staging / file)
+                algorithm, expected = needed[file][1:]
+                if (actual := _checksum(staging / file, algorithm)) != expected:
+                    raise DataError(f"{name}: {file} from {url} has {algorithm} {actual}, expected {expected}")
+            archive.unlink()
+        for file in needed:
+            os.replace(staging / file, directory / file)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     return directory
 
 
-def _extract(payload: bytes, url: str, file: str) -> bytes:
-    """The bytes of ``file``: the member of that name in a zip, or the gunzipped ``.gz``."""
-    if url.endswith(".zip"):
-        with zipfile.ZipFile(io.BytesIO(payload)) as archive:
-            member = next((m for m in archive.namelist() if Path(m).name == file), None)
-            if member is None:
-                raise DataError(f"{url} holds no {file}")
-            with archive.open(member) as source, io.BytesIO() as out:
-                shutil.copyfileobj(source, out)
-                return out.getvalue()
-    if url.endswith(".gz"):
-        return gzip.decompress(payload)
-    return payload
+def _fetch(name: str, url: str, target: Path) -> None:
+    """Stream ``url`` into ``target``: at most ``MAX_ARCHIVE_BYTES`` in at most ``MAX_DOWNLOAD_S``,
+    and all the bytes its Content-Length announces (else it was cut short)."""
+    deadline = time.monotonic() + MAX_DOWNLOAD_S
+    received = 0
+    try:
+        with urllib.request.urlopen(url, timeout=TIMEOUT_S) as response, open(target, "wb") as out:
+            announced = (getattr(response, "headers", None) or {}).get("Content-Length")
+            while block := response.read(CHUNK):
+                received += len(block)
+                if received > MAX_ARCHIVE_BYTES:
+                    raise DataError(f"{name}: {url} is larger than {MAX_ARCHIVE_BYTES} bytes (MAX_ARCHIVE_BYTES); refused")
+                if time.monotonic() > deadline:
+                    raise DataError(f"{name}: {url} took longer than {MAX_DOWNLOAD_S} s (MAX_DOWNLOAD_S); refused")
+                out.write(block)
+    except DataError:
+        raise
+    except OSError as exc:  # URLError, timeouts and refused connections are OSErrors
+        raise DataError(f"{name}: cannot download {url} ({exc}). {where_to_put(name)}") from None
+    if announced is not None and announced.isdigit() and received != int(announced):
+        raise DataError(f"{name}: {url} is truncated: {received} of the {announced} bytes announced arrived")
+
+
+def _extract(archive: Path, url: str, file: str, target: Path) -> None:
+    """Write ``file`` of ``archive`` (fetched from ``url``) to ``target``: the member of that name in a
+    zip, the gunzipped ``.gz``, else the download itself; stopped past ``MAX_FILE_BYTES`` or
+    ``MAX_RATIO`` times its compressed size."""
+    compressed = archive.stat().st_size
+    try:
+        with contextlib.ExitStack() as stack:
+            if url.endswith(".zip"):
+                members = stack.enter_context(zipfile.ZipFile(archive))
+                member = next((m for m in members.infolist() if Path(m.filename).name == file and not m.is_dir()), None)
+                if member is None:
+                    raise DataError(f"{url} holds no {file}")
+                compressed = member.compress_size
+                source = stack.enter_context(members.open(member))
+            elif url.endswith(".gz"):
+                source = stack.enter_context(gzip.open(archive))
+            else:
+                source = stack.enter_context(open(archive, "rb"))
+            _copy_capped(source, target, min(MAX_FILE_BYTES, max(CHUNK, MAX_RATIO * compressed)), f"{file} in {url}")
+    except (zipfile.BadZipFile, gzip.BadGzipFile, EOFError, zlib.error, NotImplementedError, RuntimeError) as exc:  # RuntimeError: encrypted
+        kind = "zip" if url.endswith(".zip") else "gzip"
+        raise DataError(f"{url}: not a whole {kind} archive, or corrupt ({exc}); {file} not extracted") from None
+
+
+def _copy_capped(source, target: Path, limit: int, what: str) -> None:
+    """Copy ``source`` to ``target`` block by block, a DataError once more than ``limit`` bytes come out."""
+    written = 0
+    with open(target, "wb") as out:
+        while block := source.read(CHUNK):
+            written += len(block)
+            if written > limit:
+                raise DataError(f"{what} decompresses to more than {limit} bytes (MAX_FILE_BYTES, or MAX_RATIO {MAX_RATIO}x its "
+                                "compressed size): refused as a decompression bomb")
+            out.write(block)
