@@ -78,7 +78,7 @@ def bench_on_gpu(session, preset: str) -> None:
 
 @nox.session(name="bench-gpu")
 def bench_gpu(session):
-    """The speed scenarios with their gpu presets, on a CUDA machine (730 cells; about 22 minutes on an H100 by the
+    """The speed scenarios with their gpu presets, on a CUDA machine (730 cells; about 36 minutes on an H100 by the
     cost model: docs/performance.md, "Estimated sweep durations"). Posargs go to attnbench run, e.g. --budget 30m."""
     bench_on_gpu(session, "gpu")
 
