@@ -13,6 +13,10 @@ cell ``crashed``; the sweep goes on.
 The runner stays the only writer of the results file: this executor yields each cell as it
 finishes (``ray.wait``), with the fingerprint of the node that measured it and its node id;
 the runner writes one run line per node (docs/results.md), so the report tells the machines apart.
+
+A Ray instance started here (no ``address``) is this machine's alone: its node's address is
+loopback, so every server Ray starts listens on 127.0.0.1 only (``LOCAL_ONLY``), and a start that
+would listen elsewhere is refused. A cluster's safety is its own (docs/scale-out.md, "Security").
 """
 
 from __future__ import annotations
@@ -27,6 +31,12 @@ from ..worker import Worker, needs_fresh_worker
 from . import calibration, observe, unmeasured
 
 INSTALL = "--executor ray needs Ray, which is not installed: pip install 'attnbench[ray]'"
+#: The node address of a Ray instance started here, and so the one address its servers listen on.
+LOOPBACK = "127.0.0.1"
+#: Ray (2.x, Linux) resolves a node address of 127.0.0.1 to the machine's routable one, where its
+#: gRPC servers then listen, unless multi-node clusters are off: this variable, read when ``ray`` is
+#: first imported (ray._private.ray_constants.ENABLE_RAY_CLUSTER), turns them off for the local instance.
+LOCAL_ONLY = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 #: Seconds between checks for Ctrl-C while waiting for cells.
 WAIT_S = 1.0
 
@@ -109,6 +119,8 @@ class RayExecutor:
     def __init__(self, plugins=(), *, address: str | None = None, cells_per_node: int = 1):
         if cells_per_node < 1:
             raise RunError(f"--cells-per-node must be at least 1, got {cells_per_node}")
+        if address is None:
+            os.environ.update(LOCAL_ONLY)
         self.ray = import_ray()
         self.plugins = list(plugins)
         self.address = address
@@ -132,8 +144,14 @@ class RayExecutor:
                 import torch
 
                 cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-                ray.init(num_cpus=cores, num_gpus=torch.cuda.device_count(), include_dashboard=False, logging_level="WARNING")
+                ray.init(num_cpus=cores, num_gpus=torch.cuda.device_count(), include_dashboard=False, logging_level="WARNING",
+                         _node_ip_address=LOOPBACK)
             self.connected = True
+            if not self.address and (address := ray.util.get_node_ip_address()) != LOOPBACK:
+                self.close()
+                raise RunError(f"the Ray instance started here would listen on {address}, not only on {LOOPBACK} (ray was imported "
+                               f"before attnbench could set {', '.join(f'{k}={v}' for k, v in LOCAL_ONLY.items())}); set it, "
+                               "or start Ray yourself and pass --address")
         self.driver = {**fingerprint, "calibration": None}
         self._calibrate([cell for cell in todo if not cell.quality and not cell.skip])
         return []

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import json
 import os
 import signal
 import subprocess
@@ -154,3 +155,102 @@ def test_ray_options_without_the_ray_executor_are_refused(tmp_path, options, exp
 def test_cells_per_node_below_one_is_refused(tmp_path):
     done = attnbench("run", "smoke-cpu", "--preset", "ci", "--executor", "ray", "--cells-per-node", "0", "--out", str(tmp_path / "out"))
     assert done.returncode == 2 and "--cells-per-node must be at least 1, got 0" in done.stderr, done.stderr
+
+
+# --- a Ray instance started here listens on loopback only (issue 46, item 7) ----------------------
+
+
+class _FakeRay:
+    """The calls of ``ray`` that starting a local instance makes, recorded; its node on ``node_ip``."""
+
+    def __init__(self, node_ip):
+        self.inits, self.shut = [], False
+        self.util = type("util", (), {"get_node_ip_address": staticmethod(lambda: node_ip)})
+
+    def is_initialized(self):
+        return False
+
+    def init(self, **kwargs):
+        self.inits.append(kwargs)
+
+    def shutdown(self):
+        self.shut = True
+
+
+def test_a_local_ray_instance_is_started_on_loopback_and_a_routable_one_refused(monkeypatch):
+    from harness.executors import ray as ray_executor
+    from harness.runner import RunError
+
+    for key in ray_executor.LOCAL_ONLY:
+        monkeypatch.delenv(key, raising=False)
+    fake = _FakeRay("127.0.0.1")
+    monkeypatch.setattr(ray_executor, "import_ray", lambda: fake)
+    executor = ray_executor.RayExecutor()
+    assert all(os.environ[key] == value for key, value in ray_executor.LOCAL_ONLY.items())  # set before ray is imported
+    executor.start([], {"machine_id": "m"})
+    assert fake.inits[0]["_node_ip_address"] == "127.0.0.1" and fake.inits[0]["include_dashboard"] is False
+    fake = _FakeRay("192.0.2.2")  # a Ray that took the routable address anyway
+    monkeypatch.setattr(ray_executor, "import_ray", lambda: fake)
+    with pytest.raises(RunError, match="would listen on 192.0.2.2, not only on 127.0.0.1"):
+        ray_executor.RayExecutor().start([], {"machine_id": "m"})
+    assert fake.shut
+
+
+#: Starts a local Ray instance as ``attnbench run --executor ray`` does, then prints the addresses
+#: its processes (this one's descendants) listen on, from /proc.
+LISTENING = """
+import json, os
+from pathlib import Path
+from harness.executors.ray import RayExecutor
+
+def descendants(root):
+    parents = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parents[int(stat.parent.name)] = int(fields[1])
+    found, frontier = {root}, [root]
+    while frontier:
+        parent = frontier.pop()
+        children = [pid for pid, ppid in parents.items() if ppid == parent and pid not in found]
+        found.update(children)
+        frontier += children
+    return found
+
+def sockets(pids):
+    inodes = set()
+    for pid in pids:
+        try:
+            inodes |= {os.readlink(fd)[8:-1] for fd in Path(f"/proc/{pid}/fd").iterdir() if os.readlink(fd).startswith("socket:[")}
+        except OSError:
+            continue
+    return inodes
+
+executor = RayExecutor()
+executor.start([], {"machine_id": "m"})
+try:
+    mine = sockets(descendants(os.getpid()))
+    listening = []
+    for table in ("tcp", "tcp6"):
+        for line in Path(f"/proc/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in mine:
+                listening.append(fields[1].rsplit(":", 1)[0])
+    print(json.dumps(listening))
+finally:
+    executor.close()
+"""
+
+
+@needs_ray
+@pytest.mark.slow  # about 15 s: a Ray instance starts and stops
+@pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="reads the listening sockets from Linux's /proc")
+def test_a_local_ray_instance_listens_on_loopback_only(tmp_path):
+    env = {key: value for key, value in os.environ.items() if not key.startswith("RAY_")}
+    done = subprocess.run([sys.executable, "-c", LISTENING], capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    listening = json.loads(done.stdout.strip().splitlines()[-1])
+    loopback = {"0100007F", "0000000000000000FFFF00000100007F", "00000000000000000000000001000000"}  # 127.0.0.1, ::ffff:127.0.0.1, ::1
+    assert listening and set(listening) <= loopback, listening
