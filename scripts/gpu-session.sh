@@ -6,7 +6,8 @@
 # goes to one folder, packed after each step into $OUT/gpu-session.tar.gz (the device tool brings back at most
 # 8 files), beside the log $OUT/gpu-session.log. The call (docs/performance.md, "The next GPU session's script"):
 #
-#   bash scripts/gpu-session.sh [DEADLINE_S]     # default 570: the seconds from start within which it ends
+#   bash scripts/gpu-session.sh prepare           # here: the kit copied into .gpu-kit, which the call carries
+#   bash scripts/gpu-session.sh [DEADLINE_S]     # there: default 570, the seconds from start within which it ends
 #
 # Environment: GPU_SESSION_STEPS (the steps to run, in order; default all: kernels variants fla-kernels
 # quick-sweeps lm, then the report), GPU_SESSION_DRY=1 (print the plan and each command, run nothing),
@@ -14,6 +15,16 @@
 # OUT (default results/gpu-session-<UTC time>).
 set -uo pipefail
 cd "$(dirname "$0")/.."
+
+# Here, before the call: `bash scripts/gpu-session.sh prepare` copies the kit into .gpu-kit (ignored by git) to carry
+if [ "${1:-}" = prepare ]; then
+  mkdir -p .gpu-kit .git/info &&
+    cp -r "${GPU_KIT:-../shared/gpu-kit}/wheels-cp312" "${GPU_DATA:-../shared/data}/wikitext-2" .gpu-kit/ || exit 1
+  grep -qx '/.gpu-kit/' .git/info/exclude 2> /dev/null || echo '/.gpu-kit/' >> .git/info/exclude
+  echo "gpu-session: .gpu-kit ready ($(du -sh .gpu-kit | cut -f1)); the call: command" \
+    "'GPU_SESSION_COMMIT=$(git rev-parse --short HEAD) bash scripts/gpu-session.sh 570', carry ['.gpu-kit'], timeout_s 600"
+  exit 0
+fi
 
 DEADLINE_S=${1:-570}
 STEPS=${GPU_SESSION_STEPS:-kernels variants fla-kernels quick-sweeps lm}

@@ -58,3 +58,21 @@ def test_a_missing_scenario_is_skipped_and_an_unknown_step_refused(tmp_path):
     assert "skipped kernels-vs-fla: scenarios/kernels-vs-fla.yaml is missing" in done.stdout
     refused = dry(tmp_path, root=tmp_path / "tree", steps="variants nope")
     assert refused.returncode == 2 and "unknown step nope" in refused.stdout
+
+
+def test_prepare_copies_the_kit_into_an_ignored_folder(tmp_path):
+    """``prepare`` (here, before the call): the kit's wheels and WikiText-2 in .gpu-kit, which git ignores."""
+    tree, kit, data = tmp_path / "tree", tmp_path / "kit" / "wheels-cp312", tmp_path / "data" / "wikitext-2"
+    for folder, name in ((kit, "pydantic.whl"), (data, "wiki.train.tokens")):
+        folder.mkdir(parents=True)
+        (folder / name).write_text("x")
+    (tree / "scripts").mkdir(parents=True)
+    shutil.copy(SCRIPT, tree / "scripts")
+    subprocess.run(["git", "init", "-q", str(tree)], check=True)
+    env = dict(os.environ, GPU_KIT=str(kit.parent), GPU_DATA=str(data.parent))
+    done = subprocess.run(["bash", "scripts/gpu-session.sh", "prepare"], cwd=tree, capture_output=True, text=True, env=env, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "carry ['.gpu-kit']" in done.stdout
+    assert (tree / ".gpu-kit" / "wheels-cp312" / "pydantic.whl").exists() and (tree / ".gpu-kit" / "wikitext-2" / "wiki.train.tokens").exists()
+    status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=all"], cwd=tree, capture_output=True, text=True).stdout
+    assert ".gpu-kit" not in status and "scripts/gpu-session.sh" in status
