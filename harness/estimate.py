@@ -122,10 +122,13 @@ def cpu_roof(dtypes: tuple[str, ...] = ("float32",)) -> Roof:
 
 
 def default_gpu() -> str:
-    """The GPU present (its name), else ``DEFAULT_GPU``."""
+    """The GPU present where a datasheet knows it, else ``DEFAULT_GPU``."""
     import torch
 
-    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else DEFAULT_GPU
+    from .roofline import datasheet
+
+    present = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    return present if datasheet(present) is not None else DEFAULT_GPU
 
 
 def roofs_for(cells: list[Cell], gpu: str | None = None) -> dict[str, Roof]:

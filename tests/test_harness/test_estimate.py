@@ -179,3 +179,15 @@ def test_durations():
     for bad in ("", "m", "8x", "-1m", "1e3s", "8 min"):
         with pytest.raises(ValueError, match="expected a positive duration"):
             parse_duration(bad)
+
+
+def test_the_gpu_present_is_the_default_roof_where_a_datasheet_knows_it(monkeypatch):
+    import torch
+
+    from harness.estimate import DEFAULT_GPU, default_gpu
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=0: "NVIDIA A100-SXM4-80GB")
+    assert default_gpu() == "NVIDIA A100-SXM4-80GB" and gpu_roof(default_gpu()).name.startswith("A100 (datasheet")
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=0: "NVIDIA Unknown 9000")
+    assert default_gpu() == DEFAULT_GPU

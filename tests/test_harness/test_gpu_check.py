@@ -76,6 +76,19 @@ def test_the_plan_fits_the_budget_and_follows_the_cells(monkeypatch):
     assert sum(phase.seconds for phase in gpu_check.plan(kernel_tests=False)) > BUDGET_S
 
 
+def test_the_plan_times_its_cells_with_the_one_cost_model():
+    """The timing and LM phases are harness.estimate's sweeps of the two scenarios (one cost model), on the GPU named."""
+    from harness.estimate import Estimator, gpu_roof
+    from harness.scenario import load_scenario
+
+    phases = {phase.name: phase.seconds for phase in gpu_check.plan(kernel_tests=False, gpu="a100")}
+    estimator = Estimator({"cuda": gpu_roof("a100")})
+    assert phases["timing"] == estimator.sweep(load_scenario("gpu-check").cells()).seconds()
+    lm = load_scenario(gpu_check.LM[0], preset=gpu_check.LM[1], overrides=gpu_check.LM[2]).cells()
+    assert phases["lm"] == gpu_check.COSTS.data_s + estimator.sweep(lm).seconds()
+    assert phases["timing"] > gpu_check.plan(kernel_tests=False, gpu="h100")[1].seconds  # a slower roof, longer cells
+
+
 def test_dry_run_prints_the_plan():
     done = attnbench_here("gpu-check", "--dry-run", "--no-kernel-tests")
     assert done.returncode == 0, done.stderr
