@@ -33,8 +33,8 @@ OUT=${OUT:-results/gpu-session-$(date -u +%Y%m%dT%H%M%SZ)}
 WORK=${GPU_SESSION_WORK:-/tmp/gpu-session}
 RESULTS=$WORK/results
 PYTHON=${PYTHON:-python3}
-# what the report and the pack need at the end, kept out of every step's time
-RESERVE_S=30
+# what the report and the pack need at the end, kept out of every step's time (and the 20 s a step may take to stop)
+RESERVE_S=45
 # dry mode: a clock that each step moves on by its allotted seconds, so the plan shows what the deadline would skip
 SIMULATED=0
 now() { echo $(( $(date +%s) + SIMULATED )); }
