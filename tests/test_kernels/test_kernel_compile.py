@@ -181,6 +181,16 @@ def test_recorded_launches_are_a_training_step():
     assert [name for name in names if name.startswith("state_pass")] == [f"state_pass[BLOCK_V={b},w={w}]" for b in (16, 32) for w in (4, 8)]
 
 
+def test_sum_rule_chunk_states_in_16_bits_from_sm90():
+    """The sum rule's chunk states S_c (the scans' sixth argument) are stored in bf16 for bf16 inputs from sm_90 on,
+    in fp32 on sm_80 (``HALF_STATES_FROM``) and for fp32 inputs; z_c (the seventh) always in fp32."""
+    config = dict(dtype=torch.bfloat16, d_dot=64, d_value=64, chunk_size=64, normalize=True)
+    for capability, dtype, expected in ((80, torch.bfloat16, torch.float32), (90, torch.bfloat16, torch.bfloat16), (90, torch.float32, torch.float32)):
+        scans = [launch for launch in sum_rule.record_launches({**config, "dtype": dtype}, capability) if launch.name.endswith("_scan")]
+        assert [scan.name for scan in scans] == ["forward_scan", "recompute_scan", "backward_scan"]
+        assert {scan.args[5].dtype for scan in scans} == {expected} and {scan.args[6].dtype for scan in scans} == {torch.float32}, capability
+
+
 @pytest.mark.parametrize("capability", [70, 80, 90])
 @pytest.mark.parametrize("module", [sum_rule, delta_rule], ids=["sum_rule", "delta_rule"])
 def test_forward_fills_an_h100(module, capability):

@@ -56,7 +56,8 @@ q·z is small).
 Precision: the running states and every accumulation are float32. fp16/bf16 inputs go into 16-bit tensor-core
 dots as they are; the fp32 tiles they meet (A, P, diag(r) A, G in (a), the states) are rounded to the
 input dtype as dot operands (``_common.dot``; sm_70, without bf16 tensor cores, multiplies in fp32), so (a)
-stores the chunk states S_c, dS_c already rounded so (half the bytes; the same products), z_c, dz_c in fp32.
+stores the chunk states S_c, dS_c already rounded so (half the bytes; the same products; from sm_90 on and in the
+interpreter, ``HALF_STATES_FROM``), z_c, dz_c in fp32.
 fp32 inputs use IEEE fp32 dots (``_common.FP32_DOT_PRECISION``), TF32 ones with ``precision="tf32"``. y is written in the input dtype,
 S_T and z_T in float32. F and Dv are padded to powers of two (≥ 16, for tl.dot) with masks, at most
 256 each; the chunk kernels loop over F (or Dv) in blocks of ``STATE_BLOCK``, so their tiles stay
@@ -78,6 +79,10 @@ from ._common import launch, new_output
 from .sum_rule_backward import _backward_dqk_kernel, _backward_dv_kernel
 from .sum_rule_forward import _chunk_output_kernel, _chunk_scan_kernel
 
+#: The first compute capability (×10) whose chunk states are stored in 16-bit inputs' own dtype (``_Tiles.state_dtype``;
+#: the interpreter too). On sm_80 loading them so took ``forward_output`` and ``backward_dv`` from 140-146 to 196-198
+#: registers a thread, 8 warps per SM instead of 12 (compile table, docs/performance.md, "Kernel redesign"): fp32 there.
+HALF_STATES_FROM = 90
 #: Rows (d_dot) or columns (d_value) of a state tile with 16-bit dot operands up to C = 64, a power of two ≥ 16
 #: (``_common.tile_plan`` narrows it for fp32 operands and C = 128).
 STATE_BLOCK = 64
@@ -92,7 +97,8 @@ class _Tiles(_common.Tiles):
     """Chunk kernels: [C, ``block_f``] tiles of q, k and [C, ``block_v``] of v and their warps
     (``_common.tile_plan`` of STATE_BLOCK), 8 warps for dq, dk (``options(wide=True)``: three [C, ·] fp32
     accumulators); the scan (a) carries one [``block_f``, ``block_v``] state tile a program. ``width`` is an initial or final
-state row (S, then z, fp32); ``state_dtype`` the chunk states' (the dots' operand dtype: 16-bit inputs' own, else fp32).
+state row (S, then z, fp32); ``state_dtype`` the chunk states' (16-bit inputs' own, the dots' operand dtype, from
+    ``HALF_STATES_FROM`` on; else fp32).
     Chosen by compiling (docs/performance.md, "Compiled kernels"): at every chunk size these spill nothing at
     d ≤ 128 in 16-bit on sm_80, sm_90."""
 
@@ -102,7 +108,9 @@ state row (S, then z, fp32); ``state_dtype`` the chunk states' (the dots' operan
         super().__init__(batch, heads, seq_len, d_dot, d_value, chunk_size, q.dtype, q.device, precision, packing)
         self.device, self.normalize = q.device, normalize
         self.width = d_dot * d_value + (d_dot if normalize else 0)
-        self.state_dtype = q.dtype if self.precision.startswith("input") else torch.float32
+        capability = _common.capability(q.device)
+        half_states = self.precision.startswith("input") and (capability is None or capability >= HALF_STATES_FROM)
+        self.state_dtype = q.dtype if half_states else torch.float32
         block, self.num_warps = _common.tile_plan(self.precision, self.block_c, STATE_BLOCK)
         self.block_f, self.block_v = min(self.pad_f, block), min(self.pad_v, block)
         self.num_f, self.num_v = triton.cdiv(d_dot, self.block_f), triton.cdiv(d_value, self.block_v)
