@@ -129,12 +129,16 @@ def test_data_download_says_one_line_naming_the_file_and_exits_2(tmp_path, monke
     assert _left(tmp_path) == []
 
 
-#: A process that serves a bomb of ``GIB`` GiB of zeros as data set ``toy`` and reports the outcome,
+#: A process that serves a bomb of ``argv[3]`` GiB of zeros as data set ``toy`` and reports the outcome,
 #: its peak resident memory and the seconds the download took.
 BOMB = """
-import json, resource, sys, time, urllib.request, zipfile, zlib
+import json, sys, time, urllib.request, zipfile, zlib
 from pathlib import Path
 from harness.tasks import download
+
+def peak_rss_bytes():  # VmHWM: this process's own peak (getrusage's ru_maxrss keeps the parent's across exec)
+    line = next(line for line in Path("/proc/self/status").read_text().splitlines() if line.startswith("VmHWM:"))
+    return int(line.split()[1]) * 1024
 kind, folder, gib = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3])
 url = f"https://data.example/bomb.{kind}"
 archive = folder / f"bomb.{kind}"
@@ -159,17 +163,18 @@ try:
 except download.DataError as exc:
     outcome = str(exc)
 print(json.dumps({"outcome": outcome, "seconds": time.monotonic() - started, "compressed": archive.stat().st_size,
-                  "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                  "peak_rss_bytes": peak_rss_bytes(),
                   "left": sorted(p.name for p in (folder / "data" / "toy").iterdir())}))
 """
 
 
 @pytest.mark.parametrize("kind", ["zip", "gz"])
+@pytest.mark.slow  # 10-30 s each: the bomb (1 GiB of zeros) is compressed first
 def test_a_decompression_bomb_stops_at_its_cap_in_bounded_memory_and_time(tmp_path, kind):
-    done = subprocess.run([sys.executable, "-c", BOMB, kind, str(tmp_path), "2"], capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, "-c", BOMB, kind, str(tmp_path), "1"], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
-    assert report["compressed"] < 2**30 / 100  # a bomb: over 100 times smaller than what it holds
+    assert report["compressed"] < 2**30 / 200  # a bomb: over 200 times smaller than what it holds
     assert "decompresses to more than" in report["outcome"] and "bomb" in report["outcome"] and f"bomb.{kind}" in report["outcome"], report
     assert "\n" not in report["outcome"] and report["left"] == []
     assert report["peak_rss_bytes"] < 400 * 2**20 and report["seconds"] < 60, report
