@@ -42,7 +42,7 @@ START=$(now)
 
 # step name -> planned seconds (docs/performance.md's measured figures and the cost model, H100/H200),
 # the least time worth starting it with, and what it runs
-declare -A PLAN=([setup]=30 [kernels]=170 [variants]=290 [fla-kernels]=430 [quick-sweeps]=480 [lm]=420)
+declare -A PLAN=([setup]=30 [kernels]=170 [variants]=310 [fla-kernels]=430 [quick-sweeps]=480 [lm]=420)
 declare -A LEAST=([setup]=0 [kernels]=170 [variants]=60 [fla-kernels]=60 [quick-sweeps]=60 [lm]=60)
 declare -A WHAT=(
   [setup]="the kit's wheels (pydantic, fla-core) and attnbench, offline"
