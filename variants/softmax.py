@@ -111,7 +111,9 @@ class KVCache(NamedTuple):
         elif rebuild:
             keys, values = keys.clone(), values.clone()
         if self.lengths is None:
-            keys[:, :, self.length], values[:, :, self.length] = k_t, v_t
+            # a slice, not an index: TorchDynamo keeps a sliced position symbolic but specialises an indexed one,
+            # and the compiled step compiled again at every step (softmax[compile] decode: an error cell)
+            keys[:, :, self.length : self.length + 1], values[:, :, self.length : self.length + 1] = k_t[:, :, None], v_t[:, :, None]
             return KVCache(keys, values, self.length + 1)
         rows = torch.arange(keys.shape[0], device=keys.device)
         keys[rows, :, self.lengths], values[rows, :, self.lengths] = k_t, v_t

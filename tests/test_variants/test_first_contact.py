@@ -40,3 +40,30 @@ def test_softmax_on_the_math_kernel_holds_no_t_by_t_scores(monkeypatch, seed):
     assert rel_error(out, expected) < 1e-12
     wanted = torch.autograd.grad(expected.square().sum(), list(inputs.values()))
     assert max(rel_error(g, w) for g, w in zip(grads, wanted, strict=True)) < 1e-12
+
+
+def test_softmax_compiled_step_compiles_nothing_after_two_steps(monkeypatch, seed):
+    """A compile decode cell compiles in its warm-up (a prefill and two steps) and fails if a timed step
+    compiles again: softmax's step wrote the new key at an indexed position, on which TorchDynamo
+    specialised, so every step compiled again (softmax[compile] decode, an error cell on any device).
+    TorchDynamo's guards are the same whatever compiles the graph: here its 'eager' backend, in seconds."""
+    import torch._dynamo
+
+    from variants.compiled import compiled_frames
+
+    real = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **options: real(fn, backend="eager", dynamic=options.get("dynamic")))
+    torch._dynamo.reset()
+    core = variants.create("softmax", 16, backend="compile")
+    inputs = core.example_inputs(1, 2, 24, 8, generator=torch.Generator().manual_seed(seed))
+    q, k, v = inputs["q"], inputs["k"], inputs["v"]
+    with torch.no_grad():
+        for round_ in range(2):  # each timed round starts from a fresh prefill
+            _, state = core.prefill(**variants.time_slice(inputs, 0, 16))
+            for t in range(16, 24):
+                if (round_, t) == (0, 18):
+                    warm = compiled_frames()
+                _, state = core.step(q[:, :, t], k[:, :, t], v[:, :, t], state)
+    again = compiled_frames() - warm
+    torch._dynamo.reset()
+    assert again == 0, f"{again} frame(s) compiled after the warm-up's two steps"
