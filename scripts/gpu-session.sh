@@ -81,7 +81,7 @@ step_setup() {
     bounded 120 "$PYTHON" -m pip install -q --no-index --no-deps --no-build-isolation -e .
 }
 step_kernels() {
-  local workers=(-n 8)  # pytest-xdist (on the lent machines: /work/.library/device/KINDS.md); one process without it
+  local workers=(-n 8)  # pytest-xdist; one process without it
   [ "$DRY" = 1 ] || "$PYTHON" -c "import xdist" 2> /dev/null || workers=()
   bounded "$1" env ATTNBENCH_TEST_DEVICE=cuda "$PYTHON" -m pytest tests/test_kernels -m "not slow" "${workers[@]}" -q -p no:cacheprovider \
     --junitxml="$WORK/kernel-tests.xml"
