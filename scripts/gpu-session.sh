@@ -42,14 +42,14 @@ START=$(now)
 
 # step name -> planned seconds (docs/performance.md's measured figures and the cost model, H100/H200),
 # the least time worth starting it with, and what it runs
-declare -A PLAN=([setup]=30 [kernels]=170 [variants]=310 [fla-kernels]=430 [quick-sweeps]=480 [lm]=420)
+declare -A PLAN=([setup]=30 [kernels]=170 [variants]=310 [fla-kernels]=430 [quick-sweeps]=400 [lm]=420)
 declare -A LEAST=([setup]=0 [kernels]=170 [variants]=60 [fla-kernels]=60 [quick-sweeps]=60 [lm]=60)
 declare -A WHAT=(
   [setup]="the kit's wheels (pydantic, fla-core) and attnbench, offline"
   [kernels]="the kernel tests compiled natively, 8 pytest processes (140 tests: 156 s on the H200, 2026-12-04)"
   [variants]="cuda-variants --preset quick: every core variant, torch and triton, fwd/train/decode, fp32/bf16 (cost model 282 s)"
   [fla-kernels]="kernels-vs-fla --preset done-when: our Triton kernels beside fla (cost model 428 s; fla's first uses 53-60 s each)"
-  [quick-sweeps]="the gpu-quick presets of seq-sweep, d-dot-sweep, decode, paper-small-lm (cost model 290 + 46 + 94 + 37 s)"
+  [quick-sweeps]="the gpu-quick presets of seq-sweep, d-dot-sweep, decode, paper-small-lm (cost model 200 + 46 + 94 + 37 s)"
   [lm]="paper-small-lm --preset gpu (51 s) and quality/lm-wikitext --preset gpu (10 variants, 200 steps each)"
 )
 
