@@ -92,8 +92,8 @@ def _missing_key(record: dict, kind: str) -> str | None:
     for key in REQUIRED[kind]:
         if key not in record:
             return key
-    if kind == "run" and not (isinstance(record["machine"], dict) and "machine_id" in record["machine"]):
-        return "machine.machine_id"
+    if kind == "run" and isinstance(record["machine"], dict) and "machine_id" not in record["machine"]:
+        return "machine.machine_id"  # a machine that is not a mapping is a type error (``results_schema``)
     return None
 
 

@@ -78,7 +78,9 @@ def _apply_set(raw: dict, assignment: str, path: str) -> dict:
     key, sep, text = assignment.partition("=")
     if not sep or not key:
         raise ScenarioError(f"{path}: --set {quote(assignment)}: expected KEY=VALUE, e.g. seq_len=1024 or measure.repeats=3")
-    parts = key.split(".")
+    parts = key.split(".", MAX_DEPTH)
+    if len(parts) > MAX_DEPTH or not all(parts):
+        raise ScenarioError(f"{path}: --set {quote(assignment)}: expected a KEY of at most {MAX_DEPTH} dotted names, none empty (measure.repeats=3)")
     if len(parts) == 1 and parts[0] in axis_table.SPEED + axis_table.OPTIONAL + ("d_dot", SEED_AXIS) + tuple(
         axis for task in tasks.tasks() for axis in task.axes
     ):

@@ -122,11 +122,11 @@ def _template() -> jinja2.Template:
 def build_report(paths, out_dir, *, title: str | None = None, compare_base: CompareResult | None = None) -> Path:
     """Write the report of the results files or directories ``paths`` into ``out_dir``
     (index.html, cells.csv, plots/*.png); return the path of index.html."""
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     frame = load(paths)
     if frame.empty:
         raise ValueError("the results files hold no cells: nothing to report")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
     cells = prepare(frame)
     write_cells_csv(frame, out_dir / "cells.csv", cells)
     runs = runs_of(frame["file"].unique())
