@@ -69,10 +69,10 @@ def _chunk_scan_kernel(
     mask = f_ok[:, None] & (offs_v < d_value)[None, :]
     tile_offs = offs_f[:, None] * d_value + offs_v[None, :]
     norm_ok = offs_f < tl.where(tile % n_v == 0, d_dot, 0)  # z: the programs of column block 0
-    norm_offs = d_dot * d_value + offs_f
+    # z's offsets are computed where used: held across the chunk loop they cost a 16-byte stack frame (bf16, d 32, C 64, sm_90)
     running = load_or_zeros(initial_ptr, program * width + tile_offs, mask, HAS_INITIAL)
     if NORMALIZE:
-        running_norm = load_or_zeros(initial_ptr, program * width + norm_offs, norm_ok, HAS_INITIAL)
+        running_norm = load_or_zeros(initial_ptr, program * width + d_dot * d_value + offs_f, norm_ok, HAS_INITIAL)
     states_row = states_ptr + bh * num_chunks * d_dot * d_value
     norms_row = norms_ptr + bh * num_chunks * d_dot
     for step in range(end - first):
@@ -95,7 +95,7 @@ def _chunk_scan_kernel(
                 running_norm += tl.sum(x.to(tl.float32), axis=0)
     tl.store(final_ptr + program * width + tile_offs, running, mask=mask)
     if NORMALIZE:
-        tl.store(final_ptr + program * width + norm_offs, running_norm, mask=norm_ok)
+        tl.store(final_ptr + program * width + d_dot * d_value + offs_f, running_norm, mask=norm_ok)
 
 
 @triton.jit
