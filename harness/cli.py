@@ -423,7 +423,7 @@ def build_parser() -> argparse.ArgumentParser:
     kernels.add_argument("--dtype", help="only these input dtypes, e.g. bf16,fp32 (default: fp32, fp16, bf16)")
     kernels.add_argument("--d", help="only d_dot = d_value in this list, e.g. 64,256 (default: every shipped shape)")
     kernels.add_argument("--chunk", help="only these chunk sizes, e.g. 64,128 (default: every one the kernels take)")
-    kernels.add_argument("--kernel", help="only these kernels, e.g. forward_prefix,state_pass (an autotuned one: each candidate; default: all)")
+    kernels.add_argument("--kernel", help="only these kernels, e.g. forward_scan,state_pass (an autotuned one: each candidate; default: all)")
     kernels.add_argument("--jobs", type=options.jobs, help="compiler processes (default: one per CPU)")
     kernels.add_argument("--compare", metavar="REV", help="compile REV's kernels and the working tree's, print the rows that changed (exit 1: a row got worse)")
     kernels.set_defaults(handler=_kernels)
