@@ -1,0 +1,1 @@
+"""Performance over time: every commit, every machine, steps found (``attnbench history``)."""
