@@ -40,6 +40,25 @@ CUDA_CHECK = (
 )
 
 
+#: The phases of ``nox -s tests``: (pytest options, marker expression). ``serial``: pyproject.toml's marker.
+TEST_PHASES = {
+    "parallel": (["-n", "auto", "--dist", "worksteal"], "not serial"),
+    "serial": ([], "serial"),
+}
+TEST_OPTIONS = ["-q", "--benchmark-disable", "--durations=20"]
+
+
+def _split_marks(args: list[str]) -> tuple[list[str], list[str]]:
+    """(the marker expressions of ``-m EXPR`` in ``args``, the other arguments)."""
+    marks, rest, it = [], [], iter(args)
+    for arg in it:
+        if arg == "-m":
+            marks.append(next(it, ""))
+        else:
+            rest.append(arg)
+    return marks, rest
+
+
 def install(session, extras: str = "test,triton") -> None:
     session.install(TORCH)
     session.install("-e", f".[{extras}]")
@@ -47,9 +66,19 @@ def install(session, extras: str = "test,triton") -> None:
 
 @nox.session
 def tests(session):
-    """The test suite (the 20 slowest tests listed at the end, so a run shows where its time went)."""
+    """The test suite in two phases, each ending with its 20 slowest tests: those that do not mind company on every
+    core (pytest-xdist), then the ``serial`` ones, whose verdict a test beside them could change (timings, the machine's
+    load, Ray), one at a time. Both phases always run; posargs go to both (``-- -m "not slow"``: the quick loop)."""
     install(session, "test,triton,images,ray,fla")
-    session.run("pytest", "-q", "--benchmark-disable", "--durations=20", *session.posargs)
+    marks, rest = _split_marks(session.posargs)
+    failed = []
+    for name, (options, mark) in TEST_PHASES.items():
+        try:  # exit code 5: the posargs selected none of this phase's tests
+            session.run("pytest", *options, "-m", " and ".join(f"({m})" for m in (mark, *marks)), *rest, *TEST_OPTIONS, success_codes=[0, 5])
+        except nox.command.CommandFailed:
+            failed.append(name)
+    if failed:
+        session.error(f"tests failed in the {' and the '.join(failed)} phase")
 
 
 @nox.session
