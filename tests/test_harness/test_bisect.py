@@ -55,6 +55,7 @@ def history(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.serial  # compares timings
 def test_bisect_names_the_commit_that_slowed_a_variant_among_five(history, tmp_path, capsys):
     """The done-when of issue 32 item 6: three regress runs (GOOD..BAD, then the comment, measured unchanged, and
     the slower commit, measured worse), one round each; the README commits are never probed. --factor 1.5: 50 ms

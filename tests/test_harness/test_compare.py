@@ -102,6 +102,7 @@ def row(result, variant: str, seq_len: int) -> pd.Series:
 
 
 @pytest.mark.slow
+@pytest.mark.serial  # compares timings (the runs fixture)
 def test_identical_inputs_are_not_flagged(runs):
     result = compare(runs["base"], runs["base"])
     assert list(result.table.columns) == TABLE_COLUMNS
@@ -113,6 +114,7 @@ def test_identical_inputs_are_not_flagged(runs):
 
 
 @pytest.mark.slow
+@pytest.mark.serial  # compares timings (the runs fixture)
 def test_two_real_runs_are_matched_cell_by_cell(runs):
     """Only what holds on a loaded machine: two runs minutes apart may truly differ (a busy
     machine slows µs-scale cells several-fold), so no mark is asserted here; the marks
@@ -123,6 +125,7 @@ def test_two_real_runs_are_matched_cell_by_cell(runs):
 
 
 @pytest.mark.slow
+@pytest.mark.serial  # compares timings (the runs fixture)
 def test_a_cell_five_times_as_slow_is_worse(runs):
     """A sleep of 0.1 s against 0.02 s: a load that delays wake-ups by milliseconds cannot hide it."""
     result = compare(runs["base"], runs["slower"])
@@ -137,6 +140,7 @@ def test_a_cell_five_times_as_slow_is_worse(runs):
 
 
 @pytest.mark.slow
+@pytest.mark.serial  # compares timings (the runs fixture)
 def test_a_cell_that_starts_failing_is_a_regression(runs):
     result = compare(runs["base"], runs["failing"])
     broken = row(result, "fault_slow", 16)
@@ -150,6 +154,7 @@ def test_a_cell_that_starts_failing_is_a_regression(runs):
 
 
 @pytest.mark.slow
+@pytest.mark.serial  # compares timings (the runs fixture)
 def test_different_machines_are_refused_unless_allowed(runs, tmp_path):
     other = as_other_machine(runs["base"], tmp_path / "other.jsonl")
     with pytest.raises(CompareError, match="different machines") as refused:
@@ -163,12 +168,14 @@ def test_different_machines_are_refused_unless_allowed(runs, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.serial  # compares timings (the runs fixture)
 def test_the_comparison_is_reproducible(runs):
     first, second = compare(runs["base"], runs["again"], seed=3), compare(runs["base"], runs["again"], seed=3)
     pd.testing.assert_frame_equal(first.table, second.table)
 
 
 @pytest.mark.slow
+@pytest.mark.serial  # compares timings (the runs fixture)
 def test_bad_thresholds_are_refused(runs):
     with pytest.raises(CompareError, match="factor"):
         compare(runs["base"], runs["base"], factor=0.9)

@@ -199,6 +199,7 @@ def test_non_finite_numbers_are_refused_before_anything_runs(tmp_path, assignmen
 
 
 @pytest.mark.slow
+@pytest.mark.serial  # the second run must start while the first still runs
 def test_a_second_run_into_one_directory_is_refused_and_nothing_interleaves(tmp_path):
     out, slow = tmp_path / "out", _scenario(tmp_path, "slow", "fault_slow: {}", "[16, 24, 32]")
     first = _start(tmp_path, slow, out, slow_s=1.0)
@@ -215,6 +216,7 @@ def test_a_second_run_into_one_directory_is_refused_and_nothing_interleaves(tmp_
 
 
 @pytest.mark.slow
+@pytest.mark.serial  # the second run must end while the first still runs, and a busy machine's warning replaces the line it reads
 def test_runs_measuring_side_by_side_on_one_machine_are_recorded(tmp_path):
     env = {"ATTNBENCH_RUNS_DIR": str(tmp_path / "runs")}
     first = _start(tmp_path, _scenario(tmp_path, "slow", "fault_slow: {}", "[16, 24, 32]"), tmp_path / "one", slow_s=2.0, env=env)

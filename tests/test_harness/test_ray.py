@@ -66,6 +66,7 @@ def _scenario(tmp_path, variants: str, seq_len: str) -> str:
     ("smoke-cpu", ["--set", "measure.repeats=2", "--set", "measure.target_rel_ci=null"]),  # exactly 2 samples a cell
     ("quality/mqar", []),
 ])
+@pytest.mark.serial  # a Ray instance of its own and roofline fractions
 def test_ray_measures_the_same_cells_as_the_local_executor(tmp_path, scenario, options):
     """Every cell of the ci preset, ok, under both executors; the Ray cells name their node, whose
     run line carries this machine's fingerprint (with its calibration for the timed cells)."""
@@ -89,6 +90,7 @@ def test_ray_measures_the_same_cells_as_the_local_executor(tmp_path, scenario, o
 
 @needs_ray
 @pytest.mark.slow
+@pytest.mark.serial  # a Ray instance of its own
 def test_a_killed_ray_worker_and_a_killed_cell_process_are_crashed_and_the_sweep_goes_on(tmp_path):
     plugin = tmp_path / "kill_ray_worker.py"
     plugin.write_text(KILL_RAY_WORKER)
@@ -106,6 +108,7 @@ def test_a_killed_ray_worker_and_a_killed_cell_process_are_crashed_and_the_sweep
 
 @needs_ray
 @pytest.mark.slow
+@pytest.mark.serial  # a Ray instance of its own
 def test_a_killed_driver_loses_no_finished_cell_and_resume_measures_only_the_missing_ones(tmp_path):
     out, scenario = tmp_path / "out", _scenario(tmp_path, "fault_slow: {}", "[16, 24, 32, 40]")
     env = {**os.environ, "FAULT_SLOW_S": "1.0", "ATTNBENCH_CALIBRATE": "0"}

@@ -67,6 +67,7 @@ def _cells(path: Path) -> list[dict]:
 
 
 @pytest.mark.slow
+@pytest.mark.serial  # compares timings
 def test_a_slowed_variant_is_flagged_worse_and_only_touched_variants_are_measured(history, tmp_path):
     repo, commits = history
     said = []
@@ -90,6 +91,7 @@ def test_a_slowed_variant_is_flagged_worse_and_only_touched_variants_are_measure
 
 
 @pytest.mark.slow
+@pytest.mark.serial  # compares timings
 def test_an_unchanged_head_is_not_flagged(history, tmp_path, capsys):
     repo, commits = history
     scenario = tmp_path / "tiny.yaml"

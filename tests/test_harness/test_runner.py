@@ -179,6 +179,7 @@ def test_malloc_tuning_is_for_speed_workers_only():
 
 
 @pytest.mark.slow
+@pytest.mark.serial  # roofline fractions: a roof calibrated while a test beside it ran is too low
 def test_smoke_ci_preset_runs_and_loads(tmp_path):
     """The shipped smoke scenario end to end (ci preset): every cell ok, loadable, with metrics."""
     done = attnbench("run", "smoke-cpu", "--preset", "ci", "--set", "measure.repeats=2", "--out", str(tmp_path / "out"), "--no-progress")
