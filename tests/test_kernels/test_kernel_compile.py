@@ -32,11 +32,13 @@ ARCHS = list(kt.ARCHS.values())
 @pytest.fixture(scope="module", autouse=True)
 def _kernel_cache(tmp_path_factory):
     """One figures cache for this module's tables (and the commands it starts): ``ATTNBENCH_KERNEL_CACHE`` when
-    set, else a fresh one for each run (so CI compiles everything, once)."""
+    set, else a fresh one for each run (so CI compiles everything, once), one for all of the run's pytest-xdist workers
+    (``kernel_table`` writes each figure whole, then renames it into place)."""
     if os.environ.get("ATTNBENCH_KERNEL_CACHE"):
         yield
         return
-    os.environ["ATTNBENCH_KERNEL_CACHE"] = str(tmp_path_factory.mktemp("kernel-cache"))
+    run = tmp_path_factory.getbasetemp()
+    os.environ["ATTNBENCH_KERNEL_CACHE"] = str((run.parent if os.environ.get("PYTEST_XDIST_WORKER") else run) / "kernel-cache")
     yield
     del os.environ["ATTNBENCH_KERNEL_CACHE"]
 
