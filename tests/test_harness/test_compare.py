@@ -33,7 +33,7 @@ name: tiny-compare
 variants: {fault_slow: {}, softmax: {}}
 axes: {seq_len: [16, 32], batch: 1, heads: 2, d_key: 8}
 modes: [forward]
-measure: {warmup: 1, repeats: 15, timeout_s: 60}
+measure: {warmup: 1, repeats: 15, timeout_s: 60, fresh_worker: false}
 """
 BASE_SLEEP = "0.02"
 
