@@ -8,7 +8,7 @@ step detection (its weighted L1 form, robust to outliers): the segmentation mini
 programming over the last step's position). A point's spread ``s_i`` is its own (the median's
 relative interval, ``rel_ci``) and the series' run-to-run scatter (a robust estimate from
 successive differences, at least ``FLOOR``) in quadrature, so a noisy series or an unstable point
-does not make steps. A level holds at least ``MIN_SIZE`` points, so a single outlier is never a
+does not make steps. A change of less than ``MIN_CHANGE`` is not a step. A level holds at least ``MIN_SIZE`` points, so a single outlier is never a
 level of its own; a step at the newest commit is found once a second commit confirms it. The
 measured false-positive rate and power are in docs/history.md (``tests/test_history/test_steps.py``
 measures them). Needs numpy only.
@@ -24,8 +24,12 @@ import numpy as np
 FLOOR = 0.01
 #: The least points of a level: a single point away from its neighbours is an outlier, not a step.
 MIN_SIZE = 2
-#: The penalty of one step, in units of log(n): BIC's log(n) per parameter, two per step (its place and its level).
-PENALTY_PER_LOG_N = 2.0
+#: The penalty of one step, in units of log(n): BIC's log(n) for each of a step's two parameters (its place and its level),
+#: and a margin for the scatter being estimated from the series itself (the rates it gives: docs/history.md).
+PENALTY_PER_LOG_N = 2.5
+#: The least change of level reported, in log time (about 2 %): below it a step is noise, however sure
+#: the fit (asv's regression threshold does the same, at 5 %).
+MIN_CHANGE = 0.02
 #: A two-sided 95 % normal quantile: a ``rel_ci`` (95 % half-width) over it is a standard error.
 Z95 = 1.959964
 
@@ -90,9 +94,29 @@ def change_points(values, sigma, *, penalty: float | None = None, min_size: int 
     return sorted(points)
 
 
+def weighted_median(values: np.ndarray, weights: np.ndarray) -> float:
+    order = np.argsort(values)
+    cumulative = np.cumsum(weights[order])
+    return float(values[order][np.argmax(cumulative >= cumulative[-1] / 2)])
+
+
+def large_enough(values, sigma, points: list[int], min_change: float = MIN_CHANGE) -> list[int]:
+    """``points`` without the steps whose levels on either side (weighted medians) differ by less
+    than ``min_change``, the smallest merged first, until every one left passes."""
+    points = list(points)
+    while points:
+        edges = [0, *points, len(values)]
+        levels = [weighted_median(values[a:b], 1 / sigma[a:b]) for a, b in zip(edges, edges[1:])]
+        changes = np.abs(np.diff(levels))
+        if changes.min() >= min_change:
+            break
+        points.pop(int(np.argmin(changes)))
+    return points
+
+
 def find_steps(times, rel_ci=None, **options) -> list[int]:
     """The indexes where a series of median ``times`` (in commit order, each with its ``rel_ci``)
-    steps to a new level: ``change_points`` of log time with ``spreads``."""
+    steps to a new level by ``MIN_CHANGE`` or more: ``change_points`` of log time with ``spreads``."""
     log_times = np.log(np.asarray(times, dtype=float))
-    rel_ci = np.zeros_like(log_times) if rel_ci is None else rel_ci
-    return change_points(log_times, spreads(log_times, rel_ci), **options)
+    sigma = spreads(log_times, np.zeros_like(log_times) if rel_ci is None else rel_ci)
+    return large_enough(log_times, sigma, change_points(log_times, sigma, **options))
