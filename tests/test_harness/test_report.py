@@ -33,7 +33,7 @@ variants: {softmax: {}, linear: {}, fault_error: {}, fault_oom: {}}
 axes: {seq_len: [16, 32], batch: 1, heads: 2, d_key: 8}
 modes: [forward, train, decode]
 decode: {new_tokens: 4}
-measure: {warmup: 1, repeats: 3, timeout_s: 60}
+measure: {warmup: 1, repeats: 3, timeout_s: 60, fresh_worker: false}
 """
 MODEL_SCENARIO = """
 name: tiny-lm
