@@ -52,19 +52,20 @@ def spreads(log_times: np.ndarray, rel_ci: np.ndarray) -> np.ndarray:
 
 def segment_costs(values: np.ndarray, sigma: np.ndarray) -> np.ndarray:
     """``costs[s, e]``: the weighted absolute deviation of ``values[s:e]`` from its weighted median,
-    sum |y_i - m| / sigma_i (the fit's cost of one level over those points); inf where e <= s."""
+    sum |y_i - m| / sigma_i (the fit's cost of one level over those points); inf where e <= s. Each
+    start's windows at once, in the order of its sorted values: O(n^2) memory a start, O(n^3) in all."""
     n = values.size
     costs = np.full((n + 1, n + 1), np.inf)
     weights = 1.0 / sigma
     for start in range(n):
         y, w = values[start:], weights[start:]
-        inside = np.tri(y.size, dtype=bool)  # row r: the window of points start .. start + r
-        order = np.argsort(np.where(inside, y, np.inf), axis=1)
-        sorted_y, sorted_w = y[order], np.where(np.take_along_axis(inside, order, axis=1), w[order], 0.0)
+        order = np.argsort(y)
+        sorted_y = y[order]
+        inside = order[None, :] <= np.arange(y.size)[:, None]  # row r: the points start .. start + r, in sorted order
+        sorted_w = np.where(inside, w[order], 0.0)
         cumulative = np.cumsum(sorted_w, axis=1)
-        middle = np.argmax(cumulative >= cumulative[:, -1:] / 2, axis=1)
-        median = sorted_y[np.arange(y.size), middle]
-        costs[start, start + 1 :] = np.where(inside, w * np.abs(y - median[:, None]), 0.0).sum(axis=1)
+        median = sorted_y[np.argmax(cumulative >= cumulative[:, -1:] / 2, axis=1)]
+        costs[start, start + 1 :] = (sorted_w * np.abs(sorted_y - median[:, None])).sum(axis=1)
     return costs
 
 
