@@ -62,18 +62,22 @@ def _scenario(tmp_path, variants: str, seq_len: str) -> str:
 
 @needs_ray
 @pytest.mark.slow
-@pytest.mark.parametrize("scenario, options", [
-    ("smoke-cpu", ["--set", "measure.repeats=2", "--set", "measure.target_rel_ci=null"]),  # exactly 2 samples a cell
-    ("quality/mqar", []),
-])
+@pytest.mark.parametrize("scenario", ["smoke-cpu", "quality/mqar"])
 @pytest.mark.serial  # a Ray instance of its own and roofline fractions
-def test_ray_measures_the_same_cells_as_the_local_executor(tmp_path, scenario, options):
+def test_ray_measures_the_same_cells_as_the_local_executor(tmp_path, scenario, request):
     """Every cell of the ci preset, ok, under both executors; the Ray cells name their node, whose
-    run line carries this machine's fingerprint (with its calibration for the timed cells)."""
-    for executor in ("local", "ray"):
-        done = attnbench("run", scenario, "--preset", "ci", *options, "--executor", executor, "--out", str(tmp_path / executor), "--no-progress")
+    run line carries this machine's fingerprint (with its calibration for the timed cells). smoke-cpu's
+    local side is the session's ``smoke_ci`` run (exactly 2 samples a cell: tests/test_harness/conftest.py)."""
+    if scenario == "smoke-cpu":
+        smoke = request.getfixturevalue("smoke_ci")
+        args, local_out = smoke.args, smoke.out
+    else:
+        args, local_out = (scenario, "--preset", "ci"), tmp_path / "local"
+        done = attnbench("run", *args, "--out", str(local_out), "--no-progress")
         assert done.returncode == 0, done.stderr
-    (local_run,), local = _records(tmp_path / "local")
+    done = attnbench("run", *args, "--executor", "ray", "--out", str(tmp_path / "ray"), "--no-progress")
+    assert done.returncode == 0, done.stderr
+    (local_run,), local = _records(local_out)
     (ray_run,), cells = _records(tmp_path / "ray")
     assert {cell["status"] for cell in local + cells} == {"ok"}, [(c["variant"], c["mode"], c["error"]) for c in local + cells]
     assert sorted(cell["cell_id"] for cell in cells) == sorted(cell["cell_id"] for cell in local)

@@ -180,11 +180,10 @@ def test_malloc_tuning_is_for_speed_workers_only():
 
 @pytest.mark.slow
 @pytest.mark.serial  # roofline fractions: a roof calibrated while a test beside it ran is too low
-def test_smoke_ci_preset_runs_and_loads(tmp_path):
-    """The shipped smoke scenario end to end (ci preset): every cell ok, loadable, with metrics."""
-    done = attnbench("run", "smoke-cpu", "--preset", "ci", "--set", "measure.repeats=2", "--out", str(tmp_path / "out"), "--no-progress")
-    assert done.returncode == 0, done.stderr
-    table = load([tmp_path / "out"])
+def test_smoke_ci_preset_runs_and_loads(smoke_ci):
+    """The shipped smoke scenario end to end (ci preset, 2 samples a cell: tests/test_harness/conftest.py): every cell
+    ok, loadable, with metrics."""
+    table = load([smoke_ci.out])
     assert len(table) == 18 and set(table["status"]) == {"ok"}, table[["variant", "mode", "status", "error"]]
     assert (table["metrics.tokens_per_s"] > 0).all() and (table["metrics.flops"] > 0).all()
     decode = table[table["mode"] == "decode"]
