@@ -173,8 +173,8 @@ def test_resume_never_picks_or_appends_to_another_scenarios_file(tmp_path):
     (other,) = out.glob("*.jsonl")
     before = other.read_bytes()
     tiny = _scenario(tmp_path, "tiny")
-    _refused(attnbench("run", tiny, "--out", str(out), "--resume", "--no-progress"), "no results of scenario 'tiny'")
-    _refused(attnbench("run", tiny, "--out", str(out), "--resume", str(other), "--no-progress"), "another scenario", "'tiny-big'")
+    _refused(attnbench_here("run", tiny, "--out", str(out), "--resume", "--no-progress"), "no results of scenario 'tiny'")
+    _refused(attnbench_here("run", tiny, "--out", str(out), "--resume", str(other), "--no-progress"), "another scenario", "'tiny-big'")
     assert other.read_bytes() == before
 
 
@@ -183,7 +183,7 @@ def test_resume_refuses_an_edited_scenario_file(tmp_path):
     out, tiny = tmp_path / "out", _scenario(tmp_path, "tiny")
     assert attnbench("run", tiny, "--out", str(out), "--no-progress").returncode == 0
     Path(tiny).write_text(Path(tiny).read_text().replace("seq_len: [16]", "seq_len: [16, 24]"))
-    _refused(attnbench("run", tiny, "--out", str(out), "--resume", "--no-progress"), "scenario_sha256")
+    _refused(attnbench_here("run", tiny, "--out", str(out), "--resume", "--no-progress"), "scenario_sha256")
 
 
 @pytest.mark.parametrize(
@@ -191,10 +191,9 @@ def test_resume_refuses_an_edited_scenario_file(tmp_path):
     [("variants.softmax.scale=.nan", "variants.softmax.scale"), ("variants.softmax.scale=-.inf", "variants.softmax.scale"),
      ("measure.timeout_s=.inf", "measure.timeout_s")],
 )
-@pytest.mark.slow
 def test_non_finite_numbers_are_refused_before_anything_runs(tmp_path, assignment, field):
     out = tmp_path / "out"
-    _refused(attnbench("run", _scenario(tmp_path, "tiny"), "--set", assignment, "--out", str(out), "--no-progress"), field, "finite")
+    _refused(attnbench_here("run", _scenario(tmp_path, "tiny"), "--set", assignment, "--out", str(out), "--no-progress"), field, "finite")
     assert not out.exists()
 
 
@@ -252,43 +251,39 @@ def test_a_worker_dies_with_its_killed_runner(tmp_path):
 
 
 @pytest.mark.parametrize("name", ["../../escaped", "/tmp/absolute", "sub/dir", ".hidden"])
-@pytest.mark.slow
 def test_a_scenario_name_is_a_file_name(tmp_path, name):
     path = Path(_scenario(tmp_path, "tiny"))
     path.write_text(path.read_text().replace("name: tiny", f"name: {name!r}"))
-    _refused(attnbench("run", str(path), "--out", str(tmp_path / "out"), "--no-progress"), "name:", "results file")
+    _refused(attnbench_here("run", str(path), "--out", str(tmp_path / "out"), "--no-progress"), "name:", "results file")
     assert list(tmp_path.rglob("*.jsonl")) == []
 
 
-@pytest.mark.slow
 def test_files_that_are_not_scenarios_get_one_line_errors(tmp_path):
-    _refused(attnbench("run", str(tmp_path), "--dry-run"), str(tmp_path), "directory")
+    _refused(attnbench_here("run", str(tmp_path), "--dry-run"), str(tmp_path), "directory")
     binary = tmp_path / "binary.yaml"
     binary.write_bytes(b"name: x\n\xff\xfe\x00")
-    _refused(attnbench("run", str(binary), "--dry-run"), str(binary), "UTF-8")
+    _refused(attnbench_here("run", str(binary), "--dry-run"), str(binary), "UTF-8")
     cycle = tmp_path / "cycle.yaml"
     cycle.write_text("name: cycle\nvariants: {softmax: {}}\naxes: &a {seq_len: [8, *a]}\n")
-    _refused(attnbench("run", str(cycle), "--dry-run"), str(cycle), "alias")
-    _refused(attnbench("run", _scenario(tmp_path, "tiny"), "--set", "seq_len=[1,", "--dry-run"), "--set", "not valid YAML")
+    _refused(attnbench_here("run", str(cycle), "--dry-run"), str(cycle), "alias")
+    _refused(attnbench_here("run", _scenario(tmp_path, "tiny"), "--set", "seq_len=[1,", "--dry-run"), "--set", "not valid YAML")
 
 
 @pytest.mark.parametrize(
     ("assignment", "field"),
     [("modes=[]", "modes"), ("backends=[]", "backends"), ("seq_len=true", "axes.seq_len"), ("seq_len=1.5", "axes.seq_len")],
 )
-@pytest.mark.slow
 def test_empty_sweeps_and_non_integer_axes_are_refused(tmp_path, assignment, field):
-    _refused(attnbench("run", _scenario(tmp_path, "tiny"), "--set", assignment, "--dry-run"), field)
+    _refused(attnbench_here("run", _scenario(tmp_path, "tiny"), "--set", assignment, "--dry-run"), field)
 
 
-@pytest.mark.slow
 def test_an_unwritable_out_or_an_unusable_file_to_resume_is_one_line(tmp_path):
     tiny = _scenario(tmp_path, "tiny")
-    _refused(attnbench("run", tiny, "--out", f"{tiny}/results", "--no-progress"), "cannot write results")
+    _refused(attnbench_here("run", tiny, "--out", f"{tiny}/results", "--no-progress"), "cannot write results")
     (tmp_path / "empty.jsonl").write_bytes(b"")
-    _refused(attnbench("run", tiny, "--resume", str(tmp_path / "empty.jsonl"), "--no-progress"), "empty.jsonl", "empty")
+    _refused(attnbench_here("run", tiny, "--resume", str(tmp_path / "empty.jsonl"), "--no-progress"), "empty.jsonl", "empty")
     (tmp_path / "corrupt.jsonl").write_bytes(b"not json\n")
-    _refused(attnbench("run", tiny, "--resume", str(tmp_path / "corrupt.jsonl"), "--no-progress"), "corrupt.jsonl, line 1")
+    _refused(attnbench_here("run", tiny, "--resume", str(tmp_path / "corrupt.jsonl"), "--no-progress"), "corrupt.jsonl, line 1")
 
 
 def _results_file(path, samples) -> Path:
