@@ -20,7 +20,7 @@ import torch
 
 import variants
 from harness.demo import OWN_D_KEY
-from harness.measure import time_interleaved
+from harness.measuring.measure import time_interleaved
 
 #: (label, variant, params, form)
 CONTENDERS = [(name, name, {}, "parallel") for name in variants.names()] + [

@@ -17,7 +17,7 @@ import torch
 
 import variants
 from harness.demo import OWN_D_KEY
-from harness.profiling import OperationCount
+from harness.measuring.profiling import OperationCount
 
 #: The decode scenario's variants and their parameters (scenarios/decode.yaml), LSH at one round.
 VARIANTS = {"performer": {"m": 64}, "dpfp": {"nu": 1}, "lsh": {"n_rounds": 1}}

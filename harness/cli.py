@@ -45,7 +45,7 @@ def _option_error(args) -> str | None:
     if (args.estimate_for or args.estimate_from) and not (args.dry_run or args.budget):
         return "--estimate-for and --estimate-from estimate the cells of --dry-run or --budget: use them with one of those"
     if args.budget is not None:
-        from .estimate import parse_duration
+        from .running.estimate import parse_duration
 
         try:
             parse_duration(args.budget)
@@ -58,10 +58,10 @@ def _run(args) -> int:
     if error := _option_error(args):
         print(f"error: {error}", file=sys.stderr)
         return EXIT_ERROR
-    from . import runner
-    from .plugins import load_plugins
-    from .profiling import missing_tool
-    from .scenario import ScenarioError, load_scenario
+    from .measuring.profiling import missing_tool
+    from .running import runner
+    from .scenarios.plugins import load_plugins
+    from .scenarios.scenario import ScenarioError, load_scenario
 
     plugins = _plugins(args)
     load_plugins(plugins)
@@ -76,8 +76,8 @@ def _run(args) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if args.dry_run or args.budget:
-        from .estimate import EstimateError, parse_duration
-        from .planning import plan
+        from .running.estimate import EstimateError, parse_duration
+        from .running.planning import plan
 
         try:
             loaded, lines = plan(loaded, gpu=args.estimate_for, measured_from=args.estimate_from,
@@ -119,12 +119,12 @@ def _run(args) -> int:
 
 
 def _executor(args, plugins: list[str]):
-    """The executor ``--executor`` names: the local worker, or Ray (harness.executors.ray)."""
-    from .executors.local import LocalExecutor
+    """The executor ``--executor`` names: the local worker, or Ray (harness.running.executors.ray)."""
+    from .running.executors.local import LocalExecutor
 
     if args.executor == "local":
         return LocalExecutor(plugins)
-    from .executors.ray import RayExecutor
+    from .running.executors.ray import RayExecutor
 
     return RayExecutor(plugins, address=args.address, cells_per_node=args.cells_per_node)
 
@@ -143,10 +143,10 @@ def _report_of_run(paths: list[Path], out: Path) -> int:
 
 
 def _report(args) -> int:
-    from .compare import CompareError, compare
-    from .plugins import load_plugins
     from .report import build_report
     from .results import ResultsFileError
+    from .results.compare import CompareError, compare
+    from .scenarios.plugins import load_plugins
 
     load_plugins(_plugins(args))
     try:
@@ -160,9 +160,9 @@ def _report(args) -> int:
 
 
 def _compare(args) -> int:
-    from .compare import EXIT_INCOMPARABLE, CompareError, compare
     from .report import build_report
     from .results import ResultsFileError
+    from .results.compare import EXIT_INCOMPARABLE, CompareError, compare
 
     try:
         result = compare(
@@ -180,7 +180,7 @@ def _compare(args) -> int:
 
 def _regress_scenario(args):
     """The scenario of ``regress`` and ``bisect``: the one named, else regress-cpu (its gpu preset where CUDA is present)."""
-    from .scenario import load_scenario
+    from .scenarios.scenario import load_scenario
 
     spec, preset = args.scenario or "regress-cpu", args.preset
     if args.scenario is None and preset is None and _default_scenarios() is GPU_DEFAULT:
@@ -189,7 +189,7 @@ def _regress_scenario(args):
 
 
 def _regress_options(args) -> dict:
-    """The options ``regress`` and ``bisect`` pass to ``harness.regress.regress``."""
+    """The options ``regress`` and ``bisect`` pass to ``harness.revisions.regress.regress``."""
     return dict(
         all_variants=args.all_variants, rounds=args.rounds, threads=args.threads or None, out_dir=args.out, factor=args.factor, alpha=args.alpha,
         command="attnbench " + " ".join(shlex.quote(arg) for arg in sys.argv[1:]), progress=not args.no_progress,
@@ -197,9 +197,9 @@ def _regress_options(args) -> dict:
 
 
 def _bisect(args) -> int:
-    from .bisect import EXIT_ERROR, bisect
-    from .checkouts import RegressError
-    from .scenario import ScenarioError
+    from .common.checkouts import RegressError
+    from .revisions.bisect import EXIT_ERROR, bisect
+    from .scenarios.scenario import ScenarioError
 
     try:
         result = bisect(args.repo, _regress_scenario(args), good=args.good, bad=args.bad, **_regress_options(args))
@@ -214,10 +214,10 @@ def _bisect(args) -> int:
 
 
 def _regress(args) -> int:
-    from .checkouts import RegressError
-    from .compare import EXIT_INCOMPARABLE
-    from .regress import regress
-    from .scenario import ScenarioError
+    from .common.checkouts import RegressError
+    from .results.compare import EXIT_INCOMPARABLE
+    from .revisions.regress import regress
+    from .scenarios.scenario import ScenarioError
 
     try:
         result = regress(
@@ -240,7 +240,7 @@ def _regress(args) -> int:
 def _list(args) -> int:
     import variants
 
-    from .scenario import shipped
+    from .scenarios.scenario import shipped
 
     print("variants: " + ", ".join(variants.names()))
     print("scenarios: " + ", ".join(shipped()))
@@ -248,7 +248,7 @@ def _list(args) -> int:
 
 
 def _env(args) -> int:
-    from . import machine
+    from .measuring import machine
 
     print(machine.format_fingerprint(machine.fingerprint(args.device)))
     return 0
@@ -285,7 +285,7 @@ def _data_download(args) -> int:
 
 
 def _kernels(args) -> int:
-    from . import kernel_diff, kernel_table
+    from .kernels import kernel_diff, kernel_table
 
     selection = dict(rules=args.rule, dtypes=args.dtype, head_dims=args.d, workers=args.jobs, chunks=args.chunk, kernels=args.kernel)
     if args.compare:
@@ -294,7 +294,7 @@ def _kernels(args) -> int:
 
 
 def _gpu_check(args) -> int:
-    from . import gpu_check
+    from .gpu import gpu_check
 
     if args.dry_run:
         print(gpu_check.format_plan(gpu_check.plan(kernel_tests=not args.no_kernel_tests)))
@@ -304,7 +304,7 @@ def _gpu_check(args) -> int:
 
 
 def _kit(args) -> int:
-    from .kit import DEFAULT_PLATFORMS, KitError, gather
+    from .gpu.kit import DEFAULT_PLATFORMS, KitError, gather
 
     try:
         readme = gather(args.dir, python=args.python, platforms=args.platform or DEFAULT_PLATFORMS)
@@ -451,11 +451,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _user_errors() -> tuple[type[BaseException], ...]:
     """The exceptions that mean bad input or an unusable environment, not a bug of attnbench."""
-    from .locking import LockedError
-    from .plugins import PluginError
     from .results import ResultsFileError
-    from .runner import RunError
-    from .scenario import ScenarioError
+    from .results.locking import LockedError
+    from .running.runner import RunError
+    from .scenarios.plugins import PluginError
+    from .scenarios.scenario import ScenarioError
 
     return ScenarioError, PluginError, ResultsFileError, RunError, LockedError, OSError
 

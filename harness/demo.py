@@ -15,7 +15,7 @@ import torch
 
 import variants
 
-from .measure import time_callable
+from .measuring.measure import time_callable
 
 #: Variants with their own query/key width, as in the shipped scenarios (Based's and ReBased's
 #: 16-dim projection; at d_key = 64 Based's d_dot would be 4161); values keep the shape's d_value.

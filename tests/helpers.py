@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import variants
-from harness.cell import Cell
+from harness.scenarios.cell import Cell
 from harness.tasks.download import SHARED_DATA
 
 #: Skips a test that reads the shared WikiText-2 (``../shared/data`` beside the checkout).

@@ -1,6 +1,8 @@
-"""The walls of the house (docs/map.md): the modules of ``variants/`` and ``harness/`` import one
-another without a circle, ``variants`` imports no harness module, and the report, which reads
-results files only, reaches neither the run loop, the scenario loader, the models nor the variants.
+"""The walls of the house (docs/map.md): harness/ is grouped by role, and which group may import
+which is written once, in ``WALLS``; every import edge of the source keeps to it. The modules of
+``variants/`` and ``harness/`` import one another without a circle, ``variants`` imports no harness
+module, and the report, which reads results files only, reaches neither the run loop, the scenario
+loader, the models nor the variants.
 
 The import graph is read from the sources (an import inside a function counts; one under
 ``if TYPE_CHECKING:`` does not); the report's wall is also checked in a fresh interpreter, since the
@@ -15,10 +17,31 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("variants", "harness")
+#: The groups of harness/ (its subpackages; ``cli`` is the top floor: harness/cli.py, demo.py, options.py)
+#: and ``variants``, each with the groups it may import. Two pairs import each other, and only so: the
+#: report reads the task registry (``harness.tasks``), whose shipped tasks draw their report sections
+#: with the report's figures (``report.figures``, ``report.seeds``); the translation model pads with its
+#: vocabulary's id (``tasks.parallel_text.PAD``).
+WALLS = {
+    "variants": set(),
+    "common": set(),
+    "models": {"tasks", "variants"},
+    "measuring": {"common", "models", "variants"},
+    "tasks": {"common", "measuring", "models", "report", "variants"},
+    "scenarios": {"common", "measuring", "models", "tasks", "variants"},
+    "results": {"common", "measuring", "scenarios"},
+    "report": {"common", "results", "scenarios", "tasks"},
+    "running": {"common", "measuring", "results", "scenarios", "tasks", "variants"},
+    "kernels": {"common", "variants"},
+    "revisions": {"common", "kernels", "measuring", "results", "running", "scenarios", "variants"},
+    "gpu": {"common", "measuring", "report", "results", "running", "scenarios", "tasks"},
+    "history": {"common", "report", "results"},
+    "cli": {"common", "gpu", "history", "kernels", "measuring", "report", "results", "revisions", "running", "scenarios", "tasks", "variants"},
+}
 #: What the report may not reach: the run loop and its workers, the scenario loader, models, variants.
 OUTSIDE_THE_REPORT = (
-    "harness.runner", "harness.worker", "harness.scenario", "harness.schema", "harness.scenario_files", "harness.expansion",
-    "harness.models", "harness.builders", "variants",
+    "harness.running", "harness.scenarios.scenario", "harness.scenarios.schema", "harness.scenarios.scenario_files",
+    "harness.scenarios.expansion", "harness.models", "harness.measuring.builders", "variants",
 )
 
 
@@ -62,6 +85,40 @@ def _graph() -> dict[str, set[str]]:
     paths = sorted(path for package in PACKAGES for path in (ROOT / package).rglob("*.py"))
     modules = {_module(path) for path in paths}
     return {_module(path): _imports(path, modules) for path in paths}
+
+
+def _group(module: str) -> str:
+    """The group of a module: ``variants``, a subpackage of harness/, or ``cli`` for harness/'s own modules."""
+    parts = module.split(".")
+    if parts[0] == "variants":
+        return "variants"
+    return parts[1] if len(parts) > 1 and (ROOT / "harness" / parts[1]).is_dir() else "cli"
+
+
+def _groups() -> set[str]:
+    return {path.name for path in (ROOT / "harness").iterdir() if (path / "__init__.py").is_file()}
+
+
+def test_every_group_of_harness_has_a_row_of_walls():
+    assert not _groups() - set(WALLS)
+
+
+def test_every_import_keeps_to_the_walls():
+    crossings = sorted(
+        f"{module} -> {target}"
+        for module, targets in _graph().items()
+        for target in targets
+        if _group(target) != _group(module) and _group(target) not in WALLS[_group(module)]
+    )
+    assert not crossings, "imports across a wall (tests/test_import_walls.py, WALLS):\n" + "\n".join(crossings)
+
+
+def test_each_group_says_what_it_owns_and_may_import():
+    for group in sorted(_groups()):
+        doc = ast.get_docstring(ast.parse((ROOT / "harness" / group / "__init__.py").read_text())) or ""
+        assert doc, f"harness/{group}/__init__.py has no docstring"
+        if group != "history":
+            assert "May import" in doc or "Imports no other" in doc, f"harness/{group}/__init__.py does not say what it may import"
 
 
 def _outside(module: str) -> bool:

@@ -232,7 +232,7 @@ class AttentionCore(nn.Module):
     shared_qk = False
     #: its parallel form is an algorithm that approximates ``reference`` on some inputs, not the same
     #: function (LSH's sorted chunks, once a bucket outgrows the window): a cell's accuracy is then
-    #: judged against the parallel form itself in float64 (harness.accuracy)
+    #: judged against the parallel form itself in float64 (harness.measuring.accuracy)
     approximates_reference = False
     #: example_inputs draws unit-norm q and k (plain rules without φ, stable only for bounded keys)
     example_unit_keys = False

@@ -5,7 +5,7 @@
 code on the CPU and Triton kernels on a GPU). The argument checks of ``forward``, ``step`` and
 ``prefill`` stay eager; only the computation behind them is compiled. Compilation is lazy: it
 happens at the first call of each form with a new input shape, so a benchmark runs each form
-once before timing it (``harness.workloads`` does, and records the first call as
+once before timing it (``harness.running.workloads`` does, and records the first call as
 ``metrics.compile_s``). ``compiled_frames()`` counts frames compiled so far in the process,
 so a caller can check that no timed call compiled anything.
 """

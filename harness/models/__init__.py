@@ -9,6 +9,8 @@
 - ``retrieval``: ``RetrievalModel``, the single fast-weight memory of associative retrieval.
 
 The tasks that train them are in ``harness.tasks``.
+
+May import: variants, tasks (the translation vocabulary's ids).
 """
 
 from __future__ import annotations

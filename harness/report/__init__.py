@@ -7,6 +7,11 @@ PNG file under ``out_dir/plots/``. It reads results files only (``harness.result
 the runner or a scenario file, so a report can be made on a laptop from files measured on a
 cluster. The page is put together here from ``cells`` (what the report makes of each cell),
 ``plots``, ``tables`` and ``header`` (machines and runs). How to read it is in docs/reports.md.
+
+The report group owns this page, its sections (``cells``, ``header``, ``plots``, ``tables``),
+what every plot and table is made of (``figures``), quality over seeds (``seeds``), the quality–speed
+frontier (``frontier``); its template is harness/templates/report.html.j2. May import: common,
+results, scenarios (the axes table), tasks (the registry).
 """
 
 from __future__ import annotations
@@ -23,15 +28,15 @@ import matplotlib
 import pandas as pd
 
 from .. import tasks
-from ..compare import CompareResult
-from ..figures import PLAIN_TEXT, Figures, Plot, Table
-from ..files import write_atomic
-from ..frontier import cell_flags, frontier_plot
+from ..common.files import write_atomic
 from ..results import load
-from ..seeds import seed_table
+from ..results.compare import CompareResult
 from .cells import machine_styles, palette, prepare, tasks_of
+from .figures import PLAIN_TEXT, Figures, Plot, Table
+from .frontier import cell_flags, frontier_plot
 from .header import machine_sections, runs_of
 from .plots import METRICS, accuracy_plot, latency_plot, metric_plot
+from .seeds import seed_table
 from .tables import (
     backend_table,
     compare_table,
@@ -95,7 +100,7 @@ def _scenario_section(name: str, cells: pd.DataFrame, figures: Figures, baseline
 
 
 def _score_sections(cells: pd.DataFrame, score: tasks.Score, figures: Figures, slug: str) -> list:
-    """A task's headline metric over seeds (``harness.seeds``) and against speed (``harness.frontier``)."""
+    """A task's headline metric over seeds (``harness.report.seeds``) and against speed (``harness.report.frontier``)."""
     return [seed_table(cells, score), frontier_plot(cells, score, figures, slug)]
 
 
@@ -106,7 +111,7 @@ def _csv_value(value):
 def write_cells_csv(frame: pd.DataFrame, path: Path, cells: pd.DataFrame | None = None) -> None:
     """Every cell of ``load``, one row each; list values (raw samples, latencies) as JSON. Given
     the report's ``cells`` (``prepare``), a quality cell also says whether its variant is on its
-    task's quality–speed frontier (``quality_frontier``, ``harness.frontier``)."""
+    task's quality–speed frontier (``quality_frontier``, ``harness.report.frontier``)."""
     if cells is not None:
         flags = [cell_flags(cells[cells["target"] == task.name], task.score) for task in tasks_of(cells) if task.score]
         if flags:

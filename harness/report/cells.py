@@ -7,11 +7,11 @@ import numpy as np
 import pandas as pd
 import seaborn as sns
 
-from .. import axes as axis_table
 from .. import tasks
-from ..figures import natural
-from ..formatting import present
-from ..identity import CELL_KEY, identify, latest
+from ..common.formatting import present
+from ..results.identity import CELL_KEY, identify, latest
+from ..scenarios import axes as axis_table
+from .figures import natural
 
 #: Axes that can be the x axis of a plot, in order of preference (after a task's own axes).
 X_CANDIDATES = axis_table.X_CANDIDATES

@@ -6,9 +6,9 @@ from dataclasses import dataclass
 
 import pandas as pd
 
-from ..figures import Table, table
-from ..formatting import gib, si, text
+from ..common.formatting import gib, si, text
 from ..results import read_records
+from .figures import Table, table
 from .tables import cell_columns
 
 

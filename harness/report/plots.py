@@ -10,10 +10,10 @@ import numpy as np
 import pandas as pd
 from matplotlib.ticker import MaxNLocator, NullLocator
 
-from ..figures import FAILURE_MARK, Figures, Plot, natural_columns, new_figure
-from ..formatting import MIB, present
+from ..common.formatting import MIB, present
 from ..results import FAILED
 from .cells import TIMED_MODES
+from .figures import FAILURE_MARK, Figures, Plot, natural_columns, new_figure
 
 #: How an unstable cell's point is drawn on top of its line: an open ring around it.
 UNSTABLE_MARK = {"marker": "o", "markersize": 11, "markerfacecolor": "none", "markeredgewidth": 1.5, "linestyle": "none"}

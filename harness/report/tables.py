@@ -8,11 +8,11 @@ from collections.abc import Callable
 import numpy as np
 import pandas as pd
 
-from ..compare import UNSTABLE_SUFFIX, CompareResult, format_median, is_unstable
-from ..figures import Table, natural_columns, table
-from ..formatting import flag, format_ratio, format_seconds, fraction, mib, percent, present, relative_error, si, text
-from ..identity import CELL_KEY
+from ..common.formatting import flag, format_ratio, format_seconds, fraction, mib, percent, present, relative_error, si, text
+from ..results.compare import UNSTABLE_SUFFIX, CompareResult, format_median, is_unstable
+from ..results.identity import CELL_KEY
 from .cells import TIMED_MODES, base_label, tasks_of
+from .figures import Table, natural_columns, table
 
 #: The quality table's columns after those of the tasks (``harness.tasks.Task.metrics``).
 COMMON_QUALITY_METRICS = ("words_per_s", "peak_mem_bytes", "wall_s")
@@ -135,7 +135,7 @@ def profile_table(cells: pd.DataFrame) -> Table | None:
     return table("Profiles: top operators by self time", pd.DataFrame(rows), columns, caption)
 
 
-#: The operators or kernels of each profiled cell the report lists (its record keeps harness.profiling.TOP_OPERATORS).
+#: The operators or kernels of each profiled cell the report lists (its record keeps harness.measuring.profiling.TOP_OPERATORS).
 PROFILE_TOP = 5
 
 

@@ -2,7 +2,7 @@
 
 Every task registers itself once with ``register(Task(...))``: the model of a scenario's
 ``task:`` section, the axes of its cells, how one cell runs, and its own plots and tables in
-the report. ``harness.scenario``, ``harness.workloads`` and ``harness.report`` read this
+the report. ``harness.scenarios.scenario``, ``harness.running.workloads`` and ``harness.report`` read this
 registry and name no task; a plugin (``--plugin``) registers a task exactly as the shipped ones
 do. docs/extending.md has the recipe.
 
@@ -10,6 +10,9 @@ A shipped task lives in two modules: ``<task>_report.py`` registers it and holds
 read (metrics, score, report sections), and names its config and run as ``"module:attribute"``
 (``resolve``) in ``<task>.py``, which trains. So the report, which reads results files only,
 never imports a model, a variant or the training.
+
+May import: common, measuring, models, report (a task's sections: ``figures``, ``seeds``), variants;
+the typed cell (``scenarios.cell``) for its type only.
 """
 
 from __future__ import annotations
@@ -118,8 +121,8 @@ class Task:
       ``run`` may be given as ``"module:attribute"``, imported when first needed (``resolve``).
     - ``axes``: the axes of its cells (``dtype`` and ``device`` come with every task); the
       first is what its results are plotted against. An axis that is not one of the speed
-      axes (``harness.schema.AXES``) takes positive integers.
-    - ``run(cell) -> metrics``: train and evaluate one cell (a ``harness.cell.Cell``: its variant,
+      axes (``harness.scenarios.schema.AXES``) takes positive integers.
+    - ``run(cell) -> metrics``: train and evaluate one cell (a ``harness.scenarios.cell.Cell``: its variant,
       params, backend, axes and task); a ``loss`` metric that is not finite marks
       the cell ``nan``.
     - ``d_keys(config, axes) -> [d_key, ...]``: the head widths its variants are built with,
@@ -129,7 +132,7 @@ class Task:
       ``harness.tasks.precision`` (``axes.dtype``: float32, bfloat16, float16).
     - ``metrics``: the columns it fills in the report's quality table, in order.
     - ``report(cells, figures, name) -> [Plot | Table]``: its own plots and tables, given the
-      report's cells of this task (``harness.figures``); ``name`` prefixes plot file names.
+      report's cells of this task (``harness.report.figures``); ``name`` prefixes plot file names.
     - ``score``: its headline metric (``Score``), aggregated over seeds and set against speed
       in the report; none: the report shows no seed summary or frontier for it.
 

@@ -23,18 +23,20 @@ of sequences copied without a mistake).
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 import torch.nn.functional as F
 from pydantic import Field
 
-from ..cell import Cell
 from ..models import DecoderConfig, DecoderLM
 from . import MAX_BATCH, MAX_LAYERS, MAX_VOCAB, MAX_WIDTH, Seed, Steps, TaskConfig
 from .batches import GeneratorBatches
 from .precision import Precision
 from .training import TrainConfig, train
+
+if TYPE_CHECKING:
+    from ..scenarios.cell import Cell
 
 SEPARATOR = 0
 IGNORE = -100

@@ -21,7 +21,7 @@ def _curve_plot(cells, figures, name: str):
     ok = _ok(cells)
     if ok.empty:
         return None
-    from ..figures import new_figure
+    from ..report.figures import new_figure
 
     lengths = sorted(ok["axes.seq_len"].unique())
     figure, axes = new_figure(len(lengths))
@@ -46,8 +46,8 @@ def _curve_table(cells):
     ok = _ok(cells)
     if ok.empty:
         return None
-    from ..figures import natural_columns, table
-    from ..formatting import text
+    from ..common.formatting import text
+    from ..report.figures import natural_columns, table
 
     def at(record, share):
         losses = record["metrics.losses"]

@@ -27,20 +27,22 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from typing import Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Literal
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from pydantic import Field
 
-from ..cell import Cell
 from ..models import DecoderConfig, DecoderLM
 from . import MAX_BATCH, MAX_LAYERS, MAX_LENGTH, MAX_STEPS, MAX_WIDTH, Seed, Steps, TaskConfig
 from .batches import GeneratorBatches
 from .images import DATASETS, load, pixels
 from .precision import Precision
 from .training import TrainConfig, train
+
+if TYPE_CHECKING:
+    from ..scenarios.cell import Cell
 
 LEVELS = 256
 START = LEVELS  # the start token's id

@@ -22,8 +22,8 @@ def _speed_table(cells):
     ok = ok[ok["metrics.bits_per_dim"].notna()] if not ok.empty else ok
     if ok.empty:
         return None
-    from ..figures import natural_columns, table
-    from ..formatting import si, text
+    from ..common.formatting import si, text
+    from ..report.figures import natural_columns, table
 
     lengths = speed_columns(ok)
     rows = []

@@ -32,15 +32,14 @@ import sys
 import time
 from dataclasses import asdict, fields, replace
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import torch
 from pydantic import Field, field_validator
 
 from variants import VariantError
 
-from ..cell import Cell
-from ..files import write_json_atomic
+from ..common.files import write_json_atomic
 from ..models import LM_PRESETS, DecoderConfig, DecoderLM, SegmentConfig, lm_config
 from . import MAX_BATCH, MAX_LAYERS, MAX_LENGTH, MAX_VOCAB, MAX_WIDTH, Seed, Steps, TaskConfig
 from .batches import WindowBatches
@@ -50,6 +49,9 @@ from .download import DataError
 from .precision import TRAIN_DTYPES, Precision
 from .training import CheckpointError, TrainConfig, train, training_metrics
 from .wikitext import load_wikitext
+
+if TYPE_CHECKING:
+    from ..scenarios.cell import Cell
 
 # --- loss ------------------------------------------------------------------------------
 

@@ -16,19 +16,21 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 import torch.nn.functional as F
 from pydantic import Field
 
-from ..cell import Cell
 from ..models import check_positive_int
 from ..models.mqar import MQARModel
 from . import MAX_BATCH, MAX_VOCAB, Seed, Steps, TaskConfig
 from . import training as trainer
 from .batches import GeneratorBatches
 from .training import TrainConfig
+
+if TYPE_CHECKING:
+    from ..scenarios.cell import Cell
 
 IGNORE = -100
 

@@ -12,8 +12,8 @@ def _accuracy_plot(cells, figures, name: str):
     ok = cells[(cells["status"] == "ok") & cells["metrics.accuracy"].notna()]
     if ok.empty:
         return None
-    from ..figures import new_figure
-    from ..seeds import draw_over_seeds
+    from ..report.figures import new_figure
+    from ..report.seeds import draw_over_seeds
 
     widths = sorted(ok["axes.d_model"].unique())
     figure, axes = new_figure(len(widths))

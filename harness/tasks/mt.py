@@ -27,7 +27,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 import torch.nn.functional as F
@@ -35,9 +35,8 @@ from pydantic import Field, field_validator
 
 import variants
 
-from ..cell import Cell
-from ..files import write_json_atomic
-from ..measure import synchronize
+from ..common.files import write_json_atomic
+from ..measuring.measure import synchronize
 from ..models import config_from_preset
 from ..models.seq2seq import POSITIONS, Seq2Seq, Seq2SeqConfig
 from . import MAX_LAYERS, MAX_LENGTH, MAX_VOCAB, Seed, Steps, TaskConfig
@@ -47,6 +46,9 @@ from .distributed import Distributed
 from .parallel_text import BOS, EOS, PAD, dataset_dir, read_parallel, train_vocabulary
 from .precision import Precision
 from .training import TrainConfig, train, training_metrics
+
+if TYPE_CHECKING:
+    from ..scenarios.cell import Cell
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 import torch.nn.functional as F
@@ -23,13 +23,15 @@ from pydantic import Field
 
 import variants
 
-from ..cell import Cell
 from ..models import check_positive_int
 from ..models.retrieval import RetrievalModel
 from . import MAX_BATCH, Seed, Steps, TaskConfig
 from . import training as trainer
 from .batches import GeneratorBatches
 from .training import TrainConfig
+
+if TYPE_CHECKING:
+    from ..scenarios.cell import Cell
 
 SETTINGS = (1, 2)
 

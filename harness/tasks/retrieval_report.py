@@ -17,8 +17,8 @@ def _setting(cells):
 def _capacity_plot(cells, figures, name: str):
     """Setting 1: the best evaluation loss against the number of keys S, one line per variant,
     each variant's d_dot marked on the axis in its colour (Schlag et al. 2021, Fig. 2)."""
-    from ..figures import new_figure
-    from ..seeds import draw_over_seeds
+    from ..report.figures import new_figure
+    from ..report.seeds import draw_over_seeds
 
     ok = cells[(cells["status"] == "ok") & cells["metrics.loss"].notna() & (_setting(cells) == 1)]
     if ok.empty:
@@ -40,8 +40,8 @@ def _capacity_plot(cells, figures, name: str):
 def _update_rules_table(cells):
     """Setting 2 (Schlag et al. 2021, §6.1.2): one row per update rule, one column per number of
     keys S, each entry the best evaluation loss and the steps it took."""
-    from ..figures import table
-    from ..formatting import text
+    from ..common.formatting import text
+    from ..report.figures import table
 
     rules = cells[(cells["status"] == "ok") & cells["metrics.loss"].notna() & (_setting(cells) == 2)]
     if rules.empty:

@@ -32,17 +32,19 @@ import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 from tqdm import tqdm
 
-from ..cell import Cell
-from ..measure import PeakMemory, synchronize
+from ..measuring.measure import PeakMemory, synchronize
 from .batches import BatchStream
 from .distributed import Distributed
 from .precision import Precision, check
+
+if TYPE_CHECKING:
+    from ..scenarios.cell import Cell
 
 CHECKPOINT_PREFIX = "step-"
 #: The optimisers a training can name (``TrainConfig.optimizer``).
@@ -158,7 +160,7 @@ class TrainResult:
     ``wall_s``: the whole run including evaluations and checkpoints, summed over resumed
     segments; ``units``: counted units seen, summed over ranks; ``units_per_s``: units per
     second of training alone (evaluation and checkpoint time excluded); ``peak_mem_bytes``:
-    this rank's peak memory during its latest segment (``harness.measure.PeakMemory``)."""
+    this rank's peak memory during its latest segment (``harness.measuring.measure.PeakMemory``)."""
 
     losses: list[tuple[int, float]]
     evaluations: list[tuple[int, Any]]

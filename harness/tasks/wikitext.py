@@ -11,7 +11,7 @@ Reading WikiText-103 takes minutes, so the token ids are cached in
 ``$XDG_CACHE_HOME/attnbench`` (``~/.cache/attnbench``), keyed by what they were built from: the
 SHA-256 of the three files' content and the tokenizer's settings (``TOKENIZER``), not their paths,
 sizes or modification times. A cache that does not validate (``TokenCache``) or holds another key
-is ignored with a warning and rebuilt (harness.caches).
+is ignored with a warning and rebuilt (harness.common.caches).
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from typing import Annotated
 import torch
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
-from ..caches import ignored, validated
-from ..files import write_atomic
+from ..common.caches import ignored, validated
+from ..common.files import write_atomic
 from .download import DataError, dataset_dir
 
 EOS, UNK = "<eos>", "<unk>"

@@ -1,5 +1,5 @@
 """Accuracy beside speed (issue 32, item 1): every timed cell's relative L2 error against the float64
-reference of the same variant on the same inputs (``harness.accuracy``), with its dtype's tolerance."""
+reference of the same variant on the same inputs (``harness.measuring.accuracy``), with its dtype's tolerance."""
 
 from __future__ import annotations
 
@@ -11,9 +11,10 @@ import torch
 from helpers import make_cell
 
 import variants
-from harness import accuracy, workloads
-from harness.builders import BUILDERS, build_decoder
-from harness.plugins import load_plugins, module_name
+from harness.measuring import accuracy
+from harness.measuring.builders import BUILDERS, build_decoder
+from harness.running import workloads
+from harness.scenarios.plugins import load_plugins, module_name
 from variants import base
 from variants.precision import REL_ERROR_TOLERANCE
 

@@ -20,10 +20,10 @@ from types import SimpleNamespace
 import pytest
 from helpers import commit, edit, git, project_repository
 
-from harness import bisect as bisect_module
-from harness.bisect import EXIT_FOUND, EXIT_NOTHING, EXIT_UNDECIDED, bisect
 from harness.cli import main
-from harness.scenario import load_scenario
+from harness.revisions import bisect as bisect_module
+from harness.revisions.bisect import EXIT_FOUND, EXIT_NOTHING, EXIT_UNDECIDED, bisect
+from harness.scenarios.scenario import load_scenario
 
 SCAN = "            scan = sum_rule_parallel\n"  # in SumRule's causal _run (the torch form), not its Triton form's
 SLEEP = "            import time\n            time.sleep(0.05)  # injected by tests/test_harness/test_bisect.py\n"

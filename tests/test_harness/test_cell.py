@@ -1,4 +1,4 @@
-"""A cell (harness/cell.py): what crosses the worker pipe and Ray is the same cell, its id is what
+"""A cell (harness/scenarios/cell.py): what crosses the worker pipe and Ray is the same cell, its id is what
 it measures (not where its checkpoints or profile go), and its part of a results record keeps the
 record's format (docs/results.md)."""
 
@@ -8,7 +8,7 @@ import pickle
 
 from helpers import make_cell
 
-from harness.cell import cell_id
+from harness.scenarios.cell import cell_id
 
 
 def test_a_cell_pickles_whole_and_keeps_its_id_when_told_where_things_go():

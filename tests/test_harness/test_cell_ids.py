@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from harness.scenario import load_scenario, resolve_path, shipped
+from harness.scenarios.scenario import load_scenario, resolve_path, shipped
 
 PINNED = Path(__file__).with_name("cell_ids.json")
 

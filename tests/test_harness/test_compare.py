@@ -24,8 +24,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from harness.compare import EXIT_INCOMPARABLE, EXIT_OK, EXIT_REGRESSION, TABLE_COLUMNS, UNDECIDED, CompareError, compare
 from harness.results import read_records
+from harness.results.compare import EXIT_INCOMPARABLE, EXIT_OK, EXIT_REGRESSION, TABLE_COLUMNS, UNDECIDED, CompareError, compare
 
 PLUGIN = str(Path(__file__).with_name("fault_plugin.py"))
 SCENARIO = """
@@ -184,7 +184,7 @@ def test_bad_thresholds_are_refused(runs):
 def test_drift_between_rounds_widens_the_interval_instead_of_raising_a_false_alarm():
     """Identical code measured in rounds on a drifting machine: pooled samples look like a 1.3x
     slowdown with a tight interval, the two-stage (rounds, then samples) bootstrap does not."""
-    from harness.compare import ratio_ci, timing_mark
+    from harness.results.compare import ratio_ci, timing_mark
 
     rng = np.random.default_rng(0)
     fast, slow = 1.0, 1.3
@@ -197,7 +197,7 @@ def test_drift_between_rounds_widens_the_interval_instead_of_raising_a_false_ala
 
 
 def test_a_real_slowdown_measured_in_rounds_is_still_worse():
-    from harness.compare import ratio_ci, timing_mark
+    from harness.results.compare import ratio_ci, timing_mark
 
     rng = np.random.default_rng(1)
     base = [list(1.0 + 0.02 * rng.standard_normal(7)) for _ in range(3)]

@@ -4,8 +4,8 @@ presets parts of that sweep, and its cpu preset the PyTorch forms as a GPU runs 
 from __future__ import annotations
 
 import variants
-from harness.scenario import load_scenario
-from harness.schema import MODES
+from harness.scenarios.scenario import load_scenario
+from harness.scenarios.schema import MODES
 
 SWEEP = load_scenario("cuda-variants").cells()
 

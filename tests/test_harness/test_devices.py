@@ -13,10 +13,11 @@ import types
 import pytest
 import torch
 
-from harness import executors, machine, measure, roofline, worker, workloads
-from harness.cell import Cell
-from harness.executors import local
-from harness.scenario import load_scenario
+from harness.measuring import machine, measure, roofline
+from harness.running import executors, worker, workloads
+from harness.running.executors import local
+from harness.scenarios.cell import Cell
+from harness.scenarios.scenario import load_scenario
 
 
 @pytest.fixture

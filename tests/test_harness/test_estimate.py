@@ -1,4 +1,4 @@
-"""The cost model of a sweep (harness.estimate) and what it plans (harness.planning): estimates that follow the
+"""The cost model of a sweep (harness.running.estimate) and what it plans (harness.running.planning): estimates that follow the
 FLOPs, fixed costs paid once per first use, estimates from the nearest measured cell of a results file, budgets
 that keep the cells that fit and list the rest, and bad options refused with one line and exit code 2."""
 
@@ -10,10 +10,10 @@ import re
 import pytest
 from helpers import attnbench, attnbench_here
 
-from harness.estimate import COSTS, Estimator, gpu_roof, parse_duration, work
-from harness.planning import fill_order, select
 from harness.results import ResultsWriter, read_records
-from harness.scenario import load_scenario
+from harness.running.estimate import COSTS, Estimator, gpu_roof, parse_duration, work
+from harness.running.planning import fill_order, select
+from harness.scenarios.scenario import load_scenario
 
 H100 = {"cuda": gpu_roof("h100")}
 
@@ -58,7 +58,7 @@ def test_fixed_costs_are_counted_once_per_first_use(tmp_path):
     assert two.seconds() == pytest.approx(two.fixed_s() + sum(e.seconds for e in two.cells))
     torch_only = Estimator(H100).sweep(_cells(_scenario(tmp_path, "linear: {}", "[1024, 4096]")))
     assert torch_only.first_uses() == {} and torch_only.fixed_s() == COSTS.run_start_s
-    # a compile cell has a fresh worker (harness.worker.needs_fresh_worker): each compiles again
+    # a compile cell has a fresh worker (harness.running.worker.needs_fresh_worker): each compiles again
     compiled = Estimator(H100).sweep(_cells(_scenario(tmp_path, "linear: {}", "[1024, 4096]", backends="[compile]")))
     assert list(compiled.first_uses().values()) == [COSTS.first_use_s["cuda"]["compile"]] * 2
 
@@ -80,7 +80,7 @@ def test_estimate_from_uses_the_nearest_measured_cell(tmp_path):
     cells = _cells(_scenario(tmp_path, "linear: {}, delta: {}", "[1024, 8192, 16384]"))
     by = {(cell.variant, cell.axes["seq_len"]): cell for cell in cells}
     path = _measured(tmp_path, [(by[("linear", 1024)], 0.002), (by[("linear", 16384)], 0.5)])
-    from harness.estimate import Measured
+    from harness.running.estimate import Measured
 
     model, measured = Estimator(H100), Estimator(H100, measured=Measured(path))
     assert measured.call_s(by[("linear", 16384)]) == (pytest.approx(0.5), True)  # the same shape: its own median
@@ -184,7 +184,7 @@ def test_durations():
 def test_the_gpu_present_is_the_default_roof_where_a_datasheet_knows_it(monkeypatch):
     import torch
 
-    from harness.estimate import DEFAULT_GPU, default_gpu
+    from harness.running.estimate import DEFAULT_GPU, default_gpu
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=0: "NVIDIA A100-SXM4-80GB")

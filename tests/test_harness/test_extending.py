@@ -25,7 +25,7 @@ def _write(tmp_path, name: str, text: str) -> str:
 AGREEMENT = """
 import torch
 import variants
-from harness.plugins import load_plugins
+from harness.scenarios.plugins import load_plugins
 
 load_plugins([PLUGIN])
 core = variants.create("toy_tempered", 8)
@@ -80,7 +80,7 @@ def test_a_plugin_variant_and_task_run_and_report_with_no_harness_change(tmp_pat
 
 
 def test_the_generic_harness_names_no_task():
-    files = [HARNESS / "scenario.py", HARNESS / "workloads.py", *sorted((HARNESS / "report").glob("*.py"))]
+    files = [HARNESS / "scenarios" / "scenario.py", HARNESS / "running" / "workloads.py", *sorted((HARNESS / "report").glob("*.py"))]
     text = "".join(path.read_text() for path in files)
     for word in ("mqar", "retrieval", "wikitext", "multi30k"):
         assert word not in text.lower(), word

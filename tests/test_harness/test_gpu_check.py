@@ -14,8 +14,8 @@ import pytest
 import torch
 from helpers import attnbench, attnbench_here, needs_shared
 
-from harness import gpu_check
-from harness.gpu_check import BUDGET_S, Check
+from harness.gpu import gpu_check
+from harness.gpu.gpu_check import BUDGET_S, Check
 from harness.results import ResultsWriter
 
 
@@ -77,9 +77,9 @@ def test_the_plan_fits_the_budget_and_follows_the_cells(monkeypatch):
 
 
 def test_the_plan_times_its_cells_with_the_one_cost_model():
-    """The timing and LM phases are harness.estimate's sweeps of the two scenarios (one cost model), on the GPU named."""
-    from harness.estimate import Estimator, gpu_roof
-    from harness.scenario import load_scenario
+    """The timing and LM phases are harness.running.estimate's sweeps of the two scenarios (one cost model), on the GPU named."""
+    from harness.running.estimate import Estimator, gpu_roof
+    from harness.scenarios.scenario import load_scenario
 
     phases = {phase.name: phase.seconds for phase in gpu_check.plan(kernel_tests=False, gpu="a100")}
     estimator = Estimator({"cuda": gpu_roof("a100")})

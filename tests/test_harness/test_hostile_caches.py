@@ -12,10 +12,11 @@ import os
 import pytest
 import torch
 
-from harness import roofline, runner
-from harness.machine import fingerprint
+from harness.measuring import roofline
+from harness.measuring.machine import fingerprint
 from harness.results import read_records
-from harness.scenario import load_scenario
+from harness.running import runner
+from harness.scenarios.scenario import load_scenario
 from harness.tasks import wikitext
 
 # --- the calibration cache ------------------------------------------------------------------------

@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from harness import runner
-from harness import worker as workers
 from harness.results import read_records
-from harness.runner import with_checkpoint_dir
-from harness.scenario import load_scenario
+from harness.running import runner
+from harness.running import worker as workers
+from harness.running.runner import with_checkpoint_dir
+from harness.running.workloads import measure_cell
+from harness.scenarios.scenario import load_scenario
 from harness.tasks.training import CheckpointError
-from harness.workloads import measure_cell
 
 PLUGIN = Path(__file__).with_name("frozen_plugin.py")
 

@@ -12,7 +12,7 @@ import pytest
 from helpers import commit
 from helpers import git as _git
 
-from harness.checkouts import changed_files, worktrees
+from harness.common.checkouts import changed_files, worktrees
 
 pytestmark = pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
 

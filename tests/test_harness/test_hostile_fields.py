@@ -12,7 +12,7 @@ from contextlib import contextmanager
 import pytest
 
 from harness.cli import main
-from harness.compare import CompareError, compare
+from harness.results.compare import CompareError, compare
 
 RUN = {"kind": "run", "schema": 2, "run_id": "r", "started_at": "2026-12-01T00:00:00+00:00", "scenario": "s", "machine": {"machine_id": "m"}}
 CELL = {"kind": "cell", "schema": 2, "run_id": "r", "cell_id": "c", "scenario": "s", "variant": "softmax", "backend": "torch", "params": {},

@@ -18,12 +18,12 @@ import pytest
 import torch
 from helpers import make_cell
 
-from harness import runner
-from harness import worker as workers
-from harness.files import UnsafeFileError
-from harness.locking import LOCK_NAME, LockedError, MachineRuns, ResultsDirectoryLock, machine_runs_dir
+from harness.common.files import UnsafeFileError
 from harness.results import ResultsChangedError, ResultsWriter, read_records, run_header
-from harness.scenario import load_scenario
+from harness.results.locking import LOCK_NAME, LockedError, MachineRuns, ResultsDirectoryLock, machine_runs_dir
+from harness.running import runner
+from harness.running import worker as workers
+from harness.scenarios.scenario import load_scenario
 from harness.tasks.training import CHECKPOINT_FIELDS, CheckpointError, cell_checkpoints, latest_checkpoint, load_checkpoint, save_checkpoint
 
 HOLDER = {"pid": 1, "scenario": "s", "started_at": "2026-12-03T00:00:00+00:00", "out": "o"}

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import json
 
-from harness import runner
 from harness.results import ResultsWriter, read_records, repair_tail
-from harness.scenario import load_scenario
+from harness.running import runner
+from harness.scenarios.scenario import load_scenario
 
 RUN = {"run_id": "r", "started_at": "2026-12-01T00:00:00+00:00", "scenario": "s", "machine": {"machine_id": "m"}}
 CELL = {"run_id": "r", "cell_id": "c1", "scenario": "s", "variant": "softmax", "mode": "forward", "status": "skipped", "error": "why"}

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from helpers import attnbench, attnbench_here, needs_shared
 
-from harness import kit
-from harness.kit import KitError
+from harness.gpu import kit
+from harness.gpu.kit import KitError
 
 METADATA = """Metadata-Version: 2.1
 Name: attnbench

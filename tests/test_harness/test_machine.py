@@ -15,8 +15,8 @@ import numpy
 import pytest
 import torch
 
-from harness import machine
-from harness.machine import fingerprint, format_fingerprint, throttle_state
+from harness.measuring import machine
+from harness.measuring.machine import fingerprint, format_fingerprint, throttle_state
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TOP_KEYS = {"hostname", "platform", "python", "cpu", "memory_bytes", "versions", "git", "gpu", "machine_id"}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness.measure import PeakMemory, Timing, time_callable, time_interleaved
+from harness.measuring.measure import PeakMemory, Timing, time_callable, time_interleaved
 
 
 def test_warmup_is_excluded_and_samples_are_counted():
@@ -78,8 +78,8 @@ class _FakeLibc:
 
 def test_timing_gets_the_usual_allocator_and_the_exact_rss_settings_come_back(monkeypatch):
     """In a worker started with worker.WORKER_ENV, timing runs with glibc's usual thresholds."""
-    from harness import measure
-    from harness.worker import WORKER_ENV
+    from harness.measuring import measure
+    from harness.running.worker import WORKER_ENV
 
     libc = _FakeLibc()
     monkeypatch.setattr(measure, "_glibc", lambda: libc)
@@ -94,7 +94,7 @@ def test_timing_gets_the_usual_allocator_and_the_exact_rss_settings_come_back(mo
 
 
 def test_the_usual_allocator_leaves_an_ordinary_process_alone(monkeypatch):
-    from harness import measure
+    from harness.measuring import measure
 
     libc = _FakeLibc()
     monkeypatch.setattr(measure, "_glibc", lambda: libc)

@@ -1,4 +1,4 @@
-"""The Ray executor (``attnbench run --executor ray``, harness.executors.ray) on a local Ray
+"""The Ray executor (``attnbench run --executor ray``, harness.running.executors.ray) on a local Ray
 instance started by the run: the same cells as the local executor, a Ray worker killed mid-cell,
 the driver killed and resumed; without Ray, the install hint."""
 
@@ -185,8 +185,8 @@ class _FakeRay:
 
 
 def test_a_local_ray_instance_is_started_on_loopback_and_a_routable_one_refused(monkeypatch):
-    from harness.executors import ray as ray_executor
-    from harness.runner import RunError
+    from harness.running.executors import ray as ray_executor
+    from harness.running.runner import RunError
 
     for key in ray_executor.LOCAL_ONLY:
         monkeypatch.delenv(key, raising=False)
@@ -208,7 +208,7 @@ def test_a_local_ray_instance_is_started_on_loopback_and_a_routable_one_refused(
 LISTENING = """
 import json, os
 from pathlib import Path
-from harness.executors.ray import RayExecutor
+from harness.running.executors.ray import RayExecutor
 
 def descendants(root):
     parents = {}

@@ -24,13 +24,13 @@ from helpers import commit, edit, make_cell, project_repository
 from helpers import git as _git
 
 import variants
-from harness import regress as regress_module
-from harness.checkouts import Revision, changed_files, worktrees
 from harness.cli import main
-from harness.compare import EXIT_OK, EXIT_REGRESSION
-from harness.regress import check_revision, measure_rounds, pool, regress
+from harness.common.checkouts import Revision, changed_files, worktrees
 from harness.results import read_records
-from harness.scenario import load_scenario
+from harness.results.compare import EXIT_OK, EXIT_REGRESSION
+from harness.revisions import regress as regress_module
+from harness.revisions.regress import check_revision, measure_rounds, pool, regress
+from harness.scenarios.scenario import load_scenario
 
 SLEEP = "            import time\n            time.sleep(0.05)  # injected by tests/test_harness/test_regress.py\n"
 
@@ -183,7 +183,7 @@ def test_a_failed_cell_costs_its_worker_and_the_next_cell_gets_a_fresh_one(monke
     """As in ``attnbench run`` (issue 36): after an ``error``, a ``nan`` or a ``crashed`` cell the
     revision's worker is replaced (a sticky CUDA error would fail every later cell in it); after
     ``ok`` or ``oom`` it is kept. Each side's round starts a worker of its own; the sides alternate."""
-    from harness import worker as workers
+    from harness.running import worker as workers
 
     log, starts = [], []
 
@@ -216,7 +216,7 @@ def test_each_revision_has_a_triton_cache_of_its_own_in_its_check_and_its_worker
     """Issue 32 item 4: a kernel compiled for one revision is never loaded for the other. Each side's
     ``TRITON_CACHE_DIR`` is its own, inside the run's scratch directory (removed with it), and reaches the
     check's process and the measuring workers (here a stand-in check script and worker report what they got)."""
-    from harness import worker as workers
+    from harness.running import worker as workers
 
     repo, commits = history
     script = tmp_path / "check.py"
@@ -248,7 +248,7 @@ def test_each_revision_has_a_triton_cache_of_its_own_in_its_check_and_its_worker
 def test_the_correctness_check_passes_every_registered_variant(name):
     """regress_check feeds each variant what it needs (β, the gated rule's log gate): a correct
     revision must not be reported INCORRECT (gated_delta was, before the check passed its gate)."""
-    from harness.regress_check import FileTrace, check
+    from harness.revisions.regress_check import FileTrace, check
 
     config = {"variant": name, "params": {}, "backend": "torch", "d_key": 8, "decode": True}
     assert check(config, torch.device("cpu"), FileTrace(Path.cwd())) == []

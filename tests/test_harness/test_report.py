@@ -21,9 +21,9 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from harness.compare import UNDECIDED, UNSTABLE, compare
 from harness.report import build_report, machine_ratios, prepare
 from harness.results import load, read_records
+from harness.results.compare import UNDECIDED, UNSTABLE, compare
 
 PLUGIN = str(Path(__file__).with_name("fault_plugin.py"))
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -292,7 +292,8 @@ def test_a_report_of_speed_cells_reads_the_results_files_alone(tmp_path):
     report is made from results files, on any machine."""
     results = Path(__file__).with_name("schema-1.jsonl")
     program = ("import sys; from harness.report import build_report; build_report([sys.argv[1]], sys.argv[2]); "
-               "print(sorted(m for m in sys.modules if m.split('.')[0] in ('variants', 'torch') or m in ('harness.runner', 'harness.scenario')))")
+               "print(sorted(m for m in sys.modules if m.split('.')[0] in ('variants', 'torch') "
+               "or m in ('harness.running.runner', 'harness.scenarios.scenario')))")
     done = subprocess.run([sys.executable, "-c", program, str(results), str(tmp_path)], capture_output=True, text=True,
                           env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parents[2]), os.environ.get("PYTHONPATH")]))})
     assert done.returncode == 0, done.stderr
@@ -300,8 +301,8 @@ def test_a_report_of_speed_cells_reads_the_results_files_alone(tmp_path):
 
 
 def test_labels_order_numbers_by_value_and_name_a_variants_own_d_key():
-    from harness.figures import natural
     from harness.report.cells import base_label
+    from harness.report.figures import natural
 
     labels = ["rwkv(chunk_size=32)", "rwkv(chunk_size=4)", "rwkv(chunk_size=16)", "linear"]
     assert sorted(labels, key=natural) == ["linear", "rwkv(chunk_size=4)", "rwkv(chunk_size=16)", "rwkv(chunk_size=32)"]

@@ -362,10 +362,10 @@ SCHEMA_1 = Path(__file__).with_name("schema-1.jsonl")
 def test_schema_1_files_are_upgraded_as_they_are_read(tmp_path):
     """An old file still loads (with the rel_ci of its samples, no stability verdict, no calibration),
     reports and compares; a run resumed into it appends schema 2 lines that read alongside."""
-    from harness.compare import compare
+    from harness.measuring.stats import median_rel_ci
     from harness.report import build_report
     from harness.results import load, read_records
-    from harness.stats import median_rel_ci
+    from harness.results.compare import compare
 
     old = tmp_path / "old.jsonl"
     old.write_text(SCHEMA_1.read_text())

@@ -9,10 +9,10 @@ import pytest
 import torch
 from helpers import make_cell
 
-from harness import roofline
-from harness.builders import BUILDERS, build_decoder
+from harness.measuring import roofline
+from harness.measuring.builders import BUILDERS, build_decoder
 from harness.results import load, read_records
-from harness.workloads import _state_traffic
+from harness.running.workloads import _state_traffic
 
 CALIBRATION = {"matmul_flops_per_s": {"float32": 1e11}, "bandwidth_bytes_per_s": 1e10}
 

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 from helpers import attnbench, make_cell
 
-from harness.cell import Cell
 from harness.results import load, read_records
+from harness.scenarios.cell import Cell
 
 PLUGIN = str(Path(__file__).with_name("fault_plugin.py"))
 
@@ -168,7 +168,7 @@ def test_bad_scenario_exits_2_with_the_file_and_field(tmp_path):
 @pytest.mark.slow
 def test_malloc_tuning_is_for_speed_workers_only():
     """Speed cells get the exact-RSS malloc settings; quality cells (training runs) glibc's defaults."""
-    from harness.worker import WORKER_ENV, Worker
+    from harness.running.worker import WORKER_ENV, Worker
 
     speed, quality = Worker(), Worker(tune_malloc=False)
     try:
@@ -290,8 +290,8 @@ def _cuda_cell(status: str) -> Cell:
 
 
 def test_a_failed_cuda_cell_gets_a_fresh_worker_and_an_ok_or_oom_one_keeps_it(monkeypatch):
-    from harness import machine
-    from harness.executors import local
+    from harness.measuring import machine
+    from harness.running.executors import local
 
     monkeypatch.setattr(local, "Worker", _ScriptedWorker)
     monkeypatch.setattr(machine, "fingerprint", lambda device: {"machine_id": device, "gpu": None})
@@ -321,7 +321,7 @@ def test_a_failed_cuda_cell_gets_a_fresh_worker_and_an_ok_or_oom_one_keeps_it(mo
     ("skipped", "cuda", "forward", None, False, "torch"),
 ])
 def test_which_cells_need_a_fresh_worker(status, device, mode, fresh_worker, expected, backend):
-    from harness.worker import needs_fresh_worker
+    from harness.running.worker import needs_fresh_worker
 
     cell = make_cell(axes={"device": device}, mode=mode, backend=backend, measure={"fresh_worker": fresh_worker})
     assert needs_fresh_worker(cell, status) is expected

@@ -7,7 +7,7 @@ import pytest
 import yaml
 
 import variants
-from harness.scenario import ScenarioError, load_scenario, shipped
+from harness.scenarios.scenario import ScenarioError, load_scenario, shipped
 
 BASE = {
     "name": "t",
@@ -270,7 +270,7 @@ def test_a_variant_of_its_own_d_key(tmp_path):
 
 @pytest.mark.parametrize("target", ["core", "layer"])
 def test_cells_of_a_variant_with_its_own_d_key_measure(tmp_path, target):
-    from harness.workloads import measure_cell
+    from harness.running.workloads import measure_cell
 
     data = dict(
         BASE,

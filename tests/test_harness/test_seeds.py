@@ -1,5 +1,5 @@
-"""Seeds as an axis of every quality task, the report's aggregation over them (harness.seeds)
-and the quality–speed frontier (harness.frontier): the statistics on constructed cells, the
+"""Seeds as an axis of every quality task, the report's aggregation over them (harness.report.seeds)
+and the quality–speed frontier (harness.report.frontier): the statistics on constructed cells, the
 scenario rules on the shipped MQAR scenario, and one real tiny MQAR run through the CLI."""
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from helpers import attnbench
 from pydantic import BaseModel
 
 from harness import tasks
-from harness.figures import Figures
-from harness.frontier import cell_flags, frontier_plot, frontier_points, on_frontier
-from harness.scenario import ScenarioError, load_scenario
-from harness.seeds import over_seeds, seed_table, swept
+from harness.report.figures import Figures
+from harness.report.frontier import cell_flags, frontier_plot, frontier_points, on_frontier
+from harness.report.seeds import over_seeds, seed_table, swept
+from harness.scenarios.scenario import ScenarioError, load_scenario
 
 ACCURACY = tasks.Score("accuracy", higher_is_better=True, threshold=0.9)
 

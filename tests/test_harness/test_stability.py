@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from helpers import attnbench
 
-from harness.compare import EXIT_OK, EXIT_REGRESSION, UNDECIDED, compare, ratio_ci, timing_mark
 from harness.results import ResultsWriter
+from harness.results.compare import EXIT_OK, EXIT_REGRESSION, UNDECIDED, compare, ratio_ci, timing_mark
 
 #: The smoke-cpu cell of the issue (softmax forward, T=256): one sample 8x the others.
 OBSERVED_MS = [0.59, 0.54, 4.72, 0.61, 0.55]
@@ -44,7 +44,7 @@ def test_the_three_times_slower_cell_with_an_outlier_is_worse_and_exits_1(tmp_pa
 
 def test_the_plain_bootstrap_of_the_median_is_what_the_outlier_blinded():
     """Without the outlier fences the interval of the same samples spans 1 (the issue's [0.374, 24.064])."""
-    import harness.compare as statistics
+    import harness.results.compare as statistics
 
     base = np.array(OBSERVED_MS)
     rng = np.random.default_rng(0)
@@ -53,7 +53,7 @@ def test_the_plain_bootstrap_of_the_median_is_what_the_outlier_blinded():
 
 
 def test_outliers_are_the_severe_ones_only():
-    from harness.compare import _without_outliers
+    from harness.results.compare import _without_outliers
 
     assert list(_without_outliers([1.0, 1.1, 0.9, 1.05, 9.0])) == [1.0, 1.1, 0.9, 1.05]
     spread = [1.0, 1.2, 1.4, 1.6, 1.8, 2.0, 2.6]  # a long tail within 3 IQR stays
@@ -105,7 +105,7 @@ def test_rounds_of_different_lengths_are_resampled_in_two_stages():
 
 
 def test_sampling_stops_at_the_minimum_when_the_median_is_sure():
-    from harness.measure import sample_until_stable
+    from harness.measuring.measure import sample_until_stable
 
     timing = sample_until_stable(lambda: 1.0, repeats=5, target_rel_ci=0.05, max_time_s=60)
     assert len(timing.samples_s) == 5 and timing.rel_ci == 0 and timing.unstable is False
@@ -116,7 +116,7 @@ def test_sampling_goes_on_until_the_median_is_sure():
     """Three samples far apart, then mostly 1.0 or 1.04 with an occasional 2.0: the median is sure once there are enough."""
     from itertools import chain
 
-    from harness.measure import sample_until_stable
+    from harness.measuring.measure import sample_until_stable
 
     rng = np.random.default_rng(0)
     values = chain([1.0, 2.0, 1.5], (float(rng.choice([1.0, 1.04, 2.0], p=[0.45, 0.4, 0.15])) for _ in range(1000)))
@@ -126,7 +126,7 @@ def test_sampling_goes_on_until_the_median_is_sure():
 
 def test_sampling_that_never_settles_is_unstable():
     """Alternating 1 and 3: the median's interval never narrows; sampling stops at MAX_SAMPLES, or at once with no time left."""
-    from harness.measure import MAX_SAMPLES, sample_until_stable
+    from harness.measuring.measure import MAX_SAMPLES, sample_until_stable
 
     values = iter(np.tile([1.0, 3.0], MAX_SAMPLES))
     timing = sample_until_stable(lambda: next(values), repeats=4, target_rel_ci=0.05, max_time_s=600)
@@ -137,14 +137,14 @@ def test_sampling_that_never_settles_is_unstable():
 
 
 def test_fixed_sampling_has_no_verdict():
-    from harness.measure import sample_until_stable
+    from harness.measuring.measure import sample_until_stable
 
     timing = sample_until_stable(lambda: 1.0, repeats=3)
     assert len(timing.samples_s) == 3 and timing.unstable is None and "unstable" not in timing.summary()
 
 
 def test_other_processes_cpu_time_is_all_busy_time_minus_our_own(monkeypatch):
-    import harness.busyness as load
+    import harness.measuring.busyness as load
 
     busy, own = iter([100.0, 103.5]), iter([10.0, 11.0])
     monkeypatch.setattr(load, "busy_cpu_s", lambda: next(busy))
@@ -168,7 +168,7 @@ def test_a_busy_process_beside_is_seen():
     """While a CPU-bound process runs, other processes keep at least half a core busy, however loaded the machine already is."""
     import time
 
-    from harness.busyness import LoadMeter
+    from harness.measuring.busyness import LoadMeter
 
     process = burner()
     try:

@@ -16,12 +16,13 @@ import pytest
 import torch
 from helpers import attnbench
 
-from harness import profiling, workloads
-from harness.compare import EXIT_INCOMPARABLE, compare
-from harness.measure import TimingError, clock_for, time_callable
+from harness.measuring import profiling
+from harness.measuring.measure import TimingError, clock_for, time_callable
 from harness.report import build_report, prepare
 from harness.results import ResultsWriter, load, read_records
-from harness.scenario import ScenarioError, load_scenario
+from harness.results.compare import EXIT_INCOMPARABLE, compare
+from harness.running import workloads
+from harness.scenarios.scenario import ScenarioError, load_scenario
 
 
 def _scenario(tmp_path, *, modes="[forward]", measure="", device="cpu", extra="") -> Path:
@@ -178,7 +179,7 @@ def test_ncu_and_nsys_are_skipped_with_the_reason_where_they_are_not_installed(t
 def test_a_wrapped_worker_measures_through_its_wrapper(tmp_path):
     """``Worker(wrapper=...)`` starts the worker under a command (as ``nsys profile ... -o REPORT``
     does): a stand-in tool that writes its report and runs the rest of its command line."""
-    from harness.worker import Worker
+    from harness.running.worker import Worker
 
     tool = tmp_path / "tool"
     tool.write_text('#!/bin/sh\necho wrapped > "$1"\nshift\nexec "$@"\n')

@@ -15,10 +15,10 @@ import pandas as pd
 import pytest
 
 import harness
-import harness.stats as stats
-from harness.cell import Cell
-from harness.compare import EXIT_OK, EXIT_REGRESSION, UNSTABLE, compare, ratio_ci
+import harness.measuring.stats as stats
 from harness.results import read_records
+from harness.results.compare import EXIT_OK, EXIT_REGRESSION, UNSTABLE, compare, ratio_ci
+from harness.scenarios.cell import Cell
 
 #: An old results file (schema 1): one softmax cell with five samples, one failed linear cell.
 SCHEMA_1 = Path(__file__).with_name("schema-1.jsonl")
@@ -97,7 +97,7 @@ def test_a_side_measured_unstable_is_marked_and_not_judged(tmp_path, side):
 
 def test_only_unstable_cells_compare_nothing(tmp_path):
     """Every timed cell unstable on one side: nothing was compared, exit 2 (the failed cell aside)."""
-    from harness.compare import EXIT_INCOMPARABLE
+    from harness.results.compare import EXIT_INCOMPARABLE
 
     base = _results(tmp_path / "base.jsonl", unstable=True)
     head = _results(tmp_path / "head.jsonl", unstable=False)
@@ -138,7 +138,7 @@ def test_the_reports_side_by_side_tables_mark_unstable_times(tmp_path):
 
 def test_the_threads_of_a_cpu_measurement_leave_the_busy_cores_alone():
     """Half a core of other work takes a core; at least one thread is left; fewer threads stay."""
-    from harness.busyness import busy_cores, spare_threads
+    from harness.measuring.busyness import busy_cores, spare_threads
 
     assert [busy_cores(load) for load in (None, 0.0, 0.49, 0.5, 1.4, 1.5, 3.7)] == [0, 0, 0, 1, 1, 2, 4]
     assert [spare_threads(8, 8, load) for load in (None, 0.2, 0.6, 2.5, 7.9, 12.0)] == [8, 8, 7, 5, 1, 1]
@@ -146,7 +146,7 @@ def test_the_threads_of_a_cpu_measurement_leave_the_busy_cores_alone():
 
 
 def _cells(tmp_path, device: str = "cpu", **measure) -> list[Cell]:
-    from harness.scenario import load_scenario
+    from harness.scenarios.scenario import load_scenario
 
     scenario = tmp_path / "tiny.yaml"
     scenario.write_text(json.dumps({"name": "tiny", "variants": {"linear": {}}, "axes": {"seq_len": 16, "batch": 1, "heads": 1, "d_key": 8, "device": device},
@@ -155,7 +155,7 @@ def _cells(tmp_path, device: str = "cpu", **measure) -> list[Cell]:
 
 
 def test_a_busy_machine_is_announced_before_cpu_cells(tmp_path):
-    from harness.busyness import busy_warning
+    from harness.measuring.busyness import busy_warning
 
     cells = _cells(tmp_path)
     line = busy_warning(cells, 1.6, 2)
@@ -169,7 +169,7 @@ def test_a_cpu_cell_records_the_threads_the_load_left_it(tmp_path, monkeypatch):
     as torch_threads), a quiet one all of them, and measure.cpus keeps its own (1 CPU: 1 thread)."""
     import torch
 
-    import harness.workloads as workloads
+    import harness.running.workloads as workloads
 
     cores = len(workloads._UNPINNED[0] or range(os.cpu_count()))
     if cores < 2 or workloads._UNPINNED[1] < 2:
@@ -191,12 +191,12 @@ def test_a_cpu_cell_records_the_threads_the_load_left_it(tmp_path, monkeypatch):
 def test_attnbench_run_says_so_before_the_first_cell(tmp_path, monkeypatch, capsys):
     """The warning is the first line of ``attnbench run`` on a busy machine (load injected), after
     the checks and before the worker starts (stopped there as Ctrl-C would, to stay quick)."""
-    import harness.runner
+    import harness.running.runner
     from harness.cli import EXIT_INTERRUPTED, main
-    from harness.executors.local import LocalExecutor
+    from harness.running.executors.local import LocalExecutor
 
     _cells(tmp_path)
-    monkeypatch.setattr(harness.runner, "other_cores_now", lambda: os.cpu_count() - 0.4)
+    monkeypatch.setattr(harness.running.runner, "other_cores_now", lambda: os.cpu_count() - 0.4)
     before_first_cell = []
 
     def start(self, todo, fingerprint):

@@ -10,10 +10,11 @@ import torch
 import yaml
 
 import variants
-from harness import builders, lengths
-from harness.cell import Cell
-from harness.scenario import ScenarioError, load_scenario
-from harness.workloads import measure_cell
+from harness.measuring import builders
+from harness.running.workloads import measure_cell
+from harness.scenarios import lengths
+from harness.scenarios.cell import Cell
+from harness.scenarios.scenario import ScenarioError, load_scenario
 
 BASE = {
     "name": "v",

@@ -17,7 +17,7 @@ import torch
 
 import variants
 from harness import tasks
-from harness.cell import Cell
+from harness.scenarios.cell import Cell
 from variants.base import AttentionCore, TokenInput, activated_linear
 
 TEMPERATURE = TokenInput(
@@ -92,8 +92,8 @@ def run_spread(cell: Cell) -> dict:
 
 
 def spread_sections(cells, figures, name: str) -> list:
-    from harness.figures import table
-    from harness.formatting import text
+    from harness.common.formatting import text
+    from harness.report.figures import table
 
     ok = cells[cells["status"] == "ok"]
     return [table("Toy spread", ok, [("variant", "series", text), ("width", "axes.width", text), ("spread", "metrics.spread", text)])]

@@ -22,7 +22,7 @@ import torch
 
 pytest.importorskip("triton", reason="attnbench kernels compiles with triton's compiler: pip install 'attnbench[triton]'")
 
-from harness import kernel_table as kt  # noqa: E402
+from harness.kernels import kernel_table as kt  # noqa: E402
 from variants import UnsupportedBackend, kernels  # noqa: E402
 from variants.kernels import _common, delta_rule, sum_rule  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""``attnbench kernels --compare REV`` (harness.kernel_diff) and the ``--kernel`` filter of ``attnbench kernels``.
+"""``attnbench kernels --compare REV`` (harness.kernels.kernel_diff) and the ``--kernel`` filter of ``attnbench kernels``.
 
 The verdicts on rows are checked on made-up rows; the command end to end (``slow``: it compiles) on a temporary
 git repository holding this project's ``variants/``: one kernel (the sum rule's ``forward_scan``), one target
@@ -16,9 +16,9 @@ import pytest
 
 pytest.importorskip("triton", reason="attnbench kernels compiles with triton's compiler: pip install 'attnbench[triton]'")
 
-from harness import kernel_diff as kd  # noqa: E402
-from harness import kernel_table as kt  # noqa: E402
 from harness.cli import main  # noqa: E402
+from harness.kernels import kernel_diff as kd  # noqa: E402
+from harness.kernels import kernel_table as kt  # noqa: E402
 from variants.kernels import delta_rule  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -123,7 +123,7 @@ def test_regress_compiles_only_the_rows_whose_compilation_differs(monkeypatch, f
     whose module changed, is compiled too."""
     from types import SimpleNamespace
 
-    from harness.regress import RegressResult
+    from harness.revisions.regress import RegressResult
 
     keys = {
         "base": {"a|C|sm_80": ["m1", "a"], "output|C|sm_80": ["m1", "o1"], "gone|C|sm_80": ["m1", "g"]},

@@ -18,9 +18,9 @@ import pytest
 import triton
 from helpers import slow_when_interpreted
 
-from harness import workloads
-from harness.cell import Cell
-from harness.scenario import load_scenario
+from harness.running import workloads
+from harness.scenarios.cell import Cell
+from harness.scenarios.scenario import load_scenario
 from variants.kernels import delta_rule, identity, sum_rule
 
 DEVICE = os.environ.get("ATTNBENCH_TEST_DEVICE", "cpu")

@@ -9,7 +9,7 @@ import torch
 from helpers import attnbench
 from torch import nn
 
-from harness.scenario import load_scenario
+from harness.scenarios.scenario import load_scenario
 from harness.tasks.batches import GeneratorBatches
 from harness.tasks.copy import IGNORE, SEPARATOR, CopyConfig, evaluate, make_batch, max_copy, padding, steps_to_threshold
 from harness.tasks.training import LR_DROP, TrainConfig, train

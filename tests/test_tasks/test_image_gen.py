@@ -12,7 +12,7 @@ import torch
 from helpers import attnbench
 
 from harness.models import DecoderConfig, DecoderLM
-from harness.scenario import load_scenario
+from harness.scenarios.scenario import load_scenario
 from harness.tasks.image_gen import LEVELS, START, bits_per_dim, generate, generation_speed, gumbel, levels, score_bits_per_dim, shifted
 from harness.tasks.images import ImageFileError, load, read_cifar_binary, read_idx_images
 

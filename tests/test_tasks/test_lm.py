@@ -16,15 +16,7 @@ from helpers import attnbench, make_cell, needs_shared
 from harness.models import DecoderConfig, DecoderLM
 from harness.tasks.batches import WindowBatches
 from harness.tasks.command_line import parse_command_line
-from harness.tasks.lm import (
-    LMConfig,
-    evaluate_carry,
-    evaluate_sliding,
-    evaluate_windows,
-    main,
-    run_cell,
-    run_lm,
-)
+from harness.tasks.lm import LMConfig, evaluate_carry, evaluate_sliding, evaluate_windows, main, run_cell, run_lm
 
 VOCAB = 40
 
@@ -189,7 +181,7 @@ def test_ci_preset_runs_through_the_runner(tmp_path):
 def test_the_gpu_preset_has_a_cpu_twin():
     """lm-wikitext's ``gpu`` preset (the small model for 200 steps on a GPU) and its twin ``gpu-twin`` on
     this CPU: the same settings but the sizes."""
-    from harness.scenario import load_scenario
+    from harness.scenarios.scenario import load_scenario
 
     gpu, twin = (load_scenario("quality/lm-wikitext", preset=name).scenario for name in ("gpu", "gpu-twin"))
     sizes = {"model_overrides", "steps", "batch", "warmup", "eval_tokens", "sliding_tokens", "threads", "log_every"}

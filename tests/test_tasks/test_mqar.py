@@ -9,7 +9,7 @@ import torch
 from helpers import attnbench
 
 from harness.models.mqar import MQARModel
-from harness.scenario import ScenarioError, load_scenario
+from harness.scenarios.scenario import ScenarioError, load_scenario
 from harness.tasks.mqar import IGNORE, MQARConfig, make_batch, run_mqar, train
 
 

@@ -14,9 +14,9 @@ from helpers import make_cell, needs_shared
 from pydantic import ValidationError
 
 import variants
-from harness import runner
 from harness.models.seq2seq import Seq2Seq, source_lengths
-from harness.scenario import load_scenario
+from harness.running import runner
+from harness.scenarios.scenario import load_scenario
 from harness.tasks.batches import Example, LengthBatches, collate
 from harness.tasks.command_line import parse_command_line
 from harness.tasks.mt import (

@@ -8,15 +8,7 @@ import pytest
 import torch
 
 from harness.models.retrieval import RetrievalModel
-from harness.tasks.retrieval import (
-    RetrievalConfig,
-    evaluate,
-    make_batch,
-    make_eval_batch,
-    retrieval_loss,
-    run_retrieval,
-    train,
-)
+from harness.tasks.retrieval import RetrievalConfig, evaluate, make_batch, make_eval_batch, retrieval_loss, run_retrieval, train
 
 
 def gen(seed: int) -> torch.Generator:

@@ -231,7 +231,7 @@ def test_segment_scores_match_a_plain_loss(seed):
 def test_segment_presets_build_their_models(preset):
     """Every cell of the shipped segment presets is a model the segment kind accepts."""
     from harness.models import lm_config
-    from harness.scenario import load_scenario
+    from harness.scenarios.scenario import load_scenario
 
     cells = load_scenario("quality/lm-wikitext", preset=preset).cells()
     assert cells and all(cell.task["segment"]["kind"] != "none" for cell in cells)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from harness.scenario import ScenarioError, load_scenario
+from harness.scenarios.scenario import ScenarioError, load_scenario
 
 
 @pytest.mark.parametrize(

@@ -14,7 +14,7 @@ import torch
 import torch.multiprocessing as mp
 from torch import nn
 
-from harness.files import write_json_atomic
+from harness.common.files import write_json_atomic
 from harness.tasks.distributed import Distributed
 from harness.tasks.training import CheckpointError, TrainConfig, latest_checkpoint, train, warmup_cosine
 

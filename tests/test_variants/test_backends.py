@@ -14,8 +14,8 @@ from helpers import assert_close, config_id, make_inputs, slow_interpreted, to
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import variants
-from harness import workloads
-from harness.scenario import ScenarioError, load_scenario
+from harness.running import workloads
+from harness.scenarios.scenario import ScenarioError, load_scenario
 
 pytest.importorskip("triton")
 

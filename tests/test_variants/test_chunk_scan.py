@@ -10,7 +10,7 @@ import torch
 from helpers import make_inputs, to
 
 import variants
-from harness.profiling import OperationCount
+from harness.measuring.profiling import OperationCount
 from variants.chunk_scan import affine_scan
 from variants.chunked import _solve_unit_lower
 from variants.precision import REL_ERROR_TOLERANCE, rel_error

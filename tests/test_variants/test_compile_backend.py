@@ -19,13 +19,13 @@ from helpers import CONFIGS, assert_close, attnbench, build, config_id, make_inp
 from torch._dynamo.utils import counters
 
 import variants
-from harness import workloads
-from harness.cell import Cell
 from harness.report import baseline_backend, build_report, prepare
 from harness.report.header import runs_of
 from harness.report.tables import backend_ratios
 from harness.results import load
-from harness.scenario import ScenarioError, load_scenario
+from harness.running import workloads
+from harness.scenarios.cell import Cell
+from harness.scenarios.scenario import ScenarioError, load_scenario
 from variants.compiled import compiled_frames
 
 #: The first configuration of every registered variant in tests/helpers.py.

@@ -19,8 +19,9 @@ from helpers import assert_close, check_forms, config_id, make_inputs, slow_inte
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import variants
-from harness import builders, workloads
-from harness.scenario import load_scenario
+from harness.measuring import builders
+from harness.running import workloads
+from harness.scenarios.scenario import load_scenario
 from variants import fla_backend
 from variants.base import repeat_heads
 

@@ -1,0 +1,129 @@
+"""How busy the machine was around a measurement: load average, the CPU time other processes
+used (all CPU time from /proc/stat minus this process's own from /proc/self/stat), and on a
+GPU its utilisation and the other processes on it (NVML). A timing taken while other work ran
+is a shared-machine timing; ``with LoadMeter(device) as meter: ...`` then ``meter.record``.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ..scenarios.cell import Cell
+
+#: Fields of /proc/stat's "cpu" line that count busy time: user, nice, system, irq, softirq,
+#: steal (time the hypervisor gave to other virtual machines); not idle and iowait.
+_BUSY_FIELDS = (0, 1, 2, 5, 6, 7)
+
+
+def _ticks_per_s() -> int:
+    return os.sysconf("SC_CLK_TCK")
+
+
+def busy_cpu_s() -> float | None:
+    """CPU seconds every process on the machine has used since boot (None where /proc/stat is missing)."""
+    try:
+        fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+    except (OSError, IndexError):
+        return None
+    return sum(int(fields[i]) for i in _BUSY_FIELDS if i < len(fields)) / _ticks_per_s()
+
+
+def own_cpu_s() -> float:
+    """CPU seconds this process (all its threads) has used, user and system."""
+    times = os.times()
+    return times.user + times.system
+
+
+def _loadavg() -> list[float] | None:
+    try:
+        return [round(value, 2) for value in os.getloadavg()]
+    except OSError:
+        return None
+
+
+def gpu_load(device) -> dict | None:
+    """The GPU's utilisation (percent of the last sample period with a kernel running) and the
+    pids of the other processes holding a context on it; None without a CUDA device or NVML."""
+    from .machine import _cuda_index, _nvml_device, _query
+
+    index = _cuda_index(device)
+    found = _nvml_device(index) if index is not None else None
+    if found is None:
+        return None
+    nvml, handle = found
+    processes = _query(nvml, "nvmlDeviceGetComputeRunningProcesses", handle) or []
+    return {
+        "utilization_percent": _query(nvml, "nvmlDeviceGetUtilizationRates", handle, convert=lambda rates: rates.gpu),
+        "other_pids": sorted(p.pid for p in processes if p.pid != os.getpid()),
+    }
+
+
+class LoadMeter:
+    """The machine's load around a block; ``record`` after it (``other_cores``: the cores other
+    processes kept busy on average, of ``cores``)."""
+
+    def __init__(self, device="cpu"):
+        self.device = device
+        self.record: dict = {}
+
+    def __enter__(self):
+        self._start = (time.perf_counter(), busy_cpu_s(), own_cpu_s())
+        self._loadavg, self._gpu = _loadavg(), gpu_load(self.device)
+        return self
+
+    def __exit__(self, *exc):
+        wall, busy, own = time.perf_counter(), busy_cpu_s(), own_cpu_s()
+        wall_s = wall - self._start[0]
+        other = None if busy is None or self._start[1] is None else max(0.0, (busy - self._start[1]) - (own - self._start[2]))
+        self.record = {
+            "wall_s": wall_s,
+            "cores": os.cpu_count(),
+            "other_cpu_s": other,
+            "other_cores": None if other is None or wall_s <= 0 else other / wall_s,
+            "loadavg_before": self._loadavg,
+            "loadavg_after": _loadavg(),
+        }
+        if self._gpu is not None:
+            self.record.update(gpu_before=self._gpu, gpu_after=gpu_load(self.device))
+        return False
+
+
+#: Other processes keeping this many cores busy on average take a core from a measurement (and
+#: make it a shared-machine timing: compare notes such a side).
+BUSY_CORES = 0.5
+#: How long ``other_cores_now`` watches the machine.
+SNAPSHOT_S = 0.2
+
+
+def other_cores_now(window_s: float = SNAPSHOT_S) -> float | None:
+    """The cores other processes keep busy now, on average over ``window_s`` (None without /proc/stat)."""
+    with LoadMeter() as meter:
+        time.sleep(window_s)
+    return meter.record["other_cores"]
+
+
+def busy_cores(other_cores: float | None) -> int:
+    """Whole cores taken by ``other_cores`` of load: each ``BUSY_CORES`` beyond a whole core counts as one."""
+    return 0 if other_cores is None else int(other_cores + 1 - BUSY_CORES)
+
+
+def spare_threads(threads: int, cores: int, other_cores: float | None) -> int:
+    """``threads`` for a CPU measurement, at most the ``cores`` other processes leave free, at least 1:
+    OpenMP threads that wait on a core another process holds make a cell many times slower."""
+    return max(1, min(threads, cores - busy_cores(other_cores)))
+
+
+def busy_warning(cells: list[Cell], other_cores: float | None, cores: int) -> str | None:
+    """One line saying the machine is busy, when ``cells`` time something on the CPU and other
+    processes keep a core or more of ``cores`` busy (``busy_cores``); None otherwise."""
+    timed = sum(cell.device == "cpu" and not cell.quality and not cell.skip for cell in cells)
+    busy = busy_cores(other_cores)
+    if not timed or not busy:
+        return None
+    return (f"warning: the machine is busy: other processes keep {other_cores:.1f} of {cores} cores busy, {max(0, cores - busy)} free; "
+            f"the CPU timings of {timed} cell(s) will be unreliable (each runs on at most {spare_threads(cores, cores, other_cores)} "
+            "thread(s)); measure on a quiet machine")

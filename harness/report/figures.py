@@ -1,0 +1,100 @@
+"""What every plot and table of a report is made of: the ``Plot`` and ``Table`` records the
+template renders, ``Figures`` (the report's output folder, one colour per line label, one line
+style per machine) and a figure of several panels. Shared by ``harness.report`` and the
+report sections each task registers (``harness.tasks``)."""
+
+from __future__ import annotations
+
+import base64
+import io
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pandas as pd
+import seaborn as sns
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
+
+from ..common.files import own_directory, write_atomic
+
+#: Matplotlib settings under which a report's plots are made: every label, title, legend and tick is
+#: plain text (a results file's ``a$b$c`` is not parsed as mathtext, which fails the whole figure).
+PLAIN_TEXT = {"text.parse_math": False}
+#: How a failed cell is drawn: an x, in its line's colour.
+FAILURE_MARK = {"marker": "x", "markersize": 9, "markeredgewidth": 2, "linestyle": "none"}
+
+
+def natural(label):
+    """A sort key that orders the numbers inside labels by value: chunk_size=8 before chunk_size=16."""
+    return re.sub(r"\d+", lambda number: number.group().zfill(12), label) if isinstance(label, str) else label
+
+
+def natural_columns(column: pd.Series) -> pd.Series:
+    return column.map(natural)
+
+
+@dataclass
+class Plot:
+    title: str
+    caption: str
+    file: str
+    data_uri: str
+
+
+@dataclass
+class Table:
+    title: str
+    headers: list[str]
+    rows: list[list[str]]
+    row_classes: list[str] = field(default_factory=list)
+    caption: str = ""
+
+
+def table(title: str, frame: pd.DataFrame, columns: list[tuple[str, str, Callable]], caption: str = "", classes: str | None = None) -> Table:
+    """A Table of ``frame``: ``columns`` are (header, column, formatter); missing columns show '-'."""
+    records = frame.to_dict("records")
+    rows = [[formatter(record.get(column)) for _, column, formatter in columns] for record in records]
+    row_classes = [re.sub(r"[^a-z0-9]+", "-", str(record.get(classes)).lower()).strip("-") for record in records] if classes else []
+    return Table(title, [header for header, _, _ in columns], rows, row_classes, caption)
+
+
+@dataclass
+class Figures:
+    """Everything plots share in one report: the output folder, colours and line styles."""
+
+    out_dir: Path
+    colours: dict[str, tuple]
+    styles: dict[str, str]
+
+    def save(self, figure: Figure, name: str, title: str, caption: str) -> Plot:
+        """Write ``figure`` to plots/NAME.png and return it with its data URI."""
+        buffer = io.BytesIO()
+        FigureCanvasAgg(figure).print_png(buffer)
+        data = buffer.getvalue()
+        path = own_directory(self.out_dir / "plots") / f"{name}.png"
+        write_atomic(path, data)
+        return Plot(title, caption, f"plots/{path.name}", "data:image/png;base64," + base64.b64encode(data).decode("ascii"))
+
+    def legend(self, figure: Figure, cells: pd.DataFrame, failures: bool) -> None:
+        """Colours of the lines shown, line styles of the machines, the failure marker."""
+        handles = [Line2D([], [], color=self.colours[s], marker="o", label=s) for s in sorted(cells["series"].unique(), key=natural)]
+        machines = cells["machine"].unique()
+        if len(machines) > 1:
+            handles += [Line2D([], [], color="black", linestyle=self.styles[m], label=m) for m in machines]
+        if failures:
+            handles.append(Line2D([], [], color="black", label="failed (oom / error / crashed / nan)", **FAILURE_MARK))
+        figure.legend(handles=handles, loc="outside right upper", fontsize="small")
+
+
+def new_figure(panels: int) -> tuple[Figure, list]:
+    columns = min(panels, 3)
+    rows = -(-panels // columns)
+    figure = Figure(figsize=(4.6 * columns + 3.2, 3.6 * rows), layout="constrained")
+    with sns.axes_style("whitegrid"):
+        axes = figure.subplots(rows, columns, squeeze=False).ravel()
+    for extra in axes[panels:]:
+        extra.set_visible(False)
+    return figure, list(axes[:panels])

@@ -1,0 +1,4 @@
+"""Two git revisions of attnbench against each other: ``regress`` (an interleaved run of both), its
+correctness check run inside each checkout (``regress_check``, run by path) and ``bisect``.
+
+May import: common, scenarios, measuring, running, results, kernels, variants."""

@@ -1,0 +1,172 @@
+"""A sweep planned before it runs: what ``attnbench run --dry-run`` prints beside the cells (each cell's
+estimate, each group's, each scenario's, the total; harness.running.estimate) and what ``--budget`` keeps.
+
+A budget keeps the most informative cells first: every series (the cells of one variant, parameters, backend,
+mode, dtype and shape but for their length, ``seq_len`` then ``batch``) at its shortest point, then at its
+longest, then the points between, halving the widest gap first; within one round the scenarios' order. A cell is
+kept when it fits what is left, with the fixed costs it adds (its run's start, its first use, a fresh worker);
+one that does not is left out and the next is tried.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from dataclasses import dataclass
+
+from ..scenarios.cell import Cell
+from ..scenarios.expansion import describe
+from .estimate import CellEstimate, Estimator, Sweep, first_use_group, format_duration
+
+#: The axes along which a series runs (its points ordered by them), the rest name the series.
+LENGTH_AXES = ("seq_len", "batch")
+
+
+def group_label(cell: Cell) -> str:
+    """The group of a cell in the listings: variant and parameters, backend, mode, dtype, device."""
+    params = ",".join(f"{key}={value}" for key, value in cell.params.items())
+    return f"{cell.variant}{'(' + params + ')' if params else ''}[{cell.backend}] {cell.mode} {cell.axes['dtype']} {cell.axes['device']}"
+
+
+def format_dry_run(loaded, sweeps: list[Sweep], roofs: dict, measured_from: str | None = None) -> list[str]:
+    """The lines of ``--dry-run``: per scenario its cells with their estimates, its groups and its total; then the total."""
+    lines = []
+    for scenario, sweep in zip(loaded, sweeps):
+        preset = f", preset {scenario.preset}" if scenario.preset else ""
+        lines.append(f"{scenario.path} ({scenario.name}{preset}): {len(sweep.cells)} cells, estimated {format_duration(sweep.seconds())}")
+        for estimate in sweep.cells:
+            lines.append(f"  {estimate.cell.cell_id}  {describe(estimate.cell)}{_cell_note(estimate)}")
+        lines += [f"  group {label}: {text}" for label, text in _groups(sweep.cells)]
+        lines.append(f"  {scenario.name}: estimated {format_duration(sweep.seconds())} ({_fixed(sweep)})")
+    total = sum(sweep.seconds() for sweep in sweeps)
+    count = sum(len(sweep.cells) for sweep in sweeps)
+    from_file = sum(e.measured for sweep in sweeps for e in sweep.cells)
+    lines.append(f"estimated total: {format_duration(total)} for {count} cells in {len(sweeps)} scenario(s)")
+    lines += [f"roof ({kind}): {roof.describe()}" for kind, roof in roofs.items()]
+    if measured_from is not None:
+        lines.append(f"calls of {from_file} cell(s) from the nearest measured cells of {measured_from}, scaled by the model; the rest from the roof")
+    return lines
+
+
+def _cell_note(estimate: CellEstimate) -> str:
+    if estimate.cell.skip:
+        return ""
+    return f"  ~{estimate.seconds:.1f} s" + (" (measured)" if estimate.measured else "")
+
+
+def _groups(estimates: list[CellEstimate]) -> list[tuple[str, str]]:
+    grouped = defaultdict(list)
+    for estimate in estimates:
+        if not estimate.cell.skip:
+            grouped[group_label(estimate.cell)].append(estimate)
+    return [(label, f"{len(group)} cells, {format_duration(sum(e.seconds for e in group))}") for label, group in grouped.items()]
+
+
+def _fixed(sweep: Sweep) -> str:
+    uses = sweep.first_uses()
+    cells = sum(e.seconds for e in sweep.cells)
+    skipped = len(sweep.cells) - len(sweep.measured)
+    return (f"cells {format_duration(cells)}, run start {format_duration(sweep.costs.run_start_s if sweep.measured else 0)}, "
+            f"worker starts {format_duration(sweep.worker_starts_s())}, {len(uses)} first uses {format_duration(sum(uses.values()))}"
+            f"{f', {skipped} skipped' if skipped else ''}")  # fmt: skip
+
+
+# --- budgets ------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Selection:
+    """What a budget keeps: the cells of each scenario (in the scenario's order; its skipped cells, which cost nothing, with
+    those kept) and those it leaves out, with their estimates."""
+
+    kept: list[list[Cell]]
+    left_out: list[CellEstimate]
+    seconds: float
+
+    def left_out_lines(self) -> list[str]:
+        """One line per group of the cells left out, then their count."""
+        grouped = defaultdict(list)
+        for estimate in self.left_out:
+            grouped[(estimate.cell.scenario, group_label(estimate.cell))].append(estimate)
+        lines = []
+        for (scenario, label), group in grouped.items():
+            points = ", ".join(f"T={e.cell.axes['seq_len']} B={e.cell.axes['batch']}" for e in group)
+            lines.append(f"left out: {scenario} {label}: {points} ({len(group)} cells, ~{format_duration(sum(e.seconds for e in group))})")
+        return lines + [f"left out: {len(self.left_out)} cells in all"]
+
+
+def series_key(cell: Cell) -> str:
+    axes = {name: value for name, value in cell.axes.items() if name not in LENGTH_AXES}
+    return json.dumps([cell.scenario, cell.variant, cell.params, cell.backend, cell.backend_options, cell.mode, cell.target, axes], sort_keys=True, default=str)
+
+
+def fill_order(count: int) -> list[int]:
+    """The order in which a series of ``count`` points is taken: first, last, then halving the widest gap."""
+    order, gaps = ([0, count - 1] if count > 1 else [0]), [(0, count - 1)]
+    while gaps:
+        gaps.sort(key=lambda gap: gap[0] - gap[1])  # the widest first
+        low, high = gaps.pop(0)
+        if high - low > 1:
+            middle = (low + high) // 2
+            order.append(middle)
+            gaps += [(low, middle), (middle, high)]
+    return order[:count]
+
+
+def priority(sweeps: list[Sweep]) -> list[tuple[int, CellEstimate]]:
+    """``(scenario index, estimate)`` of every measured cell, most informative first (the module's docstring)."""
+    series = defaultdict(list)
+    for index, sweep in enumerate(sweeps):
+        for estimate in sweep.measured:
+            series[(index, series_key(estimate.cell))].append(estimate)
+    ranked = []
+    for position, ((index, _), members) in enumerate(series.items()):
+        members.sort(key=lambda e: tuple(e.cell.axes.get(name, 0) for name in LENGTH_AXES))
+        ranked += [((round_, index, position), index, members[point]) for round_, point in enumerate(fill_order(len(members)))]
+    return [(index, estimate) for _, index, estimate in sorted(ranked, key=lambda item: item[0])]
+
+
+def select(sweeps: list[Sweep], budget_s: float) -> Selection:
+    """The cells of ``sweeps`` that fit ``budget_s`` seconds, by ``priority``, with what each adds to the fixed costs."""
+    from .worker import needs_fresh_worker
+
+    kept, started, groups, spent = set(), set(), set(), 0.0
+    for index, estimate in priority(sweeps):
+        cell, costs = estimate.cell, sweeps[index].costs
+        group = first_use_group(cell, costs)
+        extra = estimate.seconds + (costs.run_start_s if index not in started else 0.0)
+        extra += costs.first_use(cell) if group is not None and group not in groups else 0.0
+        extra += costs.worker_start_s[cell.device.split(":")[0]] if needs_fresh_worker(cell, "ok") else 0.0
+        if spent + extra <= budget_s:
+            spent += extra
+            kept.add(cell.cell_id)
+            started.add(index)
+            groups.add(group)
+    chosen = [[e.cell for e in sweep.cells if e.cell.skip or e.cell.cell_id in kept] if index in started else [] for index, sweep in enumerate(sweeps)]
+    left_out = [e for sweep in sweeps for e in sweep.measured if e.cell.cell_id not in kept]
+    return Selection(chosen, left_out, spent)
+
+
+def plan(loaded: list, *, gpu: str | None = None, measured_from: str | None = None, budget_s: float | None = None, dry_run: bool = False):
+    """``(scenarios to run, lines to print)`` for ``attnbench run``: with a budget each scenario narrowed to the
+    cells it keeps (one it keeps none of dropped) and a line per group left out; with ``dry_run`` the listing.
+    An EstimateError for an unknown GPU or an unreadable results file."""
+    from ..scenarios.scenario import LoadedScenario
+    from .estimate import Measured, roofs_for
+
+    roofs = roofs_for([cell for scenario in loaded for cell in scenario.cells()], gpu)
+    estimator = Estimator(roofs, measured=Measured(measured_from) if measured_from else None)
+    sweeps = [estimator.sweep(scenario.cells()) for scenario in loaded]
+    lines = []
+    if budget_s is not None:
+        selection = select(sweeps, budget_s)
+        kept = sum(map(len, selection.kept))
+        total = kept + len(selection.left_out)
+        lines.append(f"budget {format_duration(budget_s)}: {kept} of {total} cells kept, estimated {format_duration(selection.seconds)}")
+        lines += selection.left_out_lines() if selection.left_out else []
+        narrowed = [LoadedScenario(s.scenario, cells, s.path, s.sha256, s.preset, s.overrides) for s, cells in zip(loaded, selection.kept)]
+        loaded = [scenario for scenario in narrowed if scenario.cells()]
+        sweeps = [estimator.sweep(scenario.cells()) for scenario in loaded]
+    if dry_run:
+        lines = format_dry_run(loaded, sweeps, roofs, measured_from) + lines
+    return loaded, lines
