@@ -109,26 +109,36 @@ def _real_directory(root: Path, relative: Path) -> Path:
 
 
 @contextmanager
-def worktrees(repo: Path, base: str, head: str | None) -> Iterator[tuple[Revision, Revision]]:
-    """Both revisions in temporary worktrees (``head=None``: the working tree), removed on exit,
-    also after an error or Ctrl-C."""
+def scratch_directory() -> Iterator[Path]:
+    """A temporary directory for worktrees and their Triton caches, removed on exit."""
     scratch = Path(tempfile.mkdtemp(prefix="attnbench-regress-")).resolve()
-    added = []
     try:
-        revisions = []
-        for side, spec in zip(SIDES, (base, head)):
-            commit = git(repo, "rev-parse", "--verify", f"{spec or 'HEAD'}^{{commit}}")
-            root = scratch / side
-            git(repo, "worktree", "add", "--detach", str(root), commit)
-            added.append(root)
-            dirty = _copy_working_tree(repo, root) if spec is None else 0
-            revisions.append(Revision(side, spec or WORKING_TREE, commit, root, dirty))
-        yield revisions[0], revisions[1]
+        yield scratch
     finally:
-        for root in added:
-            subprocess.run(["git", "-C", str(repo), "worktree", "remove", "--force", str(root)], capture_output=True)
-        subprocess.run(["git", "-C", str(repo), "worktree", "prune"], capture_output=True)
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+@contextmanager
+def worktree(repo: Path, spec: str | None, side: str, scratch: Path) -> Iterator[Revision]:
+    """Revision ``spec`` (None: the working tree) in a temporary worktree ``scratch/side``, removed on
+    exit, also after an error or Ctrl-C."""
+    root = scratch / side
+    commit = git(repo, "rev-parse", "--verify", f"{spec or 'HEAD'}^{{commit}}")
+    git(repo, "worktree", "add", "--detach", str(root), commit)
+    try:
+        dirty = _copy_working_tree(repo, root) if spec is None else 0
+        yield Revision(side, spec or WORKING_TREE, commit, root, dirty)
+    finally:
+        subprocess.run(["git", "-C", str(repo), "worktree", "remove", "--force", str(root)], capture_output=True)
+        subprocess.run(["git", "-C", str(repo), "worktree", "prune"], capture_output=True)
+
+
+@contextmanager
+def worktrees(repo: Path, base: str, head: str | None) -> Iterator[tuple[Revision, Revision]]:
+    """Both revisions in temporary worktrees of one scratch directory (``head=None``: the working
+    tree), removed on exit, also after an error or Ctrl-C."""
+    with scratch_directory() as scratch, worktree(repo, base, SIDES[0], scratch) as old, worktree(repo, head, SIDES[1], scratch) as new:
+        yield old, new
 
 
 def changed_files(base: Revision, head: Revision) -> list[str]:

@@ -282,13 +282,13 @@ class ResultsJournal:
 
 
 def run(loaded: LoadedScenario, out_dir, *, resume=False, retry_failed: bool = False, plugins=(), command: str = "",
-        progress: bool = True, executor=None, profile: str | None = None) -> RunSummary:
+        progress: bool = True, executor=None, profile: str | None = None, path: Path | None = None) -> RunSummary:
     """Measure every cell of ``loaded`` not yet in the results file; return a summary. One run
     at a time writes into a directory (``ResultsDirectoryLock``); other runs measuring on the
     machine meanwhile are warned about and recorded with each cell they overlap. ``executor``
     measures the cells (default: a ``LocalExecutor``; harness.running.executors.ray spreads them over a
     Ray cluster). ``profile`` (``--profile``: torch, ncu or nsys) profiles each cell once more
-    after its timing (``harness.measuring.profiling``)."""
+    after its timing (``harness.measuring.profiling``). ``path``: the new results file (default: ``NAME-TIME.jsonl`` in ``out_dir``)."""
     out_dir = Path(out_dir)
     if resume not in (False, True, None):
         resume = resumable_file(resume, loaded)
@@ -296,12 +296,12 @@ def run(loaded: LoadedScenario, out_dir, *, resume=False, retry_failed: bool = F
     holder = {"pid": os.getpid(), "scenario": loaded.name, "started_at": utc_now(), "out": str(directory)}
     executor = executor or LocalExecutor(plugins)
     with ResultsDirectoryLock(directory, holder), MachineRuns(holder) as machine_runs:
-        return _run_locked(loaded, out_dir, resume, retry_failed, executor, command, progress, machine_runs, profile)
+        return _run_locked(loaded, out_dir, resume, retry_failed, executor, command, progress, machine_runs, profile, path)
 
 
-def _run_locked(loaded, out_dir, resume, retry_failed, executor, command, progress, machine_runs, profile=None) -> RunSummary:
+def _run_locked(loaded, out_dir, resume, retry_failed, executor, command, progress, machine_runs, profile=None, path=None) -> RunSummary:
     cells = loaded.cells()
-    path = results_path(out_dir, loaded.name, resume)
+    path = results_path(out_dir, loaded.name, resume) if resume or path is None else path
     fingerprint = machine.fingerprint(main_device(cells))
     resumed_from, done = None, set()
     writer = ResultsWriter(path, create=not resume)
