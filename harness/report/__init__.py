@@ -17,7 +17,6 @@ results, scenarios (the axes table), tasks (the registry).
 from __future__ import annotations
 
 import datetime as dt
-import importlib.resources
 import json
 import re
 from dataclasses import dataclass
@@ -119,9 +118,10 @@ def write_cells_csv(frame: pd.DataFrame, path: Path, cells: pd.DataFrame | None 
     write_atomic(path, frame.map(_csv_value).to_csv(index=False))
 
 
-def _template() -> jinja2.Template:
-    source = importlib.resources.files("harness").joinpath("templates/report.html.j2").read_text(encoding="utf-8")
-    return jinja2.Environment(autoescape=True, undefined=jinja2.StrictUndefined).from_string(source)
+def render(template: str, **values) -> str:
+    """The page of ``template`` (harness/templates/, each framed by page.html.j2: the style, the render check) with ``values``."""
+    environment = jinja2.Environment(loader=jinja2.PackageLoader("harness", "templates"), autoescape=True, undefined=jinja2.StrictUndefined)
+    return environment.get_template(template).render(**values)
 
 
 def build_report(paths, out_dir, *, title: str | None = None, compare_base: CompareResult | None = None) -> Path:
@@ -141,7 +141,8 @@ def build_report(paths, out_dir, *, title: str | None = None, compare_base: Comp
             _scenario_section(name, group, figures, baseline_backend([run for run in runs if run["scenario"] == name], group))
             for name, group in cells.groupby("scenario", sort=True)
         ]
-    page = _template().render(
+    page = render(
+        "report.html.j2",
         title=title or "attnbench report: " + ", ".join(section.name for section in scenarios),
         generated=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         files=list(frame["file"].unique()),

@@ -82,7 +82,7 @@ def _series(cells: pd.DataFrame, x: str) -> pd.Series:
     )
 
 
-def _machine_names(cells: pd.DataFrame) -> dict[str, str]:
+def machine_names(cells: pd.DataFrame) -> dict[str, str]:
     """machine_id -> display name, in order of appearance; the id is added where names collide."""
     first = cells.drop_duplicates("machine_key")
     names = dict(zip(first["machine_key"], first["machine"]))
@@ -102,7 +102,7 @@ def prepare(frame: pd.DataFrame) -> pd.DataFrame:
     show_backend, show_timing = cells["backend"].nunique() > 1, cells["timing"].nunique() > 1
     cells["_label"] = [base_label(record, show_backend) + (f" ({record['timing']})" if show_timing and present(record["timing"]) else "")
                        for record in cells.to_dict("records")]
-    cells["machine"] = cells["machine_key"].map(_machine_names(cells))
+    cells["machine"] = cells["machine_key"].map(machine_names(cells))
     x_of = {name: x_axis(group) for name, group in cells.groupby("scenario")}
     cells["x_axis"] = cells["scenario"].map(x_of)
     cells["series"] = pd.concat([_series(group, x_of[name]) for name, group in cells.groupby("scenario")])

@@ -91,7 +91,7 @@ def test_a_side_measured_unstable_is_marked_and_not_judged(tmp_path, side):
     shown = compare_table(result)
     marked = [shown.rows[row][shown.headers.index(column)].endswith(" *") for column in ("base", "head")]
     assert marked == [side == "base", side == "head"] and "marked *" in shown.caption, shown.rows[row]
-    template = (Path(harness.__file__).parent / "templates" / "report.html.j2").read_text()
+    template = (Path(harness.__file__).parent / "templates" / "page.html.j2").read_text()
     assert shown.row_classes[row] == "unstable-not-compared" and "tr.unstable-not-compared" in template  # shaded as unstable rows are
 
 
