@@ -1,4 +1,4 @@
-"""The ``attnbench`` command line: run, report, compare, regress, bisect, list, env, demo, data."""
+"""The ``attnbench`` command line: run, report, compare, regress, bisect, history, list, env, demo, data."""
 
 from __future__ import annotations
 
@@ -34,6 +34,10 @@ def _default_scenarios() -> list[tuple[str, str | None]]:
 
 def _option_error(args) -> str | None:
     """What is wrong with ``attnbench run``'s options taken together, found before anything is imported or loaded."""
+    if args.commits is None and (args.every != 1 or args.force):
+        return "--every and --force choose the commits of --commits: use them with --commits"
+    if args.commits is not None and (len(args.scenarios) != 1 or args.resume or args.dry_run or args.budget or args.executor != "local"):
+        return "--commits measures one named scenario at each commit, with the local executor (no --resume, --dry-run or --budget)"
     if args.retry_failed and not args.resume:
         return "--retry-failed re-runs the failed cells of a results file: use it with --resume"
     if args.profile in ("ncu", "nsys") and args.executor != "local":
@@ -65,6 +69,8 @@ def _run(args) -> int:
 
     plugins = _plugins(args)
     load_plugins(plugins)
+    if args.commits is not None:
+        return _run_commits(args, plugins)
     if args.scenarios:
         chosen = [(spec, args.preset) for spec in args.scenarios]
     else:
@@ -116,6 +122,22 @@ def _run(args) -> int:
     if args.report and _report_of_run(written, args.report) != 0:
         return EXIT_ERROR
     return outcome
+
+
+def _run_commits(args, plugins: list[str]) -> int:
+    """``attnbench run SCENARIO --commits RANGE``: the scenario at each commit of the range (docs/history.md)."""
+    from .common.checkouts import RegressError
+    from .revisions.commits import exit_code, measure_commits
+    from .scenarios.scenario import ScenarioError
+
+    command = "attnbench " + " ".join(shlex.quote(arg) for arg in sys.argv[1:])
+    try:
+        finished = measure_commits(args.repo, args.scenarios[0], args.commits, args.out, preset=args.preset, overrides=args.set or [], every=args.every,
+                                   force=args.force, plugins=plugins, command=command, progress=not args.no_progress)
+    except (RegressError, ScenarioError) as exc:
+        print(f"error: --commits {args.commits}: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    return exit_code(finished)
 
 
 def _executor(args, plugins: list[str]):
@@ -237,6 +259,21 @@ def _regress(args) -> int:
     return result.exit_code
 
 
+def _history(args) -> int:
+    from .history import EXIT_BAD_INPUT, HistoryError, history
+    from .results import ResultsFileError
+
+    try:
+        result = history(args.results, args.out, repo=args.repo, factor=args.factor, since=args.since)
+    except (HistoryError, ResultsFileError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    for note in result.notes:
+        print(f"note: {note}", file=sys.stderr)
+    print("\n".join(result.lines(args.factor)))
+    return result.exit_code
+
+
 def _list(args) -> int:
     import variants
 
@@ -343,6 +380,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--profile", nargs="?", const="torch", choices=["torch", "ncu", "nsys"],
                      help="after timing, profile one more call of each cell: torch (default) writes a trace per cell beside the results file; "
                      "ncu, nsys wrap the worker of each CUDA cell (docs/profiling.md)")
+    run.add_argument("--commits", metavar="A..B", help="measure the scenario at each first-parent commit of the range, each in a worktree (docs/history.md)")
+    run.add_argument("--every", type=options.int_in(1, 10_000), default=1, metavar="N", help="with --commits: the newest commit and every Nth before it")
+    run.add_argument("--force", action="store_true", help="with --commits: measure again the commits already measured on this machine")
+    run.add_argument("--repo", type=Path, default=Path("."), help="with --commits: the git repository (default: the one holding the current directory)")
     run.set_defaults(handler=_run)
 
     report = commands.add_parser("report", help="write an HTML report (plots, tables, machines) from results files")
@@ -394,6 +435,16 @@ def build_parser() -> argparse.ArgumentParser:
         shared.add_argument("--alpha", type=options.alpha, default=0.05, help="significance level of the bootstrap interval")
         shared.add_argument("--repo", type=Path, default=Path("."), help="the git repository (default: the one holding the current directory)")
         shared.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    history = commands.add_parser(
+        "history", help="each cell's time over commits and machines, its steps found (exit 0: none slower, 1: a slower step, 2: bad input)"
+    )
+    history.add_argument("results", nargs="+", help="results files or directories (any number of commits and machines)")
+    history.add_argument("-o", "--out", type=Path, required=True, help="directory for index.html, steps.csv and plots/")
+    history.add_argument("--repo", type=Path, default=Path("."), help="the git repository whose first-parent history orders the commits (default: here)")
+    history.add_argument("--factor", type=options.factor, default=1.1, help="a slower step beyond this ratio fails (exit code 1)")
+    history.add_argument("--since", metavar="REV", help="only steps after this revision fail")
+    history.set_defaults(handler=_history)
 
     listing = commands.add_parser("list", help="list the variants and the shipped scenarios")
     listing.set_defaults(handler=_list)

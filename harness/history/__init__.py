@@ -1,1 +1,52 @@
-"""Performance over time: every commit, every machine, steps found (``attnbench history``)."""
+"""Performance over time: every commit, every machine, steps found (``attnbench history``, docs/history.md).
+
+``series`` orders the points of results files by commit, ``steps`` finds where a series changes level,
+``changes`` makes each a step with its ratio, interval and commands, ``page`` draws the page in the
+report's style. It reads results files only; measuring a range of commits is ``revisions.commits``.
+May import: common, report, results."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from .changes import EXIT_BAD_INPUT, EXIT_OK, EXIT_SLOWER, Step, alarming, find
+from .page import write_page
+from .series import HistoryError, build, is_ancestor, resolve
+
+__all__ = ["EXIT_BAD_INPUT", "HistoryError", "HistoryResult", "history"]
+
+
+@dataclass
+class HistoryResult:
+    index: Path
+    steps: list[Step]
+    alarming: list[Step]
+    notes: list[str]
+
+    @property
+    def exit_code(self) -> int:
+        return EXIT_SLOWER if self.alarming else EXIT_OK
+
+    def lines(self, factor: float) -> list[str]:
+        """What ``attnbench history`` prints: the count of steps, then each slower one beyond ``factor``."""
+        faster = sum(step.direction == "faster" for step in self.steps)
+        found = [f"history: {len(self.steps)} steps ({len(self.alarming)} slower by more than {factor}, {faster} faster) -> {self.index}"]
+        return found + [
+            f"slower: {step.machine} {step.scenario} {step.variant}[{step.backend}] {step.mode} {step.cell}: x{step.ratio:.3f} "
+            f"[{step.ci_low:.3f}, {step.ci_high:.3f}] from {step.good_commit[:10]} to {step.bad_commit[:10]}"
+            for step in self.alarming
+        ]
+
+
+def history(paths, out_dir, *, repo=".", factor: float = 1.1, since: str | None = None, alpha: float = 0.05) -> HistoryResult:
+    """Write the history page of the results files or directories ``paths`` into ``out_dir``, ordered
+    by ``repo``'s first-parent history; the steps found, and those slower than ``factor`` after ``since``."""
+    built = build(paths, repo)
+    steps = find(built, alpha=alpha)
+    slower = alarming(steps, factor)
+    if since is not None:
+        base = resolve(repo, since)
+        slower = [step for step in slower if not is_ancestor(repo, step.bad_commit, base)]
+    index = write_page(built, steps, out_dir, factor=factor, alarming=slower, since=since)
+    return HistoryResult(index, steps, slower, built.notes)

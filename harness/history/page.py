@@ -1,0 +1,139 @@
+"""The history page: per scenario and variant, each cell's median time against commit order, one line
+per machine, each point with its interval, the steps marked; the steps at the top with the commands
+that confirm and narrow them. A static page in the report's style (its template and figures), every
+plot embedded, so it opens from disk offline; ``steps.csv`` beside it."""
+
+from __future__ import annotations
+
+import datetime as dt
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import matplotlib
+import numpy as np
+import pandas as pd
+import seaborn as sns
+from matplotlib.lines import Line2D
+from matplotlib.ticker import FixedLocator, MaxNLocator
+
+from ..common.files import write_atomic
+from ..common.formatting import format_ratio, format_seconds, percent, text
+from ..report import render
+from ..report.figures import PLAIN_TEXT, Figures, Plot, Table, new_figure, table
+from ..report.plots import UNSTABLE_MARK
+from .changes import Step, cell_text, mark, write_csv
+from .series import NO_COMMIT, History
+
+#: Colours of the steps' marks.
+STEP_COLOURS = {"slower": "#c0392b", "faster": "#1e8449"}
+#: Tick labels along the commit axis, at most.
+TICKS = 12
+
+
+@dataclass
+class Group:
+    """One scenario and variant: its plot, its points, whether a step is in it."""
+
+    scenario: str
+    variant: str
+    plot: Plot
+    points: Table
+    steps: int
+
+
+def short(commit: str) -> str:
+    """A commit's first 10 characters (a run without one: its label)."""
+    return commit if commit.startswith(NO_COMMIT) else commit[:10]
+
+
+def _panel_title(cell) -> str:
+    return f"{cell['backend']} {cell['mode']} {cell_text(cell)}"
+
+
+def _draw_panel(ax, cell: pd.DataFrame, steps: list[Step], commits: pd.DataFrame, colours: dict) -> None:
+    """One cell: a line per machine (median, its interval as error bars, unstable points ringed),
+    a vertical mark at each step, commits along x."""
+    for machine, line in cell.groupby("machine", sort=True):
+        line = line.sort_values("position")
+        xs, ys = line["position"].to_numpy(float), line["metrics.median_s"].to_numpy(float)
+        spread = ys * np.nan_to_num(line["rel_ci"].to_numpy(float))
+        ax.errorbar(xs, ys, yerr=spread, color=colours[machine], marker="o", markersize=4, capsize=2, linewidth=1.2)
+        unstable = line["unstable"].to_numpy(bool)
+        ax.plot(xs[unstable], ys[unstable], color=colours[machine], **UNSTABLE_MARK)
+    for step in steps:
+        ax.axvline(step.position - 0.5, color=STEP_COLOURS[step.direction], linestyle="--", linewidth=1.5)
+    shown = sorted(set(cell["position"]))
+    ticks = shown[:: max(1, -(-len(shown) // TICKS))]
+    ax.xaxis.set_major_locator(FixedLocator(ticks))
+    ax.set_xticklabels([short(commits["commit"].iloc[p]) for p in ticks], rotation=60, ha="right", fontsize="x-small")
+    ax.yaxis.set_major_locator(MaxNLocator(5))
+    ax.set(ylabel="median time (s)")
+
+
+def _group_plot(scenario: str, variant: str, points: pd.DataFrame, steps: list[Step], history: History, figures: Figures) -> Plot:
+    cells = list(points.groupby(["backend", "mode", "target", "params_text", "axes_text"], sort=True))
+    figure, axes = new_figure(len(cells))
+    for ax, (_, cell) in zip(axes, cells):
+        record = cell.iloc[0]
+        title = _panel_title(record)
+        own = [s for s in steps if (s.backend, s.mode, s.cell) == (record["backend"], record["mode"], cell_text(record))]
+        _draw_panel(ax, cell, own, history.commits, figures.colours)
+        ax.set_title(title, fontsize="small", wrap=True)
+    handles = [Line2D([], [], color=figures.colours[m], marker="o", label=m) for m in sorted(points["machine"].unique())]
+    handles += [Line2D([], [], color=colour, linestyle="--", label=f"step: {direction}") for direction, colour in STEP_COLOURS.items()]
+    figure.legend(handles=handles, loc="outside right upper", fontsize="small")
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "-", f"history-{scenario}-{variant}").strip("-")
+    caption = (f"{scenario} / {variant}: median time per commit (oldest left), one line per machine, error bars the median's 95 % interval, "
+               "a ring an unstable point; a dashed line a step (red slower, green faster).")
+    return figures.save(figure, name, f"{scenario} / {variant}", caption)
+
+
+def _points_table(points: pd.DataFrame) -> Table:
+    rows = points.sort_values(["backend", "mode", "params_text", "axes_text", "machine", "position"]).assign(
+        short=lambda f: f["commit"].map(short),
+        what=lambda f: [_panel_title(r) for r in f.to_dict("records")],
+    )
+    columns = [("cell", "what", text), ("machine", "machine", text), ("commit", "short", text), ("measured", "started_at", text),
+               ("median", "metrics.median_s", format_seconds), ("interval ±", "rel_ci", percent), ("unstable", "unstable", lambda v: "yes" if v else "")]
+    return table("Every point", rows, columns, "Each point: the cell's latest measurement at that commit on that machine.")
+
+
+def steps_table(steps: list[Step], factor: float) -> Table:
+    frame = pd.DataFrame([{**step.__dict__, "direction": step.direction,
+                           "interval": f"[{format_ratio(step.ci_low)}, {format_ratio(step.ci_high)}]",
+                           "good": short(step.good_commit), "bad": short(step.bad_commit),
+                           "between": "unknown" if step.between is None else str(step.between),
+                           "confirm": " ; ".join(step.commands) or "-", "mark": mark(step, factor)}
+                          for step in steps])  # fmt: skip
+    columns = [("machine", "machine", text), ("scenario", "scenario", text), ("variant", "variant", text), ("backend", "backend", text),
+               ("mode", "mode", text), ("cell", "cell", text), ("last before", "good", text), ("first after", "bad", text),
+               ("commits between", "between", text), ("after / before", "ratio", format_ratio), ("95 % interval", "interval", text),
+               ("", "direction", text), ("confirm and narrow", "confirm", text)]
+    return table("Steps found", frame, columns, f"Red: slower by more than --factor {factor}, its interval above 1; green: faster by as much.", classes="mark")
+
+
+def write_page(history: History, steps: list[Step], out_dir, *, factor: float, alarming: list[Step], since: str | None = None) -> Path:
+    """Write ``out_dir/index.html``, ``steps.csv`` and ``plots/*.png``; return index.html's path."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_csv(steps, out_dir / "steps.csv")
+    machines = sorted(history.points["machine"].unique())
+    figures = Figures(out_dir, dict(zip(machines, sns.color_palette("colorblind", len(machines)))), {})
+    groups = []
+    with matplotlib.rc_context(PLAIN_TEXT):
+        for (scenario, variant), points in history.points.groupby(["scenario", "variant"], sort=True):
+            own = [s for s in steps if s.scenario == scenario and s.variant == variant]
+            plot = _group_plot(scenario, variant, points, own, history, figures)
+            groups.append(Group(scenario, variant, plot, _points_table(points), len(own)))
+    page = render(
+        "history.html.j2",
+        title="attnbench history: " + ", ".join(sorted(history.points["scenario"].unique())),
+        generated=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        files=list(history.points["file"].unique()),
+        commits=len(history.commits), machines=machines, notes=history.notes, factor=factor, since=since,
+        steps=steps_table(steps, factor) if steps else None, alarming=len(alarming), groups=groups,
+    )
+    index = out_dir / "index.html"
+    write_atomic(index, page)
+    return index
