@@ -68,10 +68,11 @@ def is_ancestor(repo, commit: str, base: str) -> bool:
     return done.returncode == 0
 
 
-def _commit_label(frame: pd.DataFrame) -> pd.Series:
-    """A point's commit: the hash, or ``no commit <start time>`` (each such run its own point)."""
+def _commit_label(frame: pd.DataFrame, runs: list[dict]) -> pd.Series:
+    """A point's commit: the hash, or ``no commit <its run's start time>`` (each such run its own point)."""
+    started = {run["run_id"]: run["started_at"] for run in runs}
     return pd.Series(
-        [commit if present(commit) else f"{NO_COMMIT} {started}" for commit, started in zip(frame["commit"], frame["started_at"])],
+        [commit if present(commit) else f"{NO_COMMIT} {started[run_id]}" for commit, run_id in zip(frame["commit"], frame["run_id"])],
         index=frame.index,
     )
 
@@ -99,7 +100,8 @@ def build(paths, repo=None) -> History:
     timed = frame[(frame["status"] == "ok") & frame.get("metrics.median_s", pd.Series(np.nan, index=frame.index)).notna()]
     if timed.empty:
         raise HistoryError(f"no timed cells (status ok with metrics.median_s) in {', '.join(map(str, paths))}: nothing to draw")
-    points = identify(timed.assign(commit=_commit_label(timed)))
+    runs = runs_of(timed["file"].unique())
+    points = identify(timed.assign(commit=_commit_label(timed, runs)))
     points = latest(points, SERIES_KEY + ["commit"])
     points["machine"] = points["machine_key"].map(machine_names(points))  # two machines of one name: told apart
     notes = []
@@ -126,4 +128,4 @@ def build(paths, repo=None) -> History:
         unstable=points.get("metrics.unstable", pd.Series(False, index=points.index)).map(lambda value: present(value) and bool(value)),
         samples=points.get("metrics.samples_s", pd.Series(None, index=points.index)),
     )
-    return History(points, commits, runs_of(points["file"].unique()), notes)
+    return History(points, commits, runs, notes)

@@ -64,7 +64,8 @@ def write_history(out: Path, commits: list[str | None], factor: Callable[[int, s
                       **({"scenario": scenario} if scenario else {})}]
             for index, cell in enumerate(cells):
                 noise = 1 + rng.uniform(-NOISE, NOISE)
-                lines.append({**cell, "run_id": run_id, "machine_id": machine_id, "commit": commit, "started_at": started,
+                cell_started = (start + dt.timedelta(days=number, seconds=index)).isoformat(timespec="seconds")
+                lines.append({**cell, "run_id": run_id, "machine_id": machine_id, "commit": commit, "started_at": cell_started,
                               "metrics": scaled(cell["metrics"], factor(number, name, index) * noise),
                               **({"scenario": scenario} if scenario else {})})
             (out / f"{name}-{number:02d}.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))

@@ -115,7 +115,9 @@ def test_runs_without_a_commit_are_ordered_by_time_and_said(built, tmp_path):
     with open(tmp_path / "page" / "steps.csv") as file:
         rows = list(csv.DictReader(file))
     slower = next(row for row in rows if row["direction"] == "slower")
-    assert slower["bad_commit"] == "no commit 2026-11-07T00:00:00+00:00" and slower["commands"] == ""
+    assert slower["bad_commit"] == "no commit 2026-11-07T00:00:00+00:00" and slower["commands"] == ""  # the run's start, not the cell's
+    faster = next(row for row in rows if row["direction"] == "faster")
+    assert (faster["good_commit"], faster["bad_commit"]) == ("no commit 2026-11-04T00:00:00+00:00", "no commit 2026-11-05T00:00:00+00:00")
 
 
 def test_scenarios_are_kept_apart(built, tmp_path):
