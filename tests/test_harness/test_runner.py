@@ -22,11 +22,12 @@ from harness.scenarios.cell import Cell
 PLUGIN = str(Path(__file__).with_name("fault_plugin.py"))
 
 
-def write_scenario(tmp_path, variants_yaml: str, *, seq_len="[32]", modes="[forward]", extra="") -> Path:
+def write_scenario(tmp_path, variants_yaml: str, *, seq_len="[32]", modes="[forward]", extra="", shared_worker=False) -> Path:
+    """A scenario file of ``variants_yaml``; ``shared_worker``: its cells in one worker (fresh_worker: false)."""
     path = tmp_path / "faults.yaml"
     lines = ["name: faults", "variants:", textwrap.indent(variants_yaml, "  ")]
     lines += [f"axes: {{seq_len: {seq_len}, batch: 1, heads: 2, d_key: 8}}", f"modes: {modes}"]
-    lines += ["measure: {warmup: 1, repeats: 2, timeout_s: 60}", extra]
+    lines += [f"measure: {{warmup: 1, repeats: 2, timeout_s: 60{', fresh_worker: false' if shared_worker else ''}}}", extra]
     path.write_text("\n".join(lines) + "\n")
     return path
 
@@ -90,7 +91,8 @@ def _run_until(tmp_path, scenario, finished: int, sig) -> tuple[subprocess.Popen
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT], ids=["killed", "ctrl-c"])
 @pytest.mark.slow
 def test_resume_after_a_crash_loses_and_repeats_nothing(tmp_path, sig):
-    scenario = write_scenario(tmp_path, "fault_slow: {}", seq_len="[16, 24, 32, 40, 48, 56]")
+    # one worker for the cells (a fresh one a CPU cell is for peak memory, read by no check here: 2-3 s a cell)
+    scenario = write_scenario(tmp_path, "fault_slow: {}", seq_len="[16, 24, 32, 40, 48, 56]", shared_worker=True)
     process, before = _run_until(tmp_path, scenario, finished=2, sig=sig)
     if sig == signal.SIGINT:
         assert process.returncode == 130, process.stderr.read()
@@ -333,8 +335,7 @@ def test_one_sticky_error_costs_one_cell_and_the_run_exits_1(tmp_path):
     context); the cells after it, in a shared worker (fresh_worker: false), run in a new one.
     Then the exit code: 1 while the file holds the failed cell, also under --resume and --report."""
     sticky = str(Path(__file__).with_name("sticky_plugin.py"))
-    scenario = write_scenario(tmp_path, "fault_sticky: {}", seq_len="[16, 24, 32]")
-    scenario.write_text(scenario.read_text().replace("timeout_s: 60", "timeout_s: 60, fresh_worker: false"))
+    scenario = write_scenario(tmp_path, "fault_sticky: {}", seq_len="[16, 24, 32]", shared_worker=True)
     out, env = tmp_path / "out", {"ATTNBENCH_CALIBRATE": "0"}
     done = attnbench("run", str(scenario), "--plugin", sticky, "--out", str(out), "--no-progress", env=env)
     status = {cell["axes"]["seq_len"]: (cell["status"], cell["error"]) for cell in cells_of(out)}
