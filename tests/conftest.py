@@ -14,6 +14,11 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# A pytest-xdist worker (nox -s tests: one a core) computes on one thread: two workers' OpenMP threads on two cores
+# wait for each other (637 variant tests: 44 s with two threads a worker, 15 s with one). The serial phase keeps all.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
+
 
 @pytest.fixture(autouse=True)
 def keep_thread_count():

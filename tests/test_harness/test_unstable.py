@@ -164,6 +164,7 @@ def test_a_busy_machine_is_announced_before_cpu_cells(tmp_path):
     assert busy_warning([cell.replace(axes=dict(cell.axes, device="cuda")) for cell in cells], 1.6, 2) is None
 
 
+@pytest.mark.serial  # the threads it leaves are this process's: one in a pytest-xdist worker (tests/conftest.py)
 def test_a_cpu_cell_records_the_threads_the_load_left_it(tmp_path, monkeypatch):
     """Measured in this process with the load injected: a busy machine leaves one thread (recorded
     as torch_threads), a quiet one all of them, and measure.cpus keeps its own (1 CPU: 1 thread)."""
