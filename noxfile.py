@@ -180,6 +180,7 @@ def perf_cpu(session):
 
 @nox.session
 def lint(session):
-    """ruff over the whole tree."""
+    """ruff over the whole tree: the lint rules and the formatting."""
     session.install("ruff")
     session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")

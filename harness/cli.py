@@ -86,8 +86,13 @@ def _run(args) -> int:
         from .running.planning import plan
 
         try:
-            loaded, lines = plan(loaded, gpu=args.estimate_for, measured_from=args.estimate_from,
-                                 budget_s=parse_duration(args.budget) if args.budget else None, dry_run=args.dry_run)
+            loaded, lines = plan(
+                loaded,
+                gpu=args.estimate_for,
+                measured_from=args.estimate_from,
+                budget_s=parse_duration(args.budget) if args.budget else None,
+                dry_run=args.dry_run,
+            )
         except EstimateError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return EXIT_ERROR
@@ -100,8 +105,15 @@ def _run(args) -> int:
     written, failed = [], False
     for scenario in loaded:
         summary = runner.run(
-            scenario, args.out, resume=args.resume or False, retry_failed=args.retry_failed, plugins=plugins, command=command,
-            progress=not args.no_progress, executor=_executor(args, plugins), profile=args.profile,
+            scenario,
+            args.out,
+            resume=args.resume or False,
+            retry_failed=args.retry_failed,
+            plugins=plugins,
+            command=command,
+            progress=not args.no_progress,
+            executor=_executor(args, plugins),
+            profile=args.profile,
         )
         counts = ", ".join(f"{count} {status}" for status, count in sorted(summary.statuses.items())) or "nothing new"
         done = f", {summary.skipped_as_done} already done" if summary.skipped_as_done else ""
@@ -115,8 +127,7 @@ def _run(args) -> int:
             print(f"interrupted: every finished cell is in {summary.path}; continue with the same command and --resume", file=sys.stderr)
             return EXIT_INTERRUPTED
         if summary.write_error:
-            print(f"error: {summary.write_error}; the run stopped. Free space, then continue with the same command and --resume",
-                  file=sys.stderr)
+            print(f"error: {summary.write_error}; the run stopped. Free space, then continue with the same command and --resume", file=sys.stderr)
             return EXIT_ERROR
     outcome = EXIT_CELLS_FAILED if failed else EXIT_OK
     if args.report and _report_of_run(written, args.report) != 0:
@@ -132,8 +143,19 @@ def _run_commits(args, plugins: list[str]) -> int:
 
     command = "attnbench " + " ".join(shlex.quote(arg) for arg in sys.argv[1:])
     try:
-        finished = measure_commits(args.repo, args.scenarios[0], args.commits, args.out, preset=args.preset, overrides=args.set or [], every=args.every,
-                                   force=args.force, plugins=plugins, command=command, progress=not args.no_progress)
+        finished = measure_commits(
+            args.repo,
+            args.scenarios[0],
+            args.commits,
+            args.out,
+            preset=args.preset,
+            overrides=args.set or [],
+            every=args.every,
+            force=args.force,
+            plugins=plugins,
+            command=command,
+            progress=not args.no_progress,
+        )
     except (RegressError, ScenarioError) as exc:
         print(f"error: --commits {args.commits}: {exc}", file=sys.stderr)
         return EXIT_ERROR
@@ -187,9 +209,7 @@ def _compare(args) -> int:
     from .results.compare import EXIT_INCOMPARABLE, CompareError, compare
 
     try:
-        result = compare(
-            args.base, args.head, factor=args.factor, alpha=args.alpha, seed=args.seed, allow_different_machines=args.allow_different_machines
-        )
+        result = compare(args.base, args.head, factor=args.factor, alpha=args.alpha, seed=args.seed, allow_different_machines=args.allow_different_machines)
     except (CompareError, ResultsFileError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_INCOMPARABLE
@@ -242,9 +262,7 @@ def _regress(args) -> int:
     from .scenarios.scenario import ScenarioError
 
     try:
-        result = regress(
-            args.repo, _regress_scenario(args), base=args.base, head=args.head, kernel_diff=not args.no_kernel_diff, **_regress_options(args)
-        )
+        result = regress(args.repo, _regress_scenario(args), base=args.base, head=args.head, kernel_diff=not args.no_kernel_diff, **_regress_options(args))
     except (ScenarioError, RegressError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_INCOMPARABLE
@@ -336,8 +354,9 @@ def _gpu_check(args) -> int:
     if args.dry_run:
         print(gpu_check.format_plan(gpu_check.plan(kernel_tests=not args.no_kernel_tests)))
         return 0
-    return gpu_check.run_check(args.dir or gpu_check.default_dir(), kernel_tests=not args.no_kernel_tests, progress=not args.no_progress,
-                               keep_going=args.keep_going)
+    return gpu_check.run_check(
+        args.dir or gpu_check.default_dir(), kernel_tests=not args.no_kernel_tests, progress=not args.no_progress, keep_going=args.keep_going
+    )
 
 
 def _kit(args) -> int:
@@ -364,22 +383,39 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a field: seq_len=1024, measure.repeats=3")
     run.add_argument("--dry-run", action="store_true", help="list the expanded cells with their estimated durations and measure nothing")
     run.add_argument("--budget", metavar="DURATION", help="measure the most informative cells whose estimates fit DURATION (90s, 8m, 1.5h); list the rest")
-    run.add_argument("--estimate-for", metavar="GPU",
-                     help="estimate CUDA cells on this GPU's datasheet peaks: h100, h200, a100, v100, ... (default: the GPU present, else H100)")
+    run.add_argument(
+        "--estimate-for",
+        metavar="GPU",
+        help="estimate CUDA cells on this GPU's datasheet peaks: h100, h200, a100, v100, ... (default: the GPU present, else H100)",
+    )
     run.add_argument("--estimate-from", metavar="FILE", help="estimate each cell from the nearest measured cell of these results (a JSONL file or a directory)")
     run.add_argument("--resume", nargs="?", const=True, metavar="FILE", help="continue the latest (or the given) results file")
     run.add_argument("--retry-failed", action="store_true", help="with --resume: also run again the cells that failed (oom, error, crashed, nan)")
     run.add_argument("--plugin", action="append", help="module or .py file registering extra variants or tasks (also ATTNBENCH_PLUGINS)")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
     run.add_argument("--report", type=Path, metavar="DIR", help="then write the HTML report of the results files of this run into DIR")
-    run.add_argument("--executor", choices=["local", "ray"], default="local",
-                     help="local: one worker on this machine (default); ray: each cell a Ray task on a Ray cluster (docs/scale-out.md)")
+    run.add_argument(
+        "--executor",
+        choices=["local", "ray"],
+        default="local",
+        help="local: one worker on this machine (default); ray: each cell a Ray task on a Ray cluster (docs/scale-out.md)",
+    )
     run.add_argument("--address", help="with --executor ray: the cluster (auto, HOST:PORT or ray://HOST:PORT; default: start Ray on this machine)")
-    run.add_argument("--cells-per-node", type=int, default=1, metavar="N",
-                     help="with --executor ray: CPU speed cells run side by side on one node, each on 1/N of its CPUs (default 1)")
-    run.add_argument("--profile", nargs="?", const="torch", choices=["torch", "ncu", "nsys"],
-                     help="after timing, profile one more call of each cell: torch (default) writes a trace per cell beside the results file; "
-                     "ncu, nsys wrap the worker of each CUDA cell (docs/profiling.md)")
+    run.add_argument(
+        "--cells-per-node",
+        type=int,
+        default=1,
+        metavar="N",
+        help="with --executor ray: CPU speed cells run side by side on one node, each on 1/N of its CPUs (default 1)",
+    )
+    run.add_argument(
+        "--profile",
+        nargs="?",
+        const="torch",
+        choices=["torch", "ncu", "nsys"],
+        help="after timing, profile one more call of each cell: torch (default) writes a trace per cell beside the results file; "
+        "ncu, nsys wrap the worker of each CUDA cell (docs/profiling.md)",
+    )
     run.add_argument("--commits", metavar="A..B", help="measure the scenario at each first-parent commit of the range, each in a worktree (docs/history.md)")
     run.add_argument("--every", type=options.int_in(1, 10_000), default=1, metavar="N", help="with --commits: the newest commit and every Nth before it")
     run.add_argument("--force", action="store_true", help="with --commits: measure again the commits already measured on this machine")
@@ -396,9 +432,7 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--plugin", action="append", help="module or .py file registering the tasks of plugin cells (also ATTNBENCH_PLUGINS)")
     report.set_defaults(handler=_report)
 
-    compare = commands.add_parser(
-        "compare", help="compare two runs cell by cell (exit 0: no regression, 1: regression, 2: not comparable)"
-    )
+    compare = commands.add_parser("compare", help="compare two runs cell by cell (exit 0: no regression, 1: regression, 2: not comparable)")
     compare.add_argument("base", nargs=1, help="results file or directory of the base")
     compare.add_argument("head", nargs=1, help="results file or directory of the head")
     compare.add_argument("--factor", type=options.factor, default=1.1, help="a regression must be slower by more than this ratio")
@@ -492,8 +526,12 @@ def build_parser() -> argparse.ArgumentParser:
     kit = commands.add_parser("kit", help="gather the wheels and data an offline GPU machine needs for gpu-check (needs internet)")
     kit.add_argument("dir", type=Path, help="the kit's directory: wheels/, data/, README.txt")
     kit.add_argument("--python", default="3.12", help="the offline machine's Python version (default 3.12)")
-    kit.add_argument("--platform", action="append", metavar="TAG",
-                     help="a wheel platform tag of the offline machine, repeatable (default: manylinux glibc 2.28 x86-64 and older tags)")
+    kit.add_argument(
+        "--platform",
+        action="append",
+        metavar="TAG",
+        help="a wheel platform tag of the offline machine, repeatable (default: manylinux glibc 2.28 x86-64 and older tags)",
+    )
     kit.set_defaults(handler=_kit)
     for leaf in (*commands.choices.values(), fetch):
         leaf.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show the traceback of an error")

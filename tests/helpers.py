@@ -72,7 +72,6 @@ def attnbench_here(*args, env=None) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(["attnbench", *args], code, out.getvalue(), err.getvalue())
 
 
-
 #: (variant name, parameters): every registered variant, several settings each
 #: (tests/test_variants/test_equivalence.py fails when a registered variant has none).
 CONFIGS = [
@@ -123,8 +122,6 @@ def assert_close(actual, expected, dtype, what, seed):
 def config_id(config) -> str:
     name, params = config
     return name + "".join(f"-{key}={value}" for key, value in params.items())
-
-
 
 
 def make_inputs(core, batch, heads, length, d_value, *, dtype, seed, requires_grad=False) -> dict:

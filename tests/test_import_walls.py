@@ -40,8 +40,14 @@ WALLS = {
 }
 #: What the report may not reach: the run loop and its workers, the scenario loader, models, variants.
 OUTSIDE_THE_REPORT = (
-    "harness.running", "harness.scenarios.scenario", "harness.scenarios.schema", "harness.scenarios.scenario_files",
-    "harness.scenarios.expansion", "harness.models", "harness.measuring.builders", "variants",
+    "harness.running",
+    "harness.scenarios.scenario",
+    "harness.scenarios.schema",
+    "harness.scenarios.scenario_files",
+    "harness.scenarios.expansion",
+    "harness.models",
+    "harness.measuring.builders",
+    "variants",
 )
 
 

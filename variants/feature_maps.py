@@ -220,13 +220,17 @@ class SumNormalized(FeatureMap):
 
 PHI_NAMES = ("identity", "elu1", "favor", "dpfp", "l2", "silu_l2", "taylor", "rebased")
 #: the maps without a size parameter, and the d_dot each has
-_FIXED = {"identity": (Identity, "d_key"), "elu1": (Elu1, "d_key"), "l2": (L2Normalized, "d_key"), "silu_l2": (SiLUL2Normalized, "d_key"),
-          "taylor": (Taylor, "1 + d_key + d_key²"), "rebased": (ReBased, "d_key²")}
+_FIXED = {
+    "identity": (Identity, "d_key"),
+    "elu1": (Elu1, "d_key"),
+    "l2": (L2Normalized, "d_key"),
+    "silu_l2": (SiLUL2Normalized, "d_key"),
+    "taylor": (Taylor, "1 + d_key + d_key²"),
+    "rebased": (ReBased, "d_key²"),
+}
 
 
-def make_feature_map(
-    phi: str, d_key: int, *, m: int | None = None, nu: int | None = None, d_dot: int | None = None, seed: int = 0
-) -> FeatureMap:
+def make_feature_map(phi: str, d_key: int, *, m: int | None = None, nu: int | None = None, d_dot: int | None = None, seed: int = 0) -> FeatureMap:
     """Build φ by name. ``d_dot`` may stand in for ``m`` (favor: m = d_dot / 2) or ``nu``
     (dpfp: ν = d_dot / (2 d_key)); it must then be reachable exactly."""
     if phi not in PHI_NAMES:

@@ -44,12 +44,29 @@ class AttentionLayer(nn.Module):
     """
 
     def __init__(
-        self, d_model: int, n_heads: int, core_name: str, *, d_key=None, d_value=None, heads_k=None, heads_v=None, bias=False, short_conv=None,
+        self,
+        d_model: int,
+        n_heads: int,
+        core_name: str,
+        *,
+        d_key=None,
+        d_value=None,
+        heads_k=None,
+        heads_v=None,
+        bias=False,
+        short_conv=None,
         **params,
     ):
         super().__init__()
-        sizes = (("d_model", d_model), ("n_heads", n_heads), ("d_key", d_key), ("d_value", d_value), ("heads_k", heads_k), ("heads_v", heads_v),
-                 ("short_conv", short_conv))
+        sizes = (
+            ("d_model", d_model),
+            ("n_heads", n_heads),
+            ("d_key", d_key),
+            ("d_value", d_value),
+            ("heads_k", heads_k),
+            ("heads_v", heads_v),
+            ("short_conv", short_conv),
+        )
         for label, value in sizes:
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise VariantError(f"AttentionLayer: {label} must be a positive int, got {value!r}")
@@ -135,8 +152,10 @@ class AttentionLayer(nn.Module):
             raise VariantError("AttentionLayer: cu_seqlens must be a 1-d int32 tensor of N + 1 offsets")
         bounds = cu_seqlens.tolist()
         if x.shape[0] != 1 or bounds[0] != 0 or bounds[-1] != x.shape[1] or any(b <= a for a, b in sequences(bounds)):
-            raise VariantError(f"AttentionLayer: packed sequences are x [1, total_T, d_model] with cu_seqlens rising from 0 to total_T; "
-                               f"got x {tuple(x.shape)}, cu_seqlens {bounds}")
+            raise VariantError(
+                f"AttentionLayer: packed sequences are x [1, total_T, d_model] with cu_seqlens rising from 0 to total_T; "
+                f"got x {tuple(x.shape)}, cu_seqlens {bounds}"
+            )
         return bounds
 
     def init_state(self, batch: int, *, device=None, dtype=None):

@@ -215,8 +215,13 @@ def collect_kernel_tests(device: str = "cpu") -> list[str]:
     tests = kernel_tests_dir()
     if tests is None:
         return []
-    done = subprocess.run([sys.executable, "-m", "pytest", str(tests), *PYTEST_ARGS, "--collect-only"],
-                          capture_output=True, text=True, env=_test_env(device), cwd=tests.parents[1])
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", str(tests), *PYTEST_ARGS, "--collect-only"],
+        capture_output=True,
+        text=True,
+        env=_test_env(device),
+        cwd=tests.parents[1],
+    )
     if done.returncode not in (0, 5):  # 5: nothing collected
         errors = [line for line in (done.stdout + done.stderr).splitlines() if line.startswith(("ERROR", "E "))]
         raise CollectionError(f"pytest could not collect the kernel tests (exit code {done.returncode}): " + " | ".join(errors[:6] or ["no error lines"]))
@@ -289,7 +294,7 @@ def _kernel_tests(out: Path) -> Check:
         how = f"ATTNBENCH_TEST_DEVICE=cuda {Path(sys.executable).name} -m pytest {tests} --collect-only"
         return Check("kernel-tests", "failed", detail=f"pytest collected no kernel tests in {tests} ({how} says why)")
     workers = max(1, min(KERNEL_TEST_WORKERS, os.cpu_count() or 1, len(ids)))
-    blocks = [ids[len(ids) * i // workers:len(ids) * (i + 1) // workers] for i in range(workers)]
+    blocks = [ids[len(ids) * i // workers : len(ids) * (i + 1) // workers] for i in range(workers)]
     failed = []
     with contextlib.ExitStack() as logs:
         running = []
@@ -390,7 +395,10 @@ def _summary(checks: list[Check], results: dict, started, seconds: float, code: 
         "ratios": ratios(results["timing"]) if results.get("timing") else None,
         "results": {name: str(path) for name, path in results.items() if path},
         "machine": {
-            "gpu": fp["gpu"], "python": fp["python"], "hostname": fp["hostname"], "git": fp["git"],
+            "gpu": fp["gpu"],
+            "python": fp["python"],
+            "hostname": fp["hostname"],
+            "git": fp["git"],
             "versions": {**fp["versions"], "fla-core": installed_version("fla-core")},
         },
         "plan": [asdict(phase) for phase in planned],

@@ -51,8 +51,7 @@ def pip_wheel_command(root: Path, wheels: Path) -> list[str]:
 def pip_download_command(requirements: list[str], wheels: Path, python: str, platforms) -> list[str]:
     """Download ``requirements`` and everything they need, as wheels for ``python`` on ``platforms``."""
     targets = [arg for platform in platforms for arg in ("--platform", platform)]
-    return [sys.executable, "-m", "pip", "download", "--only-binary=:all:", "--python-version", python, *targets,
-            "--dest", str(wheels), *requirements]
+    return [sys.executable, "-m", "pip", "download", "--only-binary=:all:", "--python-version", python, *targets, "--dest", str(wheels), *requirements]
 
 
 def requirements_of(wheel: Path, extras=DEFAULT_EXTRAS) -> list[str]:
@@ -83,8 +82,9 @@ def index_url() -> str:
         return configured.stdout.strip()
     # pip's own default, asked in a child: importing pip's internals here would import the standard
     # library's distutils, which setuptools (torch.compile's C++ builds) then refuses in this process
-    default = subprocess.run([sys.executable, "-c", "from pip._internal.models.index import PyPI; print(PyPI.simple_url)"],
-                             capture_output=True, text=True, check=True)
+    default = subprocess.run(
+        [sys.executable, "-c", "from pip._internal.models.index import PyPI; print(PyPI.simple_url)"], capture_output=True, text=True, check=True
+    )
     return default.stdout.strip()
 
 
@@ -95,8 +95,10 @@ def check_index() -> None:
         with urllib.request.urlopen(url, timeout=INDEX_TIMEOUT_S):
             pass
     except (OSError, ValueError) as exc:  # URLError, HTTPError, timeouts; ValueError: not a URL
-        raise KitError(f"kit: pip could not reach the package index {url} ({getattr(exc, 'reason', exc)}); "
-                       "make the kit on a machine with internet, or name a reachable mirror in PIP_INDEX_URL") from None
+        raise KitError(
+            f"kit: pip could not reach the package index {url} ({getattr(exc, 'reason', exc)}); "
+            "make the kit on a machine with internet, or name a reachable mirror in PIP_INDEX_URL"
+        ) from None
 
 
 def _pip(command: list[str], what: str) -> None:
@@ -145,16 +147,16 @@ def instructions(python: str, platforms, extras, data_sets: list[str], wheel: st
     version = installed_version("attnbench")
     return f"""attnbench kit for an offline GPU machine ({made}, attnbench {version}, {wheel})
 
-wheels/  attnbench and the wheels attnbench[{','.join(extras)}] needs for Python {python} on
-         {', '.join(platforms)}; not torch or triton: the machine's own are used
+wheels/  attnbench and the wheels attnbench[{",".join(extras)}] needs for Python {python} on
+         {", ".join(platforms)}; not torch or triton: the machine's own are used
          (a CUDA build of torch, and the triton it pins).
-data/    {', '.join(data_sets)}: the data of gpu-check's LM cell.
+data/    {", ".join(data_sets)}: the data of gpu-check's LM cell.
 
 Carry this directory and a checkout of attnbench at the same commit (gpu-check runs the kernel
 tests in its tests/test_kernels) to the GPU machine. There, with KIT the path of this directory
 and CHECKOUT the path of the checkout:
 
-  python{python} -m pip install --no-index --find-links "$KIT/wheels" 'attnbench[{','.join(extras)}]'
+  python{python} -m pip install --no-index --find-links "$KIT/wheels" 'attnbench[{",".join(extras)}]'
   export ATTNBENCH_DATA="$KIT/data"
   cd "$CHECKOUT" && attnbench gpu-check
 

@@ -55,8 +55,10 @@ def cell_text(record) -> str:
 
 def _rounds(points: pd.DataFrame) -> list[np.ndarray]:
     """Each point's timing samples (its median alone where a record kept none): compare's rounds."""
-    return [np.asarray(samples if isinstance(samples, list) and samples else [median], dtype=float)
-            for samples, median in zip(points["samples"], points["metrics.median_s"])]
+    return [
+        np.asarray(samples if isinstance(samples, list) and samples else [median], dtype=float)
+        for samples, median in zip(points["samples"], points["metrics.median_s"])
+    ]
 
 
 def commands(run: dict, good: str, bad: str, between: int | None) -> tuple[str, ...]:
@@ -108,7 +110,15 @@ def mark(step: Step, factor: float) -> str:
 
 def write_csv(steps: list[Step], path) -> None:
     """``steps.csv``: ``CSV_COLUMNS``, then the interval and the commands, one row a step."""
-    rows = [{**{column: getattr(step, column) for column in CSV_COLUMNS}, "ci_low": step.ci_low, "ci_high": step.ci_high,
-             "commits_between": step.between, "commands": " ; ".join(step.commands)} for step in steps]
+    rows = [
+        {
+            **{column: getattr(step, column) for column in CSV_COLUMNS},
+            "ci_low": step.ci_low,
+            "ci_high": step.ci_high,
+            "commits_between": step.between,
+            "commands": " ; ".join(step.commands),
+        }
+        for step in steps
+    ]
     columns = CSV_COLUMNS + ["ci_low", "ci_high", "commits_between", "commands"]
     write_atomic(path, pd.DataFrame(rows, columns=columns).to_csv(index=False))

@@ -84,8 +84,10 @@ def _group_plot(scenario: str, variant: str, points: pd.DataFrame, steps: list[S
     handles += [Line2D([], [], color=colour, linestyle="--", label=f"step: {direction}") for direction, colour in STEP_COLOURS.items()]
     figure.legend(handles=handles, loc="outside right upper", fontsize="small")
     name = re.sub(r"[^A-Za-z0-9_.-]+", "-", f"history-{scenario}-{variant}").strip("-")
-    caption = (f"{scenario} / {variant}: median time per commit (oldest left), one line per machine, error bars the median's 95 % interval, "
-               "a ring an unstable point; a dashed line a step (red slower, green faster).")
+    caption = (
+        f"{scenario} / {variant}: median time per commit (oldest left), one line per machine, error bars the median's 95 % interval, "
+        "a ring an unstable point; a dashed line a step (red slower, green faster)."
+    )
     return figures.save(figure, name, f"{scenario} / {variant}", caption)
 
 
@@ -94,8 +96,15 @@ def _points_table(points: pd.DataFrame) -> Table:
         short=lambda f: f["commit"].map(short),
         what=lambda f: [_panel_title(r) for r in f.to_dict("records")],
     )
-    columns = [("cell", "what", text), ("machine", "machine", text), ("commit", "short", text), ("measured", "started_at", text),
-               ("median", "metrics.median_s", format_seconds), ("interval ±", "rel_ci", percent), ("unstable", "unstable", lambda v: "yes" if v else "")]
+    columns = [
+        ("cell", "what", text),
+        ("machine", "machine", text),
+        ("commit", "short", text),
+        ("measured", "started_at", text),
+        ("median", "metrics.median_s", format_seconds),
+        ("interval ±", "rel_ci", percent),
+        ("unstable", "unstable", lambda v: "yes" if v else ""),
+    ]
     return table("Every point", rows, columns, "Each point: the cell's latest measurement at that commit on that machine.")
 
 
@@ -106,10 +115,21 @@ def steps_table(steps: list[Step], factor: float) -> Table:
                            "between": "unknown" if step.between is None else str(step.between),
                            "confirm": " ; ".join(step.commands) or "-", "mark": mark(step, factor)}
                           for step in steps])  # fmt: skip
-    columns = [("machine", "machine", text), ("scenario", "scenario", text), ("variant", "variant", text), ("backend", "backend", text),
-               ("mode", "mode", text), ("cell", "cell", text), ("last before", "good", text), ("first after", "bad", text),
-               ("commits between", "between", text), ("after / before", "ratio", format_ratio), ("95 % interval", "interval", text),
-               ("", "direction", text), ("confirm and narrow", "confirm", text)]
+    columns = [
+        ("machine", "machine", text),
+        ("scenario", "scenario", text),
+        ("variant", "variant", text),
+        ("backend", "backend", text),
+        ("mode", "mode", text),
+        ("cell", "cell", text),
+        ("last before", "good", text),
+        ("first after", "bad", text),
+        ("commits between", "between", text),
+        ("after / before", "ratio", format_ratio),
+        ("95 % interval", "interval", text),
+        ("", "direction", text),
+        ("confirm and narrow", "confirm", text),
+    ]
     return table("Steps found", frame, columns, f"Red: slower by more than --factor {factor}, its interval above 1; green: faster by as much.", classes="mark")
 
 
@@ -131,8 +151,14 @@ def write_page(history: History, steps: list[Step], out_dir, *, factor: float, a
         title="attnbench history: " + ", ".join(sorted(history.points["scenario"].unique())),
         generated=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         files=list(history.points["file"].unique()),
-        commits=len(history.commits), machines=machines, notes=history.notes, factor=factor, since=since,
-        steps=steps_table(steps, factor) if steps else None, alarming=len(alarming), groups=groups,
+        commits=len(history.commits),
+        machines=machines,
+        notes=history.notes,
+        factor=factor,
+        since=since,
+        steps=steps_table(steps, factor) if steps else None,
+        alarming=len(alarming),
+        groups=groups,
     )
     index = out_dir / "index.html"
     write_atomic(index, page)

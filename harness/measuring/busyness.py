@@ -124,6 +124,8 @@ def busy_warning(cells: list[Cell], other_cores: float | None, cores: int) -> st
     busy = busy_cores(other_cores)
     if not timed or not busy:
         return None
-    return (f"warning: the machine is busy: other processes keep {other_cores:.1f} of {cores} cores busy, {max(0, cores - busy)} free; "
-            f"the CPU timings of {timed} cell(s) will be unreliable (each runs on at most {spare_threads(cores, cores, other_cores)} "
-            "thread(s)); measure on a quiet machine")
+    return (
+        f"warning: the machine is busy: other processes keep {other_cores:.1f} of {cores} cores busy, {max(0, cores - busy)} free; "
+        f"the CPU timings of {timed} cell(s) will be unreliable (each runs on at most {spare_threads(cores, cores, other_cores)} "
+        "thread(s)); measure on a quiet machine"
+    )

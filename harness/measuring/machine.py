@@ -37,10 +37,7 @@ _CLOCK_REASONS = {
 }
 
 #: The reasons that mean the GPU runs slower than it was asked to (power or heat).
-_THROTTLING_MASK = sum(
-    _CLOCK_REASONS[name]
-    for name in ("SwPowerCap", "HwSlowdown", "SwThermalSlowdown", "HwThermalSlowdown", "HwPowerBrakeSlowdown")
-)
+_THROTTLING_MASK = sum(_CLOCK_REASONS[name] for name in ("SwPowerCap", "HwSlowdown", "SwThermalSlowdown", "HwThermalSlowdown", "HwPowerBrakeSlowdown"))
 
 #: The keys of ``fingerprint()["gpu"]`` that come from NVML (None when NVML is unavailable).
 _NVML_FIELDS = (
@@ -102,8 +99,7 @@ def format_fingerprint(fp: dict) -> str:
     cpu, versions = fp["cpu"], fp["versions"]
     lines = [
         f"host: {fp['hostname']} ({fp['platform']}), python {fp['python']}",
-        f"cpu: {_dash(cpu['model'])}, {_dash(cpu['usable_cores'])} usable of {_dash(cpu['logical_cores'])} logical cores, "
-        f"{cpu['torch_threads']} torch threads",
+        f"cpu: {_dash(cpu['model'])}, {_dash(cpu['usable_cores'])} usable of {_dash(cpu['logical_cores'])} logical cores, {cpu['torch_threads']} torch threads",
         f"memory: {_gib(fp['memory_bytes'])}",
         *_format_gpu(fp["gpu"]),
         f"torch {versions['torch']}, triton {_dash(versions['triton'])}, cuda {_dash(versions['cuda'])}, "
@@ -177,9 +173,7 @@ def _dist_version(name: str) -> str | None:
 def _git(*args: str) -> str | None:
     """``git args`` run in the repository root; its output, or None when git fails or is missing."""
     try:
-        done = subprocess.run(
-            ["git", "--no-optional-locks", *args], cwd=_REPO_ROOT, capture_output=True, text=True, timeout=10, check=True
-        )
+        done = subprocess.run(["git", "--no-optional-locks", *args], cwd=_REPO_ROOT, capture_output=True, text=True, timeout=10, check=True)
     except (OSError, subprocess.SubprocessError):
         return None
     return done.stdout.strip()
@@ -233,8 +227,10 @@ def missing_tensor_cores(device: str | torch.device, dtype: str) -> str | None:
     props = torch.cuda.get_device_properties(index)
     if (props.major, props.minor) >= needed:
         return None
-    return (f"{dtype} needs tensor cores of compute capability {needed[0]}.{needed[1]} or newer; "
-            f"cuda:{index} ({props.name}) is {props.major}.{props.minor} and would run it emulated")
+    return (
+        f"{dtype} needs tensor cores of compute capability {needed[0]}.{needed[1]} or newer; "
+        f"cuda:{index} ({props.name}) is {props.major}.{props.minor} and would run it emulated"
+    )
 
 
 def _cuda_index(device: str | torch.device) -> int | None:
@@ -379,8 +375,7 @@ def _format_gpu(gpu: dict | None) -> list[str]:
         lines.append(
             "gpu clocks (MHz): "
             + "; ".join(
-                f"{unit} max {_dash(clocks[unit + '_max'])}, application {_dash(clocks[unit + '_app'])}, "
-                f"now {_dash(clocks[unit + '_current'])}"
+                f"{unit} max {_dash(clocks[unit + '_max'])}, application {_dash(clocks[unit + '_app'])}, now {_dash(clocks[unit + '_current'])}"
                 for unit in ("sm", "mem")
             )
         )

@@ -281,8 +281,17 @@ def time_interleaved(fns: dict, *, warmup: int = 2, repeats: int = 7, device="cp
     return {key: Timing(tuple(values)) for key, values in samples.items()}
 
 
-def time_callable(fn, *, warmup: int = 2, repeats: int = 7, device="cpu", flush_l2: bool = True, target_rel_ci: float | None = None,
-                  max_time_s: float = 0.0, timing: str = "events") -> Timing:
+def time_callable(
+    fn,
+    *,
+    warmup: int = 2,
+    repeats: int = 7,
+    device="cpu",
+    flush_l2: bool = True,
+    target_rel_ci: float | None = None,
+    max_time_s: float = 0.0,
+    timing: str = "events",
+) -> Timing:
     """Run ``fn()`` ``warmup`` times untimed, then time calls one by one in the ``timing`` mode
     (``clock_for``; ``cudagraph``: the replays of one call captured after the warm-up):
     ``repeats`` of them, and with ``target_rel_ci`` more until the median is that sure

@@ -128,8 +128,7 @@ def top_operators(averages, device: torch.device, count: int = TOP_OPERATORS) ->
     # On a GPU the kernels, copies and fills are entries of their own, and an operator's self device time is
     # that of its kernels again: the device's entries alone are summed (as torch's own table totals them).
     entries = [
-        entry for entry in averages
-        if not entry.is_user_annotation and self_us(entry) > 0 and (not gpu or entry.device_type == torch.autograd.DeviceType.CUDA)
+        entry for entry in averages if not entry.is_user_annotation and self_us(entry) > 0 and (not gpu or entry.device_type == torch.autograd.DeviceType.CUDA)
     ]
     total = sum(self_us(entry) for entry in entries)
     chosen = sorted(entries, key=self_us, reverse=True)[:count]

@@ -118,8 +118,10 @@ def cache_key(machine_id: str, device: torch.device, threads: int, cpus) -> str:
     """What a cached figure was measured on and how: the machine (``machine.machine_id``: host, CPU,
     GPU and its driver, torch, triton and CUDA versions), the device type, the torch threads, the
     CPUs the process may run on, and the sizes of the matmul and the copy."""
-    return (f"{machine_id}/{device.type}/{threads} threads/cpus {','.join(map(str, cpus or []))}/"
-            f"matmul {MATMUL_SIDE[device.type]}/copy {COPY_BYTES[device.type]} bytes")
+    return (
+        f"{machine_id}/{device.type}/{threads} threads/cpus {','.join(map(str, cpus or []))}/"
+        f"matmul {MATMUL_SIDE[device.type]}/copy {COPY_BYTES[device.type]} bytes"
+    )
 
 
 def _cache_path() -> Path:
@@ -191,8 +193,12 @@ def calibrate(machine_id: str, dtypes: list[str], device: str = "cpu", gpu_name:
         "cpus": cpus,
         "matmul_flops_per_s": {dtype: best[f"matmul_flops_per_s.{dtype}"] for dtype in dtypes},
         "bandwidth_bytes_per_s": best["bandwidth_bytes_per_s"],
-        "this_run": {"matmul_flops_per_s": {dtype: measured[f"matmul_flops_per_s.{dtype}"] for dtype in dtypes},
-                     "bandwidth_bytes_per_s": measured["bandwidth_bytes_per_s"], "seconds_each": seconds, "single_thread": single},
+        "this_run": {
+            "matmul_flops_per_s": {dtype: measured[f"matmul_flops_per_s.{dtype}"] for dtype in dtypes},
+            "bandwidth_bytes_per_s": measured["bandwidth_bytes_per_s"],
+            "seconds_each": seconds,
+            "single_thread": single,
+        },
         "datasheet": datasheet(gpu_name) if device.type == "cuda" else None,
         "sm_clock_mhz": sm_clock_mhz,
     }

@@ -63,8 +63,7 @@ class SegmentConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
                 raise ValueError(f"segment.{name} must be an int >= {minimum}{' or None' if optional else ''}, got {value!r}")
         if (self.kind == "rmt") != (self.memory > 0):
-            raise ValueError(f"segment.memory: rmt needs memory >= 1 tokens and the other kinds take 0; "
-                             f"got memory={self.memory} for kind={self.kind!r}")
+            raise ValueError(f"segment.memory: rmt needs memory >= 1 tokens and the other kinds take 0; got memory={self.memory} for kind={self.kind!r}")
         if self.kind == "xl" and self.bptt not in (None, 1):
             raise ValueError(f"segment.bptt: Transformer-XL's cache is always detached (bptt 1 or None), got {self.bptt}")
 
@@ -172,9 +171,7 @@ class DecoderLM(nn.Module):
         self.ln_f = nn.LayerNorm(config.d_model)
         if config.adaptive_cutoffs:
             self.head = None
-            self.adaptive = nn.AdaptiveLogSoftmaxWithLoss(
-                config.d_model, config.vocab_size, list(config.adaptive_cutoffs), div_value=config.adaptive_div_value
-            )
+            self.adaptive = nn.AdaptiveLogSoftmaxWithLoss(config.d_model, config.vocab_size, list(config.adaptive_cutoffs), div_value=config.adaptive_div_value)
         else:
             self.head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         segment = config.segment
@@ -193,17 +190,20 @@ class DecoderLM(nn.Module):
         if segment.length is None:
             raise ValueError("segment.length must be set to build a model (run_lm sets it to the context by default)")
         if segment.positions() > self.config.context:
-            raise ValueError(f"segment: a segment occupies length + 2·memory = {segment.positions()} positions, more "
-                             f"than the model's context={self.config.context}")
+            raise ValueError(
+                f"segment: a segment occupies length + 2·memory = {segment.positions()} positions, more than the model's context={self.config.context}"
+            )
         layers = [block.attn for block in self.blocks]
-        if segment.kind == "xl" and not all(
-            isinstance(layer.core, variants.softmax.Softmax) and layer.short_conv is None for layer in layers
-        ):
-            raise ValueError(f"segment.kind 'xl' caches keys and values of past hidden states: it needs softmax attention "
-                             f"without short_conv, got variant {self.config.variant!r}")
+        if segment.kind == "xl" and not all(isinstance(layer.core, variants.softmax.Softmax) and layer.short_conv is None for layer in layers):
+            raise ValueError(
+                f"segment.kind 'xl' caches keys and values of past hidden states: it needs softmax attention "
+                f"without short_conv, got variant {self.config.variant!r}"
+            )
         if segment.kind == "carry_state" and not self.linear_time:
-            raise ValueError(f"segment.kind 'carry_state' needs a linear-time variant (a fixed-size fast-weight state); "
-                             f"variant {self.config.variant!r} keeps a KV cache that would grow with the whole stream")
+            raise ValueError(
+                f"segment.kind 'carry_state' needs a linear-time variant (a fixed-size fast-weight state); "
+                f"variant {self.config.variant!r} keeps a KV cache that would grow with the whole stream"
+            )
 
     @property
     def linear_time(self) -> bool:
@@ -351,8 +351,7 @@ class DecoderLM(nn.Module):
         only at the start of the call), so gradients flow through at most ``bptt`` segments."""
         segment = self.config.segment
         if targets is not None and targets.shape != tokens.shape:
-            raise ValueError(f"a segment model scores every position: targets must have the tokens' shape "
-                             f"{tuple(tokens.shape)}, got {tuple(targets.shape)}")
+            raise ValueError(f"a segment model scores every position: targets must have the tokens' shape {tuple(tokens.shape)}, got {tuple(targets.shape)}")
         starts = range(0, tokens.shape[1], segment.length)
         group = segment.bptt or len(starts)
         outputs = []

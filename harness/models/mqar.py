@@ -50,16 +50,20 @@ class MQARModel(nn.Module):
         **variant_params,
     ):
         super().__init__()
-        for name, value in (("vocab_size", vocab_size), ("d_model", d_model), ("n_layers", n_layers),
-                            ("n_heads", n_heads), ("conv_size", conv_size), ("max_len", max_len)):
+        for name, value in (
+            ("vocab_size", vocab_size),
+            ("d_model", d_model),
+            ("n_layers", n_layers),
+            ("n_heads", n_heads),
+            ("conv_size", conv_size),
+            ("max_len", max_len),
+        ):
             check_positive_int(name, value)
         self.vocab_size = vocab_size
         self.max_len = max_len
         self.embed = nn.Embedding(vocab_size, d_model)
         self.positions = nn.Embedding(max_len, d_model)
-        self.blocks = nn.ModuleList(
-            MQARBlock(d_model, n_heads, variant, conv_size, **variant_params) for _ in range(n_layers)
-        )
+        self.blocks = nn.ModuleList(MQARBlock(d_model, n_heads, variant, conv_size, **variant_params) for _ in range(n_layers))
         self.ln_f = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, vocab_size, bias=False)
 

@@ -76,9 +76,7 @@ def _attention(config: Seq2SeqConfig, position: str) -> variants.AttentionLayer:
 
 
 def _feed_forward(config: Seq2SeqConfig) -> nn.Sequential:
-    return nn.Sequential(
-        nn.Linear(config.d_model, config.d_ff), nn.ReLU(), nn.Dropout(config.dropout), nn.Linear(config.d_ff, config.d_model)
-    )
+    return nn.Sequential(nn.Linear(config.d_model, config.d_ff), nn.ReLU(), nn.Dropout(config.dropout), nn.Linear(config.d_ff, config.d_model))
 
 
 class EncoderBlock(nn.Module):

@@ -91,11 +91,18 @@ def _scenario_section(name: str, cells: pd.DataFrame, figures: Figures, baseline
         own = cells[cells["target"] == task.name]
         task_sections += [*(task.report(own, figures, slug) if task.report else []), *(_score_sections(own, task.score, figures, slug) if task.score else [])]
     plots += [part for part in task_sections if isinstance(part, Plot)]
-    tables = [model_table(cells), ranking_table(cells), backend_table(cells, baseline), *(part for part in task_sections if isinstance(part, Table)),
-              quality_table(cells), failures_table(cells), timing_table(cells), profile_table(cells)]
+    tables = [
+        model_table(cells),
+        ranking_table(cells),
+        backend_table(cells, baseline),
+        *(part for part in task_sections if isinstance(part, Table)),
+        quality_table(cells),
+        failures_table(cells),
+        timing_table(cells),
+        profile_table(cells),
+    ]
     targets = ", ".join(cells["target"].dropna().unique())
-    return ScenarioSection(name, targets, cells["x_axis"].iloc[0], _statuses(cells),
-                           [p for p in plots if p is not None], [t for t in tables if t is not None])
+    return ScenarioSection(name, targets, cells["x_axis"].iloc[0], _statuses(cells), [p for p in plots if p is not None], [t for t in tables if t is not None])
 
 
 def _score_sections(cells: pd.DataFrame, score: tasks.Score, figures: Figures, slug: str) -> list:

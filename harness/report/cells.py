@@ -27,8 +27,22 @@ READ = ["axes.device"]
 #: Metric columns the plots and tables read (added, empty, when no cell has them).
 PLOTTED = [
     f"metrics.{name}"
-    for name in ("median_s", "p20_s", "p80_s", "tokens", "tokens_per_s", "peak_mem_bytes", "memory_kind", "words_per_s", "throttled",
-                 "rel_ci", "unstable", "roofline_fraction", "bound", "load.other_cores")
+    for name in (
+        "median_s",
+        "p20_s",
+        "p80_s",
+        "tokens",
+        "tokens_per_s",
+        "peak_mem_bytes",
+        "memory_kind",
+        "words_per_s",
+        "throttled",
+        "rel_ci",
+        "unstable",
+        "roofline_fraction",
+        "bound",
+        "load.other_cores",
+    )
 ]
 
 
@@ -45,10 +59,7 @@ def base_label(record: dict, show_backend: bool) -> str:
 def _varying_axes(cells: pd.DataFrame, x: str) -> list[str]:
     """The axes (other than ``x``) that take several values along one line of one machine."""
     group = ["_label", "machine_key", "mode", f"axes.{x}"]
-    return [
-        axis for axis in LABEL_AXES
-        if axis != x and f"axes.{axis}" in cells and cells.groupby(group, dropna=False)[f"axes.{axis}"].nunique().max() > 1
-    ]
+    return [axis for axis in LABEL_AXES if axis != x and f"axes.{axis}" in cells and cells.groupby(group, dropna=False)[f"axes.{axis}"].nunique().max() > 1]
 
 
 def tasks_of(cells: pd.DataFrame) -> list[tasks.Task]:
@@ -73,10 +84,7 @@ def _series(cells: pd.DataFrame, x: str) -> pd.Series:
     """Each cell's line label: variant, parameters, backend, and any other axis that varies."""
     extra = _varying_axes(cells, x)
     return pd.Series(
-        [
-            " ".join([record["_label"], *(f"{axis}={record[f'axes.{axis}']}" for axis in extra)])
-            for record in cells.to_dict("records")
-        ],
+        [" ".join([record["_label"], *(f"{axis}={record[f'axes.{axis}']}" for axis in extra)]) for record in cells.to_dict("records")],
         index=cells.index,
         dtype=object,
     )
@@ -100,8 +108,10 @@ def prepare(frame: pd.DataFrame) -> pd.DataFrame:
     cells["timing"] = timing.where(timing.map(present), "events").where(cells["mode"] != "quality")
     cells = latest(cells, MEASUREMENT)
     show_backend, show_timing = cells["backend"].nunique() > 1, cells["timing"].nunique() > 1
-    cells["_label"] = [base_label(record, show_backend) + (f" ({record['timing']})" if show_timing and present(record["timing"]) else "")
-                       for record in cells.to_dict("records")]
+    cells["_label"] = [
+        base_label(record, show_backend) + (f" ({record['timing']})" if show_timing and present(record["timing"]) else "")
+        for record in cells.to_dict("records")
+    ]
     cells["machine"] = cells["machine_key"].map(machine_names(cells))
     x_of = {name: x_axis(group) for name, group in cells.groupby("scenario")}
     cells["x_axis"] = cells["scenario"].map(x_of)

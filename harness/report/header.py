@@ -22,8 +22,10 @@ def _gpu_facts(gpu: dict | None, versions: dict) -> list[tuple[str, str]]:
         return [("GPU", "none")]
     return [
         ("GPU", f"{gpu.get('name')}, {gib(gpu.get('memory_bytes'))}, compute capability {text(gpu.get('compute_capability'))}"),
-        ("driver / CUDA", f"driver {text(gpu.get('driver_version'))}, CUDA driver {text(gpu.get('cuda_driver_version'))}, "
-                          f"CUDA runtime {text(versions.get('cuda'))}"),
+        (
+            "driver / CUDA",
+            f"driver {text(gpu.get('driver_version'))}, CUDA driver {text(gpu.get('cuda_driver_version'))}, CUDA runtime {text(versions.get('cuda'))}",
+        ),
         ("power limit / ECC", f"{text(gpu.get('power_limit_w'))} W, ECC {text(gpu.get('ecc_enabled'))}"),
     ]
 
@@ -34,12 +36,18 @@ def _machine_facts(machine: dict) -> list[tuple[str, str]]:
     return [
         ("hostname", text(machine.get("hostname"))),
         ("platform", f"{text(machine.get('platform'))}, Python {text(machine.get('python'))}"),
-        ("CPU", f"{text(cpu.get('model'))}, {text(cpu.get('usable_cores'))} usable of {text(cpu.get('logical_cores'))} cores, "
-                f"{text(cpu.get('torch_threads'))} torch threads"),
+        (
+            "CPU",
+            f"{text(cpu.get('model'))}, {text(cpu.get('usable_cores'))} usable of {text(cpu.get('logical_cores'))} cores, "
+            f"{text(cpu.get('torch_threads'))} torch threads",
+        ),
         ("memory", gib(machine.get("memory_bytes"))),
         *_gpu_facts(machine.get("gpu"), versions),
-        ("versions", f"torch {text(versions.get('torch'))}, triton {text(versions.get('triton'))}, cudnn {text(versions.get('cudnn'))}, "
-                     f"numpy {text(versions.get('numpy'))}"),
+        (
+            "versions",
+            f"torch {text(versions.get('torch'))}, triton {text(versions.get('triton'))}, cudnn {text(versions.get('cudnn'))}, "
+            f"numpy {text(versions.get('numpy'))}",
+        ),
         *_calibration_facts(machine.get("calibration")),
         ("machine id", machine["machine_id"]),
     ]
@@ -50,13 +58,16 @@ def _calibration_facts(calibration: dict | None) -> list[tuple[str, str]]:
     if not calibration:
         return []
     flops = ", ".join(f"{dtype} {si(value)}FLOP/s" for dtype, value in calibration["matmul_flops_per_s"].items())
-    rows = [("calibrated peaks", f"matmul {flops}; copy {si(calibration['bandwidth_bytes_per_s'])}B/s "
-                                 f"({calibration['torch_threads']} torch threads)")]
+    rows = [("calibrated peaks", f"matmul {flops}; copy {si(calibration['bandwidth_bytes_per_s'])}B/s ({calibration['torch_threads']} torch threads)")]
     sheet = calibration.get("datasheet")
     if sheet:
         peaks = ", ".join(f"{key} {si(value)}FLOP/s" for key, value in sheet.items() if key not in ("name", "bandwidth_bytes_per_s"))
-        rows.append(("datasheet peaks", f"{sheet['name']}: {peaks}; memory {si(sheet['bandwidth_bytes_per_s'])}B/s; SM clock "
-                                        f"{text(calibration.get('sm_clock_mhz'))} MHz"))
+        rows.append(
+            (
+                "datasheet peaks",
+                f"{sheet['name']}: {peaks}; memory {si(sheet['bandwidth_bytes_per_s'])}B/s; SM clock {text(calibration.get('sm_clock_mhz'))} MHz",
+            )
+        )
     return rows
 
 
@@ -75,10 +86,16 @@ def _reproduce(run: dict) -> str:
 def _run_view(run: dict) -> dict:
     """What the page shows of a run line (fields the format does not require may be missing)."""
     return {
-        "run_id": run["run_id"], "scenario": run["scenario"], "started_at": run["started_at"],
-        "scenario_file": run.get("scenario_file") or "-", "sha256": (run.get("scenario_sha256") or "-")[:12],
-        "preset": run.get("preset") or "none", "overrides": " ".join(run.get("overrides") or []) or "none",
-        "resumed_from": run.get("resumed_from"), "commit": _commit_text(run), "reproduce": _reproduce(run),
+        "run_id": run["run_id"],
+        "scenario": run["scenario"],
+        "started_at": run["started_at"],
+        "scenario_file": run.get("scenario_file") or "-",
+        "sha256": (run.get("scenario_sha256") or "-")[:12],
+        "preset": run.get("preset") or "none",
+        "overrides": " ".join(run.get("overrides") or []) or "none",
+        "resumed_from": run.get("resumed_from"),
+        "commit": _commit_text(run),
+        "reproduce": _reproduce(run),
     }
 
 

@@ -32,15 +32,31 @@ class Metric:
 
 
 METRICS = (
-    Metric("time", "Time per call (median, p20-p80 band)", "seconds",
-           lambda c: c["metrics.median_s"], lambda c: (c["metrics.p20_s"], c["metrics.p80_s"])),
-    Metric("throughput", "Throughput (tokens/s at the median, band from p80 and p20)", "tokens / s",
-           lambda c: c["metrics.tokens_per_s"], lambda c: (c["metrics.tokens"] / c["metrics.p80_s"], c["metrics.tokens"] / c["metrics.p20_s"])),
-    Metric("memory", "Peak memory", "MiB", lambda c: c["metrics.peak_mem_bytes"] / MIB,
-           detail=lambda c: "Counter: " + ", ".join(c["metrics.memory_kind"].dropna().unique()) + " (docs/results.md)."),
-    Metric("roofline", "Fraction of the roofline (calibrated peaks)", "fraction of the limit", lambda c: c["metrics.roofline_fraction"],
-           detail=lambda c: "The time the machine's calibrated matmul FLOP/s and copy bandwidth allow for the cell's FLOPs and "
-                            "minimum bytes, over its median time; 1 is the limit (docs/results.md, 'Roofline')."),
+    Metric("time", "Time per call (median, p20-p80 band)", "seconds", lambda c: c["metrics.median_s"], lambda c: (c["metrics.p20_s"], c["metrics.p80_s"])),
+    Metric(
+        "throughput",
+        "Throughput (tokens/s at the median, band from p80 and p20)",
+        "tokens / s",
+        lambda c: c["metrics.tokens_per_s"],
+        lambda c: (c["metrics.tokens"] / c["metrics.p80_s"], c["metrics.tokens"] / c["metrics.p20_s"]),
+    ),
+    Metric(
+        "memory",
+        "Peak memory",
+        "MiB",
+        lambda c: c["metrics.peak_mem_bytes"] / MIB,
+        detail=lambda c: "Counter: " + ", ".join(c["metrics.memory_kind"].dropna().unique()) + " (docs/results.md).",
+    ),
+    Metric(
+        "roofline",
+        "Fraction of the roofline (calibrated peaks)",
+        "fraction of the limit",
+        lambda c: c["metrics.roofline_fraction"],
+        detail=lambda c: (
+            "The time the machine's calibrated matmul FLOP/s and copy bandwidth allow for the cell's FLOPs and "
+            "minimum bytes, over its median time; 1 is the limit (docs/results.md, 'Roofline')."
+        ),
+    ),
 )
 
 
@@ -133,8 +149,7 @@ def metric_plot(cells: pd.DataFrame, metric: Metric, figures: Figures, name: str
         ax.set_title(mode)
     figures.legend(figure, pd.concat([ok, failed]), not failed.empty)
     unstable = int(ok["metrics.unstable"].map(lambda value: value is True).sum())
-    warning = (f"{unstable} unstable cell(s), ringed (hatched bars): their median is not known to measure.target_rel_ci; do not trust them."
-               if unstable else "")
+    warning = f"{unstable} unstable cell(s), ringed (hatched bars): their median is not known to measure.target_rel_ci; do not trust them." if unstable else ""
     caption = " ".join(filter(None, [f"{metric.title} against {x}.", metric.detail(ok), warning, _decode_note(cells)]))
     return figures.save(figure, f"{name}-{metric.slug}", metric.title, caption)
 
@@ -187,14 +202,23 @@ def accuracy_plot(cells: pd.DataFrame, figures: Figures, name: str) -> Plot | No
     for ax, mode in zip(axes, modes):
         own = timed[timed["mode"] == mode]
         for record in own.to_dict("records"):
-            ax.plot(record["metrics.rel_error"], record["metrics.tokens_per_s"], color=figures.colours[record["series"]],
-                    marker=DTYPE_MARKERS.get(record["axes.dtype"], "x"), linestyle="none", markersize=6, alpha=0.8)
+            ax.plot(
+                record["metrics.rel_error"],
+                record["metrics.tokens_per_s"],
+                color=figures.colours[record["series"]],
+                marker=DTYPE_MARKERS.get(record["axes.dtype"], "x"),
+                linestyle="none",
+                markersize=6,
+                alpha=0.8,
+            )
         for tolerance in own["metrics.rel_error_tolerance"].dropna().unique():
             ax.axvline(tolerance, color="grey", linestyle="--", linewidth=1)
         ax.set(title=mode, xscale="log", yscale="log", xlabel="relative error from float64", ylabel="tokens / s")
     figures.legend(figure, timed, False)
     markers = ", ".join(f"{marker} {dtype}" for dtype, marker in DTYPE_MARKERS.items() if dtype in set(timed["axes.dtype"]))
     title = "Speed against accuracy"
-    caption = (f"{title}: each timed cell's tokens/s against its relative L2 error from the float64 reference (metrics.rel_error); "
-               f"markers: {markers}; dashed: the dtypes' tolerances, beyond which a cell is inaccurate and its speed not to be compared.")
+    caption = (
+        f"{title}: each timed cell's tokens/s against its relative L2 error from the float64 reference (metrics.rel_error); "
+        f"markers: {markers}; dashed: the dtypes' tolerances, beyond which a cell is inaccurate and its speed not to be compared."
+    )
     return figures.save(figure, f"{name}-accuracy", title, caption)

@@ -17,8 +17,9 @@ from .figures import Table, natural_columns, table
 #: The quality table's columns after those of the tasks (``harness.tasks.Task.metrics``).
 COMMON_QUALITY_METRICS = ("words_per_s", "peak_mem_bytes", "wall_s")
 #: The caption of a table with a median measured unstable (shown with compare.UNSTABLE_SUFFIX).
-UNSTABLE_NOTE = ("A time marked * was measured unstable (its median never reached measure.target_rel_ci): do not trust it; "
-                 "ratios with one are left out of means.")
+UNSTABLE_NOTE = (
+    "A time marked * was measured unstable (its median never reached measure.target_rel_ci): do not trust it; ratios with one are left out of means."
+)
 
 
 def cell_columns(cells: pd.DataFrame) -> list[tuple[str, str, Callable]]:
@@ -42,8 +43,12 @@ def model_table(cells: pd.DataFrame) -> Table | None:
     if model.empty:
         return None
     columns = [
-        ("variant", "variant", text), ("d_dot", "params.d_dot", text), ("params", "params_text", text),
-        *cell_columns(cells)[1:], ("words/s", "metrics.words_per_s", si), ("memory", "metrics.peak_mem_bytes", mib),
+        ("variant", "variant", text),
+        ("d_dot", "params.d_dot", text),
+        ("params", "params_text", text),
+        *cell_columns(cells)[1:],
+        ("words/s", "metrics.words_per_s", si),
+        ("memory", "metrics.peak_mem_bytes", mib),
         ("status", "status", text),
     ]
     return table("Model: words per second and memory", model, columns, "words/s: tokens per second of one training step (one word per token).")
@@ -78,18 +83,28 @@ def timing_table(cells: pd.DataFrame) -> Table | None:
         return None
     ok = ok.sort_values(["mode", "series", f"axes.{cells['x_axis'].iloc[0]}"])
     columns = cell_columns(cells) + [
-        ("timing", "timing", text), ("median", "metrics.median_s", format_seconds), ("p20", "metrics.p20_s", format_seconds),
+        ("timing", "timing", text),
+        ("median", "metrics.median_s", format_seconds),
+        ("p20", "metrics.p20_s", format_seconds),
         ("p80", "metrics.p80_s", format_seconds),
-        ("±CI", "metrics.rel_ci", percent), ("stability", "metrics.unstable", flag), ("error", "error_text", text),
-        ("tokens/s", "metrics.tokens_per_s", si), ("roofline", "metrics.roofline_fraction", fraction), ("bound", "metrics.bound", text),
-        ("peak memory", "metrics.peak_mem_bytes", mib), ("other cores", "metrics.load.other_cores", fraction), ("throttled", "metrics.throttled", text),
+        ("±CI", "metrics.rel_ci", percent),
+        ("stability", "metrics.unstable", flag),
+        ("error", "error_text", text),
+        ("tokens/s", "metrics.tokens_per_s", si),
+        ("roofline", "metrics.roofline_fraction", fraction),
+        ("bound", "metrics.bound", text),
+        ("peak memory", "metrics.peak_mem_bytes", mib),
+        ("other cores", "metrics.load.other_cores", fraction),
+        ("throttled", "metrics.throttled", text),
     ]
-    caption = ("timing: what one sample timed (measure.timing: events, cudagraph, profiler or wall; docs/profiling.md); "
-               "times of two modes are not comparable. ±CI: half the 95 % interval of the median, relative; unstable: it stayed wider than "
-               "measure.target_rel_ci. error: the "
-               "relative L2 error against the float64 reference (metrics.rel_error), '!' beyond its dtype's tolerance (inaccurate: its speed "
-               "is not to be compared). roofline: the fraction of the machine's calibrated limit (docs/results.md, 'Roofline'). other cores: "
-               "the cores other processes kept busy meanwhile.")
+    caption = (
+        "timing: what one sample timed (measure.timing: events, cudagraph, profiler or wall; docs/profiling.md); "
+        "times of two modes are not comparable. ±CI: half the 95 % interval of the median, relative; unstable: it stayed wider than "
+        "measure.target_rel_ci. error: the "
+        "relative L2 error against the float64 reference (metrics.rel_error), '!' beyond its dtype's tolerance (inaccurate: its speed "
+        "is not to be compared). roofline: the fraction of the machine's calibrated limit (docs/results.md, 'Roofline'). other cores: "
+        "the cores other processes kept busy meanwhile."
+    )
     ok = ok.assign(stability=ok["metrics.unstable"].map(lambda value: "unstable" if value is True else "stable"), error_text=_error_texts(ok))
     return table("Every timed cell", ok, columns, caption, classes="stability")
 
@@ -112,8 +127,10 @@ def ranking_table(cells: pd.DataFrame) -> Table | None:
     frame = pd.DataFrame(rows).sort_values(["mode", "axes_text"], key=natural_columns)
     machine = [("machine", "machine", text)] if cells["machine"].nunique() > 1 else []
     columns = [*machine, ("mode", "mode", text), ("batch", "axes_text", text), ("fastest first (real tokens/s)", "ranking", text)]
-    caption = ("Per mode and batch of variable-length sequences (L=: its length distribution; packing: packed or padded), the variants "
-               f"fastest first by real tokens per second; a rate marked {UNSTABLE_SUFFIX} was measured unstable.")
+    caption = (
+        "Per mode and batch of variable-length sequences (L=: its length distribution; packing: packed or padded), the variants "
+        f"fastest first by real tokens per second; a rate marked {UNSTABLE_SUFFIX} was measured unstable."
+    )
     return table("Ranking per length distribution", frame, columns, caption)
 
 
@@ -127,11 +144,19 @@ def profile_table(cells: pd.DataFrame) -> Table | None:
     if profiled.empty:
         return None
     rows = [{**record, **row} for record in profiled.to_dict("records") for row in _profile_rows(record)]
-    columns = cell_columns(cells) + [("tool", "metrics.profile.tool", text), ("operator or kernel", "name", text), ("calls", "calls", text),
-                                     ("self time", "self_s", format_seconds), ("share", "share", _share), ("file", "file", text)]
-    caption = (f"One call of each cell profiled after its timing (--profile): its {PROFILE_TOP} largest operators (CPU: self CPU time) or "
-               "kernels (GPU: self device time) and their share of the call's total; the file is beside the results file (a trace opens "
-               "in ui.perfetto.dev or chrome://tracing; docs/profiling.md).")
+    columns = cell_columns(cells) + [
+        ("tool", "metrics.profile.tool", text),
+        ("operator or kernel", "name", text),
+        ("calls", "calls", text),
+        ("self time", "self_s", format_seconds),
+        ("share", "share", _share),
+        ("file", "file", text),
+    ]
+    caption = (
+        f"One call of each cell profiled after its timing (--profile): its {PROFILE_TOP} largest operators (CPU: self CPU time) or "
+        "kernels (GPU: self device time) and their share of the call's total; the file is beside the results file (a trace opens "
+        "in ui.perfetto.dev or chrome://tracing; docs/profiling.md)."
+    )
     return table("Profiles: top operators by self time", pd.DataFrame(rows), columns, caption)
 
 
@@ -177,8 +202,10 @@ def backend_ratios(cells: pd.DataFrame, baseline: str) -> pd.DataFrame:
     renamed = {"metrics.median_s": "baseline_s", "metrics.unstable": "baseline_unstable"}
     pairs = timed[timed["backend"] != baseline].merge(base[key + list(renamed)].rename(columns=renamed), on=key)
     pairs["baseline_unstable"] = pairs["baseline_unstable"].map(is_unstable)
-    return pairs.assign(ratio=(pairs["metrics.median_s"] / pairs["baseline_s"]).where(pairs["status"] == "ok"),
-                        unstable=pairs["baseline_unstable"] | pairs["metrics.unstable"].map(is_unstable))
+    return pairs.assign(
+        ratio=(pairs["metrics.median_s"] / pairs["baseline_s"]).where(pairs["status"] == "ok"),
+        unstable=pairs["baseline_unstable"] | pairs["metrics.unstable"].map(is_unstable),
+    )
 
 
 def backend_table(cells: pd.DataFrame, baseline: str | None) -> Table | None:
@@ -193,8 +220,13 @@ def backend_table(cells: pd.DataFrame, baseline: str | None) -> Table | None:
     rows = []
     for _, group in pairs.groupby(["variant_label", "machine", "mode", "axes_text"], sort=False):
         first = group.iloc[0]
-        row = {"variant_label": first["variant_label"], "machine": first["machine"], "mode": first["mode"], "axes_text": first["axes_text"],
-               "baseline_s": format_median(first["baseline_s"], first["baseline_unstable"])}
+        row = {
+            "variant_label": first["variant_label"],
+            "machine": first["machine"],
+            "mode": first["mode"],
+            "axes_text": first["axes_text"],
+            "baseline_s": format_median(first["baseline_s"], first["baseline_unstable"]),
+        }
         for record in group.to_dict("records"):
             row[record["backend"]] = marked_ratio(record["ratio"], record["unstable"]) if present(record["ratio"]) else record["status"]
             if present(record.get("metrics.compile_s")):
@@ -202,8 +234,14 @@ def backend_table(cells: pd.DataFrame, baseline: str | None) -> Table | None:
         rows.append(row)
     frame = pd.DataFrame(rows).sort_values(["mode", "variant_label", "axes_text"], key=natural_columns)
     machine = [("machine", "machine", text)] if cells["machine"].nunique() > 1 else []
-    columns = [("variant", "variant_label", text), *machine, ("mode", "mode", text), ("axes", "axes_text", text),
-               (f"{baseline} (median)", "baseline_s", text), *((f"{b} / {baseline}", b, text) for b in backends)]
+    columns = [
+        ("variant", "variant_label", text),
+        *machine,
+        ("mode", "mode", text),
+        ("axes", "axes_text", text),
+        (f"{baseline} (median)", "baseline_s", text),
+        *((f"{b} / {baseline}", b, text) for b in backends),
+    ]
     notes = []
     if "compile_compile_s" in frame:
         columns.append(("compile time", "compile_compile_s", format_seconds))
@@ -212,8 +250,13 @@ def backend_table(cells: pd.DataFrame, baseline: str | None) -> Table | None:
     means = "; ".join(f"{backend} {np.exp(np.log(group['ratio']).mean()):.3f} over {len(group)} cells" for backend, group in ratios.groupby("backend"))
     if pairs["unstable"].any():
         notes.append(UNSTABLE_NOTE)
-    caption = " ".join([f"Each backend's median time over {baseline}'s on the same cell (report.baseline_backend); below 1 is faster.",
-                        f"Geometric means: {means or 'none'}.", *notes])
+    caption = " ".join(
+        [
+            f"Each backend's median time over {baseline}'s on the same cell (report.baseline_backend); below 1 is faster.",
+            f"Geometric means: {means or 'none'}.",
+            *notes,
+        ]
+    )
     return table(f"Backends against {baseline}", frame, columns, caption)
 
 
@@ -250,8 +293,14 @@ def ratio_tables(ratios: pd.DataFrame) -> list[Table]:
             text=[format_median(s, u) for s, u in zip(group["median_s"], group["unstable"])],
             ratio_text=[marked_ratio(r, u) for r, u in zip(group["ratio"], either)],
         )
-        columns = [("variant", "series", text), ("mode", "mode", text), ("axes", "axes_text", text),
-                   (reference, "ref_text", text), (machine, "text", text), ("ratio", "ratio_text", text)]
+        columns = [
+            ("variant", "series", text),
+            ("mode", "mode", text),
+            ("axes", "axes_text", text),
+            (reference, "ref_text", text),
+            (machine, "text", text),
+            ("ratio", "ratio_text", text),
+        ]
         caption = f"median time on {machine} / on {reference}, per matching cell; geometric mean {geomean} over {len(stable)} cells."
         caption += f" {UNSTABLE_NOTE}" if either.any() else ""
         tables.append(table(f"{scenario}: {machine} / {reference}", group.sort_values(["mode", "series"], key=natural_columns), columns, caption))
@@ -271,12 +320,24 @@ def marked_ratio(ratio, unstable: bool) -> str:
 def compare_table(result: CompareResult) -> Table:
     """compare's table; a median measured unstable is shown with a * (``format_median``)."""
     columns = [
-        ("scenario", "scenario", text), ("variant", "variant", text), ("params", "params", text), ("axes", "axes", text),
-        ("mode", "mode", text), ("base", "base_text", text), ("head", "head_text", text),
-        ("ratio", "ratio", format_ratio), ("CI low", "ci_low", format_ratio), ("CI high", "ci_high", format_ratio),
-        ("mark", "mark", text), ("note", "note", text),
+        ("scenario", "scenario", text),
+        ("variant", "variant", text),
+        ("params", "params", text),
+        ("axes", "axes", text),
+        ("mode", "mode", text),
+        ("base", "base_text", text),
+        ("head", "head_text", text),
+        ("ratio", "ratio", format_ratio),
+        ("CI low", "ci_low", format_ratio),
+        ("CI high", "ci_high", format_ratio),
+        ("mark", "mark", text),
+        ("note", "note", text),
     ]
-    shown = result.table.assign(**{f"{side}_text": [format_median(seconds, unstable) for seconds, unstable in
-                                                    zip(result.table[f"{side}_median_s"], result.table[f"{side}_unstable"])] for side in ("base", "head")})
+    shown = result.table.assign(
+        **{
+            f"{side}_text": [format_median(seconds, unstable) for seconds, unstable in zip(result.table[f"{side}_median_s"], result.table[f"{side}_unstable"])]
+            for side in ("base", "head")
+        }
+    )
     caption = result.summary() + (f" {UNSTABLE_NOTE}" if result.unstable_shown() else "")
     return table("Comparison of two commits", shown, columns, caption, classes="mark")

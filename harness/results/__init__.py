@@ -52,8 +52,20 @@ REQUIRED = {
 
 #: The columns ``load`` always returns first, even when there are no cells.
 COLUMNS = [
-    "file", "run_id", "cell_id", "scenario", "variant", "backend", "mode", "target", "status",
-    "error", "machine_id", "commit", "started_at", "duration_s",
+    "file",
+    "run_id",
+    "cell_id",
+    "scenario",
+    "variant",
+    "backend",
+    "mode",
+    "target",
+    "status",
+    "error",
+    "machine_id",
+    "commit",
+    "started_at",
+    "duration_s",
 ]
 
 #: JSON has no NaN or infinities; metrics store them as these strings.
@@ -216,8 +228,7 @@ def utc_now() -> str:
     return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
 
 
-def run_header(loaded: LoadedScenario, run_id: str, command: str, fingerprint: dict, *, commit=None, dirty=None,
-               resumed_from=None, **extra) -> dict:
+def run_header(loaded: LoadedScenario, run_id: str, command: str, fingerprint: dict, *, commit=None, dirty=None, resumed_from=None, **extra) -> dict:
     """The ``run`` line of a results file: the scenario as loaded, the command, the machine and
     the commit measured (the fingerprint's, unless ``commit``/``dirty`` say otherwise)."""
     return {
@@ -302,8 +313,7 @@ def parse_line(raw: bytes, path: Path, where: str) -> dict:
         raise ResultsFileError(f"{where} is not a results record (a JSON object with 'kind' and 'schema')")
     if record["schema"] not in range(OLDEST_SCHEMA, SCHEMA_VERSION + 1):
         raise ResultsFileError(
-            f"file {path} was written with results schema {record['schema']}; "
-            f"this attnbench reads schemas {OLDEST_SCHEMA} to {SCHEMA_VERSION} ({where})"
+            f"file {path} was written with results schema {record['schema']}; this attnbench reads schemas {OLDEST_SCHEMA} to {SCHEMA_VERSION} ({where})"
         )
     if record["kind"] not in REQUIRED:
         raise ResultsFileError(f"{where} has unknown kind {record['kind']!r} (expected 'run' or 'cell')")
@@ -404,11 +414,7 @@ def _cell_rows(path: Path) -> list[dict]:
     """The cell records of one file, each with its file name and its run's machine fingerprint."""
     records = read_records(path)
     machines = {record["run_id"]: record["machine"] for record in records if record["kind"] == "run"}
-    return [
-        {"file": str(path), **record, "machine": machines[record["run_id"]]}
-        for record in records
-        if record["kind"] == "cell"
-    ]
+    return [{"file": str(path), **record, "machine": machines[record["run_id"]]} for record in records if record["kind"] == "cell"]
 
 
 def load(paths: str | os.PathLike | Iterable[str | os.PathLike]) -> pd.DataFrame:

@@ -32,8 +32,17 @@ EXIT_INCOMPARABLE = 2  #: the inputs cannot be compared (different machines, not
 REGRESSION_MARKS = ("worse", "newly failing")
 #: Every mark, most alarming first (the order of rows without a ratio).
 MARKS = (
-    "worse", "newly failing", "still failing", "too few samples to decide", "unstable: not compared", "unchanged", "better", "fixed",
-    "not comparable", "new", "removed",
+    "worse",
+    "newly failing",
+    "still failing",
+    "too few samples to decide",
+    "unstable: not compared",
+    "unchanged",
+    "better",
+    "fixed",
+    "not comparable",
+    "new",
+    "removed",
 )
 UNDECIDED = "too few samples to decide"
 #: The mark of a pair with a side measured unstable (``metrics.unstable``): its timing is not judged.
@@ -45,8 +54,22 @@ MIN_SAMPLES = 2
 NOTE_WIDTH = 120  #: characters of a note shown by format_table (the table keeps it whole)
 
 TABLE_COLUMNS = [
-    "scenario", "variant", "backend", "params", "axes", "mode", "target",
-    "base_median_s", "head_median_s", "base_unstable", "head_unstable", "ratio", "ci_low", "ci_high", "mark", "note",
+    "scenario",
+    "variant",
+    "backend",
+    "params",
+    "axes",
+    "mode",
+    "target",
+    "base_median_s",
+    "head_median_s",
+    "base_unstable",
+    "head_unstable",
+    "ratio",
+    "ci_low",
+    "ci_high",
+    "mark",
+    "note",
 ]
 
 
@@ -297,8 +320,22 @@ def compare(base_paths, head_paths, *, factor: float = 1.1, alpha: float = 0.05,
     unless ``allow_different_machines`` (then those cells are marked "not comparable")."""
     if not (1 <= factor < math.inf and 0 < alpha < 1):  # NaN fails both: it would make no cell ever worse
         raise CompareError(f"factor must be a finite number >= 1 and alpha in (0, 1); got factor={factor}, alpha={alpha}")
-    columns = CELL_KEY + ["status", "error", "machine_key", "machine", "gpu", "params_text", "axes_text", "metrics.median_s", "metrics.samples_s",
-               "metrics.round_samples_s", "metrics.unstable", "metrics.rel_ci", "metrics.load.other_cores", "metrics.timing"]
+    columns = CELL_KEY + [
+        "status",
+        "error",
+        "machine_key",
+        "machine",
+        "gpu",
+        "params_text",
+        "axes_text",
+        "metrics.median_s",
+        "metrics.samples_s",
+        "metrics.round_samples_s",
+        "metrics.unstable",
+        "metrics.rel_ci",
+        "metrics.load.other_cores",
+        "metrics.timing",
+    ]
     base, head = _side(base_paths), _side(head_paths)
     pairs = base.reindex(columns=columns).merge(head.reindex(columns=columns), on=CELL_KEY, how="outer", suffixes=("_base", "_head"), indicator=True)
     pairs = pairs.sort_values(CELL_KEY, kind="stable").reset_index(drop=True)
@@ -355,11 +392,17 @@ class CompareResult:
         headers = ["scenario", "variant", "params", "axes", "mode", "base", "head", "ratio", f"{1 - self.alpha:.0%} CI", "mark", "note"]
         rows = [
             [
-                row["scenario"], f"{row['variant']}[{row['backend']}]", row["params"] or "-", row["axes"], f"{row['mode']}/{row['target']}",
-                format_median(row["base_median_s"], row["base_unstable"]), format_median(row["head_median_s"], row["head_unstable"]),
+                row["scenario"],
+                f"{row['variant']}[{row['backend']}]",
+                row["params"] or "-",
+                row["axes"],
+                f"{row['mode']}/{row['target']}",
+                format_median(row["base_median_s"], row["base_unstable"]),
+                format_median(row["head_median_s"], row["head_unstable"]),
                 format_ratio(row["ratio"]),
                 "-" if not present(row["ci_low"]) else f"[{row['ci_low']:.3f}, {row['ci_high']:.3f}]",
-                row["mark"], textwrap.shorten(row["note"], NOTE_WIDTH, placeholder=" ..."),
+                row["mark"],
+                textwrap.shorten(row["note"], NOTE_WIDTH, placeholder=" ..."),
             ]
             for row in self.table.to_dict("records")
         ]

@@ -33,11 +33,7 @@ def _plain(value):
 def nested(record: dict, prefix: str, ignore=()) -> dict:
     """The dict ``load`` flattened into ``prefix.*`` columns, without holes or ``ignore``d keys."""
     start = len(prefix) + 1
-    return {
-        key[start:]: _plain(value)
-        for key, value in record.items()
-        if key.startswith(prefix + ".") and present(value) and key[start:] not in ignore
-    }
+    return {key[start:]: _plain(value) for key, value in record.items() if key.startswith(prefix + ".") and present(value) and key[start:] not in ignore}
 
 
 def params_text(params: dict) -> str:

@@ -75,8 +75,9 @@ def measured_before(out_dir: Path, loaded: LoadedScenario, machine_id: str) -> s
 
 def cannot_import(root: Path, env: dict) -> str | None:
     """Why the checkout at ``root`` cannot measure (its worker or variants do not import), or None."""
-    done = subprocess.run([sys.executable, "-c", IMPORT_CHECK], cwd=root, capture_output=True, text=True,
-                          env={**os.environ, **env, "PYTHONPATH": str(root)}, timeout=600)
+    done = subprocess.run(
+        [sys.executable, "-c", IMPORT_CHECK], cwd=root, capture_output=True, text=True, env={**os.environ, **env, "PYTHONPATH": str(root)}, timeout=600
+    )
     if done.returncode == 0:
         return None
     return (done.stderr.strip().splitlines() or [f"exit code {done.returncode}"])[-1]
@@ -99,8 +100,21 @@ def _scenario(repo: Path, newest: str, spec: str, preset: str | None, overrides:
         return load_scenario(str(revision.root / "scenarios" / f"{spec}.yaml"), preset=preset, overrides=overrides)
 
 
-def measure_commits(repo, spec: str, commits_range: str, out_dir, *, preset: str | None = None, overrides=(), every: int = 1,
-                    force: bool = False, plugins=(), command: str = "", progress: bool = True, say=print) -> list[CommitRun]:
+def measure_commits(
+    repo,
+    spec: str,
+    commits_range: str,
+    out_dir,
+    *,
+    preset: str | None = None,
+    overrides=(),
+    every: int = 1,
+    force: bool = False,
+    plugins=(),
+    command: str = "",
+    progress: bool = True,
+    say=print,
+) -> list[CommitRun]:
     """Measure ``spec`` at each commit of ``commits_range`` (every ``every``-th, the newest always) into ``out_dir``."""
     repo, out_dir = repository(repo), Path(out_dir)
     commits = range_commits(repo, commits_range, every)
@@ -130,8 +144,9 @@ def _measure(repo, loaded, commits, done, out_dir, here, scratch, *, force, plug
                 finished.append(CommitRun(commit, "cannot run", path, reason=reason))
             else:
                 executor = LocalExecutor(plugins, code_root=revision.root, env=revision.env, fingerprint=fingerprint)
-                summary = runner.run(loaded, out_dir, resume=path if path.exists() else False, path=path, plugins=plugins, command=command,
-                                     progress=progress, executor=executor)
+                summary = runner.run(
+                    loaded, out_dir, resume=path if path.exists() else False, path=path, plugins=plugins, command=command, progress=progress, executor=executor
+                )
                 finished.append(CommitRun(commit, "measured", path, summary))
                 if summary.interrupted or summary.write_error:
                     break

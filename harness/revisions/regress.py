@@ -123,13 +123,22 @@ def pool(records: list[dict]) -> dict:
         return failed[0]
     first = records[0]
     timing = Timing(tuple(sample for record in records for sample in record["metrics"]["samples_s"]), first["metrics"].get("target_rel_ci"))
-    metrics = {**first["metrics"], **timing.summary(), "round_medians_s": [record["metrics"]["median_s"] for record in records],
-               "round_samples_s": [record["metrics"]["samples_s"] for record in records]}
+    metrics = {
+        **first["metrics"],
+        **timing.summary(),
+        "round_medians_s": [record["metrics"]["median_s"] for record in records],
+        "round_samples_s": [record["metrics"]["samples_s"] for record in records],
+    }
     loads = [record["metrics"].get("load") or {} for record in records]
     if all(load.get("other_cpu_s") is not None for load in loads):
         wall, other = sum(load["wall_s"] for load in loads), sum(load["other_cpu_s"] for load in loads)
-        metrics["load"] = {**loads[0], "wall_s": wall, "other_cpu_s": other, "other_cores": other / wall if wall > 0 else None,
-                           "loadavg_after": loads[-1].get("loadavg_after")}
+        metrics["load"] = {
+            **loads[0],
+            "wall_s": wall,
+            "other_cpu_s": other,
+            "other_cores": other / wall if wall > 0 else None,
+            "loadavg_after": loads[-1].get("loadavg_after"),
+        }
     for rate, amount in (("tokens_per_s", "tokens"), ("flops_per_s", "flops"), ("words_per_s", "tokens")):
         if rate in metrics:
             metrics[rate] = metrics[amount] / timing.median_s
@@ -267,9 +276,7 @@ def regress(
         if not chosen:
             say("nothing to measure: the diff touches no variant configuration of the scenario")
             return result
-        result.comparison, result.paths = _measure_and_compare(
-            revisions, chosen, checks, loaded, rounds, Path(out_dir), factor, alpha, command, progress, say
-        )
+        result.comparison, result.paths = _measure_and_compare(revisions, chosen, checks, loaded, rounds, Path(out_dir), factor, alpha, command, progress, say)
     return result
 
 
@@ -336,7 +343,12 @@ def _measure_and_compare(revisions, cells, checks, loaded, rounds, out_dir, fact
         writer = ResultsWriter(paths[side])
         writer.write_run(
             run_header(
-                loaded, run_ids[side], command, fingerprints[side], commit=revision.commit, dirty=bool(revision.dirty_files),
+                loaded,
+                run_ids[side],
+                command,
+                fingerprints[side],
+                commit=revision.commit,
+                dirty=bool(revision.dirty_files),
                 revision={"side": side, "label": revision.label, "commit": revision.commit, "dirty_files": revision.dirty_files},
                 rounds=rounds,
             )

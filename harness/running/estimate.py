@@ -377,7 +377,7 @@ class Measured:
             if not row["metrics.flops"] or not row["metrics.median_s"] > 0:
                 continue
             key = (row["variant"], row["backend"], row["mode"], row["target"], row["axes.dtype"], str(row["axes.device"]).split(":")[0])
-            params = {name[len("params."):]: value for name, value in row.items() if name.startswith("params.") and value == value}
+            params = {name[len("params.") :]: value for name, value in row.items() if name.startswith("params.") and value == value}
             self.cells.setdefault(key, []).append({
                 "params": params, "flops": float(row["metrics.flops"]), "min_bytes": float(row.get("metrics.min_bytes") or 0.0),
                 "median_s": float(row["metrics.median_s"]), "cell_id": row["cell_id"],

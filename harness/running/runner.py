@@ -77,7 +77,7 @@ class RunSummary:
             self.cores = load["cores"]
 
     def stability(self, names: int = 5) -> str:
-        """"3 of 36 timed cells unstable (...); other processes used 1.7 of 2 cores during the run"."""
+        """ "3 of 36 timed cells unstable (...); other processes used 1.7 of 2 cores during the run"."""
         listed = "; ".join(self.unstable[:names]) + (f"; and {len(self.unstable) - names} more" if len(self.unstable) > names else "")
         text = f"{len(self.unstable)} of {self.timed} timed cells unstable" + (f" ({listed})" if listed else "") if self.timed else "no timed cells"
         if self.load_wall_s > 0:
@@ -90,7 +90,7 @@ class RunSummary:
         return bool(self.failures or self.earlier_failures)
 
     def failure_lines(self, names: int = 3) -> list[str]:
-        """"2 cells failed: fault_error[torch] forward/core ... (error: RuntimeError: injected failure); ...",
+        """ "2 cells failed: fault_error[torch] forward/core ... (error: RuntimeError: injected failure); ...",
         "1 cell inaccurate: ... (inaccurate: rel_error 1.0e-02 > 0.0001 against reference)" and, after a resume,
         the same of the cells so earlier; empty when none failed."""
         lines = []
@@ -122,7 +122,6 @@ def problem(record: dict) -> tuple[str, str] | None:
 def _first_line(text: str | None) -> str:
     lines = (text or "").strip().splitlines()
     return lines[0] if lines else "no message"
-
 
 
 def _results_file_pattern(name: str) -> re.Pattern:
@@ -174,8 +173,7 @@ def resumable_file(resume, loaded: LoadedScenario) -> Path:
     return path
 
 
-def _resume_state(writer: ResultsWriter, loaded: LoadedScenario, fingerprint: dict, retry_failed: bool, *,
-                  same_machine: bool = True) -> tuple[str, set]:
+def _resume_state(writer: ResultsWriter, loaded: LoadedScenario, fingerprint: dict, retry_failed: bool, *, same_machine: bool = True) -> tuple[str, set]:
     """(the run_id resumed, the cell_ids not to measure again) of the results file ``writer``
     holds, when this run may continue it: the same scenario, file, preset and ``--set``
     overrides, measured on this machine (``same_machine``: one of its run lines has this
@@ -210,13 +208,11 @@ def _resume_state(writer: ResultsWriter, loaded: LoadedScenario, fingerprint: di
     return runs[-1]["run_id"], completed_cell_ids(path, retry_failed=retry_failed)
 
 
-
 def _failures_in(path: Path, cells: list[Cell], cell_ids: set) -> list[tuple]:
     """(describe(cell), status, message) of each of ``cells`` in ``cell_ids`` whose latest record in ``path`` is a ``problem``."""
     latest = {record["cell_id"]: record for record in read_records(path) if record["kind"] == "cell"}
     found = [(cell, problem(latest[cell.cell_id])) for cell in cells if cell.cell_id in cell_ids]
     return [(describe(cell), *problem_found) for cell, problem_found in found if problem_found is not None]
-
 
 
 def measure_cells(executor, todo: list[Cell], fingerprint: dict, journal, bar: tqdm, label=describe) -> None:
@@ -262,8 +258,11 @@ class ResultsJournal:
         others = self.machine_runs.others()
         if others and not self.warned.issuperset(o.get("pid") for o in others):
             self.warned.update(o.get("pid") for o in others)
-            tqdm.write(f"warning: other attnbench runs are measuring on this machine ({describe_runs(others)}); "
-                       "cells measured meanwhile record them in concurrent_runs", file=sys.stderr)
+            tqdm.write(
+                f"warning: other attnbench runs are measuring on this machine ({describe_runs(others)}); "
+                "cells measured meanwhile record them in concurrent_runs",
+                file=sys.stderr,
+            )
         self.overlapping[cell.cell_id] = others
 
     def cell_line(self, cell: Cell, observation: dict) -> None:
@@ -281,8 +280,19 @@ class ResultsJournal:
         self.summary.count(cell, record)
 
 
-def run(loaded: LoadedScenario, out_dir, *, resume=False, retry_failed: bool = False, plugins=(), command: str = "",
-        progress: bool = True, executor=None, profile: str | None = None, path: Path | None = None) -> RunSummary:
+def run(
+    loaded: LoadedScenario,
+    out_dir,
+    *,
+    resume=False,
+    retry_failed: bool = False,
+    plugins=(),
+    command: str = "",
+    progress: bool = True,
+    executor=None,
+    profile: str | None = None,
+    path: Path | None = None,
+) -> RunSummary:
     """Measure every cell of ``loaded`` not yet in the results file; return a summary. One run
     at a time writes into a directory (``ResultsDirectoryLock``); other runs measuring on the
     machine meanwhile are warned about and recorded with each cell they overlap. ``executor``
@@ -352,4 +362,3 @@ def remove_checkpoints(directory: Path) -> None:
     shutil.rmtree(directory, ignore_errors=True)
     with contextlib.suppress(OSError):
         directory.parent.rmdir()
-

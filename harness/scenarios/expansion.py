@@ -212,7 +212,4 @@ def describe(cell: Cell) -> str:
     axes = cell.axes
     skipped = " (skipped)" if cell.skip else ""
     shape = " ".join(f"{axis_table.SHORT.get(name, name)}={value}" for name, value in axes.items() if name not in axis_table.UNSHAPED)
-    return (
-        f"{cell.variant}{'(' + params + ')' if params else ''}[{cell.backend}]{skipped} {cell.mode}/{cell.target} "
-        f"{shape} {axes['dtype']} {axes['device']}"
-    )
+    return f"{cell.variant}{'(' + params + ')' if params else ''}[{cell.backend}]{skipped} {cell.mode}/{cell.target} {shape} {axes['dtype']} {axes['device']}"

@@ -43,5 +43,3 @@ class LoadedScenario:
 
     def cells(self) -> list[Cell]:
         return self._cells
-
-

@@ -35,8 +35,6 @@ class BatchStream(Protocol):
     def load_state_dict(self, state: dict) -> None: ...
 
 
-
-
 class GeneratorBatches:
     """A ``BatchStream`` of batches drawn by ``draw(generator)`` from a CPU generator seeded
     with ``seed`` (the synthetic tasks' fresh batches); its position is the generator's state."""
@@ -61,8 +59,7 @@ class WindowBatches:
     offsets from a generator seeded with ``seed`` and keeps its own rows, so the global batch
     does not depend on the number of ranks. The position is the generator's state."""
 
-    def __init__(self, tokens: torch.Tensor, context: int, batch: int, *, seed: int, rank: int = 0,
-                 world_size: int = 1, device="cpu"):
+    def __init__(self, tokens: torch.Tensor, context: int, batch: int, *, seed: int, rank: int = 0, world_size: int = 1, device="cpu"):
         if batch % world_size:
             raise ValueError(f"batch={batch} must be divisible by the number of processes ({world_size})")
         if len(tokens) < context + 1:
@@ -109,10 +106,7 @@ class Example:
 def encode_examples(sources: list[str], targets: list[str], vocab, *, max_length: int | None = None) -> list[Example]:
     """Source subwords + EOS and target subwords per pair; pairs with a side longer than
     ``max_length`` tokens are dropped (training only)."""
-    examples = [
-        Example(source + [EOS], target, len(text.split()))
-        for source, target, text in zip(vocab.encode(sources), vocab.encode(targets), targets)
-    ]
+    examples = [Example(source + [EOS], target, len(text.split())) for source, target, text in zip(vocab.encode(sources), vocab.encode(targets), targets)]
     if max_length is not None:
         examples = [e for e in examples if len(e.source) <= max_length and len(e.target) + 1 <= max_length]
     return examples

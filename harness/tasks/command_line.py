@@ -28,11 +28,12 @@ def command_line(config_class: type[BaseModel], *, prog: str, description: str, 
     default applies (``parse_command_line``)."""
     parser = CommandLine(prog=prog, description=description)
     parser.add_argument("--variant", required=True, help="attention variant (softmax, linear, performer, dpfp, delta, ...)")
-    parser.add_argument("--params", default="{}", help='the variant\'s parameters as JSON or YAML, e.g. \'{"m": 64}\'')
+    parser.add_argument("--params", default="{}", help="the variant's parameters as JSON or YAML, e.g. '{\"m\": 64}'")
     parser.add_argument("--out", required=True, help="directory for metrics.json and checkpoints/ (a rerun resumes from them)")
     parser.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda:LOCAL_RANK where CUDA is available, else cpu)")
-    parser.add_argument("--checkpoint-every", type=int, default=checkpoint_every,
-                        help=f"steps between checkpoints in OUT/checkpoints (default: {_shown(checkpoint_every)})")
+    parser.add_argument(
+        "--checkpoint-every", type=int, default=checkpoint_every, help=f"steps between checkpoints in OUT/checkpoints (default: {_shown(checkpoint_every)})"
+    )
     settings = parser.add_argument_group(f"settings (harness {config_class.__name__}; a scenario's task: section)")
     for name, field in config_class.model_fields.items():
         if name == "name":

@@ -139,8 +139,7 @@ def run_copy(variant: str, params: dict, config: CopyConfig, *, seq_len: int, de
         variant_params=params,
     )
     model = DecoderLM(model_config).to(device)
-    batches = GeneratorBatches(lambda generator: tuple(t.to(device) for t in make_batch(seq_len, config.n_symbols, config.batch, generator)),
-                               config.seed)
+    batches = GeneratorBatches(lambda generator: tuple(t.to(device) for t in make_batch(seq_len, config.n_symbols, config.batch, generator)), config.seed)
     result = train(model, copy_loss, batches, TrainConfig.loss_curve(config, dtype), progress=False)
     losses = [list(point) for point in result.losses]
     final = losses[-1][1]

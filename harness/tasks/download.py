@@ -70,34 +70,37 @@ _SALESFORCE = "https://s3.amazonaws.com/research.metamind.io/wikitext"
 _MULTI30K = "https://raw.githubusercontent.com/multi30k/dataset/master/data/task1/raw"
 
 SOURCES: dict[str, Source] = {
-    "wikitext-2": Source({
-        "wiki.train.tokens": (f"{_SALESFORCE}/wikitext-2-v1.zip", "sha1", "863f29c46ef9d167fff4940ec821195882fe29d1"),
-        "wiki.valid.tokens": (f"{_SALESFORCE}/wikitext-2-v1.zip", "sha1", "0418625c8b4da6e4b5c7a0b9e78d4ae8f7ee5422"),
-        "wiki.test.tokens": (f"{_SALESFORCE}/wikitext-2-v1.zip", "sha1", "c7b8ce0aa086fb34dab808c5c49224211eb2b172"),
-    }, {f"{_SALESFORCE}/wikitext-2-v1.zip": ("sha1", "3c914d17d80b1459be871a5039ac23e752a53cbe")}),
-    "wikitext-103": Source({
-        "wiki.train.tokens": (f"{_SALESFORCE}/wikitext-103-v1.zip", "sha1", "b7497e2dfe77e72cfef5e3dbc61b7b53712ac211"),
-        "wiki.valid.tokens": (f"{_SALESFORCE}/wikitext-103-v1.zip", "sha1", "c326ac59dc587676d58c422eb8a03e119582f92b"),
-        "wiki.test.tokens": (f"{_SALESFORCE}/wikitext-103-v1.zip", "sha1", "8a5befc548865cec54ed4273cf87dbbad60d1e47"),
-    }, {f"{_SALESFORCE}/wikitext-103-v1.zip": ("sha1", "0aec09a7537b58d4bb65362fee27650eeaba625a")}),
-    "multi30k": Source({
-        "train.en": (f"{_MULTI30K}/train.en.gz", "sha256", "460a15fbd157e34a7a9957ee388c1ca247fe47af3ef25fb50442af6c274e0fc6"),
-        "train.de": (f"{_MULTI30K}/train.de.gz", "sha256", "2c2b73fd2b548fbcde3a875e0a78d6ee94d498bfdee6bd3eae3945779e9ddf72"),
-        "val.en": (f"{_MULTI30K}/val.en.gz", "sha256", "1f2a23d992769b5b3d209b0a10dd0b77c08cceb1f20dfb97ed0aafa49d107227"),
-        "val.de": (f"{_MULTI30K}/val.de.gz", "sha256", "660e09eb7e1da2f856ea13ee5ad3cf6d36b3d5b0b733c857e94c5747a3dfc660"),
-        "test_2016_flickr.en": (
-            f"{_MULTI30K}/test_2016_flickr.en.gz", "sha256", "399a4382932c1aadd3ceb9bef1008d388a64c76d4ae4e9d4728c6f4301cac182"),
-        "test_2016_flickr.de": (
-            f"{_MULTI30K}/test_2016_flickr.de.gz", "sha256", "4be6b5b3236b79c25475c6bb829800a7ce559e9ba7a1f6c2394fe4d40be46d16"),
-    }),
+    "wikitext-2": Source(
+        {
+            "wiki.train.tokens": (f"{_SALESFORCE}/wikitext-2-v1.zip", "sha1", "863f29c46ef9d167fff4940ec821195882fe29d1"),
+            "wiki.valid.tokens": (f"{_SALESFORCE}/wikitext-2-v1.zip", "sha1", "0418625c8b4da6e4b5c7a0b9e78d4ae8f7ee5422"),
+            "wiki.test.tokens": (f"{_SALESFORCE}/wikitext-2-v1.zip", "sha1", "c7b8ce0aa086fb34dab808c5c49224211eb2b172"),
+        },
+        {f"{_SALESFORCE}/wikitext-2-v1.zip": ("sha1", "3c914d17d80b1459be871a5039ac23e752a53cbe")},
+    ),
+    "wikitext-103": Source(
+        {
+            "wiki.train.tokens": (f"{_SALESFORCE}/wikitext-103-v1.zip", "sha1", "b7497e2dfe77e72cfef5e3dbc61b7b53712ac211"),
+            "wiki.valid.tokens": (f"{_SALESFORCE}/wikitext-103-v1.zip", "sha1", "c326ac59dc587676d58c422eb8a03e119582f92b"),
+            "wiki.test.tokens": (f"{_SALESFORCE}/wikitext-103-v1.zip", "sha1", "8a5befc548865cec54ed4273cf87dbbad60d1e47"),
+        },
+        {f"{_SALESFORCE}/wikitext-103-v1.zip": ("sha1", "0aec09a7537b58d4bb65362fee27650eeaba625a")},
+    ),
+    "multi30k": Source(
+        {
+            "train.en": (f"{_MULTI30K}/train.en.gz", "sha256", "460a15fbd157e34a7a9957ee388c1ca247fe47af3ef25fb50442af6c274e0fc6"),
+            "train.de": (f"{_MULTI30K}/train.de.gz", "sha256", "2c2b73fd2b548fbcde3a875e0a78d6ee94d498bfdee6bd3eae3945779e9ddf72"),
+            "val.en": (f"{_MULTI30K}/val.en.gz", "sha256", "1f2a23d992769b5b3d209b0a10dd0b77c08cceb1f20dfb97ed0aafa49d107227"),
+            "val.de": (f"{_MULTI30K}/val.de.gz", "sha256", "660e09eb7e1da2f856ea13ee5ad3cf6d36b3d5b0b733c857e94c5747a3dfc660"),
+            "test_2016_flickr.en": (f"{_MULTI30K}/test_2016_flickr.en.gz", "sha256", "399a4382932c1aadd3ceb9bef1008d388a64c76d4ae4e9d4728c6f4301cac182"),
+            "test_2016_flickr.de": (f"{_MULTI30K}/test_2016_flickr.de.gz", "sha256", "4be6b5b3236b79c25475c6bb829800a7ce559e9ba7a1f6c2394fe4d40be46d16"),
+        }
+    ),
 }
 
 #: Data sets fetched with another tool: what to run instead.
 ELSEWHERE = {
-    "wmt14-newstest2014": (
-        "sacrebleu -t wmt14 -l en-de --echo src > newstest2014.en && "
-        "sacrebleu -t wmt14 -l en-de --echo ref > newstest2014.de"
-    ),
+    "wmt14-newstest2014": ("sacrebleu -t wmt14 -l en-de --echo src > newstest2014.en && sacrebleu -t wmt14 -l en-de --echo ref > newstest2014.de"),
 }
 
 #: The files each layout needs (a directory in this layout works wherever it came from).
@@ -127,9 +130,7 @@ def check_layout(name: str, directory: Path) -> None:
         raise ValueError(f"unknown data set {name!r}; known: {', '.join(LAYOUTS)}")
     missing = [file for file in needed if not (directory / file).is_file()]
     if missing:
-        raise DataError(
-            f"{name}: {directory} lacks {', '.join(missing)}. {where_to_put(name)}"
-        )
+        raise DataError(f"{name}: {directory} lacks {', '.join(missing)}. {where_to_put(name)}")
 
 
 def where_to_put(name: str) -> str:
@@ -160,8 +161,7 @@ def download(name: str, to) -> Path:
         raise ValueError(f"unknown data set {name!r}; known: {', '.join(list(SOURCES) + list(ELSEWHERE))}")
     source, directory = SOURCES[name], Path(to).expanduser() / name
     directory.mkdir(parents=True, exist_ok=True)
-    needed = {file: entry for file, entry in source.files.items()
-              if not ((directory / file).is_file() and _checksum(directory / file, entry[1]) == entry[2])}
+    needed = {file: entry for file, entry in source.files.items() if not ((directory / file).is_file() and _checksum(directory / file, entry[1]) == entry[2])}
     staging = Path(tempfile.mkdtemp(dir=directory, prefix=".download-"))
     try:
         for url in dict.fromkeys(url for url, _, _ in needed.values()):
@@ -236,6 +236,8 @@ def _copy_capped(source, target: Path, limit: int, what: str) -> None:
         while block := source.read(CHUNK):
             written += len(block)
             if written > limit:
-                raise DataError(f"{what} decompresses to more than {limit} bytes (MAX_FILE_BYTES, or MAX_RATIO {MAX_RATIO}x its "
-                                "compressed size): refused as a decompression bomb")
+                raise DataError(
+                    f"{what} decompresses to more than {limit} bytes (MAX_FILE_BYTES, or MAX_RATIO {MAX_RATIO}x its "
+                    "compressed size): refused as a decompression bomb"
+                )
             out.write(block)

@@ -177,8 +177,7 @@ def run_image_gen(variant: str, params: dict, config: ImageGenConfig, *, d_model
     n_pixels = pixels(config.dataset)
     torch.manual_seed(config.seed)
     model = _model(variant, params, config, d_model, n_pixels, device)
-    batches = GeneratorBatches(lambda generator: train_images[torch.randint(len(train_images), (config.batch,), generator=generator)].to(device),
-                               config.seed)
+    batches = GeneratorBatches(lambda generator: train_images[torch.randint(len(train_images), (config.batch,), generator=generator)].to(device), config.seed)
     result = train(model, image_loss, batches, TrainConfig.loss_curve(config, dtype), progress=False)
     metrics = {
         "loss": result.losses[-1][1],
@@ -208,5 +207,4 @@ def run_cell(cell: Cell) -> dict:
     """Train, score and time one cell (axis d_model)."""
     config = ImageGenConfig.model_validate(cell.task)
     params = dict(cell.params, backend=cell.backend)
-    return run_image_gen(cell.variant, params, config, d_model=cell.axes["d_model"], device=cell.device,
-                         dtype=cell.axes["dtype"])
+    return run_image_gen(cell.variant, params, config, d_model=cell.axes["d_model"], device=cell.device, dtype=cell.axes["dtype"])

@@ -79,8 +79,7 @@ def _prefix(tokens: torch.Tensor, limit: int | None) -> torch.Tensor:
 
 
 @torch.no_grad()
-def evaluate_windows(model: DecoderLM, tokens: torch.Tensor, context: int, *, batch: int = 16,
-                     limit: int | None = None) -> float:
+def evaluate_windows(model: DecoderLM, tokens: torch.Tensor, context: int, *, batch: int = 16, limit: int | None = None) -> float:
     """Mean NLL (nats) per predicted token over non-overlapping windows of ``context`` inputs
     (the last window may be shorter): token i + 1 is predicted from tokens ⌊i/c⌋c .. i."""
     tokens = _prefix(tokens, limit)
@@ -97,8 +96,7 @@ def evaluate_windows(model: DecoderLM, tokens: torch.Tensor, context: int, *, ba
 
 
 @torch.no_grad()
-def evaluate_sliding(model: DecoderLM, tokens: torch.Tensor, context: int, *, batch: int = 32,
-                     limit: int | None = None) -> float:
+def evaluate_sliding(model: DecoderLM, tokens: torch.Tensor, context: int, *, batch: int = 32, limit: int | None = None) -> float:
     """Mean NLL (nats) per predicted token under the sliding-window protocol (module docstring).
     With inputs x_0 .. x_{L−1} and targets y_i = x_{i+1}: for i < c, y_i is scored from the
     window x_0 .. x_{c−1} at position i; for i ≥ c, from the window x_{i−c+1} .. x_i at its last
@@ -123,8 +121,9 @@ def evaluate_carry(model: DecoderLM, tokens: torch.Tensor, context: int, *, limi
     """Mean NLL (nats) per predicted token over consecutive windows of ``context`` inputs, each
     continuing from the state the previous window left (positions restart at 0 in each)."""
     if not model.linear_time:
-        raise ValueError("carry-state evaluation needs a linear-time variant (a fixed-size fast-weight state); "
-                         "softmax attention's KV cache would grow with the whole stream")
+        raise ValueError(
+            "carry-state evaluation needs a linear-time variant (a fixed-size fast-weight state); softmax attention's KV cache would grow with the whole stream"
+        )
     tokens = _prefix(tokens, limit)
     device = model.embed.weight.device
     inputs, targets = tokens[:-1].to(device), tokens[1:].to(device)
@@ -166,8 +165,10 @@ def _check_override(name: str, value) -> None:
     """ValueError naming ``model_overrides.<name>`` unless ``value`` is a size within its bound, a
     boolean for ``tie_embeddings``, a positive number for ``adaptive_div_value``."""
     if name in _OVERRIDE_BOUNDS:
-        ok, expected = isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= _OVERRIDE_BOUNDS[name], \
-            f"an integer from 1 to {_OVERRIDE_BOUNDS[name]}"
+        ok, expected = (
+            isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= _OVERRIDE_BOUNDS[name],
+            f"an integer from 1 to {_OVERRIDE_BOUNDS[name]}",
+        )
     elif name == "tie_embeddings":
         ok, expected = isinstance(value, bool), "true or false"
     else:
@@ -191,7 +192,8 @@ class LMConfig(TaskConfig):
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
     clip: float | None = Field(1.0, gt=0, description="gradient norm clipping (none: no clipping)")
     adaptive_cutoffs: list[Annotated[int, Field(le=MAX_VOCAB)]] | None = Field(
-        [2000, 10000], description="adaptive softmax cutoffs (none: a full softmax tied to the embedding)")
+        [2000, 10000], description="adaptive softmax cutoffs (none: a full softmax tied to the embedding)"
+    )
     eval_tokens: int | None = Field(None, ge=2, description="evaluate on the first N tokens of valid and test (none or all: the whole splits)")
     sliding_tokens: int | None = Field(2048, ge=2, description="sliding-window evaluation on the first N valid tokens (none or all: the whole split)")
     carry: bool = Field(True, description="also evaluate linear-time variants carrying their state across windows")
@@ -201,8 +203,10 @@ class LMConfig(TaskConfig):
     threads: int | None = Field(None, ge=1, le=MAX_LAYERS, description="torch CPU threads (none: torch's default)")
     model_overrides: dict[str, Any] = Field({}, description="model sizes replacing the preset's, e.g. {n_layers: 1, d_model: 32}")
     segment: dict[str, Any] | None = Field(
-        None, description="segment-level recurrence, {kind: xl | rmt | carry_state, length, segments, memory, bptt} or a kind "
-        "(harness.models.SegmentConfig; length defaults to the context)")
+        None,
+        description="segment-level recurrence, {kind: xl | rmt | carry_state, length, segments, memory, bptt} or a kind "
+        "(harness.models.SegmentConfig; length defaults to the context)",
+    )
     seed: Seed = Field(0, description="seed of the initialisation, the batches and dropout")
 
     @field_validator("preset")
@@ -237,8 +241,10 @@ class LMConfig(TaskConfig):
         allowed = [field.name for field in fields(DecoderConfig) if field.name not in _SET_BY_RUN]
         unknown = sorted(set(value) - set(allowed))
         if unknown:
-            raise ValueError(f"{', '.join(unknown)}: expected model fields among {', '.join(allowed)} "
-                             "(the context is the run's; dropout, adaptive_cutoffs and segment are settings of their own)")
+            raise ValueError(
+                f"{', '.join(unknown)}: expected model fields among {', '.join(allowed)} "
+                "(the context is the run's; dropout, adaptive_cutoffs and segment are settings of their own)"
+            )
         for name, size in value.items():
             _check_override(name, size)
         if "preset" in info.data:
@@ -272,8 +278,19 @@ class LMConfig(TaskConfig):
 # --- one run ---------------------------------------------------------------------------
 
 
-def run_lm(variant: str, params: dict, config: LMConfig, *, context: int | None = None, device="cpu", dtype: str = "float32",
-           out_dir=None, checkpoint_every: int | None = None, dist: Distributed | None = None, progress: bool = False) -> dict:
+def run_lm(
+    variant: str,
+    params: dict,
+    config: LMConfig,
+    *,
+    context: int | None = None,
+    device="cpu",
+    dtype: str = "float32",
+    out_dir=None,
+    checkpoint_every: int | None = None,
+    dist: Distributed | None = None,
+    progress: bool = False,
+) -> dict:
     """Train a DecoderLM with attention ``variant(**params)`` on WikiText as ``config`` says and
     evaluate it; returns the metrics as a JSON-ready dict on the main rank, {} on the others.
     ``context``: the model's window (None: the preset's); a segment model's segments are
@@ -309,15 +326,30 @@ def run_lm(variant: str, params: dict, config: LMConfig, *, context: int | None 
         return {"valid_ppl": perplexity(evaluate_windows(m, corpus["valid"], context, limit=config.eval_tokens))}
 
     sample = context * segment.segments if segment else context
-    batches = WindowBatches(corpus["train"], sample, config.batch, seed=config.seed, rank=dist.rank, world_size=dist.world_size,
-                            device=dist.device)
+    batches = WindowBatches(corpus["train"], sample, config.batch, seed=config.seed, rank=dist.rank, world_size=dist.world_size, device=dist.device)
     train_config = TrainConfig(
-        steps=config.steps, lr=config.lr, warmup=config.warmup, clip=config.clip, weight_decay=config.weight_decay, dtype=dtype,
-        eval_every=config.eval_every, checkpoint_every=checkpoint_every, log_every=config.log_every, seed=config.seed,
+        steps=config.steps,
+        lr=config.lr,
+        warmup=config.warmup,
+        clip=config.clip,
+        weight_decay=config.weight_decay,
+        dtype=dtype,
+        eval_every=config.eval_every,
+        checkpoint_every=checkpoint_every,
+        log_every=config.log_every,
+        seed=config.seed,
         checkpoint_dir=str(Path(out_dir) / "checkpoints") if out_dir is not None else None,
     )
-    result = train(model, lm_loss, batches, train_config, evaluate=evaluate, identity=dict(config.model_dump(exclude={"threads"}), variant=variant,
-                   params=dict(params), context=context), dist=dist, progress=progress)
+    result = train(
+        model,
+        lm_loss,
+        batches,
+        train_config,
+        evaluate=evaluate,
+        identity=dict(config.model_dump(exclude={"threads"}), variant=variant, params=dict(params), context=context),
+        dist=dist,
+        progress=progress,
+    )
     if not dist.is_main:
         return {}
     metrics = {
@@ -352,8 +384,16 @@ def run_cell(cell: Cell) -> dict:
     axes = cell.axes
     params = dict(cell.params, backend=cell.backend)
     config = LMConfig.model_validate(cell.task)
-    return run_lm(cell.variant, params, config, context=axes["seq_len"], device=axes["device"], dtype=axes["dtype"],
-                  out_dir=cell.checkpoint_dir, checkpoint_every=config.eval_every)
+    return run_lm(
+        cell.variant,
+        params,
+        config,
+        context=axes["seq_len"],
+        device=axes["device"],
+        dtype=axes["dtype"],
+        out_dir=cell.checkpoint_dir,
+        checkpoint_every=config.eval_every,
+    )
 
 
 def _final_evaluation(model, corpus, context, precision, eval_tokens, sliding_tokens, carry) -> dict:
@@ -391,8 +431,12 @@ def _segment_evaluation(model, corpus, length, precision, eval_tokens) -> dict:
 
 
 def _command_line() -> CommandLine:
-    parser = command_line(LMConfig, prog="python -m harness.tasks.lm", checkpoint_every=250,
-                          description="Train and evaluate one WikiText language model (also under torchrun --nproc_per_node N).")
+    parser = command_line(
+        LMConfig,
+        prog="python -m harness.tasks.lm",
+        checkpoint_every=250,
+        description="Train and evaluate one WikiText language model (also under torchrun --nproc_per_node N).",
+    )
     parser.add_argument("--context", type=int, help="the model's context in tokens (default: the preset's)")
     parser.add_argument("--dtype", default="float32", choices=list(TRAIN_DTYPES), help="bfloat16 and float16 run under autocast (default: float32)")
     return parser
@@ -403,13 +447,23 @@ def main(argv=None) -> int:
     args, config = parse_command_line(_command_line(), LMConfig, argv)
     dist = Distributed.from_env(args.device)
     try:
-        metrics = run_lm(args.variant, args.params, config, context=args.context, dtype=args.dtype, out_dir=args.out,
-                         checkpoint_every=args.checkpoint_every, dist=dist, progress=True)
+        metrics = run_lm(
+            args.variant,
+            args.params,
+            config,
+            context=args.context,
+            dtype=args.dtype,
+            out_dir=args.out,
+            checkpoint_every=args.checkpoint_every,
+            dist=dist,
+            progress=True,
+        )
         if dist.is_main:
             Path(args.out).mkdir(parents=True, exist_ok=True)
             write_json_atomic(Path(args.out) / "metrics.json", dict(metrics, arguments=vars(args)))
-            summary = {k: metrics.get(k) for k in ("valid_ppl", "test_ppl", "valid_ppl_sliding", "valid_ppl_carry",
-                                                    "valid_ppl_segment", "words_per_s", "wall_s")}
+            summary = {
+                k: metrics.get(k) for k in ("valid_ppl", "test_ppl", "valid_ppl_sliding", "valid_ppl_carry", "valid_ppl_segment", "words_per_s", "wall_s")
+            }
             print(json.dumps(summary))
     except (DataError, VariantError, CheckpointError) as exc:
         print(f"error: {exc}", file=sys.stderr)

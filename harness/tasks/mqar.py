@@ -191,18 +191,35 @@ def train(model: MQARModel, config: MQARConfig, seq_len: int, *, dtype: str = "f
         return evaluate(m, seq_len, num_pairs, config.vocab_size, batch=config.batch, batches=EVAL_BATCHES, seed=config.seed)
 
     batches = GeneratorBatches(lambda generator: make_batch(seq_len, num_pairs, config.vocab_size, config.batch, generator), config.seed)
-    settings = TrainConfig(steps=config.steps, lr=config.lr, optimizer="adam", clip=None, dtype=dtype, eval_every=config.eval_every,
-                           log_every=config.eval_every, seed=None, checkpoint_dir=checkpoint_dir,
-                           checkpoint_every=config.eval_every if checkpoint_dir is not None else None)
-    result = trainer.train(model, loss_fn, batches, settings, evaluate=accuracy, identity=dict(config.model_dump(), seq_len=seq_len),
-                           progress=False)
+    settings = TrainConfig(
+        steps=config.steps,
+        lr=config.lr,
+        optimizer="adam",
+        clip=None,
+        dtype=dtype,
+        eval_every=config.eval_every,
+        log_every=config.eval_every,
+        seed=None,
+        checkpoint_dir=checkpoint_dir,
+        checkpoint_every=config.eval_every if checkpoint_dir is not None else None,
+    )
+    result = trainer.train(model, loss_fn, batches, settings, evaluate=accuracy, identity=dict(config.model_dump(), seq_len=seq_len), progress=False)
     values = [value for _, value in result.evaluations]
-    return MQARResult(max(values, default=math.nan), values[-1] if values else math.nan, result.losses[-1][1], result.steps,
-                      result.wall_s, config.seed, result.evaluations, result.units, result.train_s, result.resumed_from)
+    return MQARResult(
+        max(values, default=math.nan),
+        values[-1] if values else math.nan,
+        result.losses[-1][1],
+        result.steps,
+        result.wall_s,
+        config.seed,
+        result.evaluations,
+        result.units,
+        result.train_s,
+        result.resumed_from,
+    )
 
 
-def run_mqar(variant: str, params: dict, config: MQARConfig, *, seq_len: int, d_model: int, dtype: str = "float32",
-             checkpoint_dir=None) -> dict:
+def run_mqar(variant: str, params: dict, config: MQARConfig, *, seq_len: int, d_model: int, dtype: str = "float32", checkpoint_dir=None) -> dict:
     """One harness cell: build the model under ``torch.manual_seed(seed)``, train it (resuming
     from ``checkpoint_dir`` where a checkpoint is), and return the result as a JSON-ready dict."""
     _check_task(seq_len, config.num_pairs, config.vocab_size)
@@ -228,5 +245,12 @@ def run_mqar(variant: str, params: dict, config: MQARConfig, *, seq_len: int, d_
 def run_cell(cell: Cell) -> dict:
     """Train and evaluate one cell (axes seq_len and d_model, in axes.dtype)."""
     axes = cell.axes
-    return run_mqar(cell.variant, dict(cell.params, backend=cell.backend), MQARConfig.model_validate(cell.task),
-                    seq_len=axes["seq_len"], d_model=axes["d_model"], dtype=axes["dtype"], checkpoint_dir=cell.checkpoint_dir)
+    return run_mqar(
+        cell.variant,
+        dict(cell.params, backend=cell.backend),
+        MQARConfig.model_validate(cell.task),
+        seq_len=axes["seq_len"],
+        d_model=axes["d_model"],
+        dtype=axes["dtype"],
+        checkpoint_dir=cell.checkpoint_dir,
+    )

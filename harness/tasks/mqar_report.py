@@ -23,8 +23,10 @@ def _accuracy_plot(cells, figures, name: str):
         ax.set(title=f"d_model {int(width)}", xlabel="sequence length", ylabel="accuracy", ylim=(0, 1.02))
     figures.legend(figure, ok, False)
     title = "MQAR accuracy against sequence length"
-    caption = (f"{title}: best evaluation accuracy on the queried values (the mean over seeds, a band from the lowest to the highest "
-               "where several were run); one panel per model width.")
+    caption = (
+        f"{title}: best evaluation accuracy on the queried values (the mean over seeds, a band from the lowest to the highest "
+        "where several were run); one panel per model width."
+    )
     return figures.save(figure, f"{name}-mqar", title, caption)
 
 

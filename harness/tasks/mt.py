@@ -75,15 +75,22 @@ DATASETS = {
 #: layers of width 256, as common small Multi30k baselines); "base" is the Transformer base of
 #: Vaswani et al. 2017 for WMT14 (100k steps of 25k tokens, beam 4; batch_tokens is per rank).
 PRESETS: dict[str, dict[str, dict]] = {
-    "ci": {"model": dict(encoder_layers=1, decoder_layers=1, d_model=32, n_heads=2, d_ff=64, dropout=0.0),
-           "run": dict(steps=40, batch_tokens=600, lr=3e-3, warmup=10, beam=2, vocab_size=1000, max_sentences=200, test_sentences=16)},
-    "cpu": {"model": dict(encoder_layers=2, decoder_layers=2, d_model=128, n_heads=4, d_ff=512, dropout=0.1),
-            "run": dict(steps=700, batch_tokens=2000, lr=2e-3, warmup=70, beam=4, vocab_size=4000, max_sentences=None, test_sentences=None)},
-    "gpu": {"model": dict(encoder_layers=3, decoder_layers=3, d_model=256, n_heads=8, d_ff=1024, dropout=0.1),
-            "run": dict(steps=15000, batch_tokens=8000, lr=1e-3, warmup=1000, beam=5, vocab_size=8000, max_sentences=None, test_sentences=None)},
-    "base": {"model": dict(encoder_layers=6, decoder_layers=6, d_model=512, n_heads=8, d_ff=2048, dropout=0.1),
-             "run": dict(steps=100000, batch_tokens=25000, lr=7e-4, warmup=4000, beam=4, vocab_size=32000, max_sentences=None,
-                         test_sentences=None)},
+    "ci": {
+        "model": dict(encoder_layers=1, decoder_layers=1, d_model=32, n_heads=2, d_ff=64, dropout=0.0),
+        "run": dict(steps=40, batch_tokens=600, lr=3e-3, warmup=10, beam=2, vocab_size=1000, max_sentences=200, test_sentences=16),
+    },
+    "cpu": {
+        "model": dict(encoder_layers=2, decoder_layers=2, d_model=128, n_heads=4, d_ff=512, dropout=0.1),
+        "run": dict(steps=700, batch_tokens=2000, lr=2e-3, warmup=70, beam=4, vocab_size=4000, max_sentences=None, test_sentences=None),
+    },
+    "gpu": {
+        "model": dict(encoder_layers=3, decoder_layers=3, d_model=256, n_heads=8, d_ff=1024, dropout=0.1),
+        "run": dict(steps=15000, batch_tokens=8000, lr=1e-3, warmup=1000, beam=5, vocab_size=8000, max_sentences=None, test_sentences=None),
+    },
+    "base": {
+        "model": dict(encoder_layers=6, decoder_layers=6, d_model=512, n_heads=8, d_ff=2048, dropout=0.1),
+        "run": dict(steps=100000, batch_tokens=25000, lr=7e-4, warmup=4000, beam=4, vocab_size=32000, max_sentences=None, test_sentences=None),
+    },
 }
 
 
@@ -325,8 +332,18 @@ def position_variants(variant: str, params: dict, d_key: int, *, encoder: str | 
     return fields
 
 
-def run_mt(variant: str, params: dict, config: MTConfig, *, device="cpu", dtype: str = "float32", out_dir=None,
-           checkpoint_every: int | None = None, dist: Distributed | None = None, progress: bool = False) -> dict:
+def run_mt(
+    variant: str,
+    params: dict,
+    config: MTConfig,
+    *,
+    device="cpu",
+    dtype: str = "float32",
+    out_dir=None,
+    checkpoint_every: int | None = None,
+    dist: Distributed | None = None,
+    progress: bool = False,
+) -> dict:
     """Train a Seq2Seq model as ``config`` says (its None settings from the preset, see
     ``MTConfig.resolved``) with ``variant(**params)`` (see ``position_variants``), translate the
     test split and score it. Returns the metrics as a JSON-ready dict on the main rank (under
@@ -354,24 +371,37 @@ def run_mt(variant: str, params: dict, config: MTConfig, *, device="cpu", dtype:
         valid = encode_examples(text.sources, text.targets, vocab)
     test = read_parallel(test_directory, spec.test, limit=settings.test_sentences)
 
-    fields = position_variants(variant, dict(params), settings.head_width, encoder=settings.encoder, cross=settings.cross,
-                               fallback=settings.fallback)
+    fields = position_variants(variant, dict(params), settings.head_width, encoder=settings.encoder, cross=settings.cross, fallback=settings.fallback)
     model = Seq2Seq(mt_config(settings.preset, len(vocab), **fields)).to(dist.device)
     train_config = TrainConfig(
-        steps=settings.steps, lr=settings.lr, warmup=settings.warmup, clip=1.0, dtype=dtype, eval_every=settings.eval_every,
-        checkpoint_every=checkpoint_every, checkpoint_dir=str(Path(out_dir) / "checkpoints") if out_dir is not None else None,
-        log_every=max(1, settings.steps // 20), seed=settings.seed,
+        steps=settings.steps,
+        lr=settings.lr,
+        warmup=settings.warmup,
+        clip=1.0,
+        dtype=dtype,
+        eval_every=settings.eval_every,
+        checkpoint_every=checkpoint_every,
+        checkpoint_dir=str(Path(out_dir) / "checkpoints") if out_dir is not None else None,
+        log_every=max(1, settings.steps // 20),
+        seed=settings.seed,
     )
     evaluate = (lambda m, _index: {"valid_loss": validation_loss(m, valid, device=dist.device)}) if valid is not None else None
-    result = train(model, label_smoothed_loss, batches, train_config, evaluate=evaluate, dist=dist, progress=progress,
-                   identity=dict(settings.model_dump(exclude={"threads"}), variant=variant, params=dict(params)))
+    result = train(
+        model,
+        label_smoothed_loss,
+        batches,
+        train_config,
+        evaluate=evaluate,
+        dist=dist,
+        progress=progress,
+        identity=dict(settings.model_dump(exclude={"threads"}), variant=variant, params=dict(params)),
+    )
     if not dist.is_main:
         return {}
 
     started = time.perf_counter()
     with Precision(dtype, dist.device).autocast():
-        hypotheses, decode_s = translate(model, vocab, test.sources, beam=settings.beam, length_penalty=settings.length_penalty,
-                                         device=dist.device)
+        hypotheses, decode_s = translate(model, vocab, test.sources, beam=settings.beam, length_penalty=settings.length_penalty, device=dist.device)
     score, signature = bleu(hypotheses, test.targets)
     metrics = {
         **training_metrics(result, dist, model),
@@ -405,8 +435,9 @@ def run_cell(cell: Cell) -> dict:
     measured again."""
     params = dict(cell.params, backend=cell.backend)
     config = MTConfig.model_validate(cell.task)
-    return run_mt(cell.variant, params, config, device=cell.device, dtype=cell.axes["dtype"],
-                  out_dir=cell.checkpoint_dir, checkpoint_every=config.resolved().eval_every)
+    return run_mt(
+        cell.variant, params, config, device=cell.device, dtype=cell.axes["dtype"], out_dir=cell.checkpoint_dir, checkpoint_every=config.resolved().eval_every
+    )
 
 
 def _command_line() -> CommandLine:
@@ -418,13 +449,14 @@ def main(argv=None) -> int:
     args, config = parse_command_line(_command_line(), MTConfig, argv)
     dist = Distributed.from_env(args.device)
     try:
-        metrics = run_mt(args.variant, args.params, config, out_dir=args.out, checkpoint_every=args.checkpoint_every, dist=dist,
-                         progress=True)
+        metrics = run_mt(args.variant, args.params, config, out_dir=args.out, checkpoint_every=args.checkpoint_every, dist=dist, progress=True)
         if dist.is_main:
             write_json_atomic(Path(args.out) / "metrics.json", dict(metrics, arguments=vars(args)))
-            print(f"BLEU {metrics['bleu']:.2f} ({metrics['bleu_signature']}) on {metrics['test_set']}; "
-                  f"{metrics['words_per_s']:.0f} words/s training, {metrics['sentences_per_s']:.1f} sentences/s decoding, "
-                  f"{metrics['wall_s']:.0f} s -> {Path(args.out) / 'metrics.json'}")
+            print(
+                f"BLEU {metrics['bleu']:.2f} ({metrics['bleu_signature']}) on {metrics['test_set']}; "
+                f"{metrics['words_per_s']:.0f} words/s training, {metrics['sentences_per_s']:.1f} sentences/s decoding, "
+                f"{metrics['wall_s']:.0f} s -> {Path(args.out) / 'metrics.json'}"
+            )
     except ValueError as exc:  # a DataError, VariantError or CheckpointError, or settings the data cannot meet
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -194,7 +194,10 @@ def _train_sentencepiece(files: list[Path], target: Path, vocab_size: int, model
             remove_extra_whitespaces=False,
             input_sentence_size=MAX_TRAINING_SENTENCES,
             shuffle_input_sentence=True,
-            pad_id=PAD, unk_id=UNK, bos_id=BOS, eos_id=EOS,
+            pad_id=PAD,
+            unk_id=UNK,
+            bos_id=BOS,
+            eos_id=EOS,
             num_threads=1,
             minloglevel=2,
         )

@@ -217,18 +217,36 @@ def train(model: RetrievalModel, config: RetrievalConfig, S: int, *, dtype: str 
         return _stop_reason(evaluations, config.max_steps, config.patience, config.target_loss)
 
     batches = GeneratorBatches(lambda generator: make_batch(config.setting, S, config.batch, generator), config.seed)
-    settings = TrainConfig(steps=config.max_steps, lr=config.lr, optimizer="adam", schedule="constant", clip=None, dtype=dtype,
-                           eval_every=config.eval_every, log_every=config.eval_every, seed=None, checkpoint_dir=checkpoint_dir,
-                           checkpoint_every=config.eval_every if checkpoint_dir is not None else None)
-    result = trainer.train(model, loss_fn, batches, settings, evaluate=evaluation_loss, stop=stop, identity=dict(config.model_dump(), S=S),
-                           progress=False)
+    settings = TrainConfig(
+        steps=config.max_steps,
+        lr=config.lr,
+        optimizer="adam",
+        schedule="constant",
+        clip=None,
+        dtype=dtype,
+        eval_every=config.eval_every,
+        log_every=config.eval_every,
+        seed=None,
+        checkpoint_dir=checkpoint_dir,
+        checkpoint_every=config.eval_every if checkpoint_dir is not None else None,
+    )
+    result = trainer.train(model, loss_fn, batches, settings, evaluate=evaluation_loss, stop=stop, identity=dict(config.model_dump(), S=S), progress=False)
     values = [value for _, value in result.evaluations]
-    return RetrievalResult(min(values, default=math.nan), values[-1] if values else math.nan, result.steps, result.evaluations,
-                           result.wall_s, result.stopped or "max_steps", config.seed, result.units, result.train_s, result.resumed_from)
+    return RetrievalResult(
+        min(values, default=math.nan),
+        values[-1] if values else math.nan,
+        result.steps,
+        result.evaluations,
+        result.wall_s,
+        result.stopped or "max_steps",
+        config.seed,
+        result.units,
+        result.train_s,
+        result.resumed_from,
+    )
 
 
-def run_retrieval(variant: str, params: dict, config: RetrievalConfig, *, S: int, d_key: int = 64, dtype: str = "float32",
-                  checkpoint_dir=None) -> dict:
+def run_retrieval(variant: str, params: dict, config: RetrievalConfig, *, S: int, d_key: int = 64, dtype: str = "float32", checkpoint_dir=None) -> dict:
     """One harness cell: build the model under ``torch.manual_seed(seed)``, train it (resuming
     from ``checkpoint_dir`` where a checkpoint is), and return the result as a JSON-ready dict
     (Schlag et al. 2021, §6.1)."""
@@ -255,7 +273,14 @@ def run_cell(cell: Cell) -> dict:
     """Train and evaluate one cell (axes S and d_key); its metrics also carry the variant's d_dot,
     the capacity its loss is read against."""
     axes = cell.axes
-    metrics = run_retrieval(cell.variant, dict(cell.params, backend=cell.backend), RetrievalConfig.model_validate(cell.task),
-                            S=axes["S"], d_key=axes["d_key"], dtype=axes["dtype"], checkpoint_dir=cell.checkpoint_dir)
+    metrics = run_retrieval(
+        cell.variant,
+        dict(cell.params, backend=cell.backend),
+        RetrievalConfig.model_validate(cell.task),
+        S=axes["S"],
+        d_key=axes["d_key"],
+        dtype=axes["dtype"],
+        checkpoint_dir=cell.checkpoint_dir,
+    )
     metrics["d_dot"] = variants.create(cell.variant, axes["d_key"], backend=cell.backend, **cell.params).d_dot
     return metrics

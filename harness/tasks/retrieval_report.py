@@ -32,8 +32,10 @@ def _capacity_plot(cells, figures, name: str):
     ax.set(xlabel="number of keys S", ylabel="best evaluation loss", title="retrieval")
     figures.legend(figure, ok, False)
     title = "Retrieval loss against the number of keys"
-    caption = (f"{title}: one line per variant (the mean over seeds, a band from the lowest to the highest where several were run); "
-               "the dotted line in a variant's colour marks its d_dot (its memory's capacity).")
+    caption = (
+        f"{title}: one line per variant (the mean over seeds, a band from the lowest to the highest where several were run); "
+        "the dotted line in a variant's colour marks its d_dot (its memory's capacity)."
+    )
     return figures.save(figure, f"{name}-capacity", title, caption)
 
 

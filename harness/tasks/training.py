@@ -96,8 +96,10 @@ class TrainConfig:
         if isinstance(self.lr, bool) or not isinstance(self.lr, (int, float)) or not self.lr > 0:
             raise ValueError(f"TrainConfig.lr must be a positive number, got {self.lr!r}")
         if self.optimizer not in OPTIMIZERS or self.schedule not in SCHEDULES:
-            raise ValueError(f"TrainConfig: optimizer must be one of {', '.join(OPTIMIZERS)} and schedule one of {', '.join(SCHEDULES)}, "
-                             f"got {self.optimizer!r}, {self.schedule!r}")
+            raise ValueError(
+                f"TrainConfig: optimizer must be one of {', '.join(OPTIMIZERS)} and schedule one of {', '.join(SCHEDULES)}, "
+                f"got {self.optimizer!r}, {self.schedule!r}"
+            )
         if (self.schedule == "step_drop") != (self.drop_step is not None):
             raise ValueError(f"TrainConfig.drop_step goes with schedule 'step_drop' (and only there), got {self.drop_step!r}")
         if self.clip is not None and not self.clip > 0:
@@ -118,8 +120,18 @@ class TrainConfig:
         RAdam (Liu et al. 2020), the rate dropping tenfold after ``lr_drop_step`` updates, no
         clipping, the curve's points the mean training loss of ``log_every`` steps."""
         schedule = "constant" if task.lr_drop_step is None else "step_drop"
-        return cls(steps=task.steps, lr=task.lr, optimizer="radam", schedule=schedule, drop_step=task.lr_drop_step, clip=None,
-                   dtype=dtype, log_every=task.log_every, log_mean=True, seed=None)
+        return cls(
+            steps=task.steps,
+            lr=task.lr,
+            optimizer="radam",
+            schedule=schedule,
+            drop_step=task.lr_drop_step,
+            clip=None,
+            dtype=dtype,
+            log_every=task.log_every,
+            log_mean=True,
+            seed=None,
+        )
 
     def multiplier(self) -> Callable[[int], float]:
         """The learning-rate multiplier of ``LambdaLR`` after ``s`` updates, as ``schedule`` says."""
@@ -229,8 +241,20 @@ class CheckpointError(ValueError):
 
 #: The fields ``train`` writes into every checkpoint and reads back on resume, with their types.
 CHECKPOINT_FIELDS = {
-    "step": int, "world_size": int, "model": dict, "optimizer": dict, "scheduler": dict, "scaler": dict, "batches": list,
-    "rng": list, "pending": list, "losses": list, "evaluations": list, "units": int, "train_s": (int, float), "wall_s": (int, float),
+    "step": int,
+    "world_size": int,
+    "model": dict,
+    "optimizer": dict,
+    "scheduler": dict,
+    "scaler": dict,
+    "batches": list,
+    "rng": list,
+    "pending": list,
+    "losses": list,
+    "evaluations": list,
+    "units": int,
+    "train_s": (int, float),
+    "wall_s": (int, float),
     "config": dict,
 }
 
@@ -281,8 +305,7 @@ def load_checkpoint(path, device) -> dict:
     except Exception as exc:  # noqa: BLE001 - every way a foreign file fails to load is the same answer
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise CheckpointError(
-            f"{path}: not a checkpoint of attnbench's training engine, or corrupt ({reason}); "
-            "remove it or use another checkpoint directory"
+            f"{path}: not a checkpoint of attnbench's training engine, or corrupt ({reason}); remove it or use another checkpoint directory"
         ) from None
     if not isinstance(saved, dict):
         raise CheckpointError(f"{path}: expected a checkpoint (a dict of {', '.join(CHECKPOINT_FIELDS)}), got {type(saved).__name__}")
@@ -408,10 +431,21 @@ def train(
         total_units = int(dist.all_reduce_sum(local_units))
         if dist.is_main:
             payload = {
-                "step": step, "world_size": dist.world_size, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                "scheduler": scheduler.state_dict(), "scaler": precision.scaler.state_dict(), "batches": batch_states, "rng": rng_states,
-                "pending": pending_losses, "losses": losses, "evaluations": evaluations, "units": units + total_units,
-                "train_s": train_s + segment_train_s, "wall_s": previous_wall_s + time.perf_counter() - started, "config": identity,
+                "step": step,
+                "world_size": dist.world_size,
+                "model": model.state_dict(),
+                "optimizer": optimizer.state_dict(),
+                "scheduler": scheduler.state_dict(),
+                "scaler": precision.scaler.state_dict(),
+                "batches": batch_states,
+                "rng": rng_states,
+                "pending": pending_losses,
+                "losses": losses,
+                "evaluations": evaluations,
+                "units": units + total_units,
+                "train_s": train_s + segment_train_s,
+                "wall_s": previous_wall_s + time.perf_counter() - started,
+                "config": identity,
             }
             save_checkpoint(Path(config.checkpoint_dir), step, payload)
         dist.barrier()

@@ -35,8 +35,13 @@ from .download import DataError, dataset_dir
 EOS, UNK = "<eos>", "<unk>"
 SPLITS = ("train", "valid", "test")
 #: How the files become token ids (``read_words``, ``build_vocab``, ``_read``): part of the cache's key.
-TOKENIZER = {"words": "whitespace-separated, <eos> after each line", "eos": EOS, "unk": UNK,
-             "vocab": "the training split's words by descending count, ties in order of first appearance", "ids": "int64"}
+TOKENIZER = {
+    "words": "whitespace-separated, <eos> after each line",
+    "eos": EOS,
+    "unk": UNK,
+    "vocab": "the training split's words by descending count, ties in order of first appearance",
+    "ids": "int64",
+}
 
 
 def split_path(directory: Path, split: str) -> Path:
@@ -166,8 +171,8 @@ def _read(directory: Path) -> WikiText:
     for split, tokens in words.items():
         missing = [word for word in tokens if word not in index]
         if missing and unk is None:
-            raise ValueError(f"{split_path(directory, split)}: {len(missing)} words outside the training vocabulary "
-                             f"(e.g. {missing[0]!r}) and no {UNK} token to map them to")
+            raise ValueError(
+                f"{split_path(directory, split)}: {len(missing)} words outside the training vocabulary (e.g. {missing[0]!r}) and no {UNK} token to map them to"
+            )
         splits[split] = torch.tensor([index.get(word, unk) for word in tokens], dtype=torch.long)
     return WikiText(directory, vocab, splits)
-

@@ -157,8 +157,10 @@ def test_an_inaccurate_cell_is_named_and_the_run_exits_1(tmp_path, capsys, own_r
     from harness.results import read_records
 
     scenario = tmp_path / "wrong.yaml"
-    scenario.write_text("name: wrong\nvariants: {off_by_one_percent: {}, linear: {}}\nmodes: [forward]\n"
-                        "axes: {seq_len: 16, batch: 1, heads: 1, d_key: 8}\nmeasure: {warmup: 0, repeats: 2, target_rel_ci: null, fresh_worker: false}\n")
+    scenario.write_text(
+        "name: wrong\nvariants: {off_by_one_percent: {}, linear: {}}\nmodes: [forward]\n"
+        "axes: {seq_len: 16, batch: 1, heads: 1, d_key: 8}\nmeasure: {warmup: 0, repeats: 2, target_rel_ci: null, fresh_worker: false}\n"
+    )
     code = main(["run", str(scenario), "--plugin", PLUGIN, "--out", str(tmp_path / "out"), "--no-progress"])
     printed = capsys.readouterr()
     assert code == EXIT_CELLS_FAILED, printed

@@ -13,7 +13,8 @@ SWEEP = load_scenario("cuda-variants").cells()
 def test_every_core_variant_mode_dtype_and_backend_is_a_cell():
     assert {cell.variant for cell in SWEEP} == set(variants.names())
     assert {(cell.mode, cell.axes["dtype"], cell.backend, cell.device) for cell in SWEEP} == {
-        (mode, dtype, backend, "cuda") for mode in MODES if mode != "quality" for dtype in ("float32", "bfloat16") for backend in variants.BACKENDS}
+        (mode, dtype, backend, "cuda") for mode in MODES if mode != "quality" for dtype in ("float32", "bfloat16") for backend in variants.BACKENDS
+    }
     # a backend a variant lacks is a skipped cell with its reason
     assert all(cell.skip for cell in SWEEP if cell.backend == "triton" and cell.variant in ("softmax", "rwkv", "lsh"))
 

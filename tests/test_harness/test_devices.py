@@ -41,8 +41,7 @@ def current_device(monkeypatch):
 @pytest.fixture
 def two_gpus(monkeypatch):
     """torch.cuda reporting GPU 0 an A100 (8.0) and GPU 1 a V100 (7.0); no NVML."""
-    gpus = {0: types.SimpleNamespace(name="NVIDIA A100-SXM4-40GB", major=8, minor=0),
-            1: types.SimpleNamespace(name="Tesla V100-SXM2-16GB", major=7, minor=0)}
+    gpus = {0: types.SimpleNamespace(name="NVIDIA A100-SXM4-40GB", major=8, minor=0), 1: types.SimpleNamespace(name="Tesla V100-SXM2-16GB", major=7, minor=0)}
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: gpus[index])
@@ -51,8 +50,7 @@ def two_gpus(monkeypatch):
 
 
 def _cell(device: str, dtype: str = "float32") -> Cell:
-    (cell,) = load_scenario("seq-sweep", overrides=["seq_len=16", "heads=1", "d_key=8", "measure.repeats=1", f"dtype={dtype}",
-                                                    f"device={device}"]).cells()[:1]
+    (cell,) = load_scenario("seq-sweep", overrides=["seq_len=16", "heads=1", "d_key=8", "measure.repeats=1", f"dtype={dtype}", f"device={device}"]).cells()[:1]
     return cell
 
 
@@ -94,8 +92,9 @@ def test_peak_memory_is_that_of_its_own_gpu(monkeypatch):
 
 def test_a_cell_runs_with_its_gpu_as_the_current_device(monkeypatch, current_device, two_gpus):
     seen = []
-    monkeypatch.setattr(workloads, "_measure", lambda cell, device, dtype: seen.append((device, list(current_device))) or
-                        {"status": "ok", "error": None, "metrics": {}})
+    monkeypatch.setattr(
+        workloads, "_measure", lambda cell, device, dtype: seen.append((device, list(current_device))) or {"status": "ok", "error": None, "metrics": {}}
+    )
     result = workloads.measure_cell(_cell("cuda:1"))
     assert result["status"] == "ok" and seen == [(torch.device("cuda:1"), [1])]
     assert current_device == [], "the device is current only while the cell runs"
@@ -167,13 +166,16 @@ def test_the_fingerprint_and_throttle_state_of_cuda_1_describe_gpu_1(monkeypatch
 # --- 16-bit cells on GPUs without tensor cores for them ------------------------------------
 
 
-@pytest.mark.parametrize("device, dtype, refused", [
-    ("cuda:1", "bfloat16", True),  # a V100: fp16 tensor cores, no bf16 ones
-    ("cuda:1", "float16", False),
-    ("cuda:1", "float32", False),
-    ("cuda:0", "bfloat16", False),  # an A100
-    ("cpu", "bfloat16", False),
-])
+@pytest.mark.parametrize(
+    "device, dtype, refused",
+    [
+        ("cuda:1", "bfloat16", True),  # a V100: fp16 tensor cores, no bf16 ones
+        ("cuda:1", "float16", False),
+        ("cuda:1", "float32", False),
+        ("cuda:0", "bfloat16", False),  # an A100
+        ("cpu", "bfloat16", False),
+    ],
+)
 def test_16_bit_needs_the_tensor_cores_of_its_dtype(two_gpus, device, dtype, refused):
     reason = machine.missing_tensor_cores(device, dtype)
     assert (reason is not None) == refused

@@ -54,14 +54,22 @@ def test_a_plugin_variant_with_its_own_token_input_agrees_with_its_reference():
 
 @pytest.mark.slow
 def test_a_plugin_variant_and_task_run_and_report_with_no_harness_change(tmp_path):
-    speed = _write(tmp_path, "toy-speed", (
-        "name: toy-speed\nvariants: {toy_tempered: {}, softmax: {}}\naxes: {seq_len: [8, 16], batch: 1, heads: 2, d_key: 8}\n"
-        "modes: [forward, train, decode]\ndecode: {new_tokens: 4}\nmeasure: {warmup: 0, repeats: 2, fresh_worker: false}\n"
-    ))
-    quality = _write(tmp_path, "toy-quality", (
-        "name: toy-quality\nvariants: {toy_tempered: {}, linear: {}}\ntask: {name: toy_spread, scale: 2.0}\ntarget: toy_spread\n"
-        "modes: [quality]\naxes: {width: [4, 8]}\n"
-    ))
+    speed = _write(
+        tmp_path,
+        "toy-speed",
+        (
+            "name: toy-speed\nvariants: {toy_tempered: {}, softmax: {}}\naxes: {seq_len: [8, 16], batch: 1, heads: 2, d_key: 8}\n"
+            "modes: [forward, train, decode]\ndecode: {new_tokens: 4}\nmeasure: {warmup: 0, repeats: 2, fresh_worker: false}\n"
+        ),
+    )
+    quality = _write(
+        tmp_path,
+        "toy-quality",
+        (
+            "name: toy-quality\nvariants: {toy_tempered: {}, linear: {}}\ntask: {name: toy_spread, scale: 2.0}\ntarget: toy_spread\n"
+            "modes: [quality]\naxes: {width: [4, 8]}\n"
+        ),
+    )
     out = tmp_path / "results"
     for scenario in (speed, quality):
         done = attnbench("run", scenario, "--plugin", PLUGIN, "--out", str(out), "--no-progress")

@@ -105,7 +105,11 @@ def test_a_failed_kernel_test_stops_the_check(with_a_gpu, monkeypatch, tmp_path)
     assert ran == []
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert [(c["name"], c["status"]) for c in summary["checks"]] == [
-        ("kernel-tests", "failed"), ("timing", "skipped"), ("lm", "skipped"), ("report", "skipped")]
+        ("kernel-tests", "failed"),
+        ("timing", "skipped"),
+        ("lm", "skipped"),
+        ("report", "skipped"),
+    ]
     assert summary["passed"] is False and summary["exit_code"] == 1
     assert summary["machine"]["versions"]["torch"] == torch.__version__
     assert [phase["name"] for phase in summary["plan"]] == ["preflight", *gpu_check.CHECKS]
@@ -147,13 +151,26 @@ def test_keep_going_runs_every_check_after_a_failed_kernel_test(with_a_gpu, monk
     assert ran == ["timing", "lm"]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert [(c["name"], c["status"]) for c in summary["checks"]] == [
-        ("kernel-tests", "failed"), ("timing", "passed"), ("lm", "passed"), ("report", "failed")]  # (no results file written here)
+        ("kernel-tests", "failed"),
+        ("timing", "passed"),
+        ("lm", "passed"),
+        ("report", "failed"),
+    ]  # (no results file written here)
 
 
 def _cell(variant, backend, mode, seq_len, median_s, status="ok"):
     axes = {"seq_len": seq_len, "batch": 4, "heads": 16, "d_key": 128, "dtype": "bfloat16"}
-    return {"run_id": "r", "cell_id": f"{variant}-{backend}-{mode}-{seq_len}", "scenario": "gpu-check", "variant": variant,
-            "backend": backend, "mode": mode, "status": status, "axes": axes, "metrics": {"median_s": median_s}}
+    return {
+        "run_id": "r",
+        "cell_id": f"{variant}-{backend}-{mode}-{seq_len}",
+        "scenario": "gpu-check",
+        "variant": variant,
+        "backend": backend,
+        "mode": mode,
+        "status": status,
+        "axes": axes,
+        "metrics": {"median_s": median_s},
+    }
 
 
 def test_ratios_at_the_largest_sequence_length(tmp_path):
@@ -186,8 +203,7 @@ def test_the_checks_on_the_cpu_forms_of_its_scenarios(with_a_gpu, monkeypatch, t
     monkeypatch.setattr(gpu_check, "LM", ("quality/lm-wikitext", "ci", []))
     assert gpu_check.run_check(tmp_path, kernel_tests=False, progress=False) == gpu_check.EXIT_OK
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert [(c["name"], c["status"]) for c in summary["checks"]] == [
-        ("kernel-tests", "skipped"), ("timing", "passed"), ("lm", "passed"), ("report", "passed")]
+    assert [(c["name"], c["status"]) for c in summary["checks"]] == [("kernel-tests", "skipped"), ("timing", "passed"), ("lm", "passed"), ("report", "passed")]
     assert "8 ok" in summary["checks"][1]["detail"] and "2 ok" in summary["checks"][2]["detail"]
     assert Path(summary["results"]["timing"]).parent == tmp_path
     assert (tmp_path / "report" / "index.html").is_file()

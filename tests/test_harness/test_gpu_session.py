@@ -42,8 +42,13 @@ def test_a_long_deadline_runs_every_shipped_step(tmp_path):
     done = dry(tmp_path, "3000")
     assert done.returncode == 0, done.stderr
     assert "skipped" not in done.stdout
-    for scenario in ("kernels-vs-fla --preset done-when", "seq-sweep --preset gpu-quick", "decode --preset gpu-quick",
-                     "paper-small-lm --preset gpu ", "quality/lm-wikitext --preset gpu "):
+    for scenario in (
+        "kernels-vs-fla --preset done-when",
+        "seq-sweep --preset gpu-quick",
+        "decode --preset gpu-quick",
+        "paper-small-lm --preset gpu ",
+        "quality/lm-wikitext --preset gpu ",
+    ):
         assert f"run {scenario}" in done.stdout, scenario
 
 

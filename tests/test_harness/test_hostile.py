@@ -120,8 +120,13 @@ def _start(tmp_path, scenario: str, out, *, slow_s: float, env=None) -> subproce
     """A run in its own process group, as a terminal starts it (SIGINT not ignored)."""
     command = [sys.executable, "-m", "harness.cli", "run", scenario, "--plugin", PLUGIN, "--out", str(out), "--no-progress"]
     return subprocess.Popen(
-        command, env={**os.environ, "FAULT_SLOW_S": str(slow_s), **(env or {})}, start_new_session=True,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        command,
+        env={**os.environ, "FAULT_SLOW_S": str(slow_s), **(env or {})},
+        start_new_session=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
 
 
@@ -188,8 +193,11 @@ def test_resume_refuses_an_edited_scenario_file(tmp_path):
 
 @pytest.mark.parametrize(
     ("assignment", "field"),
-    [("variants.softmax.scale=.nan", "variants.softmax.scale"), ("variants.softmax.scale=-.inf", "variants.softmax.scale"),
-     ("measure.timeout_s=.inf", "measure.timeout_s")],
+    [
+        ("variants.softmax.scale=.nan", "variants.softmax.scale"),
+        ("variants.softmax.scale=-.inf", "variants.softmax.scale"),
+        ("measure.timeout_s=.inf", "measure.timeout_s"),
+    ],
 )
 def test_non_finite_numbers_are_refused_before_anything_runs(tmp_path, assignment, field):
     out = tmp_path / "out"
@@ -204,8 +212,7 @@ def test_a_second_run_into_one_directory_is_refused_and_nothing_interleaves(tmp_
     first = _start(tmp_path, slow, out, slow_s=1.0)
     try:
         _wait_for(lambda: list(out.glob("*.jsonl")), "the first run's results file")
-        _refused(attnbench("run", slow, "--plugin", PLUGIN, "--out", str(out), "--no-progress"), "in use by another attnbench run",
-                 f"pid {first.pid}")
+        _refused(attnbench("run", slow, "--plugin", PLUGIN, "--out", str(out), "--no-progress"), "in use by another attnbench run", f"pid {first.pid}")
         assert first.wait(120) == 0, first.stderr.read()
     finally:
         first.kill()
@@ -291,9 +298,23 @@ def _results_file(path, samples) -> Path:
     writer = ResultsWriter(path)
     writer.write_run({"run_id": "r", "started_at": "2026-12-01T00:00:00+00:00", "scenario": "s", "machine": {"machine_id": "m"}})
     metrics = {"median_s": samples[len(samples) // 2], "samples_s": samples}
-    writer.write_cell({"run_id": "r", "cell_id": "c", "scenario": "s", "variant": "softmax", "backend": "torch", "params": {},
-                       "axes": {"seq_len": 16}, "mode": "forward", "target": "core", "status": "ok", "error": None, "metrics": metrics,
-                       "started_at": "2026-12-01T00:00:01+00:00"})
+    writer.write_cell(
+        {
+            "run_id": "r",
+            "cell_id": "c",
+            "scenario": "s",
+            "variant": "softmax",
+            "backend": "torch",
+            "params": {},
+            "axes": {"seq_len": 16},
+            "mode": "forward",
+            "target": "core",
+            "status": "ok",
+            "error": None,
+            "metrics": metrics,
+            "started_at": "2026-12-01T00:00:01+00:00",
+        }
+    )
     return Path(path)
 
 

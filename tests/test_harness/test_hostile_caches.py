@@ -38,16 +38,20 @@ def _finite(calibration: dict) -> bool:
     return all(math.isfinite(value) and value > 0 for value in figures)
 
 
-@pytest.mark.parametrize(("content", "says"), [
-    ('{"version": 2, "entries": {"KEY": {"matmul_flops_per_s.float32": NaN, "bandwidth_bytes_per_s": 1e9}}}', "finite number"),
-    ('{"version": 2, "entries": {"KEY": {"matmul_flops_per_s.float32": Infinity, "bandwidth_bytes_per_s": 1e9}}}', "finite number"),
-    ('{"version": 2, "entries": {"KEY": {"matmul_flops_per_s.float32": -1e9, "bandwidth_bytes_per_s": 1e9}}}', "greater than 0"),
-    ('{"version": 2, "entries": {"KEY": {"matmul_flops_per_s.float32": "fast"}}}', "valid number"),
-    ('{"version": 2, "entries": {"KEY": [1e9, 1e9]}}', "object"),
-    ("[1e9, 1e9]", "object"),
-    ('{"m/cpu/2 threads": {"matmul_flops_per_s.float32": 1e9}}', "version"),
-    ('{"version": 2, "entries": {"KEY": {', "Invalid JSON"),
-], ids=["nan", "infinity", "negative", "string", "list-entry", "list", "old-layout", "truncated"])
+@pytest.mark.parametrize(
+    ("content", "says"),
+    [
+        ('{"version": 2, "entries": {"KEY": {"matmul_flops_per_s.float32": NaN, "bandwidth_bytes_per_s": 1e9}}}', "finite number"),
+        ('{"version": 2, "entries": {"KEY": {"matmul_flops_per_s.float32": Infinity, "bandwidth_bytes_per_s": 1e9}}}', "finite number"),
+        ('{"version": 2, "entries": {"KEY": {"matmul_flops_per_s.float32": -1e9, "bandwidth_bytes_per_s": 1e9}}}', "greater than 0"),
+        ('{"version": 2, "entries": {"KEY": {"matmul_flops_per_s.float32": "fast"}}}', "valid number"),
+        ('{"version": 2, "entries": {"KEY": [1e9, 1e9]}}', "object"),
+        ("[1e9, 1e9]", "object"),
+        ('{"m/cpu/2 threads": {"matmul_flops_per_s.float32": 1e9}}', "version"),
+        ('{"version": 2, "entries": {"KEY": {', "Invalid JSON"),
+    ],
+    ids=["nan", "infinity", "negative", "string", "list-entry", "list", "old-layout", "truncated"],
+)
 def test_a_calibration_cache_that_does_not_validate_is_ignored_with_one_warning_and_rebuilt(small_calibration, capsys, content, says):
     key = roofline.cache_key("m", torch.device("cpu"), torch.get_num_threads(), sorted(os.sched_getaffinity(0)))
     small_calibration.write_text(content.replace("KEY", key))
@@ -64,8 +68,11 @@ def test_a_calibration_cache_that_does_not_validate_is_ignored_with_one_warning_
 def test_a_cached_figure_counts_only_for_what_it_was_measured_on(small_calibration, capsys):
     """A figure of another machine, thread count, CPU set or matmul size never raises this one's roof."""
     threads, cpus = torch.get_num_threads(), sorted(os.sched_getaffinity(0))
-    others = [roofline.cache_key("other machine", torch.device("cpu"), threads, cpus),
-              roofline.cache_key("m", torch.device("cpu"), threads + 1, cpus), roofline.cache_key("m", torch.device("cpu"), threads, [*cpus, 999])]
+    others = [
+        roofline.cache_key("other machine", torch.device("cpu"), threads, cpus),
+        roofline.cache_key("m", torch.device("cpu"), threads + 1, cpus),
+        roofline.cache_key("m", torch.device("cpu"), threads, [*cpus, 999]),
+    ]
     with pytest.MonkeyPatch.context() as patch:
         patch.setitem(roofline.MATMUL_SIDE, "cpu", 32)
         others.append(roofline.cache_key("m", torch.device("cpu"), threads, cpus))
@@ -95,8 +102,9 @@ def test_a_run_after_a_bad_calibration_cache_writes_its_results_with_a_roofline(
     (tmp_path / "cache").mkdir()
     (tmp_path / "cache" / "calibration.json").write_text(content())
     path = tmp_path / "tiny.yaml"
-    path.write_text("name: tiny\nvariants: {softmax: {}}\naxes: {seq_len: [16], batch: 1, heads: 1, d_key: 8}\n"
-                    "measure: {warmup: 0, repeats: 2, fresh_worker: false}\n")
+    path.write_text(
+        "name: tiny\nvariants: {softmax: {}}\naxes: {seq_len: [16], batch: 1, heads: 1, d_key: 8}\nmeasure: {warmup: 0, repeats: 2, fresh_worker: false}\n"
+    )
     runner.run(load_scenario(str(path)), tmp_path / "out", progress=False)
     records = read_records(next((tmp_path / "out").glob("tiny-*.jsonl")))
     run, cell = records
@@ -137,15 +145,35 @@ def test_a_token_cache_of_other_content_with_the_same_path_size_and_mtime_is_not
     assert second.vocab == wikitext._read(corpus).vocab and torch.equal(second["train"], wikitext._read(corpus)["train"])
 
 
-@pytest.mark.parametrize(("payload", "says"), [
-    (lambda key: {"key": key, "vocab": ["a"], "train": torch.zeros(2, 2, dtype=torch.long), "valid": torch.zeros(1, dtype=torch.long),
-                  "test": torch.zeros(1, dtype=torch.long)}, "1-D tensor"),
-    (lambda key: {"key": key, "vocab": ["a"], "train": torch.tensor([0, 7]), "valid": torch.zeros(1, dtype=torch.long),
-                  "test": torch.zeros(1, dtype=torch.long)}, "outside the vocabulary"),
-    (lambda key: {"vocab": ["a"], "splits": {"train": torch.zeros(3, dtype=torch.long)}}, "key"),
-    (lambda key: {"key": "0" * 64, "vocab": ["a"], **dict.fromkeys(wikitext.SPLITS, torch.zeros(1, dtype=torch.long))}, "other files"),
-    (lambda key: [1, 2, 3], "valid dictionary"),
-], ids=["wrong-shape", "ids-outside", "old-layout", "other-key", "a-list"])
+@pytest.mark.parametrize(
+    ("payload", "says"),
+    [
+        (
+            lambda key: {
+                "key": key,
+                "vocab": ["a"],
+                "train": torch.zeros(2, 2, dtype=torch.long),
+                "valid": torch.zeros(1, dtype=torch.long),
+                "test": torch.zeros(1, dtype=torch.long),
+            },
+            "1-D tensor",
+        ),
+        (
+            lambda key: {
+                "key": key,
+                "vocab": ["a"],
+                "train": torch.tensor([0, 7]),
+                "valid": torch.zeros(1, dtype=torch.long),
+                "test": torch.zeros(1, dtype=torch.long),
+            },
+            "outside the vocabulary",
+        ),
+        (lambda key: {"vocab": ["a"], "splits": {"train": torch.zeros(3, dtype=torch.long)}}, "key"),
+        (lambda key: {"key": "0" * 64, "vocab": ["a"], **dict.fromkeys(wikitext.SPLITS, torch.zeros(1, dtype=torch.long))}, "other files"),
+        (lambda key: [1, 2, 3], "valid dictionary"),
+    ],
+    ids=["wrong-shape", "ids-outside", "old-layout", "other-key", "a-list"],
+)
 def test_a_token_cache_that_does_not_validate_is_ignored_with_one_warning_and_rebuilt(corpus, tmp_path, capsys, payload, says):
     expected = wikitext.load_wikitext(corpus)
     path = _cache_file(tmp_path)

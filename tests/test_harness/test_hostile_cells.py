@@ -46,8 +46,10 @@ def test_a_worker_frozen_while_starting_costs_its_cell_within_its_timeout_and_th
     (tmp_path / "frozen").touch()
     monkeypatch.setenv("FROZEN_MARKER", str(tmp_path / "frozen"))
     path = tmp_path / "tiny.yaml"
-    path.write_text("name: tiny\nvariants: {softmax: {}}\naxes: {seq_len: [16, 32], batch: 1, heads: 1, d_key: 8}\n"
-                    "measure: {warmup: 0, repeats: 2, timeout_s: 3, fresh_worker: false}\n")
+    path.write_text(
+        "name: tiny\nvariants: {softmax: {}}\naxes: {seq_len: [16, 32], batch: 1, heads: 1, d_key: 8}\n"
+        "measure: {warmup: 0, repeats: 2, timeout_s: 3, fresh_worker: false}\n"
+    )
     started = time.monotonic()
     runner.run(load_scenario(str(path)), tmp_path / "out", plugins=[str(PLUGIN)], progress=False)
     elapsed = time.monotonic() - started

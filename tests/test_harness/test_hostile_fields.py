@@ -73,8 +73,19 @@ def _one_line(capsys, *args: str) -> str:
         ({**CELL, "duration_s": -1}, "duration_s", "expected a number >= 0, got -1"),
         ({**CELL, "error": {"message": "x"}}, "error", "expected a string"),
     ],
-    ids=["string for number", "list for number", "string for bool", "list for mapping", "axes a list", "axis a list", "params a list",
-         "number for string", "duration a string", "negative duration", "mapping for string"],  # fmt: skip
+    ids=[
+        "string for number",
+        "list for number",
+        "string for bool",
+        "list for mapping",
+        "axes a list",
+        "axis a list",
+        "params a list",
+        "number for string",
+        "duration a string",
+        "negative duration",
+        "mapping for string",
+    ],  # fmt: skip
 )
 @pytest.mark.parametrize("command", ["report", "compare"])
 def test_a_cell_field_of_the_wrong_type_is_one_line_naming_file_line_and_field(tmp_path, capsys, line, field, expected, command):

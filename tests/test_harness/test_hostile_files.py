@@ -100,8 +100,9 @@ def test_a_results_file_is_never_written_through_a_link(tmp_path):
 
 def _tiny(tmp_path, *overrides):
     path = tmp_path / "tiny.yaml"
-    path.write_text("name: tiny\nvariants: {softmax: {}}\naxes: {seq_len: [16], batch: 1, heads: 1, d_key: 8}\n"
-                    "measure: {warmup: 0, repeats: 2, fresh_worker: false}\n")
+    path.write_text(
+        "name: tiny\nvariants: {softmax: {}}\naxes: {seq_len: [16], batch: 1, heads: 1, d_key: 8}\nmeasure: {warmup: 0, repeats: 2, fresh_worker: false}\n"
+    )
     return load_scenario(str(path), overrides=list(overrides))
 
 
@@ -241,8 +242,10 @@ def test_a_worker_that_does_not_start_in_time_costs_its_cell_and_the_sweep_goes_
 @pytest.mark.slow  # about 15 s alone, 30 s on a busy 2-core machine: a worker starts and imports torch
 def test_a_cell_over_its_memory_limit_is_oom_and_the_worker_goes_on(tmp_path):
     path = tmp_path / "big.yaml"
-    path.write_text("name: big\nvariants: {softmax: {}}\naxes: {seq_len: [16, 65536], batch: 4, heads: 4, d_key: 64}\n"
-                    "measure: {warmup: 0, repeats: 1, target_rel_ci: null, max_memory: 500000000, fresh_worker: false}\n")
+    path.write_text(
+        "name: big\nvariants: {softmax: {}}\naxes: {seq_len: [16, 65536], batch: 4, heads: 4, d_key: 64}\n"
+        "measure: {warmup: 0, repeats: 1, target_rel_ci: null, max_memory: 500000000, fresh_worker: false}\n"
+    )
     small, big = load_scenario(str(path)).cells()
     assert big.axes["seq_len"] == 65536  # q, k and v take 268 MB each
     worker = workers.Worker()

@@ -201,4 +201,3 @@ def test_hostile_inputs_answer_within_seconds_under_3gb(tmp_path):
         done = subprocess.run(command, capture_output=True, text=True, timeout=60, preexec_fn=_address_space_3gb)
         assert done.returncode == 2 and done.stderr.startswith("error: ") and path in done.stderr, done.stderr
         assert len(done.stderr.strip().splitlines()) == 1, done.stderr
-

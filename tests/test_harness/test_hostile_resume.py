@@ -40,8 +40,10 @@ def test_an_incomplete_last_line_is_cut_back_to_the_last_whole_one(tmp_path):
 
 def test_resume_keeps_a_measured_cell_whose_newline_was_never_written(tmp_path, capsys):
     scenario = tmp_path / "tiny.yaml"
-    scenario.write_text("name: tiny\nvariants: {softmax: {}}\naxes: {seq_len: [16, 32], batch: 1, heads: 1, d_key: 8}\n"
-                        "modes: [forward]\nmeasure: {warmup: 0, repeats: 2, target_rel_ci: null, fresh_worker: false}\n")
+    scenario.write_text(
+        "name: tiny\nvariants: {softmax: {}}\naxes: {seq_len: [16, 32], batch: 1, heads: 1, d_key: 8}\n"
+        "modes: [forward]\nmeasure: {warmup: 0, repeats: 2, target_rel_ci: null, fresh_worker: false}\n"
+    )
     loaded = load_scenario(str(scenario))
     path = runner.run(loaded, tmp_path / "out", progress=False).path
     measured = [record for record in read_records(path) if record["kind"] == "cell"]

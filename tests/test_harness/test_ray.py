@@ -99,8 +99,9 @@ def test_a_killed_ray_worker_and_a_killed_cell_process_are_crashed_and_the_sweep
     plugin = tmp_path / "kill_ray_worker.py"
     plugin.write_text(KILL_RAY_WORKER)
     scenario = _scenario(tmp_path, "fault_kill_ray_worker: {}, fault_kill: {}, softmax: {}", "[16]")
-    done = attnbench("run", scenario, "--plugin", str(plugin), "--executor", "ray", "--out", str(tmp_path / "out"), "--no-progress",
-                     env={"ATTNBENCH_CALIBRATE": "0"})
+    done = attnbench(
+        "run", scenario, "--plugin", str(plugin), "--executor", "ray", "--out", str(tmp_path / "out"), "--no-progress", env={"ATTNBENCH_CALIBRATE": "0"}
+    )
     assert done.returncode == 1 and "2 cells failed" in done.stderr, done.stderr
     _, cells = _records(tmp_path / "out")
     status = {cell["variant"]: (cell["status"], cell["error"]) for cell in cells}
@@ -149,10 +150,13 @@ def test_without_ray_the_ray_executor_says_how_to_install_it(tmp_path, monkeypat
     assert not list((tmp_path / "out").glob("*.jsonl"))
 
 
-@pytest.mark.parametrize("options, expected", [
-    (["--address", "auto"], "--address and --cells-per-node are options of --executor ray"),
-    (["--cells-per-node", "2"], "--address and --cells-per-node are options of --executor ray"),
-])
+@pytest.mark.parametrize(
+    "options, expected",
+    [
+        (["--address", "auto"], "--address and --cells-per-node are options of --executor ray"),
+        (["--cells-per-node", "2"], "--address and --cells-per-node are options of --executor ray"),
+    ],
+)
 def test_ray_options_without_the_ray_executor_are_refused(tmp_path, options, expected):
     done = attnbench("run", "smoke-cpu", "--preset", "ci", *options, "--out", str(tmp_path / "out"))
     assert done.returncode == 2 and done.stderr.startswith("error: ") and expected in done.stderr, done.stderr

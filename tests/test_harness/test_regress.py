@@ -72,8 +72,14 @@ def test_a_slowed_variant_is_flagged_worse_and_only_touched_variants_are_measure
     repo, commits = history
     said = []
     result = regress(
-        repo, _scenario(tmp_path, "{linear: {}, softmax: {}}"), base=commits["plain"], head=commits["slow"],
-        rounds=2, out_dir=tmp_path / "out", progress=False, say=said.append,
+        repo,
+        _scenario(tmp_path, "{linear: {}, softmax: {}}"),
+        base=commits["plain"],
+        head=commits["slow"],
+        rounds=2,
+        out_dir=tmp_path / "out",
+        progress=False,
+        say=said.append,
     )
     assert result.changed == ["variants/sum_rule.py"]
     assert result.exit_code == EXIT_REGRESSION
@@ -102,8 +108,15 @@ def test_an_unchanged_head_is_not_flagged(history, tmp_path, capsys):
     assert "changed files: README.md" in printed and "nothing to check or measure" in printed
     # Measured anyway: the same code on both sides (50 ms sleeps dominate) is not flagged.
     result = regress(
-        repo, load_scenario(str(scenario)), base=commits["slow"], head=commits["readme"], all_variants=True,
-        rounds=1, out_dir=tmp_path / "out", progress=False, say=lambda line: None,
+        repo,
+        load_scenario(str(scenario)),
+        base=commits["slow"],
+        head=commits["readme"],
+        all_variants=True,
+        rounds=1,
+        out_dir=tmp_path / "out",
+        progress=False,
+        say=lambda line: None,
     )
     assert result.exit_code == EXIT_OK, result.comparison.format_table()
     assert list(result.comparison.table["variant"]) == ["linear"] and result.comparison.regressions.empty
@@ -114,8 +127,14 @@ def test_a_wrong_variant_is_reported_incorrect_and_not_timed(history, tmp_path):
     repo, commits = history
     said = []
     result = regress(
-        repo, _scenario(tmp_path, "{linear: {}}"), base=commits["readme"], head=commits["wrong"],
-        rounds=1, out_dir=tmp_path / "out", progress=False, say=said.append,
+        repo,
+        _scenario(tmp_path, "{linear: {}}"),
+        base=commits["readme"],
+        head=commits["wrong"],
+        rounds=1,
+        out_dir=tmp_path / "out",
+        progress=False,
+        say=said.append,
     )
     assert result.exit_code == EXIT_REGRESSION
     (wrong,) = result.incorrect("head")
@@ -205,8 +224,10 @@ def test_a_failed_cell_costs_its_worker_and_the_next_cell_gets_a_fresh_one(monke
     fingerprints = {side: {"machine_id": "m", "git": {"commit": side * 10, "dirty": False}} for side in ("base", "head")}
     measured = measure_rounds(revisions, {"base": cells, "head": cells}, 2, fingerprints, {"base": "b", "head": "h"}, progress=False)
     assert [[record["status"] for record in measured["base"][cell.cell_id]] for cell in cells] == [[status] * 2 for status in statuses]
-    workers_of = [[start - first for _, _, start in log[first_cell:first_cell + len(statuses)]]
-                  for first_cell, first in zip(range(0, 4 * len(statuses), len(statuses)), (1, 5, 9, 13))]
+    workers_of = [
+        [start - first for _, _, start in log[first_cell : first_cell + len(statuses)]]
+        for first_cell, first in zip(range(0, 4 * len(statuses), len(statuses)), (1, 5, 9, 13))
+    ]
     # a new worker after the error, the nan and the crash; the same one after ok and oom
     assert workers_of == [[0, 0, 1, 1, 2, 2, 3, 3, 3]] * 4, log
     assert [side for side, _, _ in log[:: len(statuses)]] == ["base", "head", "head", "base"]

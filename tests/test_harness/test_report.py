@@ -45,8 +45,14 @@ modes: [train]
 measure: {warmup: 1, repeats: 2, timeout_s: 60}
 """
 CHROMIUM_FLAGS = [
-    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
-    "--disable-component-update", "--disable-sync",
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
 ]
 
 
@@ -291,11 +297,17 @@ def test_a_report_of_speed_cells_reads_the_results_files_alone(tmp_path):
     """It imports neither the runner, the scenario loader, the variants nor torch (issue 33): a
     report is made from results files, on any machine."""
     results = Path(__file__).with_name("schema-1.jsonl")
-    program = ("import sys; from harness.report import build_report; build_report([sys.argv[1]], sys.argv[2]); "
-               "print(sorted(m for m in sys.modules if m.split('.')[0] in ('variants', 'torch') "
-               "or m in ('harness.running.runner', 'harness.scenarios.scenario')))")
-    done = subprocess.run([sys.executable, "-c", program, str(results), str(tmp_path)], capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parents[2]), os.environ.get("PYTHONPATH")]))})
+    program = (
+        "import sys; from harness.report import build_report; build_report([sys.argv[1]], sys.argv[2]); "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('variants', 'torch') "
+        "or m in ('harness.running.runner', 'harness.scenarios.scenario')))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", program, str(results), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parents[2]), os.environ.get("PYTHONPATH")]))},
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines()[-1] == "[]" and (tmp_path / "index.html").exists()
 
@@ -321,16 +333,39 @@ def test_the_variants_are_ranked_per_length_distribution():
 
     def cell(variant, lengths, rate, status="ok", unstable=False, mode="forward"):
         axes = f"T=9 L={lengths} packing=packed"
-        return {"variant": variant, "params_text": "", "backend": "torch", "axes.d_key": 4.0, "axes.d_value": 4.0, "status": status,
-                "mode": mode, "machine": "m", "timing": "events", "axes.lengths": lengths, "axes_text": axes,
-                "metrics.tokens_per_s": rate, "metrics.unstable": unstable}
+        return {
+            "variant": variant,
+            "params_text": "",
+            "backend": "torch",
+            "axes.d_key": 4.0,
+            "axes.d_value": 4.0,
+            "status": status,
+            "mode": mode,
+            "machine": "m",
+            "timing": "events",
+            "axes.lengths": lengths,
+            "axes_text": axes,
+            "metrics.tokens_per_s": rate,
+            "metrics.unstable": unstable,
+        }
 
-    cells = pd.DataFrame([cell("linear", "[3,9]", 2e3), cell("softmax", "[3,9]", 5e3), cell("delta", "[3,9]", 1e3, "error"),
-                          cell("delta", "[8,1]", 4e3, unstable=True), cell("linear", "[8,1]", 3e3), cell("linear", "[8,1]", 7e3, mode="decode")])
+    cells = pd.DataFrame(
+        [
+            cell("linear", "[3,9]", 2e3),
+            cell("softmax", "[3,9]", 5e3),
+            cell("delta", "[3,9]", 1e3, "error"),
+            cell("delta", "[8,1]", 4e3, unstable=True),
+            cell("linear", "[8,1]", 3e3),
+            cell("linear", "[8,1]", 7e3, mode="decode"),
+        ]
+    )
     ranking = ranking_table(cells)
     rows = {(row[0], row[1]): row[2] for row in ranking.rows}
-    assert rows == {("decode", "T=9 L=[8,1] packing=packed"): "linear 7k", ("forward", "T=9 L=[3,9] packing=packed"): "softmax 5k > linear 2k",
-                    ("forward", "T=9 L=[8,1] packing=packed"): "delta 4k * > linear 3k"}
+    assert rows == {
+        ("decode", "T=9 L=[8,1] packing=packed"): "linear 7k",
+        ("forward", "T=9 L=[3,9] packing=packed"): "softmax 5k > linear 2k",
+        ("forward", "T=9 L=[8,1] packing=packed"): "delta 4k * > linear 3k",
+    }
     assert ranking_table(cells.assign(**{"axes.lengths": None})) is None
 
 
@@ -357,11 +392,36 @@ def test_unstable_cells_are_flagged_in_the_table_and_the_plots(tmp_path):
     writer = ResultsWriter(tmp_path / "r.jsonl")
     writer.write_run({"run_id": "r", "started_at": "2026-12-01T00:00:00+00:00", "scenario": "s", "machine": {"machine_id": "m", "hostname": "h"}})
     for seq_len, unstable in ((16, False), (32, True)):
-        metrics = {"median_s": 1e-3, "p20_s": 1e-3, "p80_s": 1e-3, "iqr_s": 0.0, "samples_s": [1e-3] * 3, "tokens": seq_len,
-                   "tokens_per_s": seq_len / 1e-3, "rel_ci": 0.2 if unstable else 0.01, "unstable": unstable, "roofline_fraction": 0.25}
-        writer.write_cell({"run_id": "r", "cell_id": str(seq_len), "scenario": "s", "variant": "softmax", "backend": "torch", "params": {},
-                           "axes": {"seq_len": seq_len, "device": "cpu"}, "mode": "forward", "target": "core", "status": "ok", "error": None,
-                           "machine_id": "m", "started_at": f"2026-12-01T00:00:0{seq_len // 16}+00:00", "metrics": metrics})
+        metrics = {
+            "median_s": 1e-3,
+            "p20_s": 1e-3,
+            "p80_s": 1e-3,
+            "iqr_s": 0.0,
+            "samples_s": [1e-3] * 3,
+            "tokens": seq_len,
+            "tokens_per_s": seq_len / 1e-3,
+            "rel_ci": 0.2 if unstable else 0.01,
+            "unstable": unstable,
+            "roofline_fraction": 0.25,
+        }
+        writer.write_cell(
+            {
+                "run_id": "r",
+                "cell_id": str(seq_len),
+                "scenario": "s",
+                "variant": "softmax",
+                "backend": "torch",
+                "params": {},
+                "axes": {"seq_len": seq_len, "device": "cpu"},
+                "mode": "forward",
+                "target": "core",
+                "status": "ok",
+                "error": None,
+                "machine_id": "m",
+                "started_at": f"2026-12-01T00:00:0{seq_len // 16}+00:00",
+                "metrics": metrics,
+            }
+        )
     index = build_report([tmp_path / "r.jsonl"], tmp_path / "report")
     html = index.read_text()
     assert html.count('<tr class="unstable">') == 1 and html.count('<tr class="stable">') == 1
@@ -371,10 +431,11 @@ def test_unstable_cells_are_flagged_in_the_table_and_the_plots(tmp_path):
 @pytest.mark.slow
 def test_run_with_report_writes_the_report_of_that_run(tmp_path):
     scenario = tmp_path / "tiny.yaml"
-    scenario.write_text("name: tiny\nvariants: {softmax: {}}\naxes: {seq_len: [16, 32], batch: 1, heads: 2, d_key: 8}\nmodes: [forward]\n"
-                        "measure: {warmup: 1, repeats: 3, max_time_s: 0.2}\n")
-    command = [sys.executable, "-m", "harness.cli", "run", str(scenario), "--out", str(tmp_path / "out"), "--report", str(tmp_path / "rep"),
-               "--no-progress"]
+    scenario.write_text(
+        "name: tiny\nvariants: {softmax: {}}\naxes: {seq_len: [16, 32], batch: 1, heads: 2, d_key: 8}\nmodes: [forward]\n"
+        "measure: {warmup: 1, repeats: 3, max_time_s: 0.2}\n"
+    )
+    command = [sys.executable, "-m", "harness.cli", "run", str(scenario), "--out", str(tmp_path / "out"), "--report", str(tmp_path / "rep"), "--no-progress"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     last = done.stdout.strip().splitlines()[-1]

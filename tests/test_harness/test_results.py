@@ -52,14 +52,12 @@ def cell_record(run, cell_id, *, seq_len=256, status="ok", metrics=None, **overr
         "variant": "delta",
         "backend": "torch",
         "params": {"chunk_size": 64, "phi": "elu+1"},
-        "axes": {"seq_len": seq_len, "batch": 2, "heads": 4, "d_key": 64, "d_value": 64,
-                 "dtype": "float32", "device": "cpu"},
+        "axes": {"seq_len": seq_len, "batch": 2, "heads": 4, "d_key": 64, "d_value": 64, "dtype": "float32", "device": "cpu"},
         "mode": "forward",
         "target": "core",
         "status": status,
         "error": None,
-        "metrics": {"median_s": 0.01, "samples_s": [0.011, 0.01, 0.012], "tokens_per_s": 5e4,
-                    "throttled": None} if metrics is None else metrics,
+        "metrics": {"median_s": 0.01, "samples_s": [0.011, 0.01, 0.012], "tokens_per_s": 5e4, "throttled": None} if metrics is None else metrics,
         "machine_id": run["machine"]["machine_id"],
         "commit": run["commit"],
         "started_at": "2026-12-01T10:00:01+00:00",
@@ -89,9 +87,18 @@ def test_round_trip_two_machines(tmp_path):
 
     assert len(df) == 3
     assert list(df.columns[: len(results.COLUMNS)]) == results.COLUMNS
-    for column in ["params.chunk_size", "params.phi", "axes.seq_len", "axes.dtype", "metrics.median_s",
-                   "metrics.samples_s", "machine.machine_id", "machine.hostname", "machine.cpu.model",
-                   "machine.gpu.name"]:
+    for column in [
+        "params.chunk_size",
+        "params.phi",
+        "axes.seq_len",
+        "axes.dtype",
+        "metrics.median_s",
+        "metrics.samples_s",
+        "machine.machine_id",
+        "machine.hostname",
+        "machine.cpu.model",
+        "machine.gpu.name",
+    ]:
         assert column in df.columns, column
     assert "kind" not in df.columns and "schema" not in df.columns
     assert df["run_id"].tolist() == [run_a["run_id"], run_a["run_id"], run_b["run_id"]]
@@ -156,8 +163,7 @@ def test_nan_and_infinities_round_trip_as_strings(tmp_path):
     writer = ResultsWriter(path)
     run = run_record(MACHINE_A)
     writer.write_run(run)
-    metrics = {"loss": math.nan, "ppl": math.inf, "delta": -math.inf, "median_s": 0.5,
-               "samples_s": [0.5, math.nan, math.inf], "nested": {"x": -math.inf}}
+    metrics = {"loss": math.nan, "ppl": math.inf, "delta": -math.inf, "median_s": 0.5, "samples_s": [0.5, math.nan, math.inf], "nested": {"x": -math.inf}}
     writer.write_cell(cell_record(run, "c1", status="nan", metrics=metrics))
 
     def no_constants(name):
@@ -243,19 +249,23 @@ def test_repair_tail_of_a_lone_partial_line_empties_the_file(tmp_path):
 #: name: (the file's text made from a good run line and a good cell line, bad line, regex)
 CORRUPTIONS = {
     "garbage line": (lambda run, cell: f"{run}\nthis is not json\n{cell}\n", 2, "not valid JSON"),
-    "wrong schema": (lambda run, cell: run.replace('"schema": 2', '"schema": 3') + "\n", 1,
-                     "file .*broken-file\\.jsonl was written with results schema 3; this attnbench reads schemas 1 to 2"),
+    "wrong schema": (
+        lambda run, cell: run.replace('"schema": 2', '"schema": 3') + "\n",
+        1,
+        "file .*broken-file\\.jsonl was written with results schema 3; this attnbench reads schemas 1 to 2",
+    ),
     "truncated tail": (lambda run, cell: f"{run}\n{cell}\n{cell[:30]}", 3, "--resume"),
     "cell before run": (lambda run, cell: f"{cell}\n{run}\n", 1, "cell before any run line"),
     "unknown status": (lambda run, cell: f"{run}\n" + cell.replace('"ok"', '"fine"') + "\n", 2, "'fine'"),
     "no kind": (lambda run, cell: f"{run}\n" + cell.replace('"kind": "cell", ', "") + "\n", 2, "'kind'"),
-    "unknown run": (lambda run, cell: f"{run}\n" + cell.replace('"run_id": "', '"run_id": "x') + "\n", 2,
-                    "no run line above"),
-    "missing cell_id": (lambda run, cell: f"{run}\n" + cell.replace('"cell_id"', '"cell"') + "\n", 2,
-                        "'cell_id'"),
+    "unknown run": (lambda run, cell: f"{run}\n" + cell.replace('"run_id": "', '"run_id": "x') + "\n", 2, "no run line above"),
+    "missing cell_id": (lambda run, cell: f"{run}\n" + cell.replace('"cell_id"', '"cell"') + "\n", 2, "'cell_id'"),
     "nested too deeply": (lambda run, cell: f"{run}\n" + "[" * 100_000 + "]" * 100_000 + "\n", 2, "nested too deeply"),
-    "metrics a list": (lambda run, cell: f"{run}\n" + json.dumps(dict(json.loads(cell), metrics=[1, 2])) + "\n", 2,
-                       "metrics: expected a JSON object, got \\[1, 2\\]"),
+    "metrics a list": (
+        lambda run, cell: f"{run}\n" + json.dumps(dict(json.loads(cell), metrics=[1, 2])) + "\n",
+        2,
+        "metrics: expected a JSON object, got \\[1, 2\\]",
+    ),
 }
 
 

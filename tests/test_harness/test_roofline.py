@@ -35,18 +35,21 @@ def test_a_cpu_cell_on_fewer_threads_than_the_calibration_has_their_share_of_the
     assert roofline.roofline({**cell, "torch_threads": 1}, on_gpu, "float32")["roofline_fraction"] == pytest.approx(0.25)
 
 
-@pytest.mark.parametrize(("name", "matched", "bandwidth"), [
-    ("NVIDIA H100 80GB HBM3", "H100", 3.35e12),
-    ("NVIDIA H100 PCIe", "H100 PCIe", 2.0e12),
-    ("NVIDIA H200", "H200", 4.8e12),
-    ("NVIDIA A100-SXM4-80GB", "A100", 2.039e12),
-    ("NVIDIA A100-SXM4-40GB", "A100-SXM4-40GB", 1.555e12),
-    ("NVIDIA L4", "L4", 0.3e12),
-    ("NVIDIA L40S", "L40S", 0.864e12),
-    ("NVIDIA A10", "A10", 0.6e12),
-    ("NVIDIA GeForce RTX 4090", "RTX 4090", 1.008e12),
-    ("Tesla V100-SXM2-16GB", "V100", 0.9e12),
-])
+@pytest.mark.parametrize(
+    ("name", "matched", "bandwidth"),
+    [
+        ("NVIDIA H100 80GB HBM3", "H100", 3.35e12),
+        ("NVIDIA H100 PCIe", "H100 PCIe", 2.0e12),
+        ("NVIDIA H200", "H200", 4.8e12),
+        ("NVIDIA A100-SXM4-80GB", "A100", 2.039e12),
+        ("NVIDIA A100-SXM4-40GB", "A100-SXM4-40GB", 1.555e12),
+        ("NVIDIA L4", "L4", 0.3e12),
+        ("NVIDIA L40S", "L40S", 0.864e12),
+        ("NVIDIA A10", "A10", 0.6e12),
+        ("NVIDIA GeForce RTX 4090", "RTX 4090", 1.008e12),
+        ("Tesla V100-SXM2-16GB", "V100", 0.9e12),
+    ],
+)
 def test_datasheets_are_found_by_name(name, matched, bandwidth):
     sheet = roofline.datasheet(name)
     assert sheet["name"] == matched and sheet["bandwidth_bytes_per_s"] == bandwidth and sheet["float32"] > 1e12
@@ -73,8 +76,12 @@ def test_calibration_keeps_the_best_figures_of_a_machine(tmp_path, monkeypatch):
 
 
 def _cell(variant, mode, target="core", **axes):
-    return make_cell(variant=variant, mode=mode, target=target,
-                     axes={"seq_len": 16, "batch": 2, "heads": 3, "d_key": 4, "d_value": 5, "dtype": "float32", "device": "cpu", **axes})
+    return make_cell(
+        variant=variant,
+        mode=mode,
+        target=target,
+        axes={"seq_len": 16, "batch": 2, "heads": 3, "d_key": 4, "d_value": 5, "dtype": "float32", "device": "cpu", **axes},
+    )
 
 
 def test_min_bytes_of_the_core():
@@ -122,8 +129,24 @@ def test_every_ok_cell_of_a_ci_preset_is_within_the_roofline(scenario, tmp_path)
     one sample a cell suffices to show one (a busy machine only lowers the fractions), and one worker for all cells (a
     fresh worker a CPU cell, the default, is for peak memory and costs 2-3 s a cell; a warm one only raises the fractions).
     (smoke-cpu's ci preset: tests/test_harness/test_runner.py::test_smoke_ci_preset_runs_and_loads.)"""
-    command = [sys.executable, "-m", "harness.cli", "run", scenario, "--preset", "ci", "--set", "measure.repeats=1", "--set", "measure.max_time_s=0",
-               "--set", "measure.fresh_worker=false", "--out", str(tmp_path), "--no-progress"]
+    command = [
+        sys.executable,
+        "-m",
+        "harness.cli",
+        "run",
+        scenario,
+        "--preset",
+        "ci",
+        "--set",
+        "measure.repeats=1",
+        "--set",
+        "measure.max_time_s=0",
+        "--set",
+        "measure.fresh_worker=false",
+        "--out",
+        str(tmp_path),
+        "--no-progress",
+    ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=1800)
     assert done.returncode == 0, done.stderr
     _fractions_in_range(tmp_path)

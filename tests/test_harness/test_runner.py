@@ -71,7 +71,11 @@ def _run_until(tmp_path, scenario, finished: int, sig) -> tuple[subprocess.Popen
     command = [sys.executable, "-m", "harness.cli", "run", str(scenario), "--plugin", PLUGIN, "--out", str(out), "--no-progress"]
     # A suite started in the background inherits SIGINT ignored; the run must see Ctrl-C as a terminal would.
     process = subprocess.Popen(
-        command, env={**os.environ, "FAULT_SLOW_S": "0.3"}, start_new_session=True, stderr=subprocess.PIPE, text=True,
+        command,
+        env={**os.environ, "FAULT_SLOW_S": "0.3"},
+        start_new_session=True,
+        stderr=subprocess.PIPE,
+        text=True,
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     deadline = time.monotonic() + 120
@@ -116,14 +120,16 @@ def test_a_training_cell_killed_midway_continues_from_its_checkpoint(tmp_path):
     checkpoint of step 4 kept beside the results file; ``--resume --retry-failed`` continues it
     from there to the result of an uninterrupted run and removes the checkpoints."""
     scenario = tmp_path / "killed.yaml"
-    scenario.write_text(textwrap.dedent("""\
+    scenario.write_text(
+        textwrap.dedent("""\
         name: killed
         variants: {fault_kill_once: {}}
         task: {name: retrieval, setting: 1, max_steps: 10, eval_every: 2, patience: 50, target_loss: 1.0e-9}
         target: retrieval
         modes: [quality]
         axes: {S: 6, d_key: 8}
-    """))
+    """)
+    )
     marker = tmp_path / "kill-once"
     marker.touch()
     # the parallel form runs once per training step (evaluations read through prefill and step):
@@ -223,7 +229,7 @@ def test_update_rules_get_their_own_table_and_stay_out_of_the_capacity_plot(tmp_
     from harness.report import build_report
 
     page = build_report([tmp_path / "out"], tmp_path / "report").read_text()
-    section = page[page.index("Retrieval: update rules"):]
+    section = page[page.index("Retrieval: update rules") :]
     section = section[: section.index("</table>")]
     assert section.count("<tr>") == 1 + 3 and "S = 4" in section and "steps)" in section
     assert not (tmp_path / "report" / "plots" / "retrieval-update-rules-capacity.png").exists()
@@ -309,19 +315,22 @@ def test_a_failed_cuda_cell_gets_a_fresh_worker_and_an_ok_or_oom_one_keeps_it(mo
     assert executor.worker.starts == 5
 
 
-@pytest.mark.parametrize("status, device, mode, fresh_worker, expected, backend", [
-    ("error", "cuda", "forward", None, True, "torch"),
-    ("nan", "cuda:1", "forward", False, True, "torch"),  # a failed cell's worker goes, whatever the setting
-    ("crashed", "cpu", "quality", None, True, "torch"),
-    ("oom", "cuda", "forward", None, False, "torch"),
-    ("ok", "cuda", "forward", None, False, "torch"),
-    ("ok", "cuda", "forward", True, True, "torch"),
-    ("ok", "cuda", "train", None, True, "compile"),  # the next compile cell's compile_s: a compilation, not a cache hit
-    ("ok", "cuda", "train", False, False, "compile"),
-    ("ok", "cpu", "forward", None, True, "torch"),  # exact CPU peak memory
-    ("ok", "cpu", "quality", None, False, "torch"),
-    ("skipped", "cuda", "forward", None, False, "torch"),
-])
+@pytest.mark.parametrize(
+    "status, device, mode, fresh_worker, expected, backend",
+    [
+        ("error", "cuda", "forward", None, True, "torch"),
+        ("nan", "cuda:1", "forward", False, True, "torch"),  # a failed cell's worker goes, whatever the setting
+        ("crashed", "cpu", "quality", None, True, "torch"),
+        ("oom", "cuda", "forward", None, False, "torch"),
+        ("ok", "cuda", "forward", None, False, "torch"),
+        ("ok", "cuda", "forward", True, True, "torch"),
+        ("ok", "cuda", "train", None, True, "compile"),  # the next compile cell's compile_s: a compilation, not a cache hit
+        ("ok", "cuda", "train", False, False, "compile"),
+        ("ok", "cpu", "forward", None, True, "torch"),  # exact CPU peak memory
+        ("ok", "cpu", "quality", None, False, "torch"),
+        ("skipped", "cuda", "forward", None, False, "torch"),
+    ],
+)
 def test_which_cells_need_a_fresh_worker(status, device, mode, fresh_worker, expected, backend):
     from harness.running.worker import needs_fresh_worker
 

@@ -45,9 +45,7 @@ def test_expansion_counts_and_order(tmp_path):
     assert len(cells) == 16
     assert [c.params.get("nu") for c in cells[:4]] == [None] * 4
     assert {c.axes["d_value"] for c in cells} == {8}, "d_value defaults to d_key"
-    assert sorted({(c.variant, c.params.get("nu")) for c in cells}, key=str) == sorted(
-        [("softmax", None), ("dpfp", 1), ("dpfp", 2), ("dpfp", 3)], key=str
-    )
+    assert sorted({(c.variant, c.params.get("nu")) for c in cells}, key=str) == sorted([("softmax", None), ("dpfp", 1), ("dpfp", 2), ("dpfp", 3)], key=str)
 
 
 def test_cell_ids_are_stable_and_ignore_repeats(tmp_path):

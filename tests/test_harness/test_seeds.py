@@ -28,9 +28,20 @@ def cells_of(rows: list[tuple[str, int, int, float, float]], machine: str = "m1"
     return pd.DataFrame(
         [
             {
-                "machine_key": machine, "machine": f"host-{machine}", "scenario": "mqar", "series": series, "mode": "quality",
-                "target": "mqar", "status": "ok", "axes.seq_len": seq_len, "axes.d_model": 64, "axes.dtype": "float32",
-                "axes.device": "cpu", "axes.seed": seed, "metrics.accuracy": accuracy, "metrics.words_per_s": speed,
+                "machine_key": machine,
+                "machine": f"host-{machine}",
+                "scenario": "mqar",
+                "series": series,
+                "mode": "quality",
+                "target": "mqar",
+                "status": "ok",
+                "axes.seq_len": seq_len,
+                "axes.d_model": 64,
+                "axes.dtype": "float32",
+                "axes.device": "cpu",
+                "axes.seed": seed,
+                "metrics.accuracy": accuracy,
+                "metrics.words_per_s": speed,
             }
             for series, seq_len, seed, accuracy, speed in rows
         ]
@@ -77,8 +88,7 @@ def test_a_task_without_a_seed_field_cannot_sweep_seeds(tmp_path, monkeypatch):
     unseeded = tasks.Task(name="unseeded", config=UnseededConfig, axes=("width",), run=dict, d_keys=lambda config, axes: axes["width"])
     monkeypatch.setitem(tasks._TASKS, "unseeded", unseeded)
     path = tmp_path / "spread.yaml"
-    path.write_text("name: spread\nvariants: {softmax: {}}\ntask: {name: unseeded}\ntarget: unseeded\nmodes: [quality]\n"
-                    "axes: {width: [8], seed: [0, 1]}\n")
+    path.write_text("name: spread\nvariants: {softmax: {}}\ntask: {name: unseeded}\ntarget: unseeded\nmodes: [quality]\naxes: {width: [8], seed: [0, 1]}\n")
     with pytest.raises(ScenarioError, match="the unseeded task, whose config has no seed field"):
         load_scenario(str(path))
 
@@ -87,10 +97,16 @@ def test_a_task_without_a_seed_field_cannot_sweep_seeds(tmp_path, monkeypatch):
 
 
 def test_over_seeds_gives_mean_range_and_passed_seeds_per_group():
-    cells = cells_of([
-        ("delta", 128, 0, 1.0, 10.0), ("delta", 128, 1, 0.855, 12.0), ("delta", 128, 2, 0.95, 14.0),
-        ("delta", 256, 0, 0.1, 8.0), ("linear", 128, 0, 0.5, 30.0), ("linear", 128, 1, 0.7, 30.0),
-    ])
+    cells = cells_of(
+        [
+            ("delta", 128, 0, 1.0, 10.0),
+            ("delta", 128, 1, 0.855, 12.0),
+            ("delta", 128, 2, 0.95, 14.0),
+            ("delta", 256, 0, 0.1, 8.0),
+            ("linear", 128, 0, 0.5, 30.0),
+            ("linear", 128, 1, 0.7, 30.0),
+        ]
+    )
     summary = over_seeds(cells, ACCURACY).set_index(["series", "axes_text"])
     delta = summary.loc[("delta", "T=128 float32 d_model=64")]
     assert (delta["seeds"], delta["passed"], delta["low"], delta["high"]) == (3, 2, 0.855, 1.0)
@@ -148,14 +164,20 @@ def test_on_frontier_keeps_exactly_the_points_no_other_beats_on_both():
 
 
 def test_frontier_points_compare_only_within_one_panel():
-    cells = cells_of([
-        ("delta", 128, 0, 1.0, 10.0), ("linear", 128, 0, 0.5, 30.0), ("softmax", 128, 0, 0.4, 20.0),
-        ("softmax", 256, 0, 0.1, 1.0),
-    ])
+    cells = cells_of(
+        [
+            ("delta", 128, 0, 1.0, 10.0),
+            ("linear", 128, 0, 0.5, 30.0),
+            ("softmax", 128, 0, 0.4, 20.0),
+            ("softmax", 256, 0, 0.1, 1.0),
+        ]
+    )
     points = frontier_points(cells, ACCURACY).set_index(["series", "axes_text"])["on_frontier"]
     assert points.to_dict() == {
-        ("delta", "T=128 float32 d_model=64"): True, ("linear", "T=128 float32 d_model=64"): True,
-        ("softmax", "T=128 float32 d_model=64"): False, ("softmax", "T=256 float32 d_model=64"): True,
+        ("delta", "T=128 float32 d_model=64"): True,
+        ("linear", "T=128 float32 d_model=64"): True,
+        ("softmax", "T=128 float32 d_model=64"): False,
+        ("softmax", "T=256 float32 d_model=64"): True,
     }
     flags = cell_flags(cells, ACCURACY)
     assert flags.reindex(cells.index).tolist() == [True, True, False, True]
@@ -186,8 +208,19 @@ def test_the_frontier_plot_names_its_panels(tmp_path):
 def test_a_seed_sweep_reports_seeds_and_the_frontier(tmp_path):
     """Three seeds of MQAR's ci preset through the CLI: every cell has its seed and a positive
     training throughput, and the report has the seed table, the frontier plot and the CSV column."""
-    done = attnbench("run", "quality/mqar", "--preset", "ci", "--set", "seed=[0, 1, 2]", "--out", str(tmp_path / "out"),
-                     "--report", str(tmp_path / "report"), "--no-progress")
+    done = attnbench(
+        "run",
+        "quality/mqar",
+        "--preset",
+        "ci",
+        "--set",
+        "seed=[0, 1, 2]",
+        "--out",
+        str(tmp_path / "out"),
+        "--report",
+        str(tmp_path / "report"),
+        "--no-progress",
+    )
     assert done.returncode == 0, done.stderr
     html = (tmp_path / "report" / "index.html").read_text()
     assert "accuracy over seeds" in html and "Quality against speed" in html

@@ -18,15 +18,26 @@ OBSERVED_MS = [0.59, 0.54, 4.72, 0.61, 0.55]
 def write_side(path, samples_by_variant: dict[str, list[float]], *, machine_id="m0") -> str:
     """A results file of one run with one ok forward cell per variant, of these samples."""
     writer = ResultsWriter(path)
-    writer.write_run({"run_id": "r", "started_at": "2026-12-01T00:00:00+00:00", "scenario": "s",
-                      "machine": {"machine_id": machine_id, "hostname": "h"}})
+    writer.write_run({"run_id": "r", "started_at": "2026-12-01T00:00:00+00:00", "scenario": "s", "machine": {"machine_id": machine_id, "hostname": "h"}})
     for variant, samples in samples_by_variant.items():
-        writer.write_cell({
-            "run_id": "r", "cell_id": variant, "scenario": "s", "variant": variant, "backend": "torch", "params": {},
-            "axes": {"seq_len": 256, "device": "cpu"}, "mode": "forward", "target": "core", "status": "ok", "error": None,
-            "machine_id": machine_id, "started_at": "2026-12-01T00:00:01+00:00",
-            "metrics": {"median_s": float(np.median(samples)), "p20_s": 0.0, "p80_s": 0.0, "iqr_s": 0.0, "samples_s": samples},
-        })
+        writer.write_cell(
+            {
+                "run_id": "r",
+                "cell_id": variant,
+                "scenario": "s",
+                "variant": variant,
+                "backend": "torch",
+                "params": {},
+                "axes": {"seq_len": 256, "device": "cpu"},
+                "mode": "forward",
+                "target": "core",
+                "status": "ok",
+                "error": None,
+                "machine_id": machine_id,
+                "started_at": "2026-12-01T00:00:01+00:00",
+                "metrics": {"median_s": float(np.median(samples)), "p20_s": 0.0, "p80_s": 0.0, "iqr_s": 0.0, "samples_s": samples},
+            }
+        )
     return str(path)
 
 
@@ -60,15 +71,18 @@ def test_outliers_are_the_severe_ones_only():
     assert list(_without_outliers(spread)) == spread
 
 
-@pytest.mark.parametrize(("ratio", "low", "high", "mark"), [
-    (3.0, 2.7, 3.3, "worse"),
-    (0.5, 0.45, 0.55, "better"),
-    (1.02, 0.97, 1.06, "unchanged"),
-    (1.05, 1.02, 1.08, "unchanged"),  # significant, but within the factor
-    (1.3, 0.9, 1.8, UNDECIDED),  # beyond the factor, interval spans 1
-    (1.0, 0.7, 1.4, UNDECIDED),  # no change measured, but a 1.4x change is not excluded
-    (1.08, 1.01, 1.4, UNDECIDED),  # a real change of unknown size
-])
+@pytest.mark.parametrize(
+    ("ratio", "low", "high", "mark"),
+    [
+        (3.0, 2.7, 3.3, "worse"),
+        (0.5, 0.45, 0.55, "better"),
+        (1.02, 0.97, 1.06, "unchanged"),
+        (1.05, 1.02, 1.08, "unchanged"),  # significant, but within the factor
+        (1.3, 0.9, 1.8, UNDECIDED),  # beyond the factor, interval spans 1
+        (1.0, 0.7, 1.4, UNDECIDED),  # no change measured, but a 1.4x change is not excluded
+        (1.08, 1.01, 1.4, UNDECIDED),  # a real change of unknown size
+    ],
+)
 def test_marks(ratio, low, high, mark):
     assert timing_mark(ratio, low, high, factor=1.1) == mark
 
@@ -189,8 +203,10 @@ def test_a_run_beside_a_busy_process_says_so(tmp_path):
     import re
 
     scenario = tmp_path / "tiny.yaml"
-    scenario.write_text("name: tiny\nvariants: {softmax: {}, linear: {}}\naxes: {seq_len: 32, batch: 1, heads: 2, d_key: 8}\n"
-                        "modes: [forward]\nmeasure: {warmup: 1, repeats: 3, max_time_s: 0.5}\n")
+    scenario.write_text(
+        "name: tiny\nvariants: {softmax: {}, linear: {}}\naxes: {seq_len: 32, batch: 1, heads: 2, d_key: 8}\n"
+        "modes: [forward]\nmeasure: {warmup: 1, repeats: 3, max_time_s: 0.5}\n"
+    )
     process = burner()
     try:
         done = attnbench("run", str(scenario), "--out", str(tmp_path / "out"), "--no-progress")

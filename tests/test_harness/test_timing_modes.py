@@ -237,8 +237,8 @@ def test_the_report_names_each_cells_timing_and_lists_the_profiled_operators(tmp
     cells = prepare(load(path))
     assert sorted(cells["series"]) == ["linear (profiler)", "linear (wall)", "softmax (wall)"], "both modes of one cell are kept, labelled"
     page = build_report([path], tmp_path / "report").read_text()
-    timed = page[page.index("Every timed cell"):]
+    timed = page[page.index("Every timed cell") :]
     assert "<td>profiler</td>" in timed and "<td>wall</td>" in timed
-    profiles = page[page.index("Profiles: top operators by self time"):]
+    profiles = page[page.index("Profiles: top operators by self time") :]
     for shown in ("aten::bmm", "600 µs", "60.0%", "s.profiles/c0.json", "not profiled: nsys is not on PATH"):
         assert shown in profiles, shown

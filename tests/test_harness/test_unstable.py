@@ -149,8 +149,17 @@ def _cells(tmp_path, device: str = "cpu", **measure) -> list[Cell]:
     from harness.scenarios.scenario import load_scenario
 
     scenario = tmp_path / "tiny.yaml"
-    scenario.write_text(json.dumps({"name": "tiny", "variants": {"linear": {}}, "axes": {"seq_len": 16, "batch": 1, "heads": 1, "d_key": 8, "device": device},
-                                    "modes": ["forward"], "measure": {"warmup": 1, "repeats": 3, "max_time_s": 0, **measure}}))
+    scenario.write_text(
+        json.dumps(
+            {
+                "name": "tiny",
+                "variants": {"linear": {}},
+                "axes": {"seq_len": 16, "batch": 1, "heads": 1, "d_key": 8, "device": device},
+                "modes": ["forward"],
+                "measure": {"warmup": 1, "repeats": 3, "max_time_s": 0, **measure},
+            }
+        )
+    )
     return load_scenario(str(scenario)).cells()
 
 

@@ -48,8 +48,9 @@ class TemperedSoftmax(AttentionCore):
         return torch.softmax(scores.masked_fill(future, -math.inf), dim=-1) @ v
 
     def _reference(self, q, k, v, causal, *, temperature):
-        rows = [torch.softmax(self._scores(q[:, :, t : t + 1], k[:, :, : t + 1], temperature[:, :, t : t + 1]), -1) @ v[:, :, : t + 1]
-                for t in range(q.shape[2])]
+        rows = [
+            torch.softmax(self._scores(q[:, :, t : t + 1], k[:, :, : t + 1], temperature[:, :, t : t + 1]), -1) @ v[:, :, : t + 1] for t in range(q.shape[2])
+        ]
         return torch.cat(rows, dim=2)
 
     def init_state(self, batch, heads, d_value, *, device=None, dtype=None):
@@ -99,7 +100,14 @@ def spread_sections(cells, figures, name: str) -> list:
     return [table("Toy spread", ok, [("variant", "series", text), ("width", "axes.width", text), ("spread", "metrics.spread", text)])]
 
 
-tasks.register(tasks.Task(
-    name="toy_spread", config=SpreadConfig, axes=("width",), run=run_spread, d_keys=lambda config, axes: axes["width"],
-    metrics=("spread",), report=spread_sections,
-))
+tasks.register(
+    tasks.Task(
+        name="toy_spread",
+        config=SpreadConfig,
+        axes=("width",),
+        run=run_spread,
+        d_keys=lambda config, axes: axes["width"],
+        metrics=("spread",),
+        report=spread_sections,
+    )
+)

@@ -47,8 +47,9 @@ def scaled(metrics: dict, factor: float) -> dict:
     return out
 
 
-def write_history(out: Path, commits: list[str | None], factor: Callable[[int, str, int], float], *, seed: int = 0,
-                  machines: dict = MACHINES, scenario: str | None = None) -> Path:
+def write_history(
+    out: Path, commits: list[str | None], factor: Callable[[int, str, int], float], *, seed: int = 0, machines: dict = MACHINES, scenario: str | None = None
+) -> Path:
     """One results file per commit and machine in ``out``: the template's run line and ``CELLS``, the
     timings of cell ``c`` at commit ``i`` on machine ``m`` scaled by ``factor(i, m, c)`` and ±3 % noise."""
     run, cells = template()
@@ -60,13 +61,20 @@ def write_history(out: Path, commits: list[str | None], factor: Callable[[int, s
             run_id = uuid.uuid4().hex
             started = (start + dt.timedelta(days=number)).isoformat(timespec="seconds")
             machine = {**run["machine"], "hostname": name, "machine_id": machine_id, "git": {"commit": commit, "dirty": False, "describe": None}}
-            lines = [{**run, "run_id": run_id, "started_at": started, "machine": machine, "commit": commit,
-                      **({"scenario": scenario} if scenario else {})}]
+            lines = [{**run, "run_id": run_id, "started_at": started, "machine": machine, "commit": commit, **({"scenario": scenario} if scenario else {})}]
             for index, cell in enumerate(cells):
                 noise = 1 + rng.uniform(-NOISE, NOISE)
                 cell_started = (start + dt.timedelta(days=number, seconds=index)).isoformat(timespec="seconds")
-                lines.append({**cell, "run_id": run_id, "machine_id": machine_id, "commit": commit, "started_at": cell_started,
-                              "metrics": scaled(cell["metrics"], factor(number, name, index) * noise),
-                              **({"scenario": scenario} if scenario else {})})
+                lines.append(
+                    {
+                        **cell,
+                        "run_id": run_id,
+                        "machine_id": machine_id,
+                        "commit": commit,
+                        "started_at": cell_started,
+                        "metrics": scaled(cell["metrics"], factor(number, name, index) * noise),
+                        **({"scenario": scenario} if scenario else {}),
+                    }
+                )
             (out / f"{name}-{number:02d}.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
     return out

@@ -80,8 +80,7 @@ def test_a_non_finite_loss_ends_the_curve_at_its_point():
     weight = nn.Linear(1, 1)
     losses = iter([1.0, 2.0, math.inf, 4.0])
     values = GeneratorBatches(lambda _generator: next(losses), 0)
-    curve = train(weight, lambda model, batch: (model.weight.sum() * 0 + batch, 1), values, _curve_config(steps=4, log_every=2),
-                  progress=False)
+    curve = train(weight, lambda model, batch: (model.weight.sum() * 0 + batch, 1), values, _curve_config(steps=4, log_every=2), progress=False)
     assert curve.losses[:1] == [(2, 1.5)] and curve.losses[1][0] == 3 and not math.isfinite(curve.losses[1][1])
     assert curve.steps == 3 and curve.stopped == "non-finite loss"
 

@@ -24,8 +24,7 @@ VOCAB = 40
 def toy_model(variant: str, seed: int, context: int = 4, **overrides) -> DecoderLM:
     """A float64 two-layer model with weights far from zero (so that context matters)."""
     torch.manual_seed(seed)
-    config = DecoderConfig(vocab_size=VOCAB, n_layers=2, d_model=16, n_heads=2, d_ff=32, context=context, variant=variant,
-                      **overrides)
+    config = DecoderConfig(vocab_size=VOCAB, n_layers=2, d_model=16, n_heads=2, d_ff=32, context=context, variant=variant, **overrides)
     model = DecoderLM(config).double().eval()
     with torch.no_grad():
         for param in model.parameters():
@@ -144,8 +143,17 @@ def test_loss_falls_below_the_unigram_baseline():
     """A tiny model beats the best context-free model (the unigram entropy of the training
     split, ~7.06 nats) on validation text within seconds of training (measured: 6.89 after 200
     steps, from 7.10 after 50)."""
-    config = LMConfig(steps=200, batch=32, lr=3e-3, warmup=10, dropout=0.0, model_overrides={"n_layers": 1, "d_model": 64, "n_heads": 2, "d_ff": 128},
-                      eval_tokens=4000, sliding_tokens=200, threads=1)
+    config = LMConfig(
+        steps=200,
+        batch=32,
+        lr=3e-3,
+        warmup=10,
+        dropout=0.0,
+        model_overrides={"n_layers": 1, "d_model": 64, "n_heads": 2, "d_ff": 128},
+        eval_tokens=4000,
+        sliding_tokens=200,
+        threads=1,
+    )
     metrics = run_lm("linear", {}, config, context=32)
     unigram_nll = math.log(metrics["unigram_ppl"])
     assert 6.9 < unigram_nll < 7.2
@@ -170,8 +178,10 @@ def test_ci_preset_runs_through_the_runner(tmp_path):
     delta = table[table["variant"] == "delta"].iloc[0]
     assert delta["metrics.valid_ppl_carry"] > 1 and math.isnan(table[table["variant"] == "softmax"].iloc[0].get("metrics.valid_ppl_carry", math.nan))
     # The report of quality results is rendered in a fresh interpreter that never imports torch (issue 45).
-    program = ("import sys; from harness.report import build_report; build_report([sys.argv[1]], sys.argv[2]); "
-               "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'variants')))")
+    program = (
+        "import sys; from harness.report import build_report; build_report([sys.argv[1]], sys.argv[2]); "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'variants')))"
+    )
     rendered = subprocess.run([sys.executable, "-c", program, str(tmp_path / "out"), str(tmp_path / "report")], capture_output=True, text=True)
     assert rendered.returncode == 0, rendered.stderr
     assert rendered.stdout.splitlines()[-1] == "[]"
@@ -206,8 +216,28 @@ def test_the_gpu_twin_trains_and_reports_the_step_time(tmp_path):
 @needs_shared
 @pytest.mark.slow
 def test_command_line_writes_metrics_and_a_rerun_resumes(tmp_path, capsys):
-    args = ["--variant", "linear", "--context", "16", "--steps", "4", "--batch", "4", "--warmup", "1", "--eval-tokens", "300",
-            "--sliding-tokens", "40", "--checkpoint-every", "2", "--threads", "1", "--out", str(tmp_path)]
+    args = [
+        "--variant",
+        "linear",
+        "--context",
+        "16",
+        "--steps",
+        "4",
+        "--batch",
+        "4",
+        "--warmup",
+        "1",
+        "--eval-tokens",
+        "300",
+        "--sliding-tokens",
+        "40",
+        "--checkpoint-every",
+        "2",
+        "--threads",
+        "1",
+        "--out",
+        str(tmp_path),
+    ]
     assert main(args) == 0
     first = json.loads((tmp_path / "metrics.json").read_text())
     assert first["resumed_from"] is None and first["words"] == 4 * 4 * 16 and first["arguments"]["variant"] == "linear"
@@ -241,8 +271,26 @@ def test_the_command_line_under_torchrun_trains_as_one_process(tmp_path):
     """The documented way to give one LM run several devices (docs/scale-out.md): two gloo ranks
     under torchrun, each on its shard of the same global batch, train and score as one process
     (without dropout, whose masks depend on the rank)."""
-    args = ["--variant", "linear", "--context", "16", "--steps", "3", "--batch", "4", "--warmup", "1", "--eval-tokens", "300", "--dropout", "0",
-            "--sliding-tokens", "40", "--threads", "1"]
+    args = [
+        "--variant",
+        "linear",
+        "--context",
+        "16",
+        "--steps",
+        "3",
+        "--batch",
+        "4",
+        "--warmup",
+        "1",
+        "--eval-tokens",
+        "300",
+        "--dropout",
+        "0",
+        "--sliding-tokens",
+        "40",
+        "--threads",
+        "1",
+    ]
     runs = {}
     for ranks in (1, 2):
         out = tmp_path / f"ranks{ranks}"
@@ -271,8 +319,7 @@ def test_command_line_defaults_are_the_configs():
     """Every setting has an option, and an option left out takes the config's own default."""
     args, config = parse([])
     assert config == LMConfig() and config.model_dump()["warmup"] == 50 and config.adaptive_cutoffs == [2000, 10000]
-    assert vars(args) == {"variant": "linear", "params": {}, "out": "out", "device": None, "checkpoint_every": 250,
-                          "context": None, "dtype": "float32"}
+    assert vars(args) == {"variant": "linear", "params": {}, "out": "out", "device": None, "checkpoint_every": 250, "context": None, "dtype": "float32"}
     from harness.tasks.lm import _command_line
 
     options = {action.dest for action in _command_line()._actions}
@@ -280,28 +327,68 @@ def test_command_line_defaults_are_the_configs():
 
 
 def test_options_parse_into_the_config():
-    _, config = parse(["--steps", "30", "--lr", "3e-3", "--warmup", "0", "--adaptive-cutoffs", "none", "--eval-tokens", "all",
-                       "--sliding-tokens", "100", "--no-carry", "--clip", "none", "--weight-decay", "0.1", "--log-every", "5",
-                       "--model-overrides", "{n_layers: 1, d_model: 32}", "--segment", "rmt", "--segment", "{kind: rmt, memory: 2}"])
-    assert config == LMConfig(steps=30, lr=3e-3, warmup=0, adaptive_cutoffs=None, eval_tokens=None, sliding_tokens=100, carry=False,
-                              clip=None, weight_decay=0.1, log_every=5, model_overrides={"n_layers": 1, "d_model": 32},
-                              segment={"kind": "rmt", "memory": 2})
+    _, config = parse(
+        [
+            "--steps",
+            "30",
+            "--lr",
+            "3e-3",
+            "--warmup",
+            "0",
+            "--adaptive-cutoffs",
+            "none",
+            "--eval-tokens",
+            "all",
+            "--sliding-tokens",
+            "100",
+            "--no-carry",
+            "--clip",
+            "none",
+            "--weight-decay",
+            "0.1",
+            "--log-every",
+            "5",
+            "--model-overrides",
+            "{n_layers: 1, d_model: 32}",
+            "--segment",
+            "rmt",
+            "--segment",
+            "{kind: rmt, memory: 2}",
+        ]
+    )
+    assert config == LMConfig(
+        steps=30,
+        lr=3e-3,
+        warmup=0,
+        adaptive_cutoffs=None,
+        eval_tokens=None,
+        sliding_tokens=100,
+        carry=False,
+        clip=None,
+        weight_decay=0.1,
+        log_every=5,
+        model_overrides={"n_layers": 1, "d_model": 32},
+        segment={"kind": "rmt", "memory": 2},
+    )
     assert parse(["--adaptive-cutoffs", "100,500"])[1].adaptive_cutoffs == [100, 500]
     assert parse(["--adaptive-cutoffs", "[100, 500]", "--segment", "xl"])[1].segment == {"kind": "xl"}
     assert parse(["--params", '{"m": 16}'])[0].params == {"m": 16}
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--steps", "2"], "error: --warmup: must be at most steps = 2, got 50"),
-    (["--steps", "0"], "error: --steps: Input should be greater than or equal to 1, got '0'"),
-    (["--preset", "huge"], "error: --preset: expected a model preset among small, medium, cpu, got 'huge'"),
-    (["--adaptive-cutoffs", "500,100"], "error: --adaptive-cutoffs: expected increasing positive word ranks"),
-    (["--model-overrides", "{context: 64}"], "error: --model-overrides: context: expected model fields among"),
-    (["--model-overrides", "{n_heads: 3}"], "error: --model-overrides: d_model (128) must be a multiple of n_heads (3)"),
-    (["--segment", "{kind: xl, size: 2}"], "error: --segment: unknown segment field"),
-    (["--params", "[1]"], "error: --params: expected a mapping"),
-    (["--nope", "1"], "error: unrecognized arguments: --nope 1"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--steps", "2"], "error: --warmup: must be at most steps = 2, got 50"),
+        (["--steps", "0"], "error: --steps: Input should be greater than or equal to 1, got '0'"),
+        (["--preset", "huge"], "error: --preset: expected a model preset among small, medium, cpu, got 'huge'"),
+        (["--adaptive-cutoffs", "500,100"], "error: --adaptive-cutoffs: expected increasing positive word ranks"),
+        (["--model-overrides", "{context: 64}"], "error: --model-overrides: context: expected model fields among"),
+        (["--model-overrides", "{n_heads: 3}"], "error: --model-overrides: d_model (128) must be a multiple of n_heads (3)"),
+        (["--segment", "{kind: xl, size: 2}"], "error: --segment: unknown segment field"),
+        (["--params", "[1]"], "error: --params: expected a mapping"),
+        (["--nope", "1"], "error: unrecognized arguments: --nope 1"),
+    ],
+)
 def test_bad_options_end_in_one_line_naming_the_option(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_:
         parse(argv)
@@ -315,7 +402,8 @@ def test_too_few_steps_for_the_default_warmup_is_a_clean_error(tmp_path):
     import subprocess
     import sys
 
-    done = subprocess.run([sys.executable, "-m", "harness.tasks.lm", "--variant", "linear", "--steps", "2", "--out", str(tmp_path)],
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-m", "harness.tasks.lm", "--variant", "linear", "--steps", "2", "--out", str(tmp_path)], capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 2 and done.stderr == "error: --warmup: must be at most steps = 2, got 50\n", done.stderr
     assert not (tmp_path / "metrics.json").exists()

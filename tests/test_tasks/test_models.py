@@ -52,15 +52,11 @@ def test_parallel_logits_equal_step_loop(variant, seed):
     assert parallel.shape == (BATCH, CONTEXT, VOCAB) and parallel.dtype == torch.float64
     stepped = step_loop(model, tokens)
     assert stepped.shape == (BATCH, CONTEXT, VOCAB)
-    torch.testing.assert_close(
-        parallel, stepped, rtol=1e-9, atol=1e-9, msg=lambda m: f"{variant}: parallel vs step loop (seed {seed}): {m}"
-    )
+    torch.testing.assert_close(parallel, stepped, rtol=1e-9, atol=1e-9, msg=lambda m: f"{variant}: parallel vs step loop (seed {seed}): {m}")
     spread = (parallel - parallel.mean(-1, keepdim=True)).abs().max()
     assert spread > 1e-2, f"{variant} (seed {seed}): logits are (almost) constant; the comparison says nothing"
     # A shorter prefix gives the same logits: nothing leaks from later tokens.
-    torch.testing.assert_close(
-        model(tokens[:, :7]), parallel[:, :7], rtol=1e-9, atol=1e-9, msg=lambda m: f"{variant}: causality (seed {seed}): {m}"
-    )
+    torch.testing.assert_close(model(tokens[:, :7]), parallel[:, :7], rtol=1e-9, atol=1e-9, msg=lambda m: f"{variant}: causality (seed {seed}): {m}")
 
 
 @pytest.mark.parametrize("variant", variants.names())
@@ -116,7 +112,12 @@ def test_presets_and_overrides():
     assert set(LM_PRESETS) == {"small", "medium", "cpu"}
     medium = lm_config("medium", 300)
     assert (medium.vocab_size, medium.n_layers, medium.d_model, medium.n_heads, medium.d_ff, medium.context) == (
-        300, 16, 256, 8, 4096, 384,
+        300,
+        16,
+        256,
+        8,
+        4096,
+        384,
     )
     config = lm_config("cpu", 100, variant="delta", variant_params={"chunk_size": 8}, dropout=0.1)
     assert (config.variant, config.variant_params, config.dropout, config.tie_embeddings) == ("delta", {"chunk_size": 8}, 0.1, True)

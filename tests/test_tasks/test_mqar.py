@@ -153,8 +153,21 @@ def test_the_ci_preset_trains_in_bfloat16_through_attnbench_run(tmp_path):
     """The issue's check: ``attnbench run quality/mqar --preset ci --set dtype=bfloat16`` trains, every cell ok."""
     from harness.results import load
 
-    done = attnbench("run", "quality/mqar", "--preset", "ci", "--set", "dtype=bfloat16", "--set", "task.steps=4",
-                     "--set", "task.eval_every=2", "--out", str(tmp_path), "--no-progress")
+    done = attnbench(
+        "run",
+        "quality/mqar",
+        "--preset",
+        "ci",
+        "--set",
+        "dtype=bfloat16",
+        "--set",
+        "task.steps=4",
+        "--set",
+        "task.eval_every=2",
+        "--out",
+        str(tmp_path),
+        "--no-progress",
+    )
     assert done.returncode == 0, done.stderr
     table = load([tmp_path])
     assert set(table["status"]) == {"ok"} and set(table["axes.dtype"]) == {"bfloat16"}, table[["variant", "error"]]

@@ -116,8 +116,12 @@ def test_causal_only_variant_refused_at_non_causal_positions(position):
 
 def test_position_rule():
     assert position_variants("delta", {"phi": "dpfp", "nu": 1}, D_KEY) == {
-        "decoder": "delta", "decoder_params": {"phi": "dpfp", "nu": 1},
-        "encoder": "linear", "encoder_params": {}, "cross": "linear", "cross_params": {},
+        "decoder": "delta",
+        "decoder_params": {"phi": "dpfp", "nu": 1},
+        "encoder": "linear",
+        "encoder_params": {},
+        "cross": "linear",
+        "cross_params": {},
     }
     fields = position_variants("performer", {"m": 8}, D_KEY, cross="softmax")
     assert (fields["encoder"], fields["encoder_params"], fields["cross"], fields["decoder"]) == ("performer", {"m": 8}, "softmax", "performer")
@@ -323,8 +327,28 @@ def test_command_line_writes_metrics(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("ATTNBENCH_CACHE", str(tmp_path / "cache"))
     fake_wmt(tmp_path, torch.Generator().manual_seed(0))
     out = tmp_path / "out"
-    argv = ["--variant", "delta", "--preset", "ci", "--dataset", "wmt14", "--data", str(tmp_path), "--steps", "12", "--warmup", "2",
-            "--vocab-size", "300", "--beam", "1", "--threads", "1", "--out", str(out)]
+    argv = [
+        "--variant",
+        "delta",
+        "--preset",
+        "ci",
+        "--dataset",
+        "wmt14",
+        "--data",
+        str(tmp_path),
+        "--steps",
+        "12",
+        "--warmup",
+        "2",
+        "--vocab-size",
+        "300",
+        "--beam",
+        "1",
+        "--threads",
+        "1",
+        "--out",
+        str(out),
+    ]
     assert main(argv) == 0
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["arguments"] == {"variant": "delta", "params": {}, "out": str(out), "device": None, "checkpoint_every": None}
@@ -340,8 +364,18 @@ def test_a_harness_cell_checkpoints_at_its_evaluations_and_continues(tmp_path, m
     continues from the last one to the same translations."""
     monkeypatch.setenv("ATTNBENCH_CACHE", str(tmp_path / "cache"))
     fake_wmt(tmp_path, torch.Generator().manual_seed(0))
-    task = {"name": "mt", "preset": "ci", "dataset": "wmt14", "data": str(tmp_path), "steps": 6, "warmup": 2, "eval_every": 3,
-            "vocab_size": 300, "beam": 1, "threads": 1}
+    task = {
+        "name": "mt",
+        "preset": "ci",
+        "dataset": "wmt14",
+        "data": str(tmp_path),
+        "steps": 6,
+        "warmup": 2,
+        "eval_every": 3,
+        "vocab_size": 300,
+        "beam": 1,
+        "threads": 1,
+    }
     cell = make_cell(variant="delta", mode="quality", target="mt", task=task, checkpoint_dir=str(tmp_path / "cell"))
     first = run_cell(cell)
     assert first["resumed_from"] is None
@@ -357,14 +391,82 @@ def test_both_tasks_write_metrics_under_the_same_names(tmp_path, monkeypatch):
 
     monkeypatch.setenv("ATTNBENCH_CACHE", str(tmp_path / "cache"))
     fake_wmt(tmp_path, torch.Generator().manual_seed(0))
-    assert main(["--variant", "linear", "--preset", "ci", "--dataset", "wmt14", "--data", str(tmp_path), "--steps", "4", "--warmup", "1",
-                 "--vocab-size", "300", "--beam", "1", "--threads", "1", "--out", str(tmp_path / "mt")]) == 0
-    assert lm.main(["--variant", "linear", "--context", "8", "--steps", "4", "--batch", "2", "--warmup", "1", "--eval-tokens", "50",
-                    "--sliding-tokens", "20", "--threads", "1", "--model-overrides", "{n_layers: 1, d_model: 16, n_heads: 2, d_ff: 16}",
-                    "--out", str(tmp_path / "lm")]) == 0
+    assert (
+        main(
+            [
+                "--variant",
+                "linear",
+                "--preset",
+                "ci",
+                "--dataset",
+                "wmt14",
+                "--data",
+                str(tmp_path),
+                "--steps",
+                "4",
+                "--warmup",
+                "1",
+                "--vocab-size",
+                "300",
+                "--beam",
+                "1",
+                "--threads",
+                "1",
+                "--out",
+                str(tmp_path / "mt"),
+            ]
+        )
+        == 0
+    )
+    assert (
+        lm.main(
+            [
+                "--variant",
+                "linear",
+                "--context",
+                "8",
+                "--steps",
+                "4",
+                "--batch",
+                "2",
+                "--warmup",
+                "1",
+                "--eval-tokens",
+                "50",
+                "--sliding-tokens",
+                "20",
+                "--threads",
+                "1",
+                "--model-overrides",
+                "{n_layers: 1, d_model: 16, n_heads: 2, d_ff: 16}",
+                "--out",
+                str(tmp_path / "lm"),
+            ]
+        )
+        == 0
+    )
     names = [set(json.loads((tmp_path / task / "metrics.json").read_text())) for task in ("mt", "lm")]
-    shared = {"steps", "loss", "losses", "evaluations", "train_s", "wall_s", "final_eval_s", "peak_mem_bytes", "memory_kind", "resumed_from",
-              "world_size", "torch_threads", "num_parameters", "words", "words_per_s", "vocab_size", "data", "config", "arguments"}
+    shared = {
+        "steps",
+        "loss",
+        "losses",
+        "evaluations",
+        "train_s",
+        "wall_s",
+        "final_eval_s",
+        "peak_mem_bytes",
+        "memory_kind",
+        "resumed_from",
+        "world_size",
+        "torch_threads",
+        "num_parameters",
+        "words",
+        "words_per_s",
+        "vocab_size",
+        "data",
+        "config",
+        "arguments",
+    }
     assert all(shared <= keys for keys in names), [shared - keys for keys in names]
     assert not any({"parameters", "processes", "loss_curve", "settings"} & keys for keys in names)
 
@@ -390,7 +492,7 @@ def test_ci_preset_end_to_end_through_the_runner(tmp_path, monkeypatch):
     from harness.report import build_report
 
     page = build_report([tmp_path / "results"], tmp_path / "report").read_text()
-    quality = page[page.index("<caption>Quality"):]
+    quality = page[page.index("<caption>Quality") :]
     quality = quality[: quality.index("</table>")]
     assert all(header in quality for header in ("<th>bleu</th>", "<th>sentences/s</th>", "<th>words/s</th>", "<th>peak memory</th>"))
 
@@ -420,14 +522,17 @@ def test_presets_come_from_one_table():
         MTConfig(preset="large")
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--preset", "large"], "error: --preset: expected a preset among ci, cpu, gpu, base, got 'large'"),
-    (["--dataset", "wmt19"], "error: --dataset: expected a data set among multi30k, wmt14, got 'wmt19'"),
-    (["--preset", "cpu", "--steps", "30"], "error: --warmup: the preset's warm-up, 70, must be at most steps = 30"),
-    (["--preset", "ci", "--warmup", "50"], "error: --warmup: must be at most steps = 40, got '50'"),
-    (["--fallback", "nope"], "error: --fallback: unknown variant 'nope'"),
-    (["--vocab-size", "100"], "error: --vocab-size: Input should be greater than or equal to 300, got '100'"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--preset", "large"], "error: --preset: expected a preset among ci, cpu, gpu, base, got 'large'"),
+        (["--dataset", "wmt19"], "error: --dataset: expected a data set among multi30k, wmt14, got 'wmt19'"),
+        (["--preset", "cpu", "--steps", "30"], "error: --warmup: the preset's warm-up, 70, must be at most steps = 30"),
+        (["--preset", "ci", "--warmup", "50"], "error: --warmup: must be at most steps = 40, got '50'"),
+        (["--fallback", "nope"], "error: --fallback: unknown variant 'nope'"),
+        (["--vocab-size", "100"], "error: --vocab-size: Input should be greater than or equal to 300, got '100'"),
+    ],
+)
 def test_bad_options_end_in_one_line_naming_the_option(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_:
         parse(argv)

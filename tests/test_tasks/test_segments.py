@@ -23,8 +23,7 @@ def segment_model(variant: str, seed: int, segment: SegmentConfig | None, **over
     """A float64 two-layer model with weights far from zero, positions for one segment."""
     torch.manual_seed(seed)
     context = segment.positions() if segment else LENGTH
-    config = DecoderConfig(vocab_size=VOCAB, n_layers=2, d_model=16, n_heads=2, d_ff=32, context=context, variant=variant,
-                      segment=segment, **overrides)
+    config = DecoderConfig(vocab_size=VOCAB, n_layers=2, d_model=16, n_heads=2, d_ff=32, context=context, variant=variant, segment=segment, **overrides)
     model = DecoderLM(config).double().eval()
     with torch.no_grad():
         for param in model.parameters():
@@ -174,13 +173,15 @@ TINY = {"n_layers": 1, "d_model": 32, "n_heads": 2, "d_ff": 64}
 
 
 @needs_shared
-@pytest.mark.parametrize("variant, segment", [
-    ("softmax", {"kind": "rmt", "length": 16, "segments": 2, "memory": 2}),
-    ("delta", {"kind": "carry_state", "length": 16, "segments": 3, "bptt": 2}),
-])
+@pytest.mark.parametrize(
+    "variant, segment",
+    [
+        ("softmax", {"kind": "rmt", "length": 16, "segments": 2, "memory": 2}),
+        ("delta", {"kind": "carry_state", "length": 16, "segments": 3, "bptt": 2}),
+    ],
+)
 def test_segment_training_lowers_the_loss(variant, segment):
-    config = LMConfig(steps=30, batch=8, lr=3e-3, warmup=3, dropout=0.0, model_overrides=TINY, eval_tokens=300, log_every=5, threads=1,
-                      segment=segment)
+    config = LMConfig(steps=30, batch=8, lr=3e-3, warmup=3, dropout=0.0, model_overrides=TINY, eval_tokens=300, log_every=5, threads=1, segment=segment)
     metrics = run_lm(variant, {}, config, context=16)
     curve = [loss for _, loss in metrics["losses"]]
     assert curve[-1] < curve[0] - 0.5, curve
@@ -192,9 +193,28 @@ def test_segment_training_lowers_the_loss(variant, segment):
 @needs_shared
 @pytest.mark.slow
 def test_command_line_trains_transformer_xl(tmp_path, capsys):
-    args = ["--variant", "softmax", "--segment", "{kind: xl, length: 16, segments: 2}", "--steps", "30",
-            "--batch", "8", "--lr", "3e-3", "--warmup", "3", "--dropout", "0", "--eval-tokens", "300", "--threads", "1",
-            "--out", str(tmp_path)]
+    args = [
+        "--variant",
+        "softmax",
+        "--segment",
+        "{kind: xl, length: 16, segments: 2}",
+        "--steps",
+        "30",
+        "--batch",
+        "8",
+        "--lr",
+        "3e-3",
+        "--warmup",
+        "3",
+        "--dropout",
+        "0",
+        "--eval-tokens",
+        "300",
+        "--threads",
+        "1",
+        "--out",
+        str(tmp_path),
+    ]
     assert main(args) == 0
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     # logged at steps 25 and 30; an untrained model's loss is about log V = 10.4
@@ -238,8 +258,7 @@ def test_segment_presets_build_their_models(preset):
     for cell in cells:
         segment = SegmentConfig(**dict(cell.task["segment"], length=cell.axes["seq_len"]))
         sizes = dict(cell.task["model_overrides"], context=segment.positions())
-        model = DecoderLM(lm_config(cell.task["preset"], VOCAB, variant=cell.variant, variant_params=cell.params,
-                                    segment=segment, **sizes))
+        model = DecoderLM(lm_config(cell.task["preset"], VOCAB, variant=cell.variant, variant_params=cell.params, segment=segment, **sizes))
         assert (model.memory is not None) == (segment.kind == "rmt"), cell.variant
 
 

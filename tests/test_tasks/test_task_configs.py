@@ -37,4 +37,3 @@ def test_a_task_setting_out_of_bounds_or_of_the_wrong_type_is_refused_in_one_lin
     message = str(caught.value)
     assert expected in message, message
     assert len(message.splitlines()) == 2, "the file, then one line naming the field"
-

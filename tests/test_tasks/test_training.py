@@ -91,8 +91,13 @@ def test_config_errors_name_the_field():
 def run(seed, steps, checkpoint_dir=None, checkpoint_every=None, evaluate=None):
     model = make_model(seed, dropout=0.3)
     config = TrainConfig(
-        steps=steps, lr=0.02, warmup=3, log_every=1, eval_every=4,
-        checkpoint_every=checkpoint_every, checkpoint_dir=checkpoint_dir,
+        steps=steps,
+        lr=0.02,
+        warmup=3,
+        log_every=1,
+        eval_every=4,
+        checkpoint_every=checkpoint_every,
+        checkpoint_dir=checkpoint_dir,
     )
     return model, train(model, mse, RegressionStream(seed), config, evaluate=evaluate, progress=False)
 
@@ -114,8 +119,7 @@ def test_resume_reproduces_the_uninterrupted_run(seed, tmp_path):
         return mse(m, batch)
 
     model = make_model(seed, dropout=0.3)
-    config = TrainConfig(steps=16, lr=0.02, warmup=3, log_every=1, eval_every=4, checkpoint_every=5,
-                         checkpoint_dir=str(tmp_path))
+    config = TrainConfig(steps=16, lr=0.02, warmup=3, log_every=1, eval_every=4, checkpoint_every=5, checkpoint_dir=str(tmp_path))
     with pytest.raises(Interrupt):
         train(model, interrupted_loss, RegressionStream(seed), config, evaluate=evaluate, progress=False)
     assert latest_checkpoint(tmp_path).name == "step-000000010.pt"
@@ -142,15 +146,13 @@ STEPS = 5
 
 
 def _ddp_worker(rank: int, world_size: int, port: int, seed: int, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_RANK=str(rank))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     dist = Distributed.from_env("cpu")
     model = make_model(seed, 0.0)
     config = TrainConfig(steps=STEPS, lr=0.05, warmup=1, log_every=1)
     result = train(model, mse, RegressionStream(seed, rank, world_size), config, dist=dist, progress=False)
-    torch.save({"params": [p.detach() for p in model.parameters()], "losses": result.losses, "units": result.units},
-               os.path.join(out_dir, f"rank{rank}.pt"))
+    torch.save({"params": [p.detach() for p in model.parameters()], "losses": result.losses, "units": result.units}, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.close()
 
 

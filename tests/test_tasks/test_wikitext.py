@@ -16,9 +16,7 @@ from harness.tasks.download import DataError, dataset_dir
 from harness.tasks.wikitext import EOS, UNK, build_vocab, load_wikitext, read_words
 
 SHARED = download.SHARED_DATA / "wikitext-2"
-needs_shared = pytest.mark.skipif(
-    not (SHARED / "wiki.train.tokens").is_file(), reason=f"the shared WikiText-2 is not at {SHARED}"
-)
+needs_shared = pytest.mark.skipif(not (SHARED / "wiki.train.tokens").is_file(), reason=f"the shared WikiText-2 is not at {SHARED}")
 
 
 @pytest.fixture(autouse=True)
@@ -43,7 +41,9 @@ def test_shared_wikitext2_counts():
     assert corpus.directory == SHARED.resolve()
     assert corpus.vocab_size == 33_278
     assert {split: len(tokens) for split, tokens in corpus.splits.items()} == {
-        "train": 2_088_628, "valid": 217_646, "test": 245_569,
+        "train": 2_088_628,
+        "valid": 217_646,
+        "test": 245_569,
     }
     assert UNK in corpus.vocab and EOS in corpus.vocab
     eos = corpus.vocab.index(EOS)

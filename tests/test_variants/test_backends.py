@@ -73,6 +73,7 @@ def test_triton_backend_refusals():
 
 # --- softmax's SDPA kernel: pinned by the backend option sdpa, recorded per cell ---------------------
 
+
 class _OpLog(TorchDispatchMode):
     """The ATen ops that run within the block, by name (``_scaled_dot_product_flash_attention_for_cpu.default``, ...)."""
 

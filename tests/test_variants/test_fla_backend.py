@@ -224,6 +224,7 @@ def test_a_scenario_skips_the_cells_fla_does_not_compute(tmp_path):
 
 # --- the chunk size fla runs, and its layout --------------------------------------------------------
 
+
 @needs_fla
 @pytest.mark.parametrize(
     ("name", "params", "message"),
@@ -347,7 +348,7 @@ def test_a_parallel_call_copies_none_of_its_inputs(monkeypatch, config, module, 
     with _Copies() as log:
         core(**inputs)
     assert log.copies == [], f"copies inside the timed call: {log.copies}"
-    (tensors, _, options), = stand_in.calls
+    ((tensors, _, options),) = stand_in.calls
     given = dict(zip("qkv", tensors)) | options
     reads = {label: x.transpose(1, 2) if kernel.startswith("parallel") else x for label, x in given.items() if isinstance(x, torch.Tensor)}
     assert all(x.is_contiguous() for x in reads.values()), {label: x.stride() for label, x in reads.items()}
@@ -371,10 +372,10 @@ def test_an_fla_cell_records_its_kernel_chunk_and_versions(tmp_path):
     import fla
     import triton
 
-
     path = tmp_path / "f.yaml"
-    path.write_text("variants: {delta: {chunk_size: 32}}\nbackends: [fla]\naxes: {seq_len: 8, batch: 1, heads: 1, d_key: 4}\n"
-                    "measure: {warmup: 0, repeats: 1}\n")
+    path.write_text(
+        "variants: {delta: {chunk_size: 32}}\nbackends: [fla]\naxes: {seq_len: 8, batch: 1, heads: 1, d_key: 4}\nmeasure: {warmup: 0, repeats: 1}\n"
+    )
     (cell,) = load_scenario(str(path)).cells()
     result = workloads.measure_cell(cell)
     assert result["status"] == "ok", result["error"]
@@ -388,8 +389,9 @@ def test_a_decode_cell_copies_no_input_in_its_prefill_or_steps(tmp_path, monkeyp
     """The decode cell's prompt is laid out for the core and each token's inputs are contiguous, so
     neither the timed prefill nor a timed step copies them (fla's recurrent kernel: a stand-in)."""
     path = tmp_path / "d.yaml"
-    path.write_text(f"variants: {{{name}: {{}}}}\nbackends: [fla]\nmodes: [decode]\ndecode: {{new_tokens: 3}}\n"
-                    "axes: {seq_len: 6, batch: 2, heads: 3, d_key: 4}\n")
+    path.write_text(
+        f"variants: {{{name}: {{}}}}\nbackends: [fla]\nmodes: [decode]\ndecode: {{new_tokens: 3}}\naxes: {{seq_len: 6, batch: 2, heads: 3, d_key: 4}}\n"
+    )
     (cell,) = load_scenario(str(path)).cells()
     core = variants.create(name, 4, backend="fla")
     monkeypatch.setattr(fla_backend._ops("linear_attn" if name == "linear" else "gated_delta_rule"), core.fla_kernels["recurrent"], _RecordingKernel())

@@ -58,8 +58,9 @@ def test_packed_layer_equals_each_sequence_alone(config, seed):
     alone = torch.cat([layer(piece) for piece in pieces], 1)
     torch.testing.assert_close(packed, alone, rtol=1e-10, atol=1e-10, msg=lambda m: f"output (seed {seed}): {m}")
     assert alone.abs().max() > 1e-3
-    for name, got, expected in zip(dict(layer.named_parameters()), torch.autograd.grad((packed * weights).sum(), params),
-                                   torch.autograd.grad((alone * weights).sum(), params)):
+    for name, got, expected in zip(
+        dict(layer.named_parameters()), torch.autograd.grad((packed * weights).sum(), params), torch.autograd.grad((alone * weights).sum(), params)
+    ):
         torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-9, msg=lambda m, name=name: f"d/d{name} (seed {seed}): {m}")
 
 
@@ -104,11 +105,14 @@ def test_grouped_layer_equals_repeated_projections(config, seed):
     assert expected.abs().max() > 1e-3
 
 
-@pytest.mark.parametrize(("name", "heads", "message"), [
-    ("rwkv", {"heads_k": 1}, "no grouped heads"),
-    ("delta", {"heads_k": 1}, "q 2, k 1, v 1"),
-    ("linear", {"heads_v": 4}, "q 2, k 2, v 4"),
-])
+@pytest.mark.parametrize(
+    ("name", "heads", "message"),
+    [
+        ("rwkv", {"heads_k": 1}, "no grouped heads"),
+        ("delta", {"heads_k": 1}, "q 2, k 1, v 1"),
+        ("linear", {"heads_v": 4}, "q 2, k 2, v 4"),
+    ],
+)
 def test_a_grouping_the_core_does_not_take_is_refused_when_built(name, heads, message):
     with pytest.raises(VariantError, match=message):
         variants.AttentionLayer(D_MODEL, 2, name, **heads)

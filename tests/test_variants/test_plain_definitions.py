@@ -49,9 +49,7 @@ def test_normalised_linear_attention_is_katharopoulos(seed):
     q, k, v = _random(seed, 1, 2, 40, 6), _random(seed + 1, 1, 2, 40, 6), _random(seed + 2, 1, 2, 40, 5)
     phi_q, phi_k = torch.nn.functional.elu(q) + 1, torch.nn.functional.elu(k) + 1
     numerator = torch.einsum("bhtd,bhtv->bhtdv", phi_k, v).cumsum(2)
-    expected = torch.einsum("bhtd,bhtdv->bhtv", phi_q, numerator) / (
-        torch.einsum("bhtd,bhtd->bht", phi_q, phi_k.cumsum(2)).unsqueeze(-1) + 1e-6
-    )
+    expected = torch.einsum("bhtd,bhtdv->bhtv", phi_q, numerator) / (torch.einsum("bhtd,bhtd->bht", phi_q, phi_k.cumsum(2)).unsqueeze(-1) + 1e-6)
     torch.testing.assert_close(variants.create("linear", 6, chunk_size=16)(q, k, v), expected, rtol=1e-10, atol=1e-10)
 
 

@@ -95,12 +95,12 @@ STATE_BLOCK = 64
 
 class _Tiles(_common.Tiles):
     """Chunk kernels: [C, ``block_f``] tiles of q, k and [C, ``block_v``] of v and their warps
-    (``_common.tile_plan`` of STATE_BLOCK), 8 warps for dq, dk (``options(wide=True)``: three [C, ·] fp32
-    accumulators); the scan (a) carries one [``block_f``, ``block_v``] state tile a program. ``width`` is an initial or final
-state row (S, then z, fp32); ``state_dtype`` the chunk states' (16-bit inputs' own, the dots' operand dtype, from
-    ``HALF_STATES_FROM`` on; else fp32).
-    Chosen by compiling (docs/performance.md, "Compiled kernels"): at every chunk size these spill nothing at
-    d ≤ 128 in 16-bit on sm_80, sm_90."""
+        (``_common.tile_plan`` of STATE_BLOCK), 8 warps for dq, dk (``options(wide=True)``: three [C, ·] fp32
+        accumulators); the scan (a) carries one [``block_f``, ``block_v``] state tile a program. ``width`` is an initial or final
+    state row (S, then z, fp32); ``state_dtype`` the chunk states' (16-bit inputs' own, the dots' operand dtype, from
+        ``HALF_STATES_FROM`` on; else fp32).
+        Chosen by compiling (docs/performance.md, "Compiled kernels"): at every chunk size these spill nothing at
+        d ≤ 128 in 16-bit on sm_80, sm_90."""
 
     def __init__(self, q: torch.Tensor, v: torch.Tensor, chunk_size: int, normalize: bool, precision: str, packing=None):
         batch, heads, seq_len, d_dot = q.shape

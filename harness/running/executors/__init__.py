@@ -41,8 +41,13 @@ def observe(worker: Worker | None, cell: Cell) -> dict:
 
 def unmeasured(status: str, error: str) -> dict:
     """The observation of a cell no worker measured (skipped, refused, lost with its node)."""
-    return {"result": {"status": status, "error": error, "metrics": {}}, "throttle_before": None, "throttle_after": None,
-            "started_at": utc_now(), "duration_s": 0.0}
+    return {
+        "result": {"status": status, "error": error, "metrics": {}},
+        "throttle_before": None,
+        "throttle_after": None,
+        "started_at": utc_now(),
+        "duration_s": 0.0,
+    }
 
 
 def calibration(worker: Worker, cells: list[Cell], fingerprint: dict) -> dict | None:
@@ -55,8 +60,11 @@ def calibration(worker: Worker, cells: list[Cell], fingerprint: dict) -> dict | 
         return None
     device = main_device(timed)
     request = Calibration(
-        machine_id=fingerprint["machine_id"], dtypes=sorted({cell.axes["dtype"] for cell in timed}), device=device,
-        gpu_name=(fingerprint.get("gpu") or {}).get("name"), sm_clock_mhz=(machine.throttle_state(device) or {}).get("sm_clock_mhz"),
+        machine_id=fingerprint["machine_id"],
+        dtypes=sorted({cell.axes["dtype"] for cell in timed}),
+        device=device,
+        gpu_name=(fingerprint.get("gpu") or {}).get("name"),
+        sm_clock_mhz=(machine.throttle_state(device) or {}).get("sm_clock_mhz"),
         cpus=timed[0].measure.get("cpus"),
     )
     result = worker.calibrate(request, max(start_allowance(cell.measure["timeout_s"]) for cell in timed))

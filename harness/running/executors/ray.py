@@ -144,14 +144,15 @@ class RayExecutor:
                 import torch
 
                 cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-                ray.init(num_cpus=cores, num_gpus=torch.cuda.device_count(), include_dashboard=False, logging_level="WARNING",
-                         _node_ip_address=LOOPBACK)
+                ray.init(num_cpus=cores, num_gpus=torch.cuda.device_count(), include_dashboard=False, logging_level="WARNING", _node_ip_address=LOOPBACK)
             self.connected = True
             if not self.address and (address := ray.util.get_node_ip_address()) != LOOPBACK:
                 self.close()
-                raise RunError(f"the Ray instance started here would listen on {address}, not only on {LOOPBACK} (ray was imported "
-                               f"before attnbench could set {', '.join(f'{k}={v}' for k, v in LOCAL_ONLY.items())}); set it, "
-                               "or start Ray yourself and pass --address")
+                raise RunError(
+                    f"the Ray instance started here would listen on {address}, not only on {LOOPBACK} (ray was imported "
+                    f"before attnbench could set {', '.join(f'{k}={v}' for k, v in LOCAL_ONLY.items())}); set it, "
+                    "or start Ray yourself and pass --address"
+                )
         self.driver = {**fingerprint, "calibration": None}
         self._calibrate([cell for cell in todo if not cell.quality and not cell.skip])
         return []
@@ -180,8 +181,7 @@ class RayExecutor:
             try:
                 probe = self.ray.get(ref)
             except self.ray.exceptions.RayError as exc:
-                print(f"warning: the calibration of a Ray node failed, no roofline fractions for its cells: {_first_line(exc)}",
-                      file=sys.stderr)
+                print(f"warning: the calibration of a Ray node failed, no roofline fractions for its cells: {_first_line(exc)}", file=sys.stderr)
                 continue
             self.calibrations[probe["node_id"]] = probe["calibration"]
 
