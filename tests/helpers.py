@@ -9,6 +9,7 @@ import contextlib
 import io
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -45,6 +46,22 @@ def slow_interpreted(*values, id: str | None = None):
     Natively it carries no mark (``pytest.param`` refuses a ``usefixtures()`` placeholder: the modules
     would not even collect on a GPU)."""
     return pytest.param(*values, id=id, marks=[pytest.mark.slow] if KERNEL_DEVICE == "cpu" else [])
+
+
+@contextlib.contextmanager
+def within(seconds: int):
+    """Fail (instead of hanging the suite) when the body takes longer than ``seconds`` (SIGALRM: main thread only)."""
+
+    def expire(signum, frame):
+        raise TimeoutError(f"took more than {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def make_cell(**fields) -> Cell:

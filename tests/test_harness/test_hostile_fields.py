@@ -6,10 +6,9 @@ expected, exit code 2, within seconds. Each test takes a second or two (no cell 
 from __future__ import annotations
 
 import json
-import signal
-from contextlib import contextmanager
 
 import pytest
+from helpers import within
 
 from harness.cli import main
 from harness.results.compare import CompareError, compare
@@ -22,22 +21,6 @@ CELL = {"kind": "cell", "schema": 2, "run_id": "r", "cell_id": "c", "scenario": 
 ANSWER_S = 20
 
 
-@contextmanager
-def _within(seconds: int = ANSWER_S):
-    """Fail (instead of hanging the suite) when the body takes longer than ``seconds``."""
-
-    def expire(signum, frame):
-        raise TimeoutError(f"took more than {seconds} s")
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
-
-
 def _results(path, run: dict = RUN, cell: dict = CELL):
     path.write_text(json.dumps(run) + "\n" + json.dumps(cell) + "\n")
     return str(path)
@@ -45,7 +28,7 @@ def _results(path, run: dict = RUN, cell: dict = CELL):
 
 def _one_line(capsys, *args: str) -> str:
     """``attnbench ARGS`` in this process: exit code 2 (returned or argparse's), one line on stderr, no blame on attnbench."""
-    with _within():
+    with within(ANSWER_S):
         try:
             code = main(list(args))
         except SystemExit as exc:

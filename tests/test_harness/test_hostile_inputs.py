@@ -6,12 +6,11 @@ from __future__ import annotations
 import json
 import os
 import resource
-import signal
 import subprocess
 import sys
-from contextlib import contextmanager
 
 import pytest
+from helpers import within
 
 from harness.cli import main
 
@@ -21,22 +20,6 @@ LAUGHS = [f"&l{level} [{', '.join(['x'] * 9 if level == 0 else [f'*l{level - 1}'
 BILLION_LAUGHS = "".join(f"l{level}: {laugh}\n" for level, laugh in enumerate(LAUGHS))
 #: Seconds any input may take to be refused.
 ANSWER_S = 20
-
-
-@contextmanager
-def _within(seconds: int = ANSWER_S):
-    """Fail (instead of hanging the suite) when the body takes longer than ``seconds``."""
-
-    def expire(signum, frame):
-        raise TimeoutError(f"took more than {seconds} s")
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 def _write(tmp_path, text: str, name: str = "hostile") -> str:
@@ -51,7 +34,7 @@ def _tiny(extra: str = "", *, variants: str = "softmax: {}", axes: str = "seq_le
 
 def _refused(capsys, *args: str) -> str:
     """Run ``attnbench run ARGS --dry-run`` in this process: exit 2, one error naming the scenario, no blame on attnbench."""
-    with _within():
+    with within(ANSWER_S):
         code = main(["run", *args, "--dry-run"])
     err = capsys.readouterr().err
     assert code == 2, err
@@ -167,7 +150,7 @@ def test_a_preset_that_is_not_a_mapping_is_refused(tmp_path, capsys, presets):
 def test_plugin_import_errors_name_the_plugin_and_line(tmp_path, capsys):
     broken = tmp_path / "broken_plugin.py"
     broken.write_text("x = 1\nraise RuntimeError('no GPU here')\n")
-    with _within():
+    with within(ANSWER_S):
         code = main(["run", _write(tmp_path, _tiny()), "--dry-run", "--plugin", str(broken)])
     err = capsys.readouterr().err
     assert code == 2 and err.startswith("error: ") and "attnbench bug" not in err, err
@@ -179,7 +162,7 @@ def test_a_plugin_named_like_a_module_does_not_replace_it(tmp_path, capsys, stem
     before = sys.modules[stem]
     plugin = tmp_path / f"{stem}.py"
     plugin.write_text("LOADED = True\n")
-    with _within():
+    with within(ANSWER_S):
         assert main(["run", _write(tmp_path, _tiny()), "--dry-run", "--plugin", str(plugin)]) == 0
     assert sys.modules[stem] is before
     assert sys.modules[f"attnbench_plugin_{stem}"].LOADED
