@@ -115,9 +115,7 @@ def _run(args) -> int:
             executor=_executor(args, plugins),
             profile=args.profile,
         )
-        counts = ", ".join(f"{count} {status}" for status, count in sorted(summary.statuses.items())) or "nothing new"
-        done = f", {summary.skipped_as_done} already done" if summary.skipped_as_done else ""
-        print(f"{scenario.name}: {summary.total} cells ({counts}{done}) in {summary.seconds:.1f} s -> {summary.path}")
+        print(f"{scenario.name}: {summary.headline()}")
         print(f"{scenario.name}: {summary.stability()}")
         for line in summary.failure_lines():
             print(f"{scenario.name}: {line}", file=sys.stderr)

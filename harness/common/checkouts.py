@@ -65,6 +65,11 @@ def git(repo, *args: str) -> str:
     return done.stdout.strip()
 
 
+def commit_of(repo, spec: str) -> str:
+    """The full hash of revision ``spec`` of ``repo`` (a tag or branch: the commit it names); RegressError when git does not know it."""
+    return git(repo, "rev-parse", "--verify", f"{spec}^{{commit}}")
+
+
 def repository(path) -> Path:
     """The top directory of the git repository holding ``path``."""
     return Path(git(path, "rev-parse", "--show-toplevel")).resolve()
@@ -123,7 +128,7 @@ def worktree(repo: Path, spec: str | None, side: str, scratch: Path) -> Iterator
     """Revision ``spec`` (None: the working tree) in a temporary worktree ``scratch/side``, removed on
     exit, also after an error or Ctrl-C."""
     root = scratch / side
-    commit = git(repo, "rev-parse", "--verify", f"{spec or 'HEAD'}^{{commit}}")
+    commit = commit_of(repo, spec or "HEAD")
     git(repo, "worktree", "add", "--detach", str(root), commit)
     try:
         dirty = _copy_working_tree(repo, root) if spec is None else 0

@@ -12,7 +12,7 @@ import pandas as pd
 
 from ..common.files import write_atomic
 from ..common.formatting import present
-from ..results.compare import ratio_ci
+from ..results.compare import ratio_ci, timing_mark
 from .series import NO_COMMIT, History
 from .steps import find_steps
 
@@ -101,11 +101,9 @@ def alarming(steps: list[Step], factor: float) -> list[Step]:
 
 
 def mark(step: Step, factor: float) -> str:
-    """The report's row mark of a step: worse (slower beyond ``factor``, the interval above 1), better
-    (faster beyond it, the interval below 1), else none."""
-    if step.ratio > factor and step.ci_low > 1:
-        return "worse"
-    return "better" if step.ratio < 1 / factor and step.ci_high < 1 else ""
+    """The report's row mark of a step: compare's verdict (``timing_mark``) where it is worse or better, else none."""
+    verdict = timing_mark(step.ratio, step.ci_low, step.ci_high, factor)
+    return verdict if verdict in ("worse", "better") else ""
 
 
 def write_csv(steps: list[Step], path) -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from ..common.checkouts import RegressError, git
+from ..common.checkouts import RegressError, commit_of, git
 from ..common.formatting import present
 from ..report.cells import machine_names
 from ..report.header import runs_of
@@ -55,7 +55,7 @@ def first_parent(repo) -> list[str]:
 def resolve(repo, revision: str) -> str:
     """The full hash of ``revision`` in ``repo``; HistoryError when git does not know it."""
     try:
-        return git(repo, "rev-parse", "--verify", "--quiet", f"{revision}^{{commit}}")
+        return commit_of(repo, revision)
     except RegressError:
         raise HistoryError(f"--since: {revision!r} is not a revision of the repository at {repo}") from None
 

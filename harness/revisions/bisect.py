@@ -21,7 +21,7 @@ import datetime as dt
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..common.checkouts import RegressError, git, repository
+from ..common.checkouts import RegressError, commit_of, git, repository
 from ..common.formatting import format_ratio, present
 from ..results import load
 from ..results.compare import UNDECIDED, UNSTABLE
@@ -108,7 +108,7 @@ def describe_row(row: dict) -> str:
 def candidates(repo: Path, good: str, bad: str) -> list[tuple[str, str]]:
     """(commit, subject) of GOOD..BAD's first-parent commits (``git log --first-parent --reverse``), BAD last; a
     RegressError when GOOD is not an ancestor of BAD or nothing lies between them."""
-    good_commit, bad_commit = (git(repo, "rev-parse", "--verify", f"{spec}^{{commit}}") for spec in (good, bad))
+    good_commit, bad_commit = commit_of(repo, good), commit_of(repo, bad)
     if good_commit == bad_commit or git(repo, "merge-base", good_commit, bad_commit) != good_commit:
         raise RegressError(f"--good {good} ({good_commit[:10]}) must be an ancestor of --bad {bad} ({bad_commit[:10]})")
     lines = git(repo, "log", "--first-parent", "--reverse", "--format=%H %s", f"{good_commit}..{bad_commit}").splitlines()

@@ -157,8 +157,7 @@ def _measure(repo, loaded, commits, done, out_dir, here, scratch, *, force, plug
 def _line(run: CommitRun) -> str:
     if run.outcome == "cannot run":
         return f"{run.commit[:10]}: cannot run the scenario ({run.reason}) -> {run.path}"
-    counts = ", ".join(f"{count} {status}" for status, count in sorted(run.summary.statuses.items()))
-    return f"{run.commit[:10]}: {run.summary.total} cells ({counts}) in {run.summary.seconds:.1f} s -> {run.path}"
+    return f"{run.commit[:10]}: {run.summary.headline()}"
 
 
 def exit_code(finished: list[CommitRun]) -> int:

@@ -76,6 +76,12 @@ class RunSummary:
             self.load_wall_s += load["wall_s"]
             self.cores = load["cores"]
 
+    def headline(self) -> str:
+        """ "36 cells (34 ok, 2 oom, 4 already done) in 81.2 s -> results/x.jsonl": what ``attnbench run`` says of a run."""
+        counts = ", ".join(f"{count} {status}" for status, count in sorted(self.statuses.items())) or "nothing new"
+        done = f", {self.skipped_as_done} already done" if self.skipped_as_done else ""
+        return f"{self.total} cells ({counts}{done}) in {self.seconds:.1f} s -> {self.path}"
+
     def stability(self, names: int = 5) -> str:
         """ "3 of 36 timed cells unstable (...); other processes used 1.7 of 2 cores during the run"."""
         listed = "; ".join(self.unstable[:names]) + (f"; and {len(self.unstable) - names} more" if len(self.unstable) > names else "")
