@@ -59,6 +59,11 @@ def percent(value) -> str:
     return "-" if not present(value) else f"±{100 * value:.2g}%"
 
 
+def counted(count: int, noun: str, plural: str | None = None) -> str:
+    """``1 step``, ``2 steps``, ``0 series`` (``plural``: the noun's plural where it is not noun + s)."""
+    return f"{count} {noun if count == 1 else plural or noun + 's'}"
+
+
 def fraction(value) -> str:
     """A fraction of a limit: ``0.031``; ``-`` for a missing value."""
     return "-" if not present(value) else f"{value:.3g}"

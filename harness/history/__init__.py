@@ -1,8 +1,9 @@
 """Performance over time: every commit, every machine, steps found (``attnbench history``, docs/history.md).
 
 ``series`` orders the points of results files by commit, ``steps`` finds where a series changes level,
-``changes`` makes each a step with its ratio, interval and commands, ``page`` draws the page in the
-report's style. It reads results files only; measuring a range of commits is ``revisions.commits``.
+``changes`` makes each a step with its ratio, interval and commands, ``limits`` says what the steps cannot
+tell (series too short for a step, unstable series), ``page`` draws the page in the report's style. It
+reads results files only; measuring a range of commits is ``revisions.commits``.
 May import: common, report, results."""
 
 from __future__ import annotations
@@ -10,7 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..common.formatting import counted
 from .changes import EXIT_BAD_INPUT, EXIT_OK, EXIT_SLOWER, Step, alarming, find
+from .limits import Limits, examine
 from .page import write_page
 from .series import HistoryError, build, is_ancestor, resolve
 
@@ -22,6 +25,7 @@ class HistoryResult:
     index: Path
     steps: list[Step]
     alarming: list[Step]
+    limits: Limits
     notes: list[str]
 
     @property
@@ -29,14 +33,18 @@ class HistoryResult:
         return EXIT_SLOWER if self.alarming else EXIT_OK
 
     def lines(self, factor: float) -> list[str]:
-        """What ``attnbench history`` prints: the count of steps, then each slower one beyond ``factor``."""
+        """What ``attnbench history`` prints: the count of steps, what they cannot tell (``Limits.lines``), then each slower step beyond ``factor``."""
         faster = sum(step.direction == "faster" for step in self.steps)
-        found = [f"history: {len(self.steps)} steps ({len(self.alarming)} slower by more than {factor}, {faster} faster) -> {self.index}"]
-        return found + [
-            f"slower: {step.machine} {step.scenario} {step.variant}[{step.backend}] {step.mode} {step.cell}: x{step.ratio:.3f} "
-            f"[{step.ci_low:.3f}, {step.ci_high:.3f}] from {step.good_commit[:10]} to {step.bad_commit[:10]}"
-            for step in self.alarming
-        ]
+        found = [f"history: {counted(len(self.steps), 'step')} ({len(self.alarming)} slower by more than {factor}, {faster} faster) -> {self.index}"]
+        return (
+            found
+            + self.limits.lines()
+            + [
+                f"slower: {step.machine} {step.scenario} {step.variant}[{step.backend}] {step.mode} {step.cell}: x{step.ratio:.3f} "
+                f"[{step.ci_low:.3f}, {step.ci_high:.3f}] from {step.good_commit[:10]} to {step.bad_commit[:10]}"
+                for step in self.alarming
+            ]
+        )
 
 
 def history(paths, out_dir, *, repo=".", factor: float = 1.1, since: str | None = None, alpha: float = 0.05) -> HistoryResult:
@@ -48,5 +56,6 @@ def history(paths, out_dir, *, repo=".", factor: float = 1.1, since: str | None 
     if since is not None:
         base = resolve(repo, since)
         slower = [step for step in slower if not is_ancestor(repo, step.bad_commit, base)]
-    index = write_page(built, steps, out_dir, factor=factor, alarming=slower, since=since)
-    return HistoryResult(index, steps, slower, built.notes)
+    limits = examine(built, steps, factor)
+    index = write_page(built, steps, limits, out_dir, factor=factor, alarming=slower, since=since)
+    return HistoryResult(index, steps, slower, limits, built.notes)

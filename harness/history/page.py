@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import datetime as dt
 import re
+import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,6 +15,7 @@ import matplotlib
 import numpy as np
 import pandas as pd
 import seaborn as sns
+from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.ticker import FixedLocator, MaxNLocator
 
@@ -23,12 +25,17 @@ from ..report import render
 from ..report.figures import PLAIN_TEXT, Figures, Plot, Table, new_figure, table
 from ..report.plots import UNSTABLE_MARK
 from .changes import Step, cell_text, mark, write_csv
+from .limits import Limits, Unstable
 from .series import NO_COMMIT, History
 
 #: Colours of the steps' marks.
 STEP_COLOURS = {"slower": "#c0392b", "faster": "#1e8449"}
 #: Tick labels along the commit axis, at most.
 TICKS = 12
+#: A panel title's characters a line, at most: a wrapped title stays above its own panel (new_figure's 4.6 inches).
+TITLE_CHARS = 48
+#: The colour of a panel's title when a series in it is unstable.
+WARNING_COLOUR = "#b9770e"
 
 
 @dataclass
@@ -40,6 +47,7 @@ class Group:
     plot: Plot
     points: Table
     steps: int
+    unstable: int
 
 
 def short(commit: str) -> str:
@@ -49,6 +57,17 @@ def short(commit: str) -> str:
 
 def _panel_title(cell) -> str:
     return f"{cell['backend']} {cell['mode']} {cell_text(cell)}"
+
+
+def panel_title(cell, unstable: list[Unstable], short: bool) -> str:
+    """A panel's title wrapped to ``TITLE_CHARS`` a line, then what its series cannot tell: which machines' are
+    unstable, whether one is too short for a step."""
+    lines = textwrap.wrap(_panel_title(cell).replace(",", ", "), TITLE_CHARS, break_on_hyphens=False)
+    if unstable:
+        lines += textwrap.wrap("unstable series: " + "; ".join(u.series.machine for u in unstable), TITLE_CHARS)
+    if short:
+        lines.append("too few points for a step")
+    return "\n".join(lines)
 
 
 def _draw_panel(ax, cell: pd.DataFrame, steps: list[Step], commits: pd.DataFrame, colours: dict) -> None:
@@ -71,22 +90,30 @@ def _draw_panel(ax, cell: pd.DataFrame, steps: list[Step], commits: pd.DataFrame
     ax.set(ylabel="median time (s)")
 
 
-def _group_plot(scenario: str, variant: str, points: pd.DataFrame, steps: list[Step], history: History, figures: Figures) -> Plot:
+def group_figure(scenario: str, variant: str, points: pd.DataFrame, steps: list[Step], limits: Limits, history: History, colours: dict) -> Figure:
+    """The figure of one scenario and variant: a panel per cell (``_draw_panel``), titled by ``panel_title``, the legend outside the panels."""
     cells = list(points.groupby(["backend", "mode", "target", "params_text", "axes_text"], sort=True))
     figure, axes = new_figure(len(cells))
     for ax, (_, cell) in zip(axes, cells):
         record = cell.iloc[0]
-        title = _panel_title(record)
-        own = [s for s in steps if (s.backend, s.mode, s.cell) == (record["backend"], record["mode"], cell_text(record))]
-        _draw_panel(ax, cell, own, history.commits, figures.colours)
-        ax.set_title(title, fontsize="small", wrap=True)
-    handles = [Line2D([], [], color=figures.colours[m], marker="o", label=m) for m in sorted(points["machine"].unique())]
+        where = (scenario, variant, record["backend"], record["mode"], cell_text(record))
+        own = [s for s in steps if (s.scenario, s.variant, s.backend, s.mode, s.cell) == where]
+        unstable = [u for u in limits.unstable if u.series.where == where]
+        short = not limits.blind() and any(series.where == where for series in limits.short)
+        _draw_panel(ax, cell, own, history.commits, colours)
+        ax.set_title(panel_title(record, unstable, short), fontsize="small", color=WARNING_COLOUR if unstable else "black")
+    handles = [Line2D([], [], color=colours[m], marker="o", label=m) for m in sorted(points["machine"].unique())]
     handles += [Line2D([], [], color=colour, linestyle="--", label=f"step: {direction}") for direction, colour in STEP_COLOURS.items()]
     figure.legend(handles=handles, loc="outside right upper", fontsize="small")
+    return figure
+
+
+def _group_plot(scenario: str, variant: str, points: pd.DataFrame, steps: list[Step], limits: Limits, history: History, figures: Figures) -> Plot:
+    figure = group_figure(scenario, variant, points, steps, limits, history, figures.colours)
     name = re.sub(r"[^A-Za-z0-9_.-]+", "-", f"history-{scenario}-{variant}").strip("-")
     caption = (
         f"{scenario} / {variant}: median time per commit (oldest left), one line per machine, error bars the median's 95 % interval, "
-        "a ring an unstable point; a dashed line a step (red slower, green faster)."
+        "a ring an unstable point; a dashed line a step (red slower, green faster); an amber title an unstable series."
     )
     return figures.save(figure, name, f"{scenario} / {variant}", caption)
 
@@ -133,7 +160,26 @@ def steps_table(steps: list[Step], factor: float) -> Table:
     return table("Steps found", frame, columns, f"Red: slower by more than --factor {factor}, its interval above 1; green: faster by as much.", classes="mark")
 
 
-def write_page(history: History, steps: list[Step], out_dir, *, factor: float, alarming: list[Step], since: str | None = None) -> Path:
+def unstable_table(unstable: list[Unstable], factor: float) -> Table:
+    frame = pd.DataFrame([{**u.series.__dict__, "off": f"{u.off} of {u.series.points}", "commit": short(u.commit), "ratio": u.ratio, "rel_ci": u.rel_ci}
+                          for u in unstable])  # fmt: skip
+    columns = [
+        ("machine", "machine", text),
+        ("scenario", "scenario", text),
+        ("variant", "variant", text),
+        ("backend", "backend", text),
+        ("mode", "mode", text),
+        ("cell", "cell", text),
+        ("points off their level", "off", text),
+        ("furthest at", "commit", text),
+        ("its median / level", "ratio", format_ratio),
+        ("its interval", "rel_ci", percent),
+    ]
+    caption = f"Points off their level (the steps' fit) by more than x{factor} and beyond their own 95 % interval, no step between: docs/history.md."
+    return table("Unstable series", frame, columns, caption)
+
+
+def write_page(history: History, steps: list[Step], limits: Limits, out_dir, *, factor: float, alarming: list[Step], since: str | None = None) -> Path:
     """Write ``out_dir/index.html``, ``steps.csv`` and ``plots/*.png``; return index.html's path."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -144,8 +190,9 @@ def write_page(history: History, steps: list[Step], out_dir, *, factor: float, a
     with matplotlib.rc_context(PLAIN_TEXT):
         for (scenario, variant), points in history.points.groupby(["scenario", "variant"], sort=True):
             own = [s for s in steps if s.scenario == scenario and s.variant == variant]
-            plot = _group_plot(scenario, variant, points, own, history, figures)
-            groups.append(Group(scenario, variant, plot, _points_table(points), len(own)))
+            plot = _group_plot(scenario, variant, points, own, limits, history, figures)
+            unstable = sum(u.series.where[:2] == (scenario, variant) for u in limits.unstable)
+            groups.append(Group(scenario, variant, plot, _points_table(points), len(own), unstable))
     page = render(
         "history.html.j2",
         title="attnbench history: " + ", ".join(sorted(history.points["scenario"].unique())),
@@ -157,6 +204,10 @@ def write_page(history: History, steps: list[Step], out_dir, *, factor: float, a
         factor=factor,
         since=since,
         steps=steps_table(steps, factor) if steps else None,
+        too_few=limits.too_few(),
+        blind=limits.blind(),
+        some_short=bool(limits.short),
+        unstable=unstable_table(limits.unstable, factor) if limits.unstable else None,
         alarming=len(alarming),
         groups=groups,
     )

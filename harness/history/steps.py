@@ -24,6 +24,8 @@ import numpy as np
 FLOOR = 0.01
 #: The least points of a level: a single point away from its neighbours is an outlier, not a step.
 MIN_SIZE = 2
+#: The fewest points of a series in which a step can be found: a level on each side of it.
+MIN_POINTS = 2 * MIN_SIZE
 #: The penalty of one step, in units of log(n): BIC's log(n) for each of a step's two parameters (its place and its level),
 #: and a margin for the scatter being estimated from the series itself (the rates it gives: docs/history.md).
 PENALTY_PER_LOG_N = 2.5
