@@ -14,7 +14,7 @@ import numpy as np
 import pandas as pd
 
 from ..common.checkouts import RegressError, commit_of, git
-from ..common.formatting import present
+from ..common.formatting import counted, present
 from ..report.cells import machine_names
 from ..report.header import runs_of
 from ..results import load
@@ -113,14 +113,15 @@ def build(paths, repo=None) -> History:
     commits = order_commits(points.groupby("commit")["started_at"].min(), known)
     outside = commits[~commits["in_repo"]]
     if len(outside) and known:
-        no_commit = int(outside["commit"].str.startswith(NO_COMMIT).sum())
+        no_commit, one = int(outside["commit"].str.startswith(NO_COMMIT).sum()), len(outside) == 1
         notes.append(
-            f"{len(outside)} of {len(commits)} commits are not on the first-parent history of {Path(repo).resolve()}"
-            + (f" ({no_commit} runs with commit null)" if no_commit else "")
-            + ": they are placed by their runs' start time"
+            f"{len(outside)} of {counted(len(commits), 'commit')} {'is' if one else 'are'} not on the first-parent history of {Path(repo).resolve()}"
+            + (f" ({counted(no_commit, 'run')} with commit null)" if no_commit else "")
+            + f": {'it is' if one else 'they are'} placed by {'its' if one else 'their'} runs' start time"
         )
     elif no_repo_runs := int(commits["commit"].str.startswith(NO_COMMIT).sum()):
-        notes.append(f"{no_repo_runs} runs have no commit (commit null): each is a point of its own, placed by its start time")
+        have = f"{counted(no_repo_runs, 'run')} {'has' if no_repo_runs == 1 else 'have'} no commit (commit null)"
+        notes.append(f"{have}: each is a point of its own, placed by its start time")
     position = {commit: index for index, commit in enumerate(commits["commit"])}
     points = points.assign(
         position=points["commit"].map(position),

@@ -151,3 +151,6 @@ def test_counts_are_written_in_agreeing_words(repo, tmp_path):
     )
     result, page = run(results, tmp_path / "page", path)
     assert result.lines(1.1)[0].startswith("history: 1 step (1 slower") and "1 step found" in page and "(1 step)" in page
+    elsewhere = write_history(tmp_path / "elsewhere", [*commits[:4], "f" * 40], lambda *_: 1.0, machines={"box-a": "a" * 16})
+    (note,) = history([elsewhere], tmp_path / "page", repo=path).notes
+    assert note.startswith("1 of 5 commits is not on the first-parent history") and note.endswith(": it is placed by its runs' start time"), note
