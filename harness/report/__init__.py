@@ -6,9 +6,10 @@ is embedded as a PNG data URI), ``out_dir/cells.csv`` (one row per cell) and eve
 PNG file under ``out_dir/plots/``. It reads results files only (``harness.results``), never
 the runner or a scenario file, so a report can be made on a laptop from files measured on a
 cluster. The page is put together here from ``cells`` (what the report makes of each cell),
-``plots``, ``tables`` and ``header`` (machines and runs). How to read it is in docs/reports.md.
+``summary`` (which is fastest, at the page's top), ``plots``, ``tables`` and ``header`` (machines
+and runs). How to read it is in docs/reports.md.
 
-The report group owns this page, its sections (``cells``, ``header``, ``plots``, ``tables``),
+The report group owns this page, its sections (``cells``, ``summary``, ``header``, ``plots``, ``tables``),
 what every plot and table is made of (``figures``), quality over seeds (``seeds``), the quality–speed
 frontier (``frontier``); its template is harness/templates/report.html.j2. May import: common,
 results, scenarios (the axes table), tasks (the registry).
@@ -36,6 +37,7 @@ from .frontier import cell_flags, frontier_plot
 from .header import machine_sections, runs_of
 from .plots import METRICS, accuracy_plot, latency_plot, metric_plot
 from .seeds import seed_table
+from .summary import summary_tables
 from .tables import (
     backend_table,
     compare_table,
@@ -153,6 +155,8 @@ def build_report(paths, out_dir, *, title: str | None = None, compare_base: Comp
         title=title or "attnbench report: " + ", ".join(section.name for section in scenarios),
         generated=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         files=list(frame["file"].unique()),
+        summary=summary_tables(cells),
+        several_machines=cells["machine"].nunique() > 1,
         machines=machine_sections(cells, runs),
         scenarios=scenarios,
         side_by_side=ratio_tables(machine_ratios(cells)),
