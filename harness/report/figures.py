@@ -12,17 +12,22 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import seaborn as sns
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
+from matplotlib.ticker import LogFormatterSciNotation
 
 from ..common.files import own_directory, write_atomic
 
 #: Matplotlib settings under which a report's plots are made: every label, title, legend and tick is
-#: plain text (a results file's ``a$b$c`` is not parsed as mathtext, which fails the whole figure).
+#: plain text (a results file's ``a$b$c`` is not parsed as mathtext, which fails the whole figure);
+#: ``Figures.save`` gives log axes ``PlainLogFormatter``, as their own tick labels are mathtext.
 PLAIN_TEXT = {"text.parse_math": False}
+#: A mathtext exponent's characters as unicode superscripts.
+SUPERSCRIPTS = str.maketrans("0123456789-", "⁰¹²³⁴⁵⁶⁷⁸⁹⁻")
 #: How a failed cell is drawn: an x, in its line's colour.
 FAILURE_MARK = {"marker": "x", "markersize": 9, "markeredgewidth": 2, "linestyle": "none"}
 
@@ -34,6 +39,33 @@ def natural(label):
 
 def natural_columns(column: pd.Series) -> pd.Series:
     return column.map(natural)
+
+
+class PlainLogFormatter(LogFormatterSciNotation):
+    """The tick labels of matplotlib's log axes (which ticks, which of them labelled) as plain text:
+    10⁻², 4×10⁻² where matplotlib writes ``$\\mathdefault{4\\times10^{-2}}$``."""
+
+    def __call__(self, x, pos=None):
+        label = re.sub(r"^\$\\mathdefault\{(.*)\}\$$", r"\1", super().__call__(x, pos))
+        label = re.sub(r"\^\{(.*?)\}", lambda power: power.group(1).translate(SUPERSCRIPTS), label)
+        return self.fix_minus(label.replace(r"\times", "×"))
+
+
+def plain_log_ticks(figure: Figure) -> None:
+    """Put ``PlainLogFormatter`` in the place of the mathtext formatter that a log scale gives each axis of ``figure``."""
+    for axis in (axis for ax in figure.axes for axis in (ax.xaxis, ax.yaxis)):
+        for formatter, use in ((axis.get_major_formatter(), axis.set_major_formatter), (axis.get_minor_formatter(), axis.set_minor_formatter)):
+            if type(formatter) is LogFormatterSciNotation:
+                use(PlainLogFormatter(axis.get_transform().base, formatter.labelOnlyBase, formatter.minor_thresholds))
+
+
+def decades(values, margin: float = 0.1) -> tuple[float, float]:
+    """Limits of a log axis (base 10) that hold ``values``, ``margin`` decades clear of its ends, and the decades
+    on either side of them: matplotlib then labels decades only, no more of them than fit side by side
+    (``LogLocator``), where a narrower axis labels 2×, 3×, 4× ... of a decade on top of each other."""
+    exponents = np.log10(np.asarray(values, dtype=float))
+    low, high = np.floor(exponents.min()), np.ceil(exponents.max())
+    return 10.0 ** min(low, exponents.min() - margin), 10.0 ** max(high + (high == low), exponents.max() + margin)
 
 
 @dataclass
@@ -70,7 +102,8 @@ class Figures:
     styles: dict[str, str]
 
     def save(self, figure: Figure, name: str, title: str, caption: str) -> Plot:
-        """Write ``figure`` to plots/NAME.png and return it with its data URI."""
+        """Write ``figure`` to plots/NAME.png (its log axes labelled in plain text) and return it with its data URI."""
+        plain_log_ticks(figure)
         buffer = io.BytesIO()
         FigureCanvasAgg(figure).print_png(buffer)
         data = buffer.getvalue()

@@ -13,7 +13,7 @@ import numpy as np
 import pandas as pd
 
 from ..tasks import Score
-from .figures import Figures, Plot, natural, new_figure
+from .figures import Figures, Plot, decades, natural, new_figure
 from .seeds import axes_without_seed, over_seeds
 
 PANEL = ["machine_key", "machine", "scenario", "mode", "target", "axes_rest"]
@@ -100,12 +100,12 @@ def frontier_plot(cells: pd.DataFrame, score: Score, figures: Figures, name: str
 
 
 def _speed_axis(ax, speeds) -> None:
-    """A log axis where the speeds span more than WIDE_SPAN; a linear one with a few plain ticks
-    where they lie close together (a log axis then labels every minor tick on top of the next)."""
+    """A log axis that labels decades only (``decades``) where the speeds span more than WIDE_SPAN; a linear one
+    with a few plain ticks where they lie close together (a log axis then labels every minor tick on top of the next)."""
     from matplotlib.ticker import EngFormatter, MaxNLocator
 
     if speeds.max() > WIDE_SPAN * speeds.min():
-        ax.set_xscale("log")
+        ax.set(xscale="log", xlim=decades(speeds))
         return
     ax.xaxis.set_major_locator(MaxNLocator(4))
     ax.xaxis.set_major_formatter(EngFormatter(places=1))

@@ -13,7 +13,7 @@ from matplotlib.ticker import MaxNLocator, NullLocator
 from ..common.formatting import MIB, present
 from ..results import FAILED
 from .cells import TIMED_MODES
-from .figures import FAILURE_MARK, Figures, Plot, natural_columns, new_figure
+from .figures import FAILURE_MARK, Figures, Plot, decades, natural_columns, new_figure
 
 #: How an unstable cell's point is drawn on top of its line: an open ring around it.
 UNSTABLE_MARK = {"marker": "o", "markersize": 11, "markerfacecolor": "none", "markeredgewidth": 1.5, "linestyle": "none"}
@@ -190,7 +190,8 @@ DTYPE_MARKERS = {"float32": "o", "bfloat16": "s", "float16": "^", "float64": "D"
 def accuracy_plot(cells: pd.DataFrame, figures: Figures, name: str) -> Plot | None:
     """Tokens/s against the relative error from the float64 reference (``metrics.rel_error``), one
     point per timed cell, one panel per mode: a form that is fast because it is wrong sits to the
-    right. Colour: the line label (variant and backend); marker: the dtype; dashed: each dtype's tolerance."""
+    right. Colour: the line label (variant and backend); marker: the dtype; dashed: each dtype's tolerance.
+    The error axis reaches a decade on either side of its points (``decades``): it labels decades only, none overlapping."""
     if "metrics.rel_error" not in cells:
         return None
     timed = cells[cells["mode"].isin(TIMED_MODES) & (cells["status"] == "ok")]
@@ -211,9 +212,11 @@ def accuracy_plot(cells: pd.DataFrame, figures: Figures, name: str) -> Plot | No
                 markersize=6,
                 alpha=0.8,
             )
-        for tolerance in own["metrics.rel_error_tolerance"].dropna().unique():
+        tolerances = own["metrics.rel_error_tolerance"].dropna().unique()
+        for tolerance in tolerances:
             ax.axvline(tolerance, color="grey", linestyle="--", linewidth=1)
-        ax.set(title=mode, xscale="log", yscale="log", xlabel="relative error from float64", ylabel="tokens / s")
+        errors = decades([*own["metrics.rel_error"], *tolerances])
+        ax.set(title=mode, xscale="log", yscale="log", xlim=errors, xlabel="relative error from float64", ylabel="tokens / s")
     figures.legend(figure, timed, False)
     markers = ", ".join(f"{marker} {dtype}" for dtype, marker in DTYPE_MARKERS.items() if dtype in set(timed["axes.dtype"]))
     title = "Speed against accuracy"
