@@ -118,7 +118,7 @@ def test_groups_never_mix_dtypes_and_each_says_what_it_holds_fixed(tmp_path):
     bf16 = {"dtype": "bfloat16"}
     records = [cell("softmax", 128, 0.002), cell("linear", 128, 0.003), cell("softmax", 128, 0.001, axes=bf16), cell("linear", 128, 0.0005, axes=bf16)]
     tables = {table.title: table for table in summary_tables(prepare(load(write(tmp_path / "r.jsonl", records))))}
-    assert list(tables) == ["s: forward · bfloat16", "s: forward · float32"]
+    assert list(tables) == ["s: forward · float32", "s: forward · bfloat16"]  # in the order measured
     for dtype, fastest in (("float32", "softmax: 2 ms"), ("bfloat16", "linear: 500 µs")):
         own = tables[f"s: forward · {dtype}"]
         assert own.rows[0] == ["fastest", fastest] and own.caption == f"Held fixed: B=2 H=4 Dv=32 {dtype} cpu; timing: events.", own
@@ -154,8 +154,8 @@ def test_each_machine_is_summarised_on_its_own(tmp_path):
 
 
 def quality_cell(task: str, variant: str, seed: int, value: float | None, status: str = "ok", words_per_s: float = 1000.0) -> dict:
-    """A quality cell of ``task`` at T=64 whose headline metric (MQAR: accuracy, copy: loss) is ``value``."""
-    metric = {"mqar": "accuracy", "copy": "loss"}[task]
+    """A quality cell of ``task`` at T=64 whose headline metric (MQAR: accuracy, copy: loss, MT: BLEU) is ``value``."""
+    metric = {"mqar": "accuracy", "copy": "loss", "mt": "bleu"}[task]
     return {
         **cell(variant, 64, None, status=status),
         "cell_id": f"{variant}-{seed}",
@@ -184,9 +184,12 @@ def test_quality_cells_name_the_best_by_the_tasks_headline_metric_over_seeds(tmp
     }
 
 
-def test_a_metric_where_lower_is_better_names_the_lowest(tmp_path):
-    records = [quality_cell("copy", "softmax", 0, 0.5), quality_cell("copy", "linear", 0, 0.2), quality_cell("copy", "delta", 0, 0.3)]
-    assert summarise(tmp_path, records)["s: quality"]["best"] == {"seq_len=64": "linear: loss 0.2"}
+@pytest.mark.parametrize(("task", "best"), [("copy", {"seq_len=64": "linear: loss 0.2"}), ("mt", {"all": "softmax: bleu 0.5"})])
+def test_lower_or_higher_is_better_as_the_task_says_with_a_column_per_value_of_its_first_axis(tmp_path, task, best):
+    """Copy's loss: the lowest is best, a column per seq_len; MT's BLEU: the highest, one column (the task has no axis)."""
+    records = [quality_cell(task, "softmax", 0, 0.5), quality_cell(task, "linear", 0, 0.2), quality_cell(task, "delta", 0, 0.3)]
+    tables = summary_tables(prepare(load(write(tmp_path / "r.jsonl", records))))
+    assert [(table.title, table.rows[0][1:]) for table in tables] == [("s: quality", list(best.values()))] and tables[0].headers[1:] == list(best)
 
 
 def test_the_page_shows_the_summary_before_its_first_plot(tmp_path):
