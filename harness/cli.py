@@ -36,8 +36,8 @@ def _option_error(args) -> str | None:
     """What is wrong with ``attnbench run``'s options taken together, found before anything is imported or loaded."""
     if args.commits is None and (args.every != 1 or args.force):
         return "--every and --force choose the commits of --commits: use them with --commits"
-    if args.commits is not None and (len(args.scenarios) != 1 or args.resume or args.dry_run or args.budget or args.executor != "local"):
-        return "--commits measures one named scenario at each commit, with the local executor (no --resume, --dry-run or --budget)"
+    if args.commits is not None and (len(args.scenarios) != 1 or args.resume or args.budget or args.executor != "local"):
+        return "--commits measures one named scenario at each commit, with the local executor (no --resume or --budget)"
     if args.retry_failed and not args.resume:
         return "--retry-failed re-runs the failed cells of a results file: use it with --resume"
     if args.profile in ("ncu", "nsys") and args.executor != "local":
@@ -136,11 +136,18 @@ def _run(args) -> int:
 def _run_commits(args, plugins: list[str]) -> int:
     """``attnbench run SCENARIO --commits RANGE``: the scenario at each commit of the range (docs/history.md)."""
     from .common.checkouts import RegressError
-    from .revisions.commits import exit_code, measure_commits
+    from .revisions.commits import commit_range, dry_run, exit_code, measure_commits
+    from .running.estimate import EstimateError
     from .scenarios.scenario import ScenarioError
 
     command = "attnbench " + " ".join(shlex.quote(arg) for arg in sys.argv[1:])
     try:
+        if args.dry_run:  # the commits, those measured on this machine, the estimated duration; nothing measured
+            chosen = commit_range(
+                args.repo, args.scenarios[0], args.commits, args.out, preset=args.preset, overrides=args.set or [], every=args.every, force=args.force
+            )
+            print("\n".join(dry_run(chosen, gpu=args.estimate_for, measured_from=args.estimate_from)))
+            return EXIT_OK
         finished = measure_commits(
             args.repo,
             args.scenarios[0],
@@ -154,7 +161,7 @@ def _run_commits(args, plugins: list[str]) -> int:
             command=command,
             progress=not args.no_progress,
         )
-    except (RegressError, ScenarioError) as exc:
+    except (RegressError, ScenarioError, EstimateError) as exc:
         print(f"error: --commits {args.commits}: {exc}", file=sys.stderr)
         return EXIT_ERROR
     return exit_code(finished)

@@ -50,6 +50,15 @@ def test_a_bad_range_is_one_line_and_exit_2(tmp_path, spec, named):
     assert not (tmp_path / "out").exists()
 
 
+def test_a_revision_git_would_read_as_an_option_is_refused(tmp_path):
+    """``--commits=--output=FILE..HEAD``: each end is resolved before git sees the range, so git writes no FILE."""
+    repository(tmp_path / "repo", 3)
+    written = tmp_path / "written"
+    with pytest.raises(RegressError, match="'--output=.*' is not a revision"):
+        range_commits(tmp_path / "repo", f"--output={written}..HEAD")
+    assert not list(tmp_path.glob("written*"))
+
+
 @pytest.mark.slow
 def test_each_commit_is_measured_once_by_its_own_code(tmp_path):
     repo, out = tmp_path / "repo", tmp_path / "results"

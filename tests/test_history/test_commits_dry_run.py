@@ -1,0 +1,77 @@
+"""``attnbench run SCENARIO --commits A..B --dry-run``: the commits of the range (``--every`` applied), which of them
+are measured on this machine already (in whole or in part, from the results files under ``--out``) and the estimated
+duration (each commit's cells as ``run --dry-run`` estimates them, and its worktree and import check); nothing is
+measured, no worktree is left and no file is written."""
+
+from __future__ import annotations
+
+import pytest
+from helpers import attnbench_here, commit, git
+
+from harness.revisions.commits import CHECKOUT_S, _record_failure, commit_range, dry_run, results_file
+from harness.running.estimate import Estimator, format_duration, roofs_for
+
+#: Two cells (softmax at two lengths), cheap to estimate.
+TINY = "variants: {softmax: {}}\naxes: {seq_len: [16, 32], batch: 1, heads: 2, d_key: 8}\nmodes: [forward]\nmeasure: {warmup: 1, repeats: 5}\n"
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory) -> tuple:
+    """A repository of six commits, the scenario ``tiny`` in each; its hashes, oldest first."""
+    path = tmp_path_factory.mktemp("dry-run") / "repo"
+    (path / "scenarios").mkdir(parents=True)
+    git(path, "init", "-q")
+    (path / "scenarios" / "tiny.yaml").write_text(TINY)
+    commits = [commit(path, "the scenario")]
+    for number in range(5):
+        git(path, "commit", "-q", "--allow-empty", "-m", f"change {number}")
+        commits.append(git(path, "rev-parse", "HEAD"))
+    return path, commits
+
+
+def test_the_dry_run_lists_the_range_and_measures_nothing(repo, tmp_path):
+    path, commits = repo
+    done = attnbench_here("run", "tiny", "--commits", "HEAD~4..HEAD", "--every", "2", "--dry-run", "--repo", str(path), "--out", str(tmp_path / "out"))
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == f"tiny: 2 commits of HEAD~4..HEAD, 2 to measure -> {tmp_path / 'out'}/ (dry run: nothing is measured)"
+    assert [line.split()[0] for line in lines[1:3]] == [commits[3][:10], commits[5][:10]]  # the newest and every 2nd before it
+    assert lines[1].endswith("change 2: to measure: 2 cells, ~" + lines[1].rsplit("~", 1)[1])
+    assert lines[3].startswith("estimated ") and "for 2 commits to measure" in lines[3] and lines[4].startswith("roof (cpu): ")
+    assert not (tmp_path / "out").exists() and git(path, "worktree", "list").count("\n") == 0
+
+
+def test_commits_measured_on_this_machine_are_named_and_not_estimated(repo, tmp_path):
+    """One commit recorded whole, one in part (one of its two cells): the first is measured, the second has one cell left;
+    the total is the estimate of the cells left and a checkout per commit to measure; --force measures them all again."""
+    path, commits = repo
+    out = tmp_path / "out"
+    out.mkdir()
+    chosen = commit_range(path, "tiny", "HEAD~3..HEAD", out)
+    for number in (3, 4):
+        fingerprint = {**chosen.here, "git": {"commit": commits[number], "dirty": False, "describe": None}}
+        _record_failure(results_file(out, "tiny", commits[number], chosen.here["machine_id"]), chosen.loaded, fingerprint, "test", "recorded by the test")
+    part = results_file(out, "tiny", commits[4], chosen.here["machine_id"])
+    part.write_text("".join(part.read_text().splitlines(keepends=True)[:-1]))  # its last cell left out
+    chosen = commit_range(path, "tiny", "HEAD~3..HEAD", out)
+    lines = dry_run(chosen)
+    assert chosen.done == {commits[3]} and lines[0].startswith("tiny: 3 commits of HEAD~3..HEAD, 2 to measure")
+    states = {line.split()[0]: line.split(": ", 1)[1] for line in lines[1:4]}
+    assert states[commits[3][:10]] == "measured on this machine"
+    assert states[commits[4][:10]].startswith("to measure: 1 of 2 cells recorded; 1 cell, ~")
+    assert states[commits[5][:10]].startswith("to measure: 2 cells, ~")
+    cells = chosen.loaded.cells()
+    estimator = Estimator(roofs_for(cells))
+    left = [cell for cell in cells if cell.cell_id not in chosen.recorded[commits[4]]]
+    total = estimator.sweep(left).seconds() + estimator.sweep(cells).seconds() + 2 * CHECKOUT_S
+    assert lines[4].startswith(f"estimated {format_duration(total)} for 2 commits to measure"), lines[4]
+    forced = dry_run(commit_range(path, "tiny", "HEAD~3..HEAD", out, force=True))
+    assert forced[0].startswith("tiny: 3 commits of HEAD~3..HEAD, 3 to measure") and "for 3 commits to measure" in forced[4]
+
+
+@pytest.mark.parametrize("spec, said", [("HEAD~2", "not a range of commits"), ("nope..HEAD", "'nope' is not a revision")])
+def test_a_bad_range_is_refused_before_anything_is_estimated(repo, tmp_path, spec, said):
+    path, _ = repo
+    done = attnbench_here("run", "tiny", "--commits", spec, "--dry-run", "--repo", str(path), "--out", str(tmp_path / "out"))
+    assert done.returncode == 2 and done.stdout == "", done.stdout
+    assert done.stderr == f"error: --commits {spec}: {said}" + done.stderr.split(said, 1)[1] and len(done.stderr.splitlines()) == 1
