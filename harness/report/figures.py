@@ -17,6 +17,7 @@ import pandas as pd
 import seaborn as sns
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+from matplotlib.font_manager import FontProperties
 from matplotlib.lines import Line2D
 from matplotlib.ticker import LogFormatterSciNotation
 
@@ -28,6 +29,9 @@ from ..common.files import own_directory, write_atomic
 PLAIN_TEXT = {"text.parse_math": False}
 #: A mathtext exponent's characters as unicode superscripts.
 SUPERSCRIPTS = str.maketrans("0123456789-", "⁰¹²³⁴⁵⁶⁷⁸⁹⁻")
+#: The legend's font size, the height of one of its rows in font sizes (a row takes 1.63) and the width
+#: of one of its columns in inches, beside the panels.
+LEGEND_SIZE, LEGEND_ROW, LEGEND_WIDTH = "small", 1.8, 3.2
 #: How a failed cell is drawn: an x, in its line's colour.
 FAILURE_MARK = {"marker": "x", "markersize": 9, "markeredgewidth": 2, "linestyle": "none"}
 
@@ -112,20 +116,24 @@ class Figures:
         return Plot(title, caption, f"plots/{path.name}", "data:image/png;base64," + base64.b64encode(data).decode("ascii"))
 
     def legend(self, figure: Figure, cells: pd.DataFrame, failures: bool) -> None:
-        """Colours of the lines shown, line styles of the machines, the failure marker."""
+        """Colours of the lines shown, line styles of the machines, the failure marker: in as many columns as
+        it takes to fit the figure's height, each further column widening the figure by ``LEGEND_WIDTH``."""
         handles = [Line2D([], [], color=self.colours[s], marker="o", label=s) for s in sorted(cells["series"].unique(), key=natural)]
         machines = cells["machine"].unique()
         if len(machines) > 1:
             handles += [Line2D([], [], color="black", linestyle=self.styles[m], label=m) for m in machines]
         if failures:
             handles.append(Line2D([], [], color="black", label="failed (oom / error / crashed / nan)", **FAILURE_MARK))
-        figure.legend(handles=handles, loc="outside right upper", fontsize="small")
+        rows = max(1, int(figure.get_figheight() * 72 / (LEGEND_ROW * FontProperties(size=LEGEND_SIZE).get_size_in_points())))
+        columns = -(-len(handles) // rows)
+        figure.set_figwidth(figure.get_figwidth() + LEGEND_WIDTH * (columns - 1))
+        figure.legend(handles=handles, loc="outside right upper", fontsize=LEGEND_SIZE, ncols=columns)
 
 
 def new_figure(panels: int) -> tuple[Figure, list]:
     columns = min(panels, 3)
     rows = -(-panels // columns)
-    figure = Figure(figsize=(4.6 * columns + 3.2, 3.6 * rows), layout="constrained")
+    figure = Figure(figsize=(4.6 * columns + LEGEND_WIDTH, 3.6 * rows), layout="constrained")
     with sns.axes_style("whitegrid"):
         axes = figure.subplots(rows, columns, squeeze=False).ravel()
     for extra in axes[panels:]:

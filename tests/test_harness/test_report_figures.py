@@ -12,14 +12,16 @@ from itertools import combinations
 from pathlib import Path
 
 import matplotlib
+import pandas as pd
 import pytest
+import seaborn as sns
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from test_history.histories import repository, write_history
 
 from harness.history import history
 from harness.report import build_report
-from harness.report.figures import PLAIN_TEXT, Figures, PlainLogFormatter, decades, plain_log_ticks
+from harness.report.figures import PLAIN_TEXT, Figures, PlainLogFormatter, decades, new_figure, plain_log_ticks
 from harness.results import TIMINGS, read_records
 
 EXAMPLE = Path(__file__).parents[2] / "reports" / "examples" / "cpu-dev-vm" / "cuda-variants-20261205T083558Z.jsonl"
@@ -171,3 +173,17 @@ def test_a_log_axis_is_labelled_as_matplotlib_would_in_unicode(low, high, expect
 )
 def test_decades_hold_the_values_clear_of_the_ends_and_a_decade_each_side(values, limits):
     assert decades(values) == pytest.approx(limits, rel=1e-3)
+
+
+@pytest.mark.parametrize("series", [3, 22])
+def test_the_legend_fits_its_figure_in_as_many_columns_as_it_takes(tmp_path, series):
+    """22 labels (every core variant in two dtypes, as reports/examples/cpu-dev-vm) ran off the figure's foot in one column."""
+    labels = [f"variant{number}(scan=parallel, d_key=16) dtype=bfloat16" for number in range(series)]
+    figure, _ = new_figure(3)
+    Figures(tmp_path, dict(zip(labels, sns.color_palette("husl", series))), {}).legend(figure, pd.DataFrame({"series": labels, "machine": "m"}), True)
+    canvas = FigureCanvasAgg(figure)
+    canvas.draw()
+    (legend,) = figure.legends
+    box = legend.get_window_extent(canvas.get_renderer())
+    assert len(legend.get_texts()) == series + 1 and box.x0 >= 0 and box.y0 >= 0 and box.x1 <= figure.bbox.x1 and box.y1 <= figure.bbox.y1, (box, figure.bbox)
+    assert all(ax.get_window_extent().x1 < box.x0 for ax in figure.axes), "a panel reaches into the legend"
