@@ -33,6 +33,7 @@ from ..scenarios.expansion import describe
 from ..scenarios.scenario import LoadedScenario
 from .executors import main_device
 from .executors.local import LocalExecutor
+from .progress import progress_bar
 
 #: The most of a results file ``--resume`` reads before taking its lock: its first line (a run line).
 FIRST_LINE_BYTES = 1 << 20
@@ -339,15 +340,14 @@ def _run_locked(loaded, out_dir, resume, retry_failed, executor, command, progre
     if executor.same_machine and (busy := busy_warning(todo, other_cores_now(), os.cpu_count())):
         print(busy, file=sys.stderr)
     start = time.perf_counter()
-    bar = tqdm(total=len(cells), initial=summary.skipped_as_done, unit="cell", disable=not progress, dynamic_ncols=True)
     try:
-        measure_cells(executor, todo, fingerprint, journal, bar)
+        with progress_bar(len(cells), initial=summary.skipped_as_done, shown=progress) as bar:
+            measure_cells(executor, todo, fingerprint, journal, bar)
     except KeyboardInterrupt:
         summary.interrupted = True
     except ResultsWriteError as exc:
         summary.write_error = str(exc)
     finally:
-        bar.close()
         writer.close()
         summary.seconds = time.perf_counter() - start
     return summary
