@@ -5,8 +5,8 @@ so that only like is compared with like; a column per length (``axes.seq_len``; 
 more than ``MAX_LENGTHS``). At each length the fastest cell by median time is named with its time, and every other
 cell's median is shown as a multiple of it (×1.7) beside its peak memory. A cell measured unstable or inaccurate is
 marked and never named fastest: the fastest stable, accurate one is. Quality cells get the same table for their task's
-headline metric (``harness.tasks.Score``, the mean over seeds, ranked as the frontier ranks it), a column per value
-of the task's first axis. Each machine is summarised on its own.
+headline metric (``harness.tasks.Score``, the mean over seeds, ranked as the frontier ranks it; variants that tie
+named together, the faster first), a column per value of the task's first axis. Each machine is summarised on its own.
 """
 
 from __future__ import annotations
@@ -181,8 +181,9 @@ def _quality_table(group: pd.DataFrame, failed: pd.DataFrame, score: Score, colu
     for at, points in group.groupby("_at", sort=False):
         goodness = points["ranked"] if score.higher_is_better else -points["ranked"]
         best = points.assign(_goodness=goodness).sort_values(["_goodness", "words_per_s"], ascending=False)
-        top = best.iloc[0]
-        winners[at] = f"{top['series']}: {score.metric} {text(top['mean'])}"
+        tied = best[best["ranked"] == best["ranked"].iloc[0]]
+        names = ", ".join(tied["series"]) + (" (tie)" if len(tied) > 1 else "")
+        winners[at] = f"{names}: {score.metric} {text(best['mean'].iloc[0])}"
         columns[at] = {
             record["series"]: text(record["mean"]) + (f" ({record['seeds']} seeds)" if record["seeds"] > 1 else "") for record in best.to_dict("records")
         }
@@ -190,10 +191,10 @@ def _quality_table(group: pd.DataFrame, failed: pd.DataFrame, score: Score, colu
         columns.setdefault(record["_at"], {}).setdefault(record["series"], record["status"])
     order = sorted(dict.fromkeys([*group["series"], *failed["series"]]), key=natural)
     direction = "higher" if score.higher_is_better else "lower"
-    caption = f"Held fixed: {axes_text(fixed) or 'nothing'}. {score.metric}, {direction} is better: the mean over seeds where a variant has several."
+    caption = f"Held fixed: {axes_text(fixed) or 'nothing'}; {score.metric}: {direction} is better, the mean over seeds where a variant has several."
     if score.stop_field:
-        caption += f" Training stops at the task's {score.stop_field}: values past it tie, and the faster (training words/s) is named."
-    return _grid(title, "best", column, winners, columns, order, caption)
+        caption += f" Training stops at the task's {score.stop_field}: the variants past it tie."
+    return _grid(title, "best", SHORT.get(column, column), winners, columns, order, caption)
 
 
 # --- shared ----------------------------------------------------------------------------------

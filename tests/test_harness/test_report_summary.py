@@ -177,14 +177,19 @@ def test_quality_cells_name_the_best_by_the_tasks_headline_metric_over_seeds(tmp
         quality_cell("mqar", "delta", 0, None, status="oom"),
     ]
     assert summarise(tmp_path, records)["s: quality"] == {
-        "best": {"seq_len=64": "linear: accuracy 0.9"},
-        "delta": {"seq_len=64": "oom"},
-        "linear": {"seq_len=64": "0.9 (2 seeds)"},
-        "softmax": {"seq_len=64": "0.8 (2 seeds)"},
+        "best": {"T=64": "linear: accuracy 0.9"},
+        "delta": {"T=64": "oom"},
+        "linear": {"T=64": "0.9 (2 seeds)"},
+        "softmax": {"T=64": "0.8 (2 seeds)"},
     }
 
 
-@pytest.mark.parametrize(("task", "best"), [("copy", {"seq_len=64": "linear: loss 0.2"}), ("mt", {"all": "softmax: bleu 0.5"})])
+def test_variants_that_tie_on_the_metric_are_named_together_the_faster_first(tmp_path):
+    records = [quality_cell("mqar", "softmax", 0, 1.0), quality_cell("mqar", "linear", 0, 1.0, words_per_s=2000.0), quality_cell("mqar", "delta", 0, 0.5)]
+    assert summarise(tmp_path, records)["s: quality"]["best"] == {"T=64": "linear, softmax (tie): accuracy 1"}
+
+
+@pytest.mark.parametrize(("task", "best"), [("copy", {"T=64": "linear: loss 0.2"}), ("mt", {"all": "softmax: bleu 0.5"})])
 def test_lower_or_higher_is_better_as_the_task_says_with_a_column_per_value_of_its_first_axis(tmp_path, task, best):
     """Copy's loss: the lowest is best, a column per seq_len; MT's BLEU: the highest, one column (the task has no axis)."""
     records = [quality_cell(task, "softmax", 0, 0.5), quality_cell(task, "linear", 0, 0.2), quality_cell(task, "delta", 0, 0.3)]
