@@ -1,8 +1,8 @@
 """What a history cannot see, said rather than left unsaid: the series too short for a step (fewer than
-``steps.MIN_POINTS`` points: a level needs two, one on each side of a step) and the unstable series, whose
-points lie off their level by more than ``--factor`` and beyond their own intervals with no step to explain
-it (a machine whose runs differ, or a step too new to be confirmed). docs/history.md states the rule and its
-measured false-flag rate."""
+``steps.MIN_POINTS`` points: a level of two on each side of a step) and the unstable series, a point of
+which has its whole interval more than ``--factor`` off its level with no step to explain it (a machine
+whose runs differ, or a step too new to be confirmed). docs/history.md states the rule and its measured
+false-flag rate."""
 
 from __future__ import annotations
 
@@ -18,16 +18,15 @@ from .steps import MIN_POINTS, MIN_SIZE, spreads, weighted_median
 
 def off_level(times, rel_ci, changes: list[int], factor: float) -> np.ndarray:
     """Each point's median over its level (the weighted median of the points between the ``changes``, as
-    ``steps`` fits it), NaN where that is within ``factor`` either way or inside the point's own interval
-    (median × (1 ± ``rel_ci``); a missing one counts as none)."""
+    ``steps`` fits it), NaN unless the point's whole interval (median × (1 ± ``rel_ci``); a missing one counts
+    as none) lies more than ``factor`` above the level or below it."""
     log_times = np.log(np.asarray(times, dtype=float))
     own = np.nan_to_num(np.asarray(rel_ci, dtype=float), nan=0.0)
     sigma = spreads(log_times, own)
     edges = [0, *changes, log_times.size]
     levels = np.concatenate([np.full(b - a, weighted_median(log_times[a:b], 1 / sigma[a:b])) for a, b in zip(edges, edges[1:])])
     ratio = np.exp(log_times - levels)
-    level = 1 / ratio  # the level in units of the point's median
-    off = (np.abs(np.log(ratio)) > np.log(factor)) & ((level > 1 + own) | (level < 1 - own))
+    off = (ratio * (1 - own) > factor) | (ratio * (1 + own) < 1 / factor)
     return np.where(off, ratio, np.nan)
 
 
@@ -64,8 +63,8 @@ class Unstable:
 
     def line(self, factor: float) -> str:
         return (
-            f"unstable series: {self.series.name()}: {counted(self.off, 'point')} of {self.series.points} off their level by more than "
-            f"x{factor} beyond their interval, the furthest x{self.ratio:.2f} at {self.commit[:10]} ({percent(self.rel_ci)}); no step explains it"
+            f"unstable series: {self.series.name()}: {self.off} of {counted(self.series.points, 'point')} with their interval more than x{factor} "
+            f"off their level, the furthest x{self.ratio:.2f} at {self.commit[:10]} ({percent(self.rel_ci)}); no step explains it"
         )
 
 
@@ -104,7 +103,7 @@ class Limits:
 
 
 def examine(history: History, steps: list[Step], factor: float) -> Limits:
-    """The ``Limits`` of ``history`` whose steps are ``steps``; a point off its level by more than ``factor`` makes a series unstable."""
+    """The ``Limits`` of ``history`` whose steps are ``steps``; a point whose interval lies more than ``factor`` off its level makes a series unstable."""
     found, unstable = [], []
     for key, points in history.series():
         record = points.iloc[-1]

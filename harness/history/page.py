@@ -175,7 +175,7 @@ def unstable_table(unstable: list[Unstable], factor: float) -> Table:
         ("its median / level", "ratio", format_ratio),
         ("its interval", "rel_ci", percent),
     ]
-    caption = f"Points off their level (the steps' fit) by more than x{factor} and beyond their own 95 % interval, no step between: docs/history.md."
+    caption = f"Points whose 95 % interval lies more than x{factor} off their level (the steps' fit), no step between: docs/history.md."
     return table("Unstable series", frame, columns, caption)
 
 
