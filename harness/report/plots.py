@@ -8,9 +8,9 @@ from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
-from matplotlib.ticker import MaxNLocator, NullLocator
+from matplotlib.ticker import FuncFormatter, MaxNLocator, NullLocator
 
-from ..common.formatting import MIB, present
+from ..common.formatting import MIB, present, si
 from ..results import FAILED
 from .cells import TIMED_MODES
 from .figures import FAILURE_MARK, Figures, Plot, decades, natural_columns, new_figure
@@ -94,7 +94,8 @@ def _draw_failures(ax, failed: pd.DataFrame, x: str, figures: Figures) -> None:
 
 def _draw_bars(ax, ok: pd.DataFrame, failed: pd.DataFrame, metric: Metric, figures: Figures) -> None:
     """A sweep of a single point: one horizontal bar per label (and machine) with the band as an
-    error bar; a failed cell gets an 'x' at the start of its row."""
+    error bar; a failed cell gets an 'x' at the start of its row. Values read as the tables write them
+    (``si``: 175k, where matplotlib writes 175000 into its neighbours)."""
     entries = pd.concat([ok, failed]).sort_values(["series", "machine"], ascending=False, key=natural_columns).reset_index(drop=True)
     values = metric.value(entries).where(entries["status"] == "ok")
     error = None
@@ -103,6 +104,7 @@ def _draw_bars(ax, ok: pd.DataFrame, failed: pd.DataFrame, metric: Metric, figur
         error = np.vstack([values - low, high - values])
     positions = np.arange(len(entries))
     bars = ax.barh(positions, values.fillna(0), xerr=error, color=[figures.colours[s] for s in entries["series"]], alpha=0.85)
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda value, _: si(value)))
     for bar, unstable in zip(bars, entries["metrics.unstable"].map(lambda value: value is True)):
         bar.set_hatch("//" if unstable else None)
     several = entries["machine"].nunique() > 1

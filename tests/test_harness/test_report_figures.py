@@ -1,8 +1,9 @@
 """What the pictures of a report and of the history page show (issue 53, item 2), read back from each matplotlib
 Figure as ``Figures.save`` writes it: every tick label is plain text (10⁻², 4×10⁻², never the mathtext source
 ``$\\mathdefault{10^{-2}}$`` that ``PLAIN_TEXT`` would show), a results file's ``$`` strings stay text, and no two
-labels of an axis overlap. The report is of the example results (reports/examples/cpu-dev-vm), swept over lengths,
-with quality cells of three tasks; the history is three commits of a scratch repository."""
+labels of an axis overlap. The report is of the example results (reports/examples/cpu-dev-vm) as they are (one
+length: bars) and swept over lengths (lines), with quality cells of three tasks; the history is three commits of a
+scratch repository."""
 
 from __future__ import annotations
 
@@ -27,14 +28,16 @@ from harness.results import TIMINGS, read_records
 EXAMPLE = Path(__file__).parents[2] / "reports" / "examples" / "cpu-dev-vm" / "cuda-variants-20261205T083558Z.jsonl"
 #: The example's variants the report shows, as the results call them: one of them named with mathtext in it.
 VARIANTS = {"softmax": "softmax", "linear": "a$b$c", "dpfp": "dpfp"}
-#: The example's cells the report shows: bfloat16 (relative errors and their tolerance 1.4 decades apart, on an
-#: axis that matplotlib labels at 2×, 3×, 4× ... of each decade, too close to fit); forward and decode.
-SHOWN = {"dtype": "bfloat16", "modes": ("forward", "decode")}
+#: The example's cells swept over lengths: bfloat16 (relative errors and their tolerance 1.4 decades apart, on an
+#: axis that matplotlib labels at 2×, 3×, 4× ... of each decade, too close to fit), forward.
+SWEPT = {"dtype": "bfloat16", "mode": "forward"}
 #: The lengths the example's cells (measured at 256) are swept over: a geometric sweep, drawn on log axes.
 LENGTHS = (64, 256, 1024)
 #: A log axis's label: a decade or a multiple of one in unicode (10⁻², 4×10⁻²); a swept length on a base-2 axis.
 PLAIN_LOG = re.compile(r"(\d×)?10⁻?[⁰¹²³⁴⁵⁶⁷⁸⁹]+|\d+")
-MATHTEXT = ("$", "\\mathdefault", "\\times", "^{")
+#: Mathtext source, as matplotlib's log axes write their labels ('$\\mathdefault{4\\times10^{-2}}$'); a variant's name
+#: may hold a '$' (VARIANTS), shown as written.
+MATHTEXT = re.compile(r"^\$.*\$$|\\mathdefault|\\times|\^\{")
 
 
 def _swept(cell: dict, length: int) -> dict:
@@ -46,11 +49,11 @@ def _swept(cell: dict, length: int) -> dict:
     metrics = {**cell["metrics"], **metrics, "tokens": cell["metrics"]["tokens"] * share, "peak_mem_bytes": cell["metrics"]["peak_mem_bytes"] * share}
     metrics["tokens_per_s"] = metrics["tokens"] / metrics["median_s"]
     axes = {**cell["axes"], "seq_len": length}
-    return {**cell, "cell_id": f"{cell['cell_id']}-{length}", "variant": VARIANTS[cell["variant"]], "axes": axes, "metrics": metrics}
+    return {**cell, "cell_id": f"{cell['cell_id']}-{length}", "axes": axes, "metrics": metrics}
 
 
 def _quality(run: dict, target: str, variant: str, axes: dict, metrics: dict, **extra) -> dict:
-    """A quality cell of ``target`` on the example's machine."""
+    """A quality cell of ``target`` on the example's machine (its run and scenario: ``_results``'s)."""
     cell_id = f"{target}-{variant}-" + "-".join(map(str, axes.values()))
     return {"kind": "cell", "schema": 2, "run_id": run["run_id"], "cell_id": cell_id, "scenario": target, "variant": variant, "backend": "torch",
             "params": {}, "axes": {**axes, "device": "cpu"}, "mode": "quality", "target": target, "status": "ok", "error": None,
@@ -77,15 +80,17 @@ def _quality_cells(run: dict) -> list[dict]:
 
 def _results(folder: Path) -> Path:
     records = read_records(EXAMPLE)
-    run = records[0]
-    shown = [cell for cell in records[1:] if cell["variant"] in VARIANTS and cell["axes"]["dtype"] == SHOWN["dtype"] and cell["mode"] in SHOWN["modes"]]
-    cells = [_swept(cell, length) for cell in shown for length in LENGTHS]
+    run, example = records[0], [{**cell, "variant": VARIANTS[cell["variant"]]} for cell in records[1:] if cell["variant"] in VARIANTS]
+    swept = [_swept(cell, length) for cell in example if cell["axes"]["dtype"] == SWEPT["dtype"] and cell["mode"] == SWEPT["mode"] for length in LENGTHS]
+    quality = _quality_cells(run)
     folder.mkdir()
     for scenario, own in (
-        ("cuda-variants", cells),
-        *((target, [c for c in _quality_cells(run) if c["target"] == target]) for target in ("mqar", "copy", "retrieval")),
+        ("cuda-variants", example),
+        ("swept", swept),
+        *((target, [c for c in quality if c["target"] == target]) for target in ("mqar", "copy", "retrieval")),
     ):
-        (folder / f"{scenario}.jsonl").write_text("".join(json.dumps(record) + "\n" for record in ({**run, "scenario": scenario}, *own)))
+        lines = [{**record, "run_id": f"{scenario}-run", "scenario": scenario} for record in (run, *own)]
+        (folder / f"{scenario}.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
     return folder
 
 
@@ -120,23 +125,23 @@ def _labels(axis) -> list:
 
 
 def test_the_report_and_the_history_draw_every_kind_of_figure(figures):
-    kinds = {name.split("-", 2)[-1] if name.startswith("cuda-variants") else name.split("-", 1)[-1] for name in figures}
-    assert {"time", "throughput", "memory", "roofline", "decode-latency", "accuracy", "mqar", "copy-loss", "capacity", "frontier"} <= kinds, sorted(figures)
+    speed = [f"{scenario}-{kind}" for scenario in ("cuda-variants", "swept") for kind in ("time", "throughput", "memory", "roofline", "accuracy")]
+    assert {*speed, "cuda-variants-decode-latency", "mqar-mqar", "copy-copy-loss", "retrieval-capacity", "mqar-frontier"} <= set(figures), sorted(figures)
     assert any(name.startswith("history-") for name in figures), sorted(figures)
 
 
 def test_every_tick_label_is_plain_text(figures):
     shown = {(name, axis.axis_name, label.get_text()) for name, axis in _axes(figures) for label in [*_labels(axis), axis.get_offset_text()]}
-    assert not [label for label in shown if any(mark in label[2] for mark in MATHTEXT)], sorted(shown)
+    assert not [label for label in shown if MATHTEXT.search(label[2])], sorted(shown)
 
 
 def test_log_axes_show_plain_numbers(figures):
     logs = [(name, axis) for name, axis in _axes(figures) if axis.get_scale() == "log"]
-    assert {name for name, _ in logs} >= {"cuda-variants-time", "cuda-variants-throughput", "cuda-variants-accuracy", "copy-copy-loss", "mqar-frontier"}
+    assert {name for name, _ in logs} >= {"swept-time", "swept-throughput", "swept-memory", "cuda-variants-accuracy", "copy-copy-loss", "mqar-frontier"}
     for name, axis in logs:
         texts = [label.get_text() for label in _labels(axis)]
         assert texts and all(PLAIN_LOG.fullmatch(text) for text in texts), (name, axis.axis_name, texts)
-    errors = [label.get_text() for ax in figures["cuda-variants-accuracy"].axes for label in _labels(ax.xaxis)]
+    errors = [label.get_text() for ax in figures["swept-accuracy"].axes for label in _labels(ax.xaxis)]
     assert set(errors) == {"10⁻³", "10⁻²", "10⁻¹"}, errors
 
 
@@ -148,7 +153,7 @@ def test_no_two_labels_of_an_axis_overlap(figures):
 
 
 def test_a_results_files_mathtext_is_shown_as_written(figures):
-    legend = [text.get_text() for figure in (figures["cuda-variants-time"], figures["mqar-mqar"]) for legend in figure.legends for text in legend.get_texts()]
+    legend = [text.get_text() for figure in (figures["swept-time"], figures["mqar-mqar"]) for legend in figure.legends for text in legend.get_texts()]
     assert "a$b$c" in legend, legend
 
 
