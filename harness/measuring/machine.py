@@ -156,10 +156,18 @@ def _versions() -> dict:
         "torch": str(torch.__version__),
         "triton": _dist_version("triton") or _dist_version("pytorch-triton"),  # nightlies ship the latter
         "cuda": torch.version.cuda,
-        "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
+        "cudnn": _cudnn_version(),
         "numpy": _dist_version("numpy"),
         "attnbench": _dist_version("attnbench"),
     }
+
+
+def _cudnn_version() -> int | None:
+    """The version of the cuDNN library torch loaded (None in a build without one, the CPU build), read from the library.
+    Not ``torch.backends.cudnn.version()``: that also judges the cuDNN against the GPUs torch sees and raises where it
+    refuses one (compute capability below 7.5 under cuDNN 9.11+), and a fingerprint records what is installed, GPU or not."""
+    library = getattr(torch._C, "_cudnn", None)
+    return None if library is None else library.getVersionInt()
 
 
 def _dist_version(name: str) -> str | None:

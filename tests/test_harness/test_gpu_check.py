@@ -19,13 +19,37 @@ from harness.gpu.gpu_check import BUDGET_S, Check
 from harness.results import ResultsWriter
 
 
+def no_gpu_line(cuda: str | None) -> str:
+    """What gpu-check says without a GPU under a torch whose ``torch.version.cuda`` is ``cuda``: the CPU build (None),
+    which cannot see one, or a CUDA build (what pip installs by default on Linux x86-64) on a machine without a GPU or driver."""
+    if cuda is None:
+        return f"gpu-check: torch {torch.__version__} is a CPU build and sees no CUDA GPU; install a CUDA build of torch"
+    return f"gpu-check: torch {torch.__version__} (CUDA {cuda}) sees no CUDA GPU; check the driver (nvidia-smi) and CUDA_VISIBLE_DEVICES"
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without a CUDA GPU")
 def test_without_a_gpu_it_stops_with_one_line_and_exit_code_2(tmp_path):
+    """This machine's own torch, whichever build: the command in a process of its own."""
     done = attnbench("gpu-check", str(tmp_path / "check"), env={"TRITON_INTERPRET": "0"})
     assert done.returncode == 2
-    lines = done.stderr.strip().splitlines()
-    assert lines == [f"gpu-check: torch {torch.__version__} is a CPU build and sees no CUDA GPU; install a CUDA build of torch"]
+    assert done.stderr.strip().splitlines() == [no_gpu_line(torch.version.cuda)]
     assert not (tmp_path / "check").exists()
+
+
+@pytest.mark.parametrize("cuda", [None, "13.0"], ids=["cpu-build", "cuda-build"])
+def test_each_build_without_a_gpu_gets_its_own_line(cuda, monkeypatch, tmp_path):
+    """Both builds, whichever is installed here: torch.version.cuda and torch.cuda.is_available faked."""
+    monkeypatch.setattr(torch.version, "cuda", cuda)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    done = attnbench_here("gpu-check", str(tmp_path / "check"), env={"TRITON_INTERPRET": "0"})
+    assert (done.returncode, done.stderr.strip().splitlines()) == (2, [no_gpu_line(cuda)])
+    assert not (tmp_path / "check").exists()
+
+
+def test_a_cuda_build_that_sees_a_gpu_lacks_nothing_of_torch(monkeypatch):
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert gpu_check._missing_torch() == []
 
 
 @pytest.fixture

@@ -59,6 +59,8 @@ def test_cpu_fingerprint_has_every_field_and_is_plain_json():
     assert fp["versions"]["numpy"] == numpy.__version__
     assert fp["versions"]["cuda"] == torch.version.cuda
     assert set(fp["versions"]) == {"torch", "triton", "cuda", "cudnn", "numpy", "attnbench"}
+    # the CPU build has no cuDNN; the CUDA build brings its own, GPU or not
+    assert fp["versions"]["cudnn"] is None if torch.version.cuda is None else isinstance(fp["versions"]["cudnn"], int)
 
 
 def test_machine_id_is_stable_and_short():
@@ -119,6 +121,11 @@ def test_no_gpu_means_no_gpu_fields_and_no_throttle_state(monkeypatch):
     assert throttle_state("cpu") is None
     assert throttle_state("cuda:0") is None
     assert fingerprint("cuda:0")["gpu"] is None
+
+
+def test_a_build_without_cudnn_records_none(monkeypatch):
+    monkeypatch.delattr(torch._C, "_cudnn", raising=False)  # as in the CPU build
+    assert fingerprint("cpu")["versions"]["cudnn"] is None
 
 
 # --- the GPU path, against a fake pynvml ---------------------------------------------------
@@ -305,6 +312,20 @@ def test_format_describes_the_gpu(fake_gpu):
     assert "gpu: NVIDIA H100 80GB HBM3 (sm 9.0, 79.6 GiB, 132 SMs), driver 550.54.15, power limit 700 W, ECC on" in text
     assert "sm max 1980, application 1755, now 345" in text
     assert "gpu: none" not in text
+
+
+def test_the_cudnn_version_is_the_librarys_even_where_torch_refuses_the_gpu(fake_gpu, monkeypatch):
+    """A V100 (7.0) under cuDNN 9.11: torch.backends.cudnn.version() raises; the fingerprint still records the version,
+    in either build of torch (the library faked as the CUDA build loads it)."""
+
+    def refuses():
+        raise RuntimeError("cuDNN version 91100 is not compatible with devices with SM < 7.5.")
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: fake_props(name="Tesla V100-SXM2-16GB", major=7, minor=0))
+    monkeypatch.setattr(torch._C, "_cudnn", types.SimpleNamespace(getVersionInt=lambda: 91100), raising=False)
+    monkeypatch.setattr(torch.backends.cudnn, "version", refuses)
+    fp = fingerprint("cuda:0")
+    assert (fp["versions"]["cudnn"], fp["gpu"]["compute_capability"]) == (91100, "7.0")
 
 
 @pytest.mark.parametrize(
