@@ -1,6 +1,7 @@
 """nox sessions. A bare ``nox`` runs only ``tests``; the benchmarks are named explicitly.
 
 - ``tests``: the test suite (micro-benchmarks run once each, untimed).
+- ``tests-cuda-build``: the device-facing test modules under a CUDA build of torch, with or without a GPU.
 - ``run``: the main job, ``attnbench run`` on the default set (smoke-cpu on a CPU machine,
   the GPU set where CUDA is present); posargs go to ``attnbench run``.
 - ``bench-cpu`` / ``bench-gpu``: every shipped speed scenario on the CPU / on a CUDA GPU; ``bench-gpu-quick``: the
@@ -16,7 +17,8 @@
 
 Every session installs attnbench into its own virtual environment. PyTorch comes from the
 spec in ATTNBENCH_TORCH (default ``torch>=2.4``); CI sets ``ATTNBENCH_TORCH=torch==2.13.0``
-to take the CPU build, and a CUDA machine can name its own build there.
+to take the CPU build, and a CUDA machine can name its own build there. ``tests-cuda-build`` takes its torch from
+ATTNBENCH_TORCH_CUDA (default: the same ``torch>=2.4``, a CUDA build on Linux x86-64); CI pins ``torch==2.14.1``.
 """
 
 import os
@@ -27,7 +29,14 @@ import nox
 nox.options.sessions = ["tests"]
 nox.options.reuse_existing_virtualenvs = True
 
-TORCH = os.environ.get("ATTNBENCH_TORCH", "torch>=2.4")
+DEFAULT_TORCH = "torch>=2.4"
+TORCH = os.environ.get("ATTNBENCH_TORCH", DEFAULT_TORCH)
+#: The torch of ``tests-cuda-build``: $ATTNBENCH_TORCH_CUDA, else the default spec, which pip answers with a CUDA build on
+#: Linux x86-64 (PyPI's torch wheels there are CUDA builds); the session refuses a CPU build (what other platforms get).
+TORCH_CUDA = os.environ.get("ATTNBENCH_TORCH_CUDA", DEFAULT_TORCH)
+#: The test modules that meet torch's CUDA detection: the machine's fingerprint, gpu-check, cuda:N devices, the kit, the
+#: estimate of the GPU present, the timers. ``tests-cuda-build`` runs them under a CUDA build of torch.
+DEVICE_TESTS = [f"tests/test_harness/test_{name}.py" for name in ("machine", "gpu_check", "devices", "kit", "estimate", "measure")]
 SPEED_SCENARIOS = ["seq-sweep", "d-dot-sweep", "decode", "paper-small-lm"]
 #: The oldest Triton the kernels support (pyproject: triton>=3.6; torch 2.11 pins it) and the newest checked.
 TRITON_VERSIONS = ["3.6.0", "3.9.0"]
@@ -37,6 +46,10 @@ CUDA_CHECK = (
     "import sys, torch; ok = torch.cuda.is_available(); "
     "print('CUDA:', torch.cuda.get_device_name(0) if ok else 'none', '| torch', torch.__version__); "
     "sys.exit(0 if ok else 'bench-gpu: this torch build sees no CUDA GPU; set ATTNBENCH_TORCH to a CUDA build of torch')"
+)
+CUDA_BUILD_CHECK = (
+    "import sys, torch; print('torch', torch.__version__, '| CUDA', torch.version.cuda, '| GPU', torch.cuda.is_available()); "
+    "sys.exit(None if torch.version.cuda else f'tests-cuda-build: torch {torch.__version__} is a CPU build; set ATTNBENCH_TORCH_CUDA to a CUDA build')"
 )
 
 
@@ -59,8 +72,8 @@ def _split_marks(args: list[str]) -> tuple[list[str], list[str]]:
     return marks, rest
 
 
-def install(session, extras: str = "test,triton") -> None:
-    session.install(TORCH)
+def install(session, extras: str = "test,triton", torch: str = TORCH) -> None:
+    session.install(torch)
     session.install("-e", f".[{extras}]")
 
 
@@ -79,6 +92,15 @@ def tests(session):
             failed.append(name)
     if failed:
         session.error(f"tests failed in the {' and the '.join(failed)} phase")
+
+
+@nox.session(name="tests-cuda-build")
+def tests_cuda_build(session):
+    """``DEVICE_TESTS`` (not the slow ones) under a CUDA build of torch (``TORCH_CUDA``), GPU or none: the build pip takes
+    for the default spec on Linux x86-64, which ``tests`` in CI (the CPU build it pins) never sees. Posargs go to pytest."""
+    install(session, "test,triton,fla", torch=TORCH_CUDA)
+    session.run("python", "-c", CUDA_BUILD_CHECK)
+    session.run("pytest", "-m", "not slow", *TEST_OPTIONS, *DEVICE_TESTS, *session.posargs)
 
 
 @nox.session
