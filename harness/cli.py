@@ -62,10 +62,8 @@ def _run(args) -> int:
     if error := _option_error(args):
         print(f"error: {error}", file=sys.stderr)
         return EXIT_ERROR
-    from .measuring.profiling import missing_tool
-    from .running import runner
     from .scenarios.plugins import load_plugins
-    from .scenarios.scenario import ScenarioError, load_scenario
+    from .scenarios.scenario import ScenarioError, check_scenario
 
     plugins = _plugins(args)
     load_plugins(plugins)
@@ -76,11 +74,16 @@ def _run(args) -> int:
     else:
         chosen = [(spec, args.preset or preset) for spec, preset in _default_scenarios()]
         print("attnbench run: no scenario named; measuring the default set: " + ", ".join(spec for spec, _ in chosen))
-    try:
-        loaded = [load_scenario(spec, preset=preset, overrides=args.set or []) for spec, preset in chosen]
+    try:  # every scenario checked (without torch: a mistake is answered at once), then each expanded
+        loaded = [check_scenario(spec, preset=preset, overrides=args.set or []) for spec, preset in chosen]
+        for scenario in loaded:
+            scenario.cells()
     except ScenarioError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    from .measuring.profiling import missing_tool
+    from .running import runner
+
     if args.dry_run or args.budget:
         from .running.estimate import EstimateError, parse_duration
         from .running.planning import plan
@@ -245,11 +248,13 @@ def _regress_options(args) -> dict:
 
 def _bisect(args) -> int:
     from .common.checkouts import RegressError
-    from .revisions.bisect import EXIT_ERROR, bisect
     from .scenarios.scenario import ScenarioError
 
     try:
-        result = bisect(args.repo, _regress_scenario(args), good=args.good, bad=args.bad, **_regress_options(args))
+        scenario = _regress_scenario(args)  # first: a mistake in it is answered before the imports below load torch
+        from .revisions.bisect import bisect
+
+        result = bisect(args.repo, scenario, good=args.good, bad=args.bad, **_regress_options(args))
     except (ScenarioError, RegressError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_ERROR
@@ -263,11 +268,13 @@ def _bisect(args) -> int:
 def _regress(args) -> int:
     from .common.checkouts import RegressError
     from .results.compare import EXIT_INCOMPARABLE
-    from .revisions.regress import regress
     from .scenarios.scenario import ScenarioError
 
     try:
-        result = regress(args.repo, _regress_scenario(args), base=args.base, head=args.head, kernel_diff=not args.no_kernel_diff, **_regress_options(args))
+        scenario = _regress_scenario(args)  # first: a mistake in it is answered before the imports below load torch
+        from .revisions.regress import regress
+
+        result = regress(args.repo, scenario, base=args.base, head=args.head, kernel_diff=not args.no_kernel_diff, **_regress_options(args))
     except (ScenarioError, RegressError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_INCOMPARABLE

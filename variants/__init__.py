@@ -6,53 +6,38 @@ attention core (parallel form, recurrent ``step``, ``reference``) on one of ``BA
 wraps a core with its projections. ``core.example_inputs(...)`` draws valid inputs (q, k, v
 and the per-token inputs the core declares, ``TokenInput``); ``token_slice`` and
 ``time_slice`` cut them for ``step`` and ``prefill``. See docs/variants.md for every definition.
+
+Importing ``variants`` loads neither torch nor a variant: the first of these names used imports
+``backends`` (which imports the families: they register their variants) and the module that holds it, so ``variants.params`` (each variant's
+parameters, torch-free) answers a scenario's mistakes at once.
 """
 
-# Importing the families registers them.
-from . import delta_rule, lsh, rwkv, softmax, sum_rule  # noqa: E402,F401
-from .backends import BACKENDS, backend_option_owners, backend_options_for, check_backend_options, create, supports
-from .base import (
-    ActivatedLinear,
-    AttentionCore,
-    BackendForm,
-    TokenInput,
-    UnsupportedBackend,
-    VariantError,
-    activated_linear,
-    debug_checks,
-    names,
-    register,
-)
-from .delta_rule import BETA, LOG_GATE, DecayGate
-from .fast_weights import FastWeightState
-from .inputs import in_layout, time_slice, token_slice
-from .layer import AttentionLayer
-from .softmax import KVCache
+from __future__ import annotations
 
-__all__ = [
-    "BACKENDS",
-    "BETA",
-    "LOG_GATE",
-    "ActivatedLinear",
-    "AttentionCore",
-    "AttentionLayer",
-    "BackendForm",
-    "DecayGate",
-    "FastWeightState",
-    "KVCache",
-    "TokenInput",
-    "UnsupportedBackend",
-    "VariantError",
-    "activated_linear",
-    "backend_option_owners",
-    "backend_options_for",
-    "check_backend_options",
-    "create",
-    "debug_checks",
-    "in_layout",
-    "names",
-    "register",
-    "supports",
-    "time_slice",
-    "token_slice",
-]
+import importlib
+
+#: Each public name -> the module of this package that holds it.
+_HOMES = {
+    **dict.fromkeys(("BACKENDS", "backend_option_owners", "backend_options_for", "check_backend_options", "create", "supports"), "backends"),
+    **dict.fromkeys(("ActivatedLinear", "AttentionCore", "BackendForm", "TokenInput", "activated_linear", "debug_checks", "names", "register"), "base"),
+    **dict.fromkeys(("UnsupportedBackend", "VariantError"), "errors"),
+    **dict.fromkeys(("BETA", "LOG_GATE", "DecayGate"), "delta_rule"),
+    **dict.fromkeys(("in_layout", "time_slice", "token_slice"), "inputs"),
+    "FastWeightState": "fast_weights",
+    "AttentionLayer": "layer",
+    "KVCache": "softmax",
+}
+__all__ = sorted(_HOMES)
+
+
+def __getattr__(name: str):
+    if name not in _HOMES:
+        raise AttributeError(f"module 'variants' has no attribute {name!r}")
+    importlib.import_module(".backends", __name__)  # which imports the families: they register their variants
+    value = getattr(importlib.import_module(f".{_HOMES[name]}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_HOMES})

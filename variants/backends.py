@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from . import compiled
+from . import compiled, delta_rule, lsh, rwkv, softmax, sum_rule  # noqa: F401 (importing the families registers them)
 from . import params as parameters
 from .base import SHAPES, AttentionCore, UnsupportedBackend, VariantError, core_class, names, registered
 
@@ -147,8 +147,8 @@ def _has_form(cls: type, backend: str) -> bool:
 
 
 _REGISTRY: dict[str, Backend] = {backend.name: backend for backend in (_Torch(), _Triton(), _Compile(), _Fla())}
-#: The backend names, the one list of them.
-BACKENDS = tuple(_REGISTRY)
+#: The backend names, the one list of them: ``params.BACKENDS`` (torch-free), in the order of ``_REGISTRY``.
+BACKENDS = parameters.BACKENDS
 #: The backends whose forms are this project's code (``Backend.own_forms``).
 OWN_FORMS = tuple(name for name, backend in _REGISTRY.items() if backend.own_forms)
 
@@ -221,10 +221,10 @@ def build_torch(name: str, d_key: int, **params: Any) -> AttentionCore:
     factory = registered(name)
     if not isinstance(d_key, int) or isinstance(d_key, bool) or d_key < 1:
         raise VariantError(f"{name}: d_key must be a positive int, got {d_key!r}")
-    parameters.check(name, factory, params)
+    parameters.check(name, params, factory)
     try:
         core = factory(d_key, **params)
-    except TypeError as exc:  # an unexpected keyword argument
+    except TypeError as exc:  # a keyword a plugin's constructor does not take
         raise VariantError(f"{name}: {exc}") from None
     core.variant_name = name
     return core

@@ -1,4 +1,9 @@
-"""The errors of the variant library (``variants.VariantError``, ``variants.UnsupportedBackend``)."""
+"""The errors of the variant library (``variants.VariantError``, ``variants.UnsupportedBackend``) and the
+"did you mean" of their messages (the harness's too)."""
+
+from __future__ import annotations
+
+import difflib
 
 
 class VariantError(ValueError):
@@ -7,3 +12,9 @@ class VariantError(ValueError):
 
 class UnsupportedBackend(VariantError):
     """A known backend that this variant (or this configuration of it) has no implementation for."""
+
+
+def did_you_mean(word: str, known) -> str:
+    """`` (did you mean 'x'?)`` naming the closest of ``known`` to a mistyped ``word`` (difflib), or ''."""
+    close = difflib.get_close_matches(str(word), [str(name) for name in known], n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""

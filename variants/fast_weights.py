@@ -17,12 +17,9 @@ import torch
 from . import kernels, precision
 from .base import AttentionCore, BackendForm, UnsupportedBackend, repeat_heads, state_heads
 from .feature_maps import EPS, FeatureMap, SumNormalized, make_feature_map
-from .params import SEED, choice, flag, integer
+from .params import FAST_WEIGHTS
 
 DEFAULT_CHUNK = 64
-#: The causal parallel form's scans (``scan=``): 'loop' (``chunked``: a Python loop over the chunks),
-#: 'parallel' (``chunk_scan``: every chunk at once), 'auto' (``FastWeightCore.scan_choice``).
-SCANS = ("auto", "loop", "parallel")
 
 
 class FastWeightState(NamedTuple):
@@ -52,20 +49,10 @@ class FastWeightCore(AttentionCore):
     et al. 2021 eq. 17 for the delta rule). ``precision`` ('ieee' or 'tf32', backend 'triton' only): the
     dots of float32 inputs in the Triton kernels. ``chunk_size`` is the scan's chunk (None: ``DEFAULT_CHUNK``, or on
     backend 'triton' the kernels' default, ``kernels.default_chunk_size``; ``chunk_size_given`` says which).
-    ``scan`` (one of ``SCANS``; PyTorch forms only) picks how the causal form runs the chunks.
+    ``scan`` (one of ``params.SCANS``; PyTorch forms only) picks how the causal form runs the chunks.
     """
 
-    PARAMS = {
-        "sum_norm": flag(),
-        "normalize": flag(),
-        "chunk_size": integer(high=None),
-        "m": integer(),
-        "nu": integer(),
-        "d_dot": integer(),
-        "seed": SEED,
-        "precision": choice("ieee", "tf32", backends=("triton",), default="ieee", scope="is a Triton kernel option"),
-        "scan": choice(*SCANS, quoted=False, backends=("torch", "compile"), default="auto", scope="picks a PyTorch form"),
-    }
+    PARAMS = FAST_WEIGHTS
     #: The Triton kernel module of the rule ('sum_rule' or 'delta_rule'), set by each rule.
     kernel_rule: str
 

@@ -33,7 +33,7 @@ import torch
 
 from .base import AttentionCore, VariantError, register
 from .chunked import causal_read
-from .params import SEED, integer
+from .params import LSH
 
 
 class LSHCache(NamedTuple):
@@ -85,12 +85,7 @@ class LSHAttention(AttentionCore):
     supports_noncausal = False
     shared_qk = True
     approximates_reference = True
-    PARAMS = {
-        "n_rounds": integer(optional=False),
-        "n_buckets": integer(2, optional=False),
-        "chunk_size": integer(high=None, optional=False),
-        "seed": SEED,
-    }
+    PARAMS = LSH
 
     def __init__(self, d_key, *, n_rounds: int = 1, n_buckets: int = 32, chunk_size: int = 64, seed: int = 0):
         super().__init__(d_key)

@@ -4,7 +4,9 @@ it expects, not in an exception from deep inside torch (a feature count too larg
 a seed torch's generator cannot take).
 
 A core class lists its parameters in ``PARAMS`` (merged along its base classes; a factory
-function registered with ``register(name, core=Class)`` takes its class's). A parameter that only
+function registered with ``register(name, core=Class)`` takes its class's). The shipped variants'
+are written here, with their names (``SHIPPED``), and this module imports no torch: a scenario's
+variant names and parameters are checked before torch and the variants load. A parameter that only
 some backends honour names them in ``backends``: on every other backend only its ``default`` is
 accepted (``precision='tf32'`` is the Triton kernels' option; ``scan``, how the PyTorch forms run
 the chunks, is refused by the kernels), so that a swept value never measures one configuration
@@ -14,11 +16,12 @@ under several labels.
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .base import UnsupportedBackend, VariantError
+from .errors import UnsupportedBackend, VariantError, did_you_mean
 
 #: The largest width a feature map or a count of random features may ask for: past it a core's
 #: buffers (FAVOR+'s ω is m × d_key) no longer fit any machine's memory.
@@ -77,8 +80,87 @@ def positive_number() -> Param:
     return Param(((accepts, "a finite number > 0"),))
 
 
+def string() -> Param:
+    """A string: a name whose meaning another part checks (a feature map's: ``feature_maps.make_feature_map``)."""
+    return Param(((lambda v: isinstance(v, str), "a name (a string)"),))
+
+
 #: ``seed`` of every core that draws random numbers when it is built (torch's generators take int64's range).
 SEED = integer(0, MAX_SEED, optional=False)
+#: The backends' names, the one list of them (``backends`` builds one of each).
+BACKENDS = ("torch", "triton", "compile", "fla")
+#: How the causal PyTorch forms of the sum and delta rules run the chunks (``scan=``): 'loop' (``chunked``: a Python
+#: loop over the chunks), 'parallel' (``chunk_scan``: every chunk at once), 'auto' (``FastWeightCore.scan_choice``).
+SCANS = ("auto", "loop", "parallel")
+#: The sum and delta rules' parameters (``fast_weights.FastWeightCore``).
+FAST_WEIGHTS = {
+    "phi": string(),
+    "sum_norm": flag(),
+    "normalize": flag(),
+    "chunk_size": integer(high=None),
+    "m": integer(),
+    "nu": integer(),
+    "d_dot": integer(),
+    "seed": SEED,
+    "precision": choice("ieee", "tf32", backends=("triton",), default="ieee", scope="is a Triton kernel option"),
+    "scan": choice(*SCANS, quoted=False, backends=("torch", "compile"), default="auto", scope="picks a PyTorch form"),
+}
+SOFTMAX = {"scale": positive_number()}
+LSH = {"n_rounds": integer(optional=False), "n_buckets": integer(2, optional=False), "chunk_size": integer(high=None, optional=False), "seed": SEED}
+RWKV = {"chunk_size": integer(high=None, optional=False)}
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A variant's parameters: its core class's (``params``) but those it sets itself (``fixes``);
+    ``complete``: they are every keyword its constructor takes (a plugin's class may take more than it declares)."""
+
+    params: dict[str, Param]
+    fixes: tuple[str, ...] = ()
+    complete: bool = True
+
+    def names(self) -> list[str]:
+        return sorted(set(self.params) - set(self.fixes))
+
+
+#: The shipped variants by name, as ``register`` registers them (tests/test_variants/test_params.py ties the two).
+SHIPPED = {
+    "softmax": Variant(SOFTMAX),
+    "linear": Variant(FAST_WEIGHTS),
+    "performer": Variant(FAST_WEIGHTS, fixes=("phi",)),
+    "dpfp": Variant(FAST_WEIGHTS, fixes=("phi",)),
+    "based": Variant(FAST_WEIGHTS, fixes=("phi",)),
+    "rebased": Variant(FAST_WEIGHTS, fixes=("phi",)),
+    "delta": Variant(FAST_WEIGHTS),
+    "deltanet": Variant(FAST_WEIGHTS),
+    "gated_delta": Variant(FAST_WEIGHTS),
+    "lsh": Variant(LSH),
+    "rwkv": Variant(RWKV),
+}
+
+
+def _registry():
+    """``variants.base`` where it is loaded (a plugin registers into it), else None: nothing but the shipped variants."""
+    return sys.modules.get("variants.base")
+
+
+def variant_names() -> list[str]:
+    """Every variant's name, sorted, without loading torch: the shipped ones and those the registry holds
+    where it is loaded (a plugin's)."""
+    base = _registry()
+    return sorted(set(SHIPPED) | set(base.names() if base else ()))
+
+
+def declaration(variant: str, factory=None) -> Variant:
+    """The parameters of ``variant``: a shipped one's (``SHIPPED``), else those its ``factory`` (default: the
+    registered one) declares; VariantError naming the known variants (and the close ones) for an unknown name."""
+    if variant in SHIPPED:
+        return SHIPPED[variant]
+    if factory is None:
+        if variant not in variant_names():
+            raise VariantError(f"unknown variant {variant!r}{did_you_mean(variant, variant_names())}; known variants: {', '.join(variant_names())}")
+        factory = _registry().registered(variant)
+    return Variant(declared(factory), tuple(getattr(factory, "fixed_params", ())), complete=False)
 
 
 def declared(factory) -> dict[str, Param]:
@@ -95,16 +177,28 @@ def _shown(value) -> str:
     return text if len(text) <= QUOTE else text[:QUOTE] + "…"
 
 
-def check(variant: str, factory, params: dict) -> None:
-    """Refuse a value a declared parameter does not accept, or a parameter the factory sets itself:
-    VariantError naming it and what it expects."""
-    specs = declared(factory)
-    for name, value in params.items():
-        if name in getattr(factory, "fixed_params", ()):
-            raise VariantError(f"{variant}: {name} is set by the variant itself, not a parameter of it, got {_shown(value)}")
-        problem = specs[name].problem(value) if name in specs else None
+def refusal(variant: str, params: dict, factory=None) -> str | None:
+    """What is wrong with ``params`` of ``variant`` (None: nothing): a parameter it does not have (the close
+    ones and all of them named), one it sets itself, a value its declaration does not accept. Torch-free for
+    a shipped variant (``declaration``)."""
+    spec = declaration(variant, factory)
+    for key, value in params.items():
+        if key in spec.fixes:
+            return f"{key} is set by the variant itself, not a parameter of it, got {_shown(value)}"
+        if key not in spec.params:
+            if not spec.complete:
+                continue  # a plugin's constructor may take it; it says so itself if not
+            return f"no parameter {key!r}{did_you_mean(key, spec.names())}; its parameters: {', '.join(spec.names()) or 'none'}"
+        problem = spec.params[key].problem(value)
         if problem is not None:
-            raise VariantError(f"{variant}: {name} must be {problem}, got {_shown(value)}")
+            return f"{key} must be {problem}, got {_shown(value)}"
+    return None
+
+
+def check(variant: str, params: dict, factory=None) -> None:
+    """``refusal`` as VariantError: ``{variant}: {what is wrong}``."""
+    if (problem := refusal(variant, params, factory)) is not None:
+        raise VariantError(f"{variant}: {problem}")
 
 
 def check_backend(core, backend: str, runs: str) -> None:

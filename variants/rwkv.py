@@ -20,7 +20,7 @@ from torch import nn
 from .base import AttentionCore, register
 from .chunked import _chunks, causal_read, wkv_chunk, wkv_chunked
 from .compiled import chunk_form
-from .params import integer
+from .params import RWKV as RWKV_PARAMS
 
 #: The chunked form's work per token grows with C (its [B, H, C, C, D] exponents): on a CPU,
 #: C = 8 was 3.1x faster forward and 1.3x in training than C = 32, with 0.4x the training
@@ -48,7 +48,7 @@ class RWKV(AttentionCore):
     token_shift = True
     supports_noncausal = False
     d_value_is_d_key = True
-    PARAMS = {"chunk_size": integer(high=None, optional=False)}
+    PARAMS = RWKV_PARAMS
     backend_forms = {"fla": "fla's fused_recurrent_rwkv4 (RWKV-4's WKV over [B, T, channels]) is not mapped yet"}
 
     def __init__(self, d_key, *, chunk_size=DEFAULT_CHUNK):

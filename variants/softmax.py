@@ -28,7 +28,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .base import AttentionCore, UnsupportedBackend, VariantError, register, sequences
 from .chunked import causal_read
-from .params import positive_number
+from .params import SOFTMAX
 
 #: The SDPA kernels the backend option ``sdpa`` pins, by the name a scenario gives ('auto': PyTorch picks per call).
 SDPA_BACKENDS = {
@@ -143,7 +143,7 @@ class Softmax(AttentionCore):
 
     #: The backend options of the PyTorch forms (backends 'torch' and 'compile'): name -> (accepts(value), what it accepts).
     OPTIONS = {"sdpa": (_check_sdpa, " | ".join(SDPA_CHOICES))}
-    PARAMS = {"scale": positive_number()}
+    PARAMS = SOFTMAX
     sdpa = "auto"
     head_grouping = "gqa"
 

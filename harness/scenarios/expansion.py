@@ -1,19 +1,17 @@
 """Expanding a validated scenario into cells: every variant configuration at every point of its
 axes, per backend and mode (but those ``exclude`` leaves out), each with its stable ``cell_id``; a cell
-its backend cannot compute is marked skipped with the reason. ``describe`` names a cell in one line."""
+its backend cannot compute is marked skipped with the reason. ``describe`` names a cell in one line.
+Torch is imported where a core is built (``expand``), so ``cell_count`` answers before it loads."""
 
 from __future__ import annotations
 
 import itertools
 import math
 
-import torch
-
 import variants
 
 from .. import tasks
 from ..common.formatting import quote
-from ..measuring.builders import head_counts, shaped_inputs
 from . import axes as axis_table
 from . import lengths
 from .cell import Cell
@@ -148,6 +146,10 @@ class _ShapeSupport:
         return self.known[key]
 
     def _refusal(self, backend: str, decode: bool, packed: bool, cell_axes: dict) -> str | None:
+        import torch
+
+        from ..measuring.builders import head_counts, shaped_inputs
+
         core = variants.create(self.name, cell_axes["d_key"], **self.params)
         axes = dict(cell_axes, batch=1, seq_len=2)
         inputs = shaped_inputs(core, axes, [1, 1] if packed else None, "cpu", torch.float32, False)
@@ -168,6 +170,8 @@ class _ShapeSupport:
 def _packs_padded(core, inputs: dict) -> bool:
     """Whether ``core``'s padded prefill (``prefill(lengths=)``) runs its rows packed: it refuses on a backend
     that takes no ``cu_seqlens`` (as the sum and delta rules' does; softmax's runs the padded batch densely)."""
+    import torch
+
     core.shapes = tuple(shape for shape in core.shapes if shape != "packed")
     try:
         with torch.no_grad():

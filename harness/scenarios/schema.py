@@ -15,20 +15,18 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, ValidationInfo, create_model, field_validator, model_validator
 from pydantic import Strict as PydanticStrict
 
-import variants
+from variants.errors import did_you_mean
+from variants.params import BACKENDS, refusal, variant_names
 
 from .. import tasks
 from ..common.formatting import quote
-from ..measuring.measure import CPU_TIMINGS, DECODE_TIMINGS, MAX_SAMPLES, TIMINGS
-from ..models import LM_PRESETS, lm_config
-from ..tasks import precision
+from ..measuring.timings import CPU_TIMINGS, DECODE_TIMINGS, MAX_SAMPLES, TIMINGS
 from . import axes as axis_table
 from . import lengths, scenario_files
 from .scenario_files import SEED_AXIS
 
 DTYPES = ("float32", "float16", "bfloat16", "float64")
 MODES = ("forward", "train", "decode")
-BACKENDS = variants.BACKENDS
 AXES = axis_table.SPEED
 #: The targets every scenario can measure; each registered task (harness.tasks) adds its name.
 SPEED_TARGETS = ("core", "layer", "model")
@@ -190,18 +188,23 @@ class ModelSpec(StrictSettings):
     overrides: dict[str, Any] = {}
 
     @model_validator(mode="after")
-    def _known_model(self):
-        """The preset and override fields are the LM config's (``harness.models``); the cell sets variant and variant_params."""
-        if self.preset not in LM_PRESETS:
-            raise ValueError(f"model.preset: expected one of {', '.join(LM_PRESETS)}, got {quote(self.preset)}")
+    def _cell_fields(self):
+        """The cell sets variant and variant_params (the preset and the other overrides: ``Scenario._torch_checks``)."""
         taken = [key for key in ("variant", "variant_params") if key in self.overrides]
         if taken:
             raise ValueError(f"model.overrides.{taken[0]}: set by each cell (its variant and parameters), not by an override")
+        return self
+
+    def check_config(self) -> None:
+        """The preset and override fields are the LM config's (``harness.models``, which imports torch)."""
+        from ..models import LM_PRESETS, lm_config
+
+        if self.preset not in LM_PRESETS:
+            raise ValueError(f"model.preset: expected one of {', '.join(LM_PRESETS)}, got {quote(self.preset)}{did_you_mean(self.preset, LM_PRESETS)}")
         try:
             lm_config(self.preset, self.vocab_size, **self.overrides)
         except (TypeError, ValueError) as exc:
             raise ValueError(f"model.overrides: {exc}") from None
-        return self
 
 
 class Scenario(Strict):
@@ -248,9 +251,11 @@ class Scenario(Strict):
     @field_validator("variants")
     @classmethod
     def _known_variants(cls, value):
-        unknown = [name for name in value if name not in variants.names()]
+        """Registered names (``variants.params``: the shipped ones without loading torch, a plugin's once it registered)."""
+        known = variant_names()
+        unknown = [name for name in value if name not in known]
         if unknown:
-            raise ValueError(f"unknown variant {quote(unknown[0])}; known: {', '.join(variants.names())}")
+            raise ValueError(f"variants.{unknown[0]}: unknown variant{did_you_mean(unknown[0], known)}; known: {', '.join(known)}")
         if not value:
             raise ValueError("expected at least one variant")
         return value
@@ -263,30 +268,17 @@ class Scenario(Strict):
                 raise ValueError(f"expected backends among {', '.join(BACKENDS)}, got {quote(backend)}")
         return value
 
-    @field_validator("backend_options")
-    @classmethod
-    def _backend_options(cls, value):
-        owners = variants.backend_option_owners()
-        for option, setting in value.items():
-            if option not in owners:
-                known = ", ".join(f"{name} ({'/'.join(backends)})" for name, backends in owners.items())
-                raise ValueError(f"unknown option {quote(option)}; backend options: {known}")
-            try:
-                variants.check_backend_options(owners[option][0], {option: setting})
-            except variants.VariantError as exc:
-                raise ValueError(str(exc)) from None
-        return value
-
     @model_validator(mode="after")
     def _exclusions(self):
         """Each exclusion names known variants, backends and modes (a typo would leave nothing out); a preset may
         drop what one names (the ci preset of a GPU scenario: its torch cells only)."""
-        known = {"variant": variants.names(), "backend": BACKENDS, "mode": MODES}
+        known = {"variant": variant_names(), "backend": BACKENDS, "mode": MODES}
         for i, exclusion in enumerate(self.exclude):
             for key, names in exclusion.fields().items():
                 unknown = [name for name in names if name not in known[key]]
                 if unknown:
-                    raise ValueError(f"exclude.{i}.{key}: expected one of {', '.join(known[key])}, got {quote(unknown[0])}")
+                    close = did_you_mean(unknown[0], known[key])
+                    raise ValueError(f"exclude.{i}.{key}: expected one of {', '.join(known[key])}, got {quote(unknown[0])}{close}")
         return self
 
     @model_validator(mode="after")
@@ -340,7 +332,6 @@ class Scenario(Strict):
         if needed or self.modes != ["quality"] or self.target != task.name:
             axes = "".join(f"axes.{axis}, " for axis in task.axes)
             raise ValueError(f"a {task.name} task scenario needs {axes}modes: [quality] and target: {task.name}")
-        _training_dtypes(self.axes, "axes")
         return self
 
     @model_validator(mode="after")
@@ -376,6 +367,33 @@ class Scenario(Strict):
                     variant_axes(self, params[VARIANT_AXES], f"{field}.{VARIANT_AXES}")
         return self
 
+    @model_validator(mode="after")
+    def _variant_parameters(self):
+        """Each configuration's parameters are its variant's, each value one it accepts (``variants.params``,
+        without torch: a value that builds no core, a d_dot it cannot reach, is found at expansion)."""
+        for name, spec in self.variants.items():
+            for field, params in configurations(name, spec):
+                for key, value in params.items():
+                    if key in (VARIANT_AXES, "d_key"):  # the configuration's axes; its own d_key (expansion)
+                        continue
+                    for item in sweep(value):
+                        if (problem := refusal(name, {key: item})) is not None:
+                            raise ValueError(f"{field}: {problem}")
+        return self
+
+    @model_validator(mode="after")
+    def _torch_checks(self):
+        """The checks that load torch, last (a validator runs only when those before it passed), so that every other
+        mistake is answered before torch loads: the LM config of ``model``, a quality task's training dtypes
+        (``harness.tasks.precision``) and the backend options (the variants' own)."""
+        if self.model is not None:
+            self.model.check_config()
+        if self.task is not None:
+            for field, axes in [("axes", self.axes), *_own_axes(self)]:
+                _training_dtypes(axes, field)
+        _check_backend_options(self.backend_options)
+        return self
+
 
 def _check_extra_axes(task_config, extra: dict, prefix: str) -> None:
     """A scenario's extra axes (at ``prefix``) are its task's own, positive integers, or ``seed``."""
@@ -409,15 +427,37 @@ def variant_axes(scenario: Scenario, override: dict | None, field: str) -> Axes:
     try:
         merged = Axes.model_validate({**current, **override})
     except ValidationError as exc:
-        error = exc.errors()[0]
-        message = error["msg"].removeprefix("Value error, ")
-        shown = "" if "got" in message else f" (got {quote(error.get('input'))})"
-        raise ValueError(f"{field}.{'.'.join(str(part) for part in error['loc'])}: {message}{shown}") from None
+        raise ValueError(f"{field}.{scenario_files.plain_errors(exc, Axes)[0]}") from None
     _check_extra_axes(scenario.task, {axis: value for axis, value in override.items() if axis not in Axes.model_fields}, field)
-    if task is not None:
-        _training_dtypes(merged, field)
     check_packed_axes(scenario, merged, field)
     return merged
+
+
+def _own_axes(scenario: Scenario) -> list[tuple[str, Axes]]:
+    """(field, axes) of each variant configuration that has its own ``axes``."""
+    return [
+        (f"{field}.{VARIANT_AXES}", variant_axes(scenario, params[VARIANT_AXES], f"{field}.{VARIANT_AXES}"))
+        for name, spec in scenario.variants.items()
+        for field, params in configurations(name, spec)
+        if params.get(VARIANT_AXES)
+    ]
+
+
+def _check_backend_options(options: dict) -> None:
+    """``backend_options``: each an option of a backend (``compile``'s) or of the cores it runs (softmax's ``sdpa``)."""
+    if not options:
+        return
+    import variants
+
+    owners = variants.backend_option_owners()
+    for option, setting in options.items():
+        if option not in owners:
+            known = ", ".join(f"{name} ({'/'.join(backends)})" for name, backends in owners.items())
+            raise ValueError(f"backend_options.{option}: unknown option{did_you_mean(option, owners)}; backend options: {known}")
+        try:
+            variants.check_backend_options(owners[option][0], {option: setting})
+        except variants.VariantError as exc:
+            raise ValueError(f"backend_options.{option}: {exc}") from None
 
 
 def check_packed_axes(scenario: Scenario, axes: Axes, field: str) -> list[lengths.Batch] | None:
@@ -443,6 +483,8 @@ def check_packed_axes(scenario: Scenario, axes: Axes, field: str) -> list[length
 
 def _training_dtypes(axes: Axes, field: str) -> None:
     """A quality cell trains in one of the dtypes of the policy (``harness.tasks.precision``)."""
+    from ..tasks import precision
+
     for dtype in sweep(axes.dtype):
         try:
             precision.check(dtype)
@@ -483,9 +525,12 @@ def axis_names(task, axes: Axes) -> tuple[str, ...]:
 _MODELS: dict[tuple, type[Scenario]] = {}
 
 
-def scenario_model() -> type[Scenario]:
-    """``Scenario`` whose ``task`` is one of the registered tasks' configs, told apart by
-    ``task.name`` (errors read ``task.<name>.<field>``)."""
+def scenario_model(raw: dict | None = None) -> type[Scenario]:
+    """The model of a scenario ``raw``: ``Scenario`` itself where it has no ``task`` section (a speed scenario), else
+    ``Scenario`` whose ``task`` is one of the registered tasks' configs, told apart by ``task.name`` (errors read
+    ``task.<name>.<field>``); those configs are in the tasks' modules, which import torch."""
+    if raw is not None and raw.get("task") is None:
+        return Scenario
     configs = tuple(tasks.resolve(task.config) for task in tasks.tasks())
     if configs not in _MODELS:
         union = Annotated[Union[configs], Field(discriminator="name")] if len(configs) > 1 else configs[0]

@@ -174,7 +174,7 @@ def test_task_scenario_expands_over_s(tmp_path):
     [
         ({"axes": {"d_key": 8}}, "axes.S"),
         ({"modes": ["forward"]}, "modes: [quality]"),
-        ({"task": {"name": "retrieval", "setting": 3}}, "task.retrieval.setting"),
+        ({"task": {"name": "retrieval", "setting": 3}}, "task.setting: expected 1 or 2, got 3"),
         ({"task": {"name": "wikitext"}}, "'mqar'"),
     ],
 )

@@ -47,7 +47,7 @@ def test_events_is_the_default_and_every_mode_loads_where_it_can_run(tmp_path):
 @pytest.mark.parametrize(
     "measure, modes, device, extra, said",
     [
-        ("timing: fast", "[forward]", "cpu", "", "measure.timing: Input should be 'events', 'cudagraph', 'profiler' or 'wall'"),
+        ("timing: fast", "[forward]", "cpu", "", "measure.timing: expected 'events', 'cudagraph', 'profiler' or 'wall', got \"fast\""),
         ("timing: cudagraph", "[forward]", "cpu", "", "measure.timing: 'cudagraph' replays a CUDA graph and needs a CUDA device; axes.device has 'cpu'"),
         ("timing: cudagraph", "[forward]", "cuda", "", None),  # a variant's own axes put it on the CPU (below)
         ("timing: profiler", "[forward, decode]", "cpu", "", "measure.timing: 'profiler' times one call; decode cells (modes) time each step"),

@@ -13,22 +13,22 @@ from harness.scenarios.scenario import ScenarioError, load_scenario
 @pytest.mark.parametrize(
     ("scenario", "override", "expected"),
     [
-        ("quality/mqar", "task.bogus=1", "task.mqar.bogus: Extra inputs are not permitted"),
-        ("quality/mqar", "task.steps=true", "task.mqar.steps: Input should be a valid integer"),
-        ("quality/mqar", "task.lr='1e-3'", "task.mqar.lr: Input should be a valid number"),
-        ("quality/mqar", "task.vocab_size=1000000000000", "task.mqar.vocab_size: Input should be less than or equal to 1048576"),
-        ("quality/mqar", "task.batch=1000000000", "task.mqar.batch: Input should be less than or equal to 65536"),
-        ("quality/mqar", "task.seed=-1", "task.mqar.seed: Input should be greater than or equal to 0"),
+        ("quality/mqar", "task.bogus=1", "task.bogus: not a field (got 1)"),
+        ("quality/mqar", "task.steps=true", "task.steps: expected an integer, got true"),
+        ("quality/mqar", "task.lr='1e-3'", 'task.lr: expected a number, got "1e-3"'),
+        ("quality/mqar", "task.vocab_size=1000000000000", "task.vocab_size: expected at most 1048576, got 1000000000000"),
+        ("quality/mqar", "task.batch=1000000000", "task.batch: expected at most 65536, got 1000000000"),
+        ("quality/mqar", "task.seed=-1", "task.seed: expected at least 0, got -1"),
         ("quality/retrieval-capacity", "task.lr=.inf", "task.lr: expected a finite number"),
-        ("quality/retrieval-capacity", "task.max_steps=10000000000", "task.retrieval.max_steps: Input should be less than or equal to 1000000000"),
-        ("quality/copy", "task.d_model=100000000", "task.copy.d_model: Input should be less than or equal to 65536"),
-        ("quality/copy", "task.n_symbols=1000000000000", "task.copy.n_symbols: Input should be less than or equal to 1048576"),
-        ("quality/image-gen", "task.speed_pixels=[1000000000]", "task.image-gen.speed_pixels.0: Input should be less than or equal to 1048576"),
-        ("quality/lm-wikitext", "task.model_overrides.n_layers=abc", "task.lm.model_overrides: n_layers: expected an integer from 1 to 1024"),
-        ("quality/lm-wikitext", "task.model_overrides.d_model=1000000000", "task.lm.model_overrides: d_model: expected an integer from 1 to 65536"),
-        ("quality/lm-wikitext", "task.segment={kind: rmt, memory: 100000000}", "task.lm.segment: segment.memory: expected at most 1048576"),
-        ("quality/mt-multi30k", "task.vocab_size=1000000000", "task.mt.vocab_size: Input should be less than or equal to 1048576"),
-        ("decode", "decode.new_tokens=1000000000", "decode.new_tokens: Input should be less than or equal to 65536"),
+        ("quality/retrieval-capacity", "task.max_steps=10000000000", "task.max_steps: expected at most 1000000000, got 10000000000"),
+        ("quality/copy", "task.d_model=100000000", "task.d_model: expected at most 65536, got 100000000"),
+        ("quality/copy", "task.n_symbols=1000000000000", "task.n_symbols: expected at most 1048576, got 1000000000000"),
+        ("quality/image-gen", "task.speed_pixels=[1000000000]", "task.speed_pixels.0: expected at most 1048576, got 1000000000"),
+        ("quality/lm-wikitext", "task.model_overrides.n_layers=abc", "task.model_overrides: n_layers: expected an integer from 1 to 1024"),
+        ("quality/lm-wikitext", "task.model_overrides.d_model=1000000000", "task.model_overrides: d_model: expected an integer from 1 to 65536"),
+        ("quality/lm-wikitext", "task.segment={kind: rmt, memory: 100000000}", "task.segment: segment.memory: expected at most 1048576"),
+        ("quality/mt-multi30k", "task.vocab_size=1000000000", "task.vocab_size: expected at most 1048576, got 1000000000"),
+        ("decode", "decode.new_tokens=1000000000", "decode.new_tokens: expected at most 65536, got 1000000000"),
     ],
 )
 def test_a_task_setting_out_of_bounds_or_of_the_wrong_type_is_refused_in_one_line(scenario, override, expected):
@@ -36,4 +36,4 @@ def test_a_task_setting_out_of_bounds_or_of_the_wrong_type_is_refused_in_one_lin
         load_scenario(scenario, preset="ci", overrides=[override])
     message = str(caught.value)
     assert expected in message, message
-    assert len(message.splitlines()) == 2, "the file, then one line naming the field"
+    assert len(message.splitlines()) == 1, "one line naming the file and the field"

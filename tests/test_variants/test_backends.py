@@ -154,7 +154,7 @@ def test_a_scenario_pins_the_sdpa_kernel_of_its_softmax_cells_only(tmp_path):
     assert pinned["linear", "torch"].backend_options == {} and pinned["linear", "compile"].backend_options == {"mode": "default"}
     assert pinned["linear", "torch"].cell_id == plain["linear", "torch"].cell_id
     assert pinned["softmax", "torch"].cell_id != plain["softmax", "torch"].cell_id
-    with pytest.raises(ScenarioError, match=r"backend_options: backend 'torch': option sdpa must be one of auto \| flash"):
+    with pytest.raises(ScenarioError, match=r"backend_options.sdpa: backend 'torch': option sdpa must be one of auto \| flash"):
         _scenario_cells(tmp_path, "backend_options: {sdpa: flash2}\n")
 
 
