@@ -33,8 +33,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tqdm import tqdm
-
 from variants.backends import OWN_FORMS
 
 from ..common.checkouts import SIDES, RegressError, Revision, changed_files, repository, worktrees
@@ -45,6 +43,7 @@ from ..results.compare import EXIT_OK, EXIT_REGRESSION, CompareResult, compare
 from ..running import runner
 from ..running.executors import main_device, unmeasured
 from ..running.executors.local import LocalExecutor
+from ..running.progress import progress_bar
 from ..scenarios.cell import Cell
 from ..scenarios.expansion import describe
 from ..scenarios.scenario import LoadedScenario
@@ -171,8 +170,7 @@ def measure_rounds(revisions, cells: dict[str, list[Cell]], rounds: int, fingerp
     checkout, kept from cell to cell (regress compares time, not peak memory) unless a cell
     failed or asks for a fresh one (``measure.fresh_worker``)."""
     measured = {side: {cell.cell_id: [] for cell in side_cells} for side, side_cells in cells.items()}
-    bar = tqdm(total=rounds * sum(map(len, cells.values())), unit="cell", disable=not progress, dynamic_ncols=True)
-    try:
+    with progress_bar(rounds * sum(map(len, cells.values())), shown=progress) as bar:
         for number in range(rounds):
             for revision in revisions if number % 2 == 0 else revisions[::-1]:
                 if not cells[revision.side]:
@@ -182,8 +180,6 @@ def measure_rounds(revisions, cells: dict[str, list[Cell]], rounds: int, fingerp
                 journal = _Rounds(measured[side], run_ids[side])
                 label = lambda cell, number=number, side=side: f"round {number + 1}/{rounds} {side}: {describe(cell)}"
                 runner.measure_cells(executor, cells[side], fingerprints[side], journal, bar, label)
-    finally:
-        bar.close()
     return measured
 
 
