@@ -1,7 +1,9 @@
 """How busy the machine was around a measurement: load average, the CPU time other processes
-used (all CPU time from /proc/stat minus this process's own from /proc/self/stat), and on a
+used (all CPU time from /proc/stat minus this process's own, ``time.process_time``), and on a
 GPU its utilisation and the other processes on it (NVML). A timing taken while other work ran
 is a shared-machine timing; ``with LoadMeter(device) as meter: ...`` then ``meter.record``.
+What follows from it: the threads of a run's CPU cells (``run_threads``, once per run) and
+whether a CPU timing was disturbed (``disturbed``: it is then unstable).
 """
 
 from __future__ import annotations
@@ -33,9 +35,9 @@ def busy_cpu_s() -> float | None:
 
 
 def own_cpu_s() -> float:
-    """CPU seconds this process (all its threads) has used, user and system."""
-    times = os.times()
-    return times.user + times.system
+    """CPU seconds this process (all its threads) has used, user and system (``time.process_time``:
+    the scheduler's count, to the nanosecond, where ``os.times`` counts whole 10 ms ticks)."""
+    return time.process_time()
 
 
 def _loadavg() -> list[float] | None:
@@ -64,7 +66,7 @@ def gpu_load(device) -> dict | None:
 
 class LoadMeter:
     """The machine's load around a block; ``record`` after it (``other_cores``: the cores other
-    processes kept busy on average, of ``cores``)."""
+    processes kept busy on average, of ``cores``; ``own_cpu_s``: the CPU seconds this process used)."""
 
     def __init__(self, device="cpu"):
         self.device = device
@@ -82,6 +84,7 @@ class LoadMeter:
         self.record = {
             "wall_s": wall_s,
             "cores": os.cpu_count(),
+            "own_cpu_s": own - self._start[2],
             "other_cpu_s": other,
             "other_cores": None if other is None or wall_s <= 0 else other / wall_s,
             "loadavg_before": self._loadavg,
@@ -117,10 +120,51 @@ def spare_threads(threads: int, cores: int, other_cores: float | None) -> int:
     return max(1, min(threads, cores - busy_cores(other_cores)))
 
 
+def timed_on_cpu(cell: Cell) -> bool:
+    """Whether ``cell`` is a CPU speed cell that is measured (the cells a run's thread count is for)."""
+    return cell.device.startswith("cpu") and not cell.quality and not cell.skip
+
+
+def run_threads(cells: list[Cell], cpu: dict, other_cores: float | None) -> int | None:
+    """The torch threads of every timed CPU cell of a run (None: it has none), chosen once at its start
+    by the rule each cell used to apply at its own start: torch's threads (``cpu``: the fingerprint's
+    ``torch_threads``, what a worker starts with) bounded by the usable cores other processes leave
+    free (``spare_threads``). Once, so that the cells of a run are timed on the same terms (a cell
+    that chose 2 threads while its neighbours had 1 timed 30x slower on a busy machine); by the load,
+    so that a busy machine does not make every cell wait for the core another process holds. A load
+    that comes later is caught cell by cell (``disturbed``). A cell's ``measure.cpus`` still bounds it."""
+    if not any(timed_on_cpu(cell) for cell in cells):
+        return None
+    cores = cpu.get("usable_cores") or cpu.get("logical_cores") or 1
+    return spare_threads(cpu.get("torch_threads") or cores, cores, other_cores)
+
+
+#: A CPU timing whose process ran on a core less than this share of the wall time of its warm-up and
+#: samples waited for one (descheduled: another process, or the hypervisor, held it): ``disturbed``.
+MIN_CPU_SHARE = 0.8
+#: The load of other processes is judged over at least this many seconds: /proc/stat counts in 10 ms
+#: ticks per core, so over a shorter window one stray tick reads as a busy core.
+MIN_LOAD_WINDOW_S = 0.2
+
+
+def disturbed(load: dict) -> bool | None:
+    """Whether a CPU timing was disturbed, from the load over its warm-up and samples (a ``LoadMeter``
+    record with the ``threads`` it ran on): other processes kept busy more of the machine's ``cores``
+    than its threads left free (``busy_cores(other_cores) > cores - threads``, judged over
+    ``MIN_LOAD_WINDOW_S`` or more), or the process ran on a core less than ``MIN_CPU_SHARE`` of the
+    wall time (``own_cpu_s / wall_s``: a process that computes is always on a core unless it waits
+    for one). None when neither could be judged (no wall time)."""
+    wall_s = load.get("wall_s") or 0.0
+    if wall_s <= 0:
+        return None
+    taken = load.get("other_cores") is not None and wall_s >= MIN_LOAD_WINDOW_S and busy_cores(load["other_cores"]) > load["cores"] - load["threads"]
+    return taken or load["own_cpu_s"] / wall_s < MIN_CPU_SHARE
+
+
 def busy_warning(cells: list[Cell], other_cores: float | None, cores: int) -> str | None:
     """One line saying the machine is busy, when ``cells`` time something on the CPU and other
     processes keep a core or more of ``cores`` busy (``busy_cores``); None otherwise."""
-    timed = sum(cell.device == "cpu" and not cell.quality and not cell.skip for cell in cells)
+    timed = sum(map(timed_on_cpu, cells))
     busy = busy_cores(other_cores)
     if not timed or not busy:
         return None

@@ -45,10 +45,13 @@ CHECK_GROWTH = 1.25
 @dataclass(frozen=True)
 class Timing:
     """Raw per-iteration samples in seconds, with the order statistics a report quotes, and
-    whether their median reached ``target_rel_ci`` (None: a fixed number of samples was asked)."""
+    whether their median reached ``target_rel_ci`` (None: a fixed number of samples was asked)
+    undisturbed by other processes (``disturbed``)."""
 
     samples_s: tuple[float, ...]
     target_rel_ci: float | None = None
+    #: whether another process took a core the samples needed (``busyness.disturbed``; None: not judged, a GPU cell)
+    disturbed: bool | None = None
 
     @property
     def median_s(self) -> float:
@@ -72,8 +75,9 @@ class Timing:
 
     @property
     def unstable(self) -> bool | None:
-        """True when the interval of the median stayed wider than asked; None when nothing was asked."""
-        return None if self.target_rel_ci is None else self.rel_ci > self.target_rel_ci
+        """True when the interval of the median stayed wider than asked, or the samples were
+        ``disturbed`` (samples that all waited alike can agree closely); None when nothing was asked."""
+        return None if self.target_rel_ci is None else self.rel_ci > self.target_rel_ci or bool(self.disturbed)
 
     def summary(self) -> dict:
         return {
@@ -84,6 +88,7 @@ class Timing:
             "samples_s": list(self.samples_s),
             "rel_ci": self.rel_ci,
             **({} if self.target_rel_ci is None else {"unstable": self.unstable, "target_rel_ci": self.target_rel_ci}),
+            **({} if self.disturbed is None else {"disturbed": self.disturbed}),
         }
 
 
@@ -129,6 +134,9 @@ class Clock:
     flush when ``flush_l2``), recorded on the current stream of the clock's device (not of
     the current device: ``cuda:1`` is timed on GPU 1), perf_counter on the CPU (timing ``events``)."""
 
+    #: What one sample reads, by device type (``clock_name``: ``metrics.clock``).
+    reads = {"cpu": "wall (perf_counter)", "cuda": "CUDA events"}
+
     def __init__(self, device, flush_l2: bool):
         self.device = torch.device(device)
         self.flush = None
@@ -160,6 +168,8 @@ class WallClock(Clock):
     call until the device has finished it (a synchronisation after the call, outside it), so
     Python, dispatch and kernel launches count; the L2 flush (GPU) is done and waited for first."""
 
+    reads = {"cpu": "wall (perf_counter)", "cuda": "wall (perf_counter to synchronize)"}
+
     def __call__(self, fn):
         self.flush_l2()
         synchronize(self.device)
@@ -175,6 +185,8 @@ class ProfilerClock(Clock):
     gaps and host time left out), after the L2 flush; on the CPU the summed self time of its
     operators (time inside ATen operators; Python between them left out). Kineto's one-time
     start-up (seconds) is paid when the clock is made, outside every sample."""
+
+    reads = {"cpu": "profiler (operators' self CPU time)", "cuda": "profiler (device activity time)"}
 
     def __init__(self, device, flush_l2: bool):
         super().__init__(device, flush_l2)
@@ -225,15 +237,29 @@ def device_seconds(events, device: torch.device) -> float:
     return sum(event.self_cpu_time_total for event in measured) / 1e6
 
 
+#: The clock of each ``measure.timing`` mode (``cudagraph``: events, on the replays).
+CLOCKS = {"events": Clock, "cudagraph": Clock, "profiler": ProfilerClock, "wall": WallClock}
+
+
 def clock_for(timing: str, device, flush_l2: bool) -> Clock:
-    """The clock of one ``measure.timing`` mode (``cudagraph``: events, on the replays); a
-    ``TimingError`` for ``cudagraph`` off a CUDA device, before anything runs."""
+    """The clock of one ``measure.timing`` mode (``CLOCKS``); a ``TimingError`` for ``cudagraph``
+    off a CUDA device, before anything runs."""
     device = torch.device(device)
     if timing not in TIMINGS:
         raise TimingError(f"measure.timing: expected one of {', '.join(TIMINGS)}, got {timing!r}")
     if timing == "cudagraph" and device.type != "cuda":
         raise TimingError(f"measure.timing: 'cudagraph' replays a CUDA graph and needs a CUDA device, not {device.type!r} ({CPU_TIMINGS})")
-    return {"profiler": ProfilerClock, "wall": WallClock}.get(timing, Clock)(device, flush_l2)
+    return CLOCKS[timing](device, flush_l2)
+
+
+def clock_name(timing: str, device) -> str:
+    """What times one sample of ``measure.timing`` mode ``timing`` on ``device`` (``metrics.clock``):
+    on the CPU ``wall (perf_counter)`` for ``events`` and ``wall`` (the CPU has no events: its work
+    is synchronous), ``profiler (operators' self CPU time)`` for ``profiler``; on a GPU ``CUDA events``,
+    ``CUDA events, graph replays``, ``wall (perf_counter to synchronize)`` or ``profiler (device activity time)``."""
+    reads = CLOCKS[timing].reads
+    name = reads.get(torch.device(device).type, reads["cpu"])  # any other device is timed as the CPU is (Clock.__call__)
+    return f"{name}, graph replays" if timing == "cudagraph" else name
 
 
 def graph_replay(fn, device):

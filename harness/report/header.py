@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import pandas as pd
 
-from ..common.formatting import gib, si, text
+from ..common.formatting import gib, present, si, text
 from ..results import read_records
 from .figures import Table, table
 from .tables import cell_columns
@@ -39,7 +39,7 @@ def _machine_facts(machine: dict) -> list[tuple[str, str]]:
         (
             "CPU",
             f"{text(cpu.get('model'))}, {text(cpu.get('usable_cores'))} usable of {text(cpu.get('logical_cores'))} cores, "
-            f"{text(cpu.get('torch_threads'))} torch threads",
+            f"torch's default {text(cpu.get('torch_threads'))} threads",
         ),
         ("memory", gib(machine.get("memory_bytes"))),
         *_gpu_facts(machine.get("gpu"), versions),
@@ -69,6 +69,29 @@ def _calibration_facts(calibration: dict | None) -> list[tuple[str, str]]:
             )
         )
     return rows
+
+
+def _threads_fact(runs: list[dict], cells: pd.DataFrame) -> list[tuple[str, str]]:
+    """The torch threads the machine's cells ran on (``metrics.torch_threads``): one count for every
+    timed CPU cell of a run, chosen at its start (its run line's ``torch_threads``), or several (runs
+    that chose differently, or files written before); the quality cells' own (their task's ``threads``)."""
+    if "metrics.torch_threads" not in cells:
+        return []
+    measured = cells[cells["metrics.torch_threads"].map(present)]
+    quality = measured["mode"] == "quality"
+
+    def counts(group: pd.DataFrame) -> str:
+        found = sorted({int(value) for value in group["metrics.torch_threads"]})
+        return " or ".join(map(str, found)) + (" (not the same for every cell: their times are not on the same terms)" if len(found) > 1 else "")
+
+    parts = []
+    if len(timed := measured[~quality & (measured["axes.device"] == "cpu")]):
+        chosen = sorted({run["torch_threads"] for run in runs if run.get("torch_threads") is not None})
+        when = "" if not chosen else ", chosen once at the start of its run" + (f" ({' or '.join(map(str, chosen))})" if len(chosen) > 1 else "")
+        parts.append(f"timed CPU cells: {counts(timed)}{when}")
+    if quality.any():
+        parts.append(f"quality cells: {counts(measured[quality])}, their task's threads")
+    return [("torch threads", "; ".join(parts))] if parts else []
 
 
 def _commit_text(run: dict) -> str:
@@ -115,10 +138,14 @@ def _throttled(cells: pd.DataFrame) -> pd.DataFrame:
 def _machine_section(name: str, runs: list[dict], cells: pd.DataFrame) -> MachineSection:
     throttled = _throttled(cells)
     dates = sorted(run["started_at"] for run in runs)
-    facts = _machine_facts(runs[-1]["machine"]) + [
-        ("commits", ", ".join(dict.fromkeys(_commit_text(run) for run in runs))),
-        ("run dates", dates[0] if dates[0] == dates[-1] else f"{dates[0]} to {dates[-1]}"),
-    ]
+    facts = (
+        _machine_facts(runs[-1]["machine"])
+        + _threads_fact(runs, cells)
+        + [
+            ("commits", ", ".join(dict.fromkeys(_commit_text(run) for run in runs))),
+            ("run dates", dates[0] if dates[0] == dates[-1] else f"{dates[0]} to {dates[-1]}"),
+        ]
+    )
     reasons = [(f"reasons {when}", f"metrics.throttle_{when}.reasons", text) for when in ("before", "after")]
     throttled_table = table("Throttled cells", throttled, [("scenario", "scenario", text), *cell_columns(cells), *reasons]) if len(throttled) else None
     return MachineSection(name, facts, [_run_view(run) for run in runs], throttled_table, len(throttled))

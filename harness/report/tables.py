@@ -18,7 +18,8 @@ from .figures import Table, natural_columns, table
 COMMON_QUALITY_METRICS = ("words_per_s", "peak_mem_bytes", "wall_s")
 #: The caption of a table with a median measured unstable (shown with compare.UNSTABLE_SUFFIX).
 UNSTABLE_NOTE = (
-    "A time marked * was measured unstable (its median never reached measure.target_rel_ci): do not trust it; ratios with one are left out of means."
+    "A time marked * was measured unstable (its median never reached measure.target_rel_ci, or another process took a core it needed): "
+    "do not trust it; ratios with one are left out of means."
 )
 
 
@@ -83,12 +84,12 @@ def timing_table(cells: pd.DataFrame) -> Table | None:
         return None
     ok = ok.sort_values(["mode", "series", f"axes.{cells['x_axis'].iloc[0]}"])
     columns = cell_columns(cells) + [
-        ("timing", "timing", text),
+        ("timing", "clock", text),
         ("median", "metrics.median_s", format_seconds),
         ("p20", "metrics.p20_s", format_seconds),
         ("p80", "metrics.p80_s", format_seconds),
         ("±CI", "metrics.rel_ci", percent),
-        ("stability", "metrics.unstable", flag),
+        ("stability", "stability_text", text),
         ("error", "error_text", text),
         ("tokens/s", "metrics.tokens_per_s", si),
         ("roofline", "metrics.roofline_fraction", fraction),
@@ -98,15 +99,31 @@ def timing_table(cells: pd.DataFrame) -> Table | None:
         ("throttled", "metrics.throttled", text),
     ]
     caption = (
-        "timing: what one sample timed (measure.timing: events, cudagraph, profiler or wall; docs/profiling.md); "
-        "times of two modes are not comparable. ±CI: half the 95 % interval of the median, relative; unstable: it stayed wider than "
-        "measure.target_rel_ci. error: the "
+        "timing: what timed one sample (metrics.clock; on the CPU the wall time by perf_counter for measure.timing events and wall, "
+        "the operators' self CPU time for profiler; on a GPU CUDA events, graph replays, perf_counter to synchronize or the profiler's "
+        "device time; a cell recorded without it shows its measure.timing; docs/profiling.md); times of two modes are not comparable. "
+        "±CI: half the 95 % interval of the median, relative; unstable: it stayed wider than measure.target_rel_ci, or (disturbed) "
+        "another process took a core the cell's threads needed while it was timed (metrics.disturbed). error: the "
         "relative L2 error against the float64 reference (metrics.rel_error), '!' beyond its dtype's tolerance (inaccurate: its speed "
         "is not to be compared). roofline: the fraction of the machine's calibrated limit (docs/results.md, 'Roofline'). other cores: "
         "the cores other processes kept busy meanwhile."
     )
-    ok = ok.assign(stability=ok["metrics.unstable"].map(lambda value: "unstable" if value is True else "stable"), error_text=_error_texts(ok))
+    ok = ok.assign(
+        stability_text=[_stability(record) for record in ok.to_dict("records")],
+        clock=ok["metrics.clock"].where(ok["metrics.clock"].map(present), ok["timing"]) if "metrics.clock" in ok else ok["timing"],
+        error_text=_error_texts(ok),
+    )
+    ok = ok.assign(stability=ok["stability_text"].map(lambda shown: "unstable" if shown.startswith(("unstable", "disturbed")) else "stable"))
     return table("Every timed cell", ok, columns, caption, classes="stability")
+
+
+def _stability(record: dict) -> str:
+    """``unstable``, ``unstable (disturbed)`` where another process took a core it needed (``disturbed`` alone
+    in a cell that asked for no verdict: target_rel_ci null), empty when stable, ``-`` when not judged."""
+    shown, disturbed = flag(record["metrics.unstable"]), record.get("metrics.disturbed") is True
+    if shown == "unstable":
+        return "unstable (disturbed)" if disturbed else shown
+    return "disturbed" if disturbed else shown
 
 
 def ranking_table(cells: pd.DataFrame) -> Table | None:

@@ -79,6 +79,7 @@ class RunLine(_Fields):
     resumed_from: str | None = None
     executor: str | None = None
     node_id: str | None = None
+    torch_threads: int | None = None
 
 
 class Metrics(_Fields):
@@ -114,8 +115,11 @@ class Metrics(_Fields):
     rel_ci: Number | None = None
     target_rel_ci: Number | None = None
     unstable: bool | None = None
+    disturbed: bool | None = None
     load: Mapping | None = None
+    timed_load: Mapping | None = None
     timing: str | None = None
+    clock: str | None = None
     profile: Mapping | None = None
     min_bytes: Number | None = None
     roofline_s: Number | None = None

@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 from ..common.files import open_regular
 from ..measuring import machine, profiling
-from ..measuring.busyness import busy_warning, other_cores_now
+from ..measuring.busyness import busy_warning, other_cores_now, run_threads, timed_on_cpu
 from ..results import FAILING, ResultsWriteError, ResultsWriter, cell_record, completed_cell_ids, parse_line, read_records, run_header, utc_now
 from ..results.locking import MachineRuns, ResultsDirectoryLock, describe_runs
 from ..scenarios.cell import Cell
@@ -333,12 +333,19 @@ def _run_locked(loaded, out_dir, resume, retry_failed, executor, command, progre
     if done:
         summary.earlier_failures = _failures_in(path, cells, done)
 
+    threads = None  # a Ray executor's nodes choose their own (executors.ray)
+    if executor.same_machine:
+        other_cores = other_cores_now()
+        earlier = earlier_threads(path) if resumed_from else None
+        threads = earlier or run_threads(todo, fingerprint.get("cpu") or {}, other_cores)
+        if busy := busy_warning(todo, other_cores, os.cpu_count()):
+            print(busy, file=sys.stderr)
+    todo = [with_threads(cell, threads) for cell in todo]
+
     def header(run_id: str, fp: dict, node_id) -> dict:
-        return run_header(loaded, run_id, command, fp, resumed_from=resumed_from, **executor.run_fields(node_id))
+        return run_header(loaded, run_id, command, fp, resumed_from=resumed_from, **{"torch_threads": threads, **executor.run_fields(node_id)})
 
     journal = ResultsJournal(writer, header, summary, machine_runs, fingerprint["machine_id"])
-    if executor.same_machine and (busy := busy_warning(todo, other_cores_now(), os.cpu_count())):
-        print(busy, file=sys.stderr)
     start = time.perf_counter()
     try:
         with progress_bar(len(cells), initial=summary.skipped_as_done, shown=progress) as bar:
@@ -351,6 +358,20 @@ def _run_locked(loaded, out_dir, resume, retry_failed, executor, command, progre
         writer.close()
         summary.seconds = time.perf_counter() - start
     return summary
+
+
+def earlier_threads(path: Path) -> int | None:
+    """The threads the latest run line of a resumed file chose for its CPU cells (None: none): a resumed
+    run keeps them, so that every CPU cell of the file is timed on the same terms."""
+    return next((run.get("torch_threads") for run in reversed(read_records(path)) if run["kind"] == "run"), None)
+
+
+def with_threads(cell: Cell, threads: int | None) -> Cell:
+    """A timed CPU cell with its run's torch threads (``measure.threads``, chosen once per run:
+    ``busyness.run_threads``), which its worker runs it on; any other cell as it is."""
+    if threads is None or not timed_on_cpu(cell):
+        return cell
+    return cell.replace(measure={**cell.measure, "threads": threads})
 
 
 def with_checkpoint_dir(cell: Cell, results: Path) -> Cell:

@@ -65,8 +65,8 @@ MEMORY_SHARE = 0.8
 
 @dataclass(frozen=True)
 class Calibration:
-    """A request to a worker for ``roofline.calibrate`` of its device: pinned to ``cpus`` as its
-    cells will be, measured on ``device`` (harness.running.executors.calibration makes it)."""
+    """A request to a worker for ``roofline.calibrate`` of its device: pinned to ``cpus`` and on
+    ``threads`` torch threads as its cells will be, measured on ``device`` (harness.running.executors.calibration makes it)."""
 
     machine_id: str
     dtypes: list
@@ -74,6 +74,7 @@ class Calibration:
     gpu_name: str | None
     sm_clock_mhz: float | None
     cpus: list | None = None
+    threads: int | None = None
 
 
 def start_allowance(timeout_s: float) -> float:
@@ -145,8 +146,8 @@ def calibrated(request: Calibration) -> dict:
     from ..measuring.roofline import calibrate
     from .workloads import pin
 
-    pin(request.cpus)
-    arguments = {key: value for key, value in asdict(request).items() if key != "cpus"}
+    pin(request.cpus, request.threads)
+    arguments = {key: value for key, value in asdict(request).items() if key not in ("cpus", "threads")}
     with on_device(request.device):
         return {"status": "ok", "error": None, "metrics": calibrate(**arguments)}
 

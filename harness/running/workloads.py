@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import functools
 import gc
 import os
@@ -23,14 +24,16 @@ from variants.compiled import compiled_frames
 from .. import tasks
 from ..measuring import accuracy, profiling
 from ..measuring.builders import BUILDERS, CellError, attention_inputs, build_core, build_decoder, decode_contexts, head_arguments
-from ..measuring.busyness import LoadMeter, other_cores_now, spare_threads
+from ..measuring.busyness import LoadMeter, disturbed
 from ..measuring.machine import missing_tensor_cores
 from ..measuring.measure import (
     DECODE_TIMINGS,
     Clock,
     PeakMemory,
+    Timing,
     TimingError,
     clock_for,
+    clock_name,
     on_device,
     sample_until_stable,
     synchronize,
@@ -54,16 +57,15 @@ def measure_cell(cell: Cell) -> dict:
     out-of-memory errors) propagate to the caller, which records them. A CUDA cell runs with its
     GPU as the current device (``on_device``); a 16-bit cell on a GPU without tensor cores for
     its dtype is skipped before anything is built (``machine.missing_tensor_cores``). A timed CPU
-    cell without ``measure.cpus`` runs on the threads other processes leave free (``load.spare_threads``)."""
+    cell runs on its run's threads (``measure.threads``, ``busyness.run_threads``), at most one per
+    CPU of ``measure.cpus``; any other on the threads the worker started with."""
     axes = cell.axes
     device, dtype = torch.device(axes["device"]), DTYPES[axes["dtype"]]
     if device.type == "cuda" and not torch.cuda.is_available():
         return {"status": "skipped", "error": "CUDA is not available on this machine", "metrics": {}}
     if refusal := missing_tensor_cores(device, axes["dtype"]):
         return {"status": "skipped", "error": refusal, "metrics": {}}
-    pin(cell.measure.get("cpus"))
-    if device.type == "cpu" and not cell.quality and cell.measure.get("cpus") is None:
-        torch.set_num_threads(spare_threads(torch.get_num_threads(), len(_UNPINNED[0] or range(os.cpu_count())), other_cores_now()))
+    pin(cell.measure.get("cpus"), cell.measure.get("threads"))
     with on_device(device), LoadMeter(device) as load:
         try:
             result = _measure(cell, device, dtype)
@@ -77,14 +79,16 @@ def measure_cell(cell: Cell) -> dict:
 _UNPINNED = (os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None, torch.get_num_threads())
 
 
-def pin(cpus) -> None:
-    """Pin this process to ``cpus`` (measure.cpus) with no more threads than CPUs; None: as it started."""
-    affinity, threads = _UNPINNED
-    if affinity is None:
-        return
-    chosen = affinity if cpus is None else set(cpus)
-    os.sched_setaffinity(0, chosen)
-    torch.set_num_threads(min(threads, len(chosen)))
+def pin(cpus, threads: int | None = None) -> None:
+    """Pin this process to ``cpus`` (measure.cpus; None: the CPUs it started on) and run ``threads``
+    torch threads (the run's, measure.threads; None: as many as it started with), no more than CPUs."""
+    affinity, started = _UNPINNED
+    threads = threads or started
+    if affinity is not None:
+        chosen = affinity if cpus is None else set(cpus)
+        os.sched_setaffinity(0, chosen)
+        threads = min(threads, len(chosen))
+    torch.set_num_threads(threads)
 
 
 def _sampling(measure: dict) -> dict:
@@ -114,11 +118,15 @@ def _measure(cell, device, dtype) -> dict:
     with PeakMemory(device) as peak:
         workload = BUILDERS[cell.target](cell, device, dtype)
         finite = _finite(workload.run())
-    with usual_allocator():
-        timing = time_callable(workload.run, warmup=measure["warmup"], device=device, flush_l2=measure["flush_l2"], timing=_timing(cell), **_sampling(measure))
+    timing, timed_load = _judged(
+        device,
+        lambda: time_callable(workload.run, warmup=measure["warmup"], device=device, flush_l2=measure["flush_l2"], timing=_timing(cell), **_sampling(measure)),
+    )
     metrics = {
         **timing.summary(),
+        **timed_load,
         "timing": _timing(cell),
+        "clock": clock_name(_timing(cell), device),
         "tokens": workload.tokens,
         "tokens_per_s": workload.tokens / timing.median_s,
         "peak_mem_bytes": peak.bytes,
@@ -135,6 +143,17 @@ def _measure(cell, device, dtype) -> dict:
     result = _compile_record(cell, _result(finite, metrics), first_call_s, compiled_before)
     result["metrics"].update(_accuracy(lambda: accuracy.measure(cell, device, dtype, workload)))
     return _profiled(cell, result, workload.run, device)
+
+
+def _judged(device, sample) -> tuple[Timing, dict]:
+    """``sample()``'s Timing, taken under ``usual_allocator``; on the CPU judged by the load over it
+    (``busyness.disturbed``: a disturbed timing is unstable), with that load as ``{"timed_load": ...}``."""
+    with usual_allocator(), LoadMeter() as meter:
+        timing = sample()
+    if device.type != "cpu":
+        return timing, {}
+    load = {**meter.record, "threads": torch.get_num_threads()}
+    return dataclasses.replace(timing, disturbed=disturbed(load)), {"timed_load": load}
 
 
 def _profiled(cell, result: dict, call, device) -> dict:
@@ -274,16 +293,18 @@ def _measure_decode(cell, device, dtype) -> dict:
             decoder = build_decoder(cell, device, dtype, context, new_tokens)
             core, prefill, step, step_bytes = decoder.core, decoder.prefill, decoder.step, decoder.step_bytes
             decode_round()
-        with usual_allocator():
+        rounds = []
+
+        def timed_round():
+            rounds.append(decode_round())
+            return sum(rounds[-1][1])
+
+        def warmed_up():
             for _ in range(measure["warmup"]):
                 decode_round()
-            rounds = []
+            return sample_until_stable(timed_round, **_sampling(measure))
 
-            def timed_round():
-                rounds.append(decode_round())
-                return sum(rounds[-1][1])
-
-            timing = sample_until_stable(timed_round, **_sampling(measure))
+        timing, timed_load = _judged(device, warmed_up)
     finite = all(ok for _, _, ok in rounds)
     heads, grouped = head_arguments(core, axes)
     rows = collections.Counter(decode_contexts(cell, context))  # prompt length -> sequences
@@ -293,7 +314,9 @@ def _measure_decode(cell, device, dtype) -> dict:
     traffic = sum(_state_traffic(core, count, heads, axes["d_value"], length + i, grouped) for length, count in rows.items() for i in range(new_tokens))
     metrics = {
         **timing.summary(),
+        **timed_load,
         "timing": _timing(cell),
+        "clock": clock_name(_timing(cell), device),
         "tokens": tokens,
         "tokens_per_s": tokens / timing.median_s,
         "step_latency_s": np.median([step_s for _, step_s, _ in rounds], axis=0).tolist(),

@@ -199,7 +199,7 @@ def test_a_busy_process_beside_is_seen():
 def test_a_run_beside_a_busy_process_says_so(tmp_path):
     """The summary line of ``attnbench run`` names the unstable cells and the load; with a
     CPU-bound process beside it the load is at least half a core (the count of unstable cells
-    depends on the machine and is not asserted)."""
+    depends on the machine and is not asserted); unstable: a wide interval, or disturbed."""
     import re
 
     scenario = tmp_path / "tiny.yaml"
@@ -221,4 +221,4 @@ def test_a_run_beside_a_busy_process_says_so(tmp_path):
 
     cells = load(tmp_path / "out")
     assert (cells["metrics.load.other_cores"] >= 0.5).all() and cells["metrics.unstable"].isin([True, False]).all()
-    assert ((cells["metrics.rel_ci"] > 0.05) == cells["metrics.unstable"]).all()
+    assert (((cells["metrics.rel_ci"] > 0.05) | cells["metrics.disturbed"].eq(True)) == cells["metrics.unstable"]).all()

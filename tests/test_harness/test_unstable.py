@@ -173,31 +173,6 @@ def test_a_busy_machine_is_announced_before_cpu_cells(tmp_path):
     assert busy_warning([cell.replace(axes=dict(cell.axes, device="cuda")) for cell in cells], 1.6, 2) is None
 
 
-@pytest.mark.serial  # the threads it leaves are this process's: one in a pytest-xdist worker (tests/conftest.py)
-def test_a_cpu_cell_records_the_threads_the_load_left_it(tmp_path, monkeypatch):
-    """Measured in this process with the load injected: a busy machine leaves one thread (recorded
-    as torch_threads), a quiet one all of them, and measure.cpus keeps its own (1 CPU: 1 thread)."""
-    import torch
-
-    import harness.running.workloads as workloads
-
-    cores = len(workloads._UNPINNED[0] or range(os.cpu_count()))
-    if cores < 2 or workloads._UNPINNED[1] < 2:
-        pytest.skip("one core or one thread: nothing to leave")
-    threads = {}
-    try:
-        for load in (0.0, cores - 0.4):
-            monkeypatch.setattr(workloads, "other_cores_now", lambda load=load: load)
-            (cell,) = _cells(tmp_path)
-            threads[load] = workloads.measure_cell(cell)["metrics"]["torch_threads"]
-        monkeypatch.setattr(workloads, "other_cores_now", lambda: 0.0)
-        (pinned,) = _cells(tmp_path, cpus=[0, 1])
-        pinned_threads = workloads.measure_cell(pinned)["metrics"]["torch_threads"]
-    finally:
-        workloads.pin(None)
-    assert threads == {0.0: min(cores, workloads._UNPINNED[1]), cores - 0.4: 1} and pinned_threads == 2 and torch.get_num_threads() == workloads._UNPINNED[1]
-
-
 def test_attnbench_run_says_so_before_the_first_cell(tmp_path, monkeypatch, capsys):
     """The warning is the first line of ``attnbench run`` on a busy machine (load injected), after
     the checks and before the worker starts (stopped there as Ctrl-C would, to stay quick)."""

@@ -51,10 +51,11 @@ def unmeasured(status: str, error: str) -> dict:
 
 
 def calibration(worker: Worker, cells: list[Cell], fingerprint: dict) -> dict | None:
-    """``machine.calibration`` for ``cells``, measured in ``worker`` (its threads, the cells'
-    ``measure.cpus``) on their device (``cuda:N``: GPU N, with its SM clock): None when no cell
-    is timed, when ``ATTNBENCH_CALIBRATE=0``, or when it failed (with a warning; a worker not started within
-    the cells' longest ``start_allowance`` is left to the first cell, which waits no longer)."""
+    """``machine.calibration`` for ``cells``, measured in ``worker`` on the threads and CPUs of the first
+    timed cell (``measure.threads``, ``measure.cpus``), on their device (``cuda:N``: GPU N, with its SM
+    clock): None when no cell is timed, when ``ATTNBENCH_CALIBRATE=0``, or when it failed (with a warning;
+    a worker not started within the cells' longest ``start_allowance`` is left to the first cell, which
+    waits no longer)."""
     timed = [cell for cell in cells if not cell.quality and not cell.skip]
     if not timed or os.environ.get("ATTNBENCH_CALIBRATE", "1") == "0":
         return None
@@ -66,6 +67,7 @@ def calibration(worker: Worker, cells: list[Cell], fingerprint: dict) -> dict | 
         gpu_name=(fingerprint.get("gpu") or {}).get("name"),
         sm_clock_mhz=(machine.throttle_state(device) or {}).get("sm_clock_mhz"),
         cpus=timed[0].measure.get("cpus"),
+        threads=timed[0].measure.get("threads"),
     )
     result = worker.calibrate(request, max(start_allowance(cell.measure["timeout_s"]) for cell in timed))
     if result["status"] != "ok":

@@ -7,7 +7,9 @@ as locally. The task asks Ray for what
 the cell needs: one GPU for a CUDA cell; for a CPU speed cell a share of its node's CPUs (all of
 them, or 1/``cells_per_node``), pinned to that node, so no other cell runs beside it; for a CPU
 quality cell its task's ``threads`` (default 1). The cell's torch threads equal the CPUs it
-holds (``OMP_NUM_THREADS``). A Ray worker or node that dies marks its
+holds (``OMP_NUM_THREADS``): every CPU speed cell of a node runs on the same threads, its share,
+fixed for the run and written in the node's run line (``torch_threads``), as the local
+executor's run chooses one count for all its cells. A Ray worker or node that dies marks its
 cell ``crashed``; the sweep goes on.
 
 The runner stays the only writer of the results file: this executor yields each cell as it
@@ -25,6 +27,7 @@ import os
 import sys
 
 from ...measuring import machine
+from ...measuring.busyness import timed_on_cpu
 from ...scenarios.cell import Cell
 from ..runner import RunError
 from ..worker import Worker, needs_fresh_worker
@@ -52,10 +55,6 @@ def import_ray():
 
 def _is_cuda(cell: Cell) -> bool:
     return cell.device.startswith("cuda")
-
-
-def _is_cpu_timing(cell: Cell) -> bool:
-    return not cell.quality and not _is_cuda(cell)
 
 
 def _on_task_device(cell: Cell) -> Cell:
@@ -129,6 +128,7 @@ class RayExecutor:
         self.pending = {}  # ObjectRef -> (cell, the node it was pinned to or None)
         self.calibrations = {}  # node id -> calibration
         self.driver = None
+        self.cpu_cells = False  # whether the run has CPU speed cells to measure
         self.remote = None  # _on_node as a Ray remote function
 
     # --- the cluster -----------------------------------------------------------------------
@@ -154,6 +154,7 @@ class RayExecutor:
                     "or start Ray yourself and pass --address"
                 )
         self.driver = {**fingerprint, "calibration": None}
+        self.cpu_cells = any(map(timed_on_cpu, todo))
         self._calibrate([cell for cell in todo if not cell.quality and not cell.skip])
         return []
 
@@ -202,10 +203,10 @@ class RayExecutor:
     def measure(self, todo: list[Cell], starting):
         """Submit the cells (CPU speed cells as their nodes' shares free up), calling ``starting``
         for each; yield ``(cell, observation)`` as cells finish, in the order they finish."""
-        timing = [cell for cell in todo if _is_cpu_timing(cell) and not cell.skip]
+        timing = [cell for cell in todo if timed_on_cpu(cell)]
         held = {}  # node id -> CPU speed cells running there
         for cell in todo:
-            if cell.skip or not _is_cpu_timing(cell):
+            if not timed_on_cpu(cell):
                 refused = self._refusal(cell)
                 if refused is not None:
                     yield cell, refused
@@ -263,8 +264,10 @@ class RayExecutor:
         return {**observation, "machine": machine_fp}
 
     def run_fields(self, node_id) -> dict:
-        """What the run line of a node says beyond the fingerprint: the executor and the Ray node id."""
-        return {"executor": "ray", "node_id": node_id}
+        """What the run line of a node says beyond the fingerprint: the executor, the Ray node id and
+        the torch threads of the node's CPU speed cells (its CPU share; None without such cells)."""
+        node = next((node for node in self._nodes() if node["NodeID"] == node_id), None) if self.cpu_cells else None
+        return {"executor": "ray", "node_id": node_id, "torch_threads": None if node is None else self._cpu_share(node)}
 
     def close(self) -> None:
         """Cancel the cells still running (Ctrl-C); disconnect from the cluster (a Ray instance
