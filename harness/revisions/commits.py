@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -183,7 +184,7 @@ def dry_run(chosen: Range, *, gpu: str | None = None, measured_from: str | None 
             total, todo = total + seconds, todo + 1
             part = f"{len(cells) - len(left)} of {len(cells)} cells recorded; " if len(left) < len(cells) else ""
             state = f"to measure: {part}{counted(len(left), 'cell')}, ~{format_duration(seconds)}"
-        lines.append(f"  {commit[:10]} {described[commit][:60]}: {state}")
+        lines.append(f"  {commit[:10]} {textwrap.shorten(described[commit], 60, placeholder=' ...')}: {state}")
     whole = estimator.sweep(cells).seconds()
     lines.append(
         f"estimated {format_duration(total)} for {counted(todo, 'commit')} to measure: each its cells as `attnbench run --dry-run` estimates them "
