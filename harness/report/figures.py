@@ -1,7 +1,8 @@
 """What every plot and table of a report is made of: the ``Plot`` and ``Table`` records the
 template renders, ``Figures`` (the report's output folder, one colour per line label, one line
-style per machine) and a figure of several panels. Shared by ``harness.report`` and the
-report sections each task registers (``harness.tasks``)."""
+style per machine), a figure of several panels and the plain-text tick labels of its log axes.
+Shared by ``harness.report``, the report sections each task registers (``harness.tasks``) and
+the history page (``harness.history``)."""
 
 from __future__ import annotations
 
@@ -46,8 +47,8 @@ def natural_columns(column: pd.Series) -> pd.Series:
 
 
 class PlainLogFormatter(LogFormatterSciNotation):
-    """The tick labels of matplotlib's log axes (which ticks, which of them labelled) as plain text:
-    10⁻², 4×10⁻² where matplotlib writes ``$\\mathdefault{4\\times10^{-2}}$``."""
+    """The tick labels matplotlib chooses for a log axis, in plain text: 10⁻², 4×10⁻² where
+    matplotlib writes ``$\\mathdefault{4\\times10^{-2}}$``."""
 
     def __call__(self, x, pos=None):
         label = re.sub(r"^\$\\mathdefault\{(.*)\}\$$", r"\1", super().__call__(x, pos))
