@@ -119,10 +119,10 @@ def test_backend_options_reach_the_compiled_cells_and_their_ids(tmp_path):
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        ("backends: [torch, compile]\nbackend_options: {mode: fastest}\n", "backend_options: backend 'compile': option mode must be one of default"),
+        ("backends: [torch, compile]\nbackend_options: {mode: fastest}\n", "backend_options.mode: backend 'compile': option mode must be one of default"),
         (
             "backends: [torch, compile]\nbackend_options: {fullgraph: true}\n",
-            'backend_options: unknown option "fullgraph"; backend options: sdpa (torch/compile), mode (compile), dynamic (compile)',
+            "backend_options.fullgraph: unknown option; backend options: sdpa (torch/compile), mode (compile), dynamic (compile)",
         ),
         ("backends: [torch, compile]\nbackend_options: {dynamic: maybe}\n", "option dynamic must be one of true, false or null"),
         (
