@@ -16,8 +16,10 @@ from pathlib import Path
 import pytest
 from helpers import attnbench, make_cell
 
+import variants
 from harness.results import load, read_records
 from harness.scenarios.cell import Cell
+from variants.base import registered
 
 PLUGIN = str(Path(__file__).with_name("fault_plugin.py"))
 
@@ -186,13 +188,29 @@ def test_malloc_tuning_is_for_speed_workers_only():
         quality.close()
 
 
+def every_shipped_variant_in_every_mode() -> set[tuple[str, str]]:
+    """(variant, mode) of each variant attnbench registers itself (a plugin's, a test's own, left out) in each mode."""
+    shipped = [name for name in variants.names() if registered(name).__module__.startswith("variants.")]
+    return {(name, mode) for name in shipped for mode in ("forward", "train", "decode")}
+
+
+def test_the_main_job_measures_every_shipped_variant_in_every_mode():
+    """smoke-cpu, the main job on a CPU machine (README), and its ci preset, which the test below runs end to end."""
+    from harness.scenarios.scenario import load_scenario
+
+    for preset in (None, "ci"):
+        assert {(cell.variant, cell.mode) for cell in load_scenario("smoke-cpu", preset=preset).cells()} == every_shipped_variant_in_every_mode(), preset
+
+
 @pytest.mark.slow
 @pytest.mark.serial  # roofline fractions: a roof calibrated while a test beside it ran is too low
 def test_smoke_ci_preset_runs_and_loads(smoke_ci):
     """The shipped smoke scenario end to end (ci preset, 2 samples a cell: tests/test_harness/conftest.py): every cell
-    ok, loadable, with metrics."""
+    ok and accurate, loadable, with metrics; every registered variant in every mode, as the main job measures them."""
     table = load([smoke_ci.out])
-    assert len(table) == 18 and set(table["status"]) == {"ok"}, table[["variant", "mode", "status", "error"]]
+    assert len(table) == 36 and set(table["status"]) == {"ok"}, table[["variant", "mode", "status", "error"]]
+    assert not table["metrics.inaccurate"].any(), table[["variant", "mode", "metrics.rel_error", "metrics.rel_error_tolerance"]]
+    assert set(zip(table["variant"], table["mode"])) == every_shipped_variant_in_every_mode()
     assert (table["metrics.tokens_per_s"] > 0).all() and (table["metrics.flops"] > 0).all()
     decode = table[table["mode"] == "decode"]
     assert all(len(latency) == 16 for latency in decode["metrics.step_latency_s"])
