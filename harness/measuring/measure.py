@@ -27,17 +27,10 @@ import numpy as np
 import torch
 
 from .stats import median_rel_ci
-
-#: The timing modes of ``measure.timing``; decode cells time each step and take ``DECODE_TIMINGS``.
-TIMINGS = ("events", "cudagraph", "profiler", "wall")
-DECODE_TIMINGS = ("events", "wall")
-#: What an error about ``cudagraph`` on the CPU offers instead.
-CPU_TIMINGS = "events, profiler or wall time the CPU"
+from .timings import CPU_TIMINGS, MAX_SAMPLES, TIMINGS
 
 #: Bytes written between GPU iterations to evict the L2 cache (H100/H200: 50 MiB of L2).
 L2_FLUSH_BYTES = 256 * 1024 * 1024
-#: Adaptive sampling never takes more samples than this (a µs-scale call would take thousands).
-MAX_SAMPLES = 1000
 #: Adaptive sampling checks its interval again once the sample count has grown by this factor.
 CHECK_GROWTH = 1.25
 

@@ -27,7 +27,6 @@ from ..measuring.builders import BUILDERS, CellError, attention_inputs, build_co
 from ..measuring.busyness import LoadMeter, disturbed
 from ..measuring.machine import missing_tensor_cores
 from ..measuring.measure import (
-    DECODE_TIMINGS,
     Clock,
     PeakMemory,
     Timing,
@@ -41,6 +40,7 @@ from ..measuring.measure import (
     usual_allocator,
 )
 from ..measuring.roofline import DTYPES
+from ..measuring.timings import DECODE_TIMINGS
 from ..scenarios.cell import Cell
 from ..tasks.precision import TRAIN_DTYPES
 from ..tasks.training import cell_checkpoints
