@@ -40,9 +40,9 @@ def shown(stream: str) -> list[str]:
 
 
 def test_a_warning_and_a_child_processs_line_come_on_lines_of_their_own_above_the_bar():
-    done = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=60)
+    done = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, timeout=60)  # bytes: text would read each \r as \n
     assert done.returncode == 0, done.stderr
-    lines = shown(done.stderr)
+    lines = shown(done.stderr.decode())
     assert "<string>:7: UserWarning: a warning while the bar is shown" in lines, lines
     assert "a worker writes this" in lines, lines
     assert lines[-3:-1] == ["first cell: 100%|██████████| 2/2 [" + lines[-3].split("[", 1)[1], "after the bar"], lines
@@ -92,5 +92,7 @@ def test_the_runs_bar_takes_the_lines_of_the_runner_and_its_workers_above_it(tmp
 
     (tmp_path / "two.yaml").write_text("name: two\nvariants: {linear: {}}\naxes: {seq_len: [16, 32], batch: 1, heads: 1, d_key: 8}\n")
     runner.run(load_scenario(str(tmp_path / "two.yaml")), tmp_path / "out", progress=True, executor=_Talkative())
-    lines = shown(capfd.readouterr().err)
+    err = capfd.readouterr().err
+    lines = shown(err)
     assert lines.count("warning: the runner says this") == 2 and lines.count("a worker writes this") == 2, lines
+    assert "\r" in err and "2/2" in lines[-2], "the bar was drawn, its last state the last line"
