@@ -56,18 +56,20 @@ def range_commits(repo: Path, spec: str, every: int = 1) -> list[str]:
         raise RegressError("not a range of commits (A..B, such as HEAD~10..HEAD or v1.0..main)")
     if every < 1:
         raise RegressError(f"--every must be at least 1, got {every}")
-    ends = []
-    for end in (first, last):
-        try:
-            if end.startswith("-"):
-                raise RegressError(end)
-            ends.append(commit_of(repo, end))
-        except RegressError:
-            raise RegressError(f"{end!r} is not a revision of the repository at {repo}") from None
-    commits = git(repo, "rev-list", "--first-parent", "--reverse", f"{ends[0]}..{ends[1]}", "--").split()
+    commits = git(repo, "rev-list", "--first-parent", "--reverse", f"{_end(repo, first)}..{_end(repo, last)}", "--").split()
     if not commits:
         raise RegressError(f"the range {spec!r} holds no commit (is the first revision an ancestor of the second?)")
     return commits[::-1][::every][::-1]
+
+
+def _end(repo: Path, revision: str) -> str:
+    """The commit of one end of a range; one that begins with ``-`` (git would read it as an option) is none."""
+    try:
+        if not revision.startswith("-"):
+            return commit_of(repo, revision)
+    except RegressError:
+        pass
+    raise RegressError(f"{revision!r} is not a revision of the repository at {repo}")
 
 
 def results_file(out_dir: Path, scenario: str, commit: str, machine_id: str) -> Path:
