@@ -101,11 +101,13 @@ def machine_names(cells: pd.DataFrame) -> dict[str, str]:
 def prepare(frame: pd.DataFrame) -> pd.DataFrame:
     """The cells of ``load`` with what the report needs: the identity columns (machines are
     matched without the device name), the machine's display name, each scenario's x axis
-    and each cell's line label (``series``; with its timing mode where the report holds several);
-    the latest measurement of each cell in each timing mode only."""
+    and each cell's line label (``series``; with its timing mode where the report holds several), what timed it
+    (``clock``: ``metrics.clock``, or its timing mode for a record without one); the latest measurement of each cell in each timing mode only."""
     cells = identify(frame.assign(**{column: np.nan for column in READ if column not in frame}), ignore_axes=("device",))
     timing = cells["metrics.timing"] if "metrics.timing" in cells else pd.Series(np.nan, index=cells.index)
     cells["timing"] = timing.where(timing.map(present), "events").where(cells["mode"] != "quality")
+    clock = cells["metrics.clock"] if "metrics.clock" in cells else pd.Series(np.nan, index=cells.index)
+    cells["clock"] = clock.where(clock.map(present), cells["timing"])
     cells = latest(cells, MEASUREMENT)
     show_backend, show_timing = cells["backend"].nunique() > 1, cells["timing"].nunique() > 1
     cells["_label"] = [

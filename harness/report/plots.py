@@ -151,7 +151,12 @@ def metric_plot(cells: pd.DataFrame, metric: Metric, figures: Figures, name: str
         ax.set_title(mode)
     figures.legend(figure, pd.concat([ok, failed]), not failed.empty)
     unstable = int(ok["metrics.unstable"].map(lambda value: value is True).sum())
-    warning = f"{unstable} unstable cell(s), ringed (hatched bars): their median is not known to measure.target_rel_ci; do not trust them." if unstable else ""
+    warning = (
+        f"{unstable} unstable cell(s), ringed (hatched bars): their median is not known to measure.target_rel_ci, "
+        "or another process took a core they needed; do not trust them."
+        if unstable
+        else ""
+    )
     caption = " ".join(filter(None, [f"{metric.title} against {x}.", metric.detail(ok), warning, _decode_note(cells)]))
     return figures.save(figure, f"{name}-{metric.slug}", metric.title, caption)
 

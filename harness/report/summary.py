@@ -109,8 +109,8 @@ def _speed_table(group: pd.DataFrame, title: str, fixed: dict) -> Table:
         columns[length] = {record["_label"]: _speed_text(record, reference) for record in at.to_dict("records")}
     longest = group[(group[f"axes.{LENGTH}"] == shown[-1]) & (group["status"] == "ok")].set_index("_label")["metrics.median_s"]
     order = sorted(group["_label"].unique(), key=lambda label: (_rank(longest.get(label)), natural(label)))
-    timing = group["timing"].iloc[0]
-    caption = f"Held fixed: {axes_text(fixed) or 'nothing'}" + (f"; timing: {timing}" if present(timing) else "") + "."
+    clocks = ", ".join(clock for clock in group["clock"].unique() if present(clock))
+    caption = f"Held fixed: {axes_text(fixed) or 'nothing'}" + (f"; timed by: {clocks}" if clocks else "") + "."
     if len(shown) < len(lengths):
         caption += f" Only the longest of {len(lengths)} lengths; the plots below show them all."
     return _grid(title, "fastest", SHORT[LENGTH], winners, columns, order, caption)

@@ -110,7 +110,6 @@ def timing_table(cells: pd.DataFrame) -> Table | None:
     )
     ok = ok.assign(
         stability_text=[_stability(record) for record in ok.to_dict("records")],
-        clock=ok["metrics.clock"].where(ok["metrics.clock"].map(present), ok["timing"]) if "metrics.clock" in ok else ok["timing"],
         error_text=_error_texts(ok),
     )
     ok = ok.assign(stability=ok["stability_text"].map(lambda shown: "unstable" if shown.startswith(("unstable", "disturbed")) else "stable"))

@@ -121,7 +121,14 @@ def test_groups_never_mix_dtypes_and_each_says_what_it_holds_fixed(tmp_path):
     assert list(tables) == ["s: forward · float32", "s: forward · bfloat16"]  # in the order measured
     for dtype, fastest in (("float32", "softmax: 2 ms"), ("bfloat16", "linear: 500 µs")):
         own = tables[f"s: forward · {dtype}"]
-        assert own.rows[0] == ["fastest", fastest] and own.caption == f"Held fixed: B=2 H=4 Dv=32 {dtype} cpu; timing: events.", own
+        assert own.rows[0] == ["fastest", fastest] and own.caption == f"Held fixed: B=2 H=4 Dv=32 {dtype} cpu; timed by: events.", own
+
+
+def test_the_caption_names_what_timed_the_cells(tmp_path):
+    """A CPU cell timed with measure.timing events was timed by perf_counter (metrics.clock), and the caption says so."""
+    records = [cell(variant, 128, median, clock="wall (perf_counter)") for variant, median in (("softmax", 0.002), ("linear", 0.001))]
+    (table,) = summary_tables(prepare(load(write(tmp_path / "r.jsonl", records))))
+    assert table.caption == "Held fixed: B=2 H=4 Dv=32 float32 cpu; timed by: wall (perf_counter).", table.caption
 
 
 def test_modes_are_summarised_apart_in_their_order(tmp_path):
