@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .base import VariantError
+from .params import PHI_NAMES
 
 #: ε in the sum normalisation φ(x) / (Σ_j φ(x)_j + ε) and in the attention normaliser.
 EPS = 1e-6
@@ -218,7 +219,6 @@ class SumNormalized(FeatureMap):
         return features / (features.sum(-1, keepdim=True) + EPS)
 
 
-PHI_NAMES = ("identity", "elu1", "favor", "dpfp", "l2", "silu_l2", "taylor", "rebased")
 #: the maps without a size parameter, and the d_dot each has
 _FIXED = {
     "identity": (Identity, "d_key"),

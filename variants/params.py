@@ -36,12 +36,14 @@ QUOTE = 60
 class Param:
     """One constructor parameter: its ``rules``, each ``(accepts(value), what it expects)``, the first
     refusing one named in the error; where only some ``backends`` honour it, its ``default`` (the one
-    value the others take) and ``scope``, what it does, for the refusal ("is a Triton kernel option")."""
+    value the others take) and ``scope``, what it does, for the refusal ("is a Triton kernel option");
+    ``names``: the values of a choice (a refused one is told the closest)."""
 
     rules: tuple[tuple[Callable[[Any], bool], str], ...]
     backends: tuple[str, ...] | None = None
     default: Any = None
     scope: str = ""
+    names: tuple[str, ...] = ()
 
     def problem(self, value) -> str | None:
         """What ``value`` should have been, or None when it is accepted."""
@@ -71,7 +73,7 @@ def choice(*values, quoted: bool = True, **restricted) -> Param:
     """One of ``values`` (named in the error with their quotes, or without); ``restricted`` as
     ``Param`` takes it (backends, default, scope)."""
     named = ", ".join(map(repr, values) if quoted else values)
-    return Param(((lambda v: isinstance(v, str) and v in values, f"one of {named}"),), **restricted)
+    return Param(((lambda v: isinstance(v, str) and v in values, f"one of {named}"),), names=values, **restricted)
 
 
 def positive_number() -> Param:
@@ -80,13 +82,10 @@ def positive_number() -> Param:
     return Param(((accepts, "a finite number > 0"),))
 
 
-def string() -> Param:
-    """A string: a name whose meaning another part checks (a feature map's: ``feature_maps.make_feature_map``)."""
-    return Param(((lambda v: isinstance(v, str), "a name (a string)"),))
-
-
 #: ``seed`` of every core that draws random numbers when it is built (torch's generators take int64's range).
 SEED = integer(0, MAX_SEED, optional=False)
+#: The feature maps φ of the sum and delta rules (``feature_maps.make_feature_map`` builds each).
+PHI_NAMES = ("identity", "elu1", "favor", "dpfp", "l2", "silu_l2", "taylor", "rebased")
 #: The backends' names, the one list of them (``backends`` builds one of each).
 BACKENDS = ("torch", "triton", "compile", "fla")
 #: How the causal PyTorch forms of the sum and delta rules run the chunks (``scan=``): 'loop' (``chunked``: a Python
@@ -94,7 +93,7 @@ BACKENDS = ("torch", "triton", "compile", "fla")
 SCANS = ("auto", "loop", "parallel")
 #: The sum and delta rules' parameters (``fast_weights.FastWeightCore``).
 FAST_WEIGHTS = {
-    "phi": string(),
+    "phi": choice(*PHI_NAMES),
     "sum_norm": flag(),
     "normalize": flag(),
     "chunk_size": integer(high=None),
@@ -189,9 +188,9 @@ def refusal(variant: str, params: dict, factory=None) -> str | None:
             if not spec.complete:
                 continue  # a plugin's constructor may take it; it says so itself if not
             return f"no parameter {key!r}{did_you_mean(key, spec.names())}; its parameters: {', '.join(spec.names()) or 'none'}"
-        problem = spec.params[key].problem(value)
-        if problem is not None:
-            return f"{key} must be {problem}, got {_shown(value)}"
+        param = spec.params[key]
+        if (problem := param.problem(value)) is not None:
+            return f"{key} must be {problem}, got {_shown(value)}{did_you_mean(value, param.names) if isinstance(value, str) else ''}"
     return None
 
 

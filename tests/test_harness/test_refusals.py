@@ -38,6 +38,7 @@ MISTAKES = [
     (["run", "{file}", "--set", "variants.dpf={}"], ["variants.dpf: unknown variant (did you mean 'dpfp'?); known: based, delta, deltanet, dpfp,"]),
     (["run", "{file}", "--set", "variants.performer={phi: favor}"], ["variants.performer: phi is set by the variant itself, not a parameter of it"]),
     (["run", "{file}", "--set", "variants.dpfp.nu=0"], ["variants.dpfp: nu must be a positive int, got 0"]),
+    (["run", "{file}", "--set", "variants.linear={phi: dpf}"], ["variants.linear: phi must be one of 'identity', 'elu1',", "got 'dpf' (did you mean 'dpfp'?)"]),
     (["run", "{file}", "--set", "measure.repeatz=3"], ["measure.repeatz: not a field (got 3) (did you mean 'repeats'?); the fields here: warmup, repeats,"]),
     (["run", "{file}", "--set", "modes=[forwrd]"], ["modes.0: expected 'forward', 'train', 'decode' or 'quality' (did you mean 'forward'?)"]),
     (["run", "{file}", "--set", "backends=[tritn]"], ['backends: expected backends among torch, triton, compile, fla, got "tritn"']),
