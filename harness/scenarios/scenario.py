@@ -12,7 +12,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from . import scenario_files
+from . import scenario_files, validation
 from .cell import Cell
 from .expansion import check_cell_count
 from .scenario_files import ScenarioError, resolve_path, shipped  # noqa: F401 (the public face)
@@ -35,7 +35,7 @@ def check_scenario(spec: str, *, preset: str | None = None, overrides: list[str]
     try:
         scenario = model.model_validate(raw, context={"folder": path.parent})
     except ValidationError as exc:
-        raise ScenarioError(scenario_files.format_validation(str(path), exc, overrides, model)) from None
+        raise ScenarioError(validation.format_validation(str(path), exc, overrides, model)) from None
     check_cell_count(scenario, str(path))
     return LoadedScenario(scenario, None, path, hashlib.sha256(data).hexdigest(), preset, list(overrides))
 

@@ -22,7 +22,7 @@ from .. import tasks
 from ..common.formatting import quote
 from ..measuring.timings import CPU_TIMINGS, DECODE_TIMINGS, MAX_SAMPLES, TIMINGS
 from . import axes as axis_table
-from . import lengths, scenario_files
+from . import lengths, scenario_files, validation
 from .scenario_files import SEED_AXIS
 
 DTYPES = ("float32", "float16", "bfloat16", "float64")
@@ -427,7 +427,7 @@ def variant_axes(scenario: Scenario, override: dict | None, field: str) -> Axes:
     try:
         merged = Axes.model_validate({**current, **override})
     except ValidationError as exc:
-        raise ValueError(f"{field}.{scenario_files.plain_errors(exc, Axes)[0]}") from None
+        raise ValueError(f"{field}.{validation.plain_errors(exc, Axes)[0]}") from None
     _check_extra_axes(scenario.task, {axis: value for axis, value in override.items() if axis not in Axes.model_fields}, field)
     check_packed_axes(scenario, merged, field)
     return merged
