@@ -209,7 +209,8 @@ def resolve_path(spec: str) -> Path:
     for candidate in (SCENARIO_DIR / spec, SCENARIO_DIR / f"{spec}.yaml"):
         if candidate.exists():
             return candidate
-    raise ScenarioError(f"{spec}: no such scenario file{did_you_mean(spec, shipped())} (shipped scenarios: {', '.join(shipped())})")
+    name = Path(spec).with_suffix("").as_posix().removeprefix(f"{SCENARIO_DIR.name}/")  # scenarios/x.yaml: x
+    raise ScenarioError(f"{spec}: no such scenario file{did_you_mean(name, shipped())} (shipped scenarios: {', '.join(shipped())})")
 
 
 def shipped() -> list[str]:

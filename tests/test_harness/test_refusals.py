@@ -30,6 +30,7 @@ presets:
 #: Each mistake (arguments of ``attnbench`` after the scenario file, ``{file}``) and what its one line of stderr says.
 MISTAKES = [
     (["run", "smoke-cpuu"], ["smoke-cpuu: no such scenario file (did you mean 'smoke-cpu'?)"]),
+    (["run", "scenarios/quality/mqr.yaml"], ["scenarios/quality/mqr.yaml: no such scenario file (did you mean 'quality/mqar'?)"]),
     (["run", "{file}", "--preset", "cii"], ["presets.cii: no such preset (did you mean 'ci'?) (this file has: ci)"]),
     (["run", "{file}", "--set", "seq_len=abc"], ['axes.seq_len: expected an integer or a list of them, got "abc" (from --set seq_len=abc)']),
     (["run", "{file}", "--set", "batch=[1, x]"], ['axes.batch: expected an integer or a list of them, got [1, "x"] (from --set batch=[1, x])']),
