@@ -38,7 +38,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .errors import UnsupportedBackend, VariantError, did_you_mean
+from . import params
+from .errors import UnsupportedBackend, VariantError
 from .inputs import in_layout, padded_lengths, token_slice
 
 _REGISTRY: dict[str, Callable[..., AttentionCore]] = {}
@@ -71,7 +72,7 @@ def names() -> list[str]:
 def registered(name: str) -> Callable[..., AttentionCore]:
     """The class or factory registered as ``name``; VariantError naming the known ones."""
     if name not in _REGISTRY:
-        raise VariantError(f"unknown variant {name!r}{did_you_mean(name, names())}; known variants: {', '.join(names())}")
+        raise params.unknown_variant(name)
     return _REGISTRY[name]
 
 

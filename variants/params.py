@@ -104,6 +104,7 @@ FAST_WEIGHTS = {
     "precision": choice("ieee", "tf32", backends=("triton",), default="ieee", scope="is a Triton kernel option"),
     "scan": choice(*SCANS, quoted=False, backends=("torch", "compile"), default="auto", scope="picks a PyTorch form"),
 }
+#: Softmax's, LSH attention's and RWKV's parameters (``softmax.Softmax``, ``lsh.LSHAttention``, ``rwkv.RWKV``).
 SOFTMAX = {"scale": positive_number()}
 LSH = {"n_rounds": integer(optional=False), "n_buckets": integer(2, optional=False), "chunk_size": integer(high=None, optional=False), "seed": SEED}
 RWKV = {"chunk_size": integer(high=None, optional=False)}
@@ -122,7 +123,7 @@ class Variant:
         return sorted(set(self.params) - set(self.fixes))
 
 
-#: The shipped variants by name, as ``register`` registers them (tests/test_variants/test_params.py ties the two).
+#: The shipped variants by name, as ``register`` registers them (tests/test_harness/test_refusals.py ties the two).
 SHIPPED = {
     "softmax": Variant(SOFTMAX),
     "linear": Variant(FAST_WEIGHTS),
@@ -157,9 +158,15 @@ def declaration(variant: str, factory=None) -> Variant:
         return SHIPPED[variant]
     if factory is None:
         if variant not in variant_names():
-            raise VariantError(f"unknown variant {variant!r}{did_you_mean(variant, variant_names())}; known variants: {', '.join(variant_names())}")
+            raise unknown_variant(variant)
         factory = _registry().registered(variant)
     return Variant(declared(factory), tuple(getattr(factory, "fixed_params", ())), complete=False)
+
+
+def unknown_variant(variant: str) -> VariantError:
+    """The error of a name no variant is registered under: the closest name and every known one."""
+    known = variant_names()
+    return VariantError(f"unknown variant {variant!r}{did_you_mean(variant, known)}; known variants: {', '.join(known)}")
 
 
 def declared(factory) -> dict[str, Param]:
