@@ -18,7 +18,7 @@ import pytest
 import seaborn as sns
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
-from test_history.histories import repository, write_history
+from histories import repository, write_history
 
 from harness.history import history
 from harness.report import build_report

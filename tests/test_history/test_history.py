@@ -1,4 +1,4 @@
-"""``attnbench history`` on histories of real results lines (tests/test_history/histories.py): 12 commits
+"""``attnbench history`` on histories of real results lines (tests/histories.py): 12 commits
 of a scratch repository on two machines, one cell 30 % slower from one commit on one machine, another
 25 % faster, a single outlier and noise elsewhere; the page, steps.csv and the exit codes."""
 

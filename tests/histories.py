@@ -15,7 +15,7 @@ from helpers import git
 
 from harness.results import TIMINGS, read_records
 
-ROOT = Path(__file__).parents[2]
+ROOT = Path(__file__).parents[1]
 TEMPLATE = ROOT / "reports" / "examples" / "cpu-dev-vm" / "cuda-variants-20261205T083558Z.jsonl"
 #: The template's cells a history holds: softmax forward, train and decode, linear forward (index in the file's ok cells).
 CELLS = (0, 2, 4, 6)
