@@ -14,6 +14,7 @@ import json
 from collections import defaultdict
 from dataclasses import dataclass
 
+from ..common.formatting import counted
 from ..scenarios.cell import Cell
 from ..scenarios.expansion import describe
 from .estimate import CellEstimate, Estimator, Sweep, first_use_group, format_duration
@@ -33,7 +34,7 @@ def format_dry_run(loaded, sweeps: list[Sweep], roofs: dict, measured_from: str 
     lines = []
     for scenario, sweep in zip(loaded, sweeps):
         preset = f", preset {scenario.preset}" if scenario.preset else ""
-        lines.append(f"{scenario.path} ({scenario.name}{preset}): {len(sweep.cells)} cells, estimated {format_duration(sweep.seconds())}")
+        lines.append(f"{scenario.path} ({scenario.name}{preset}): {counted(len(sweep.cells), 'cell')}, estimated {format_duration(sweep.seconds())}")
         for estimate in sweep.cells:
             lines.append(f"  {estimate.cell.cell_id}  {describe(estimate.cell)}{_cell_note(estimate)}")
         lines += [f"  group {label}: {text}" for label, text in _groups(sweep.cells)]
@@ -41,10 +42,10 @@ def format_dry_run(loaded, sweeps: list[Sweep], roofs: dict, measured_from: str 
     total = sum(sweep.seconds() for sweep in sweeps)
     count = sum(len(sweep.cells) for sweep in sweeps)
     from_file = sum(e.measured for sweep in sweeps for e in sweep.cells)
-    lines.append(f"estimated total: {format_duration(total)} for {count} cells in {len(sweeps)} scenario(s)")
+    lines.append(f"estimated total: {format_duration(total)} for {counted(count, 'cell')} in {counted(len(sweeps), 'scenario')}")
     lines += [f"roof ({kind}): {roof.describe()}" for kind, roof in roofs.items()]
     if measured_from is not None:
-        lines.append(f"calls of {from_file} cell(s) from the nearest measured cells of {measured_from}, scaled by the model; the rest from the roof")
+        lines.append(f"calls of {counted(from_file, 'cell')} from the nearest measured cells of {measured_from}, scaled by the model; the rest from the roof")
     return lines
 
 
@@ -59,7 +60,7 @@ def _groups(estimates: list[CellEstimate]) -> list[tuple[str, str]]:
     for estimate in estimates:
         if not estimate.cell.skip:
             grouped[group_label(estimate.cell)].append(estimate)
-    return [(label, f"{len(group)} cells, {format_duration(sum(e.seconds for e in group))}") for label, group in grouped.items()]
+    return [(label, f"{counted(len(group), 'cell')}, {format_duration(sum(e.seconds for e in group))}") for label, group in grouped.items()]
 
 
 def _fixed(sweep: Sweep) -> str:
@@ -91,8 +92,8 @@ class Selection:
         lines = []
         for (scenario, label), group in grouped.items():
             points = ", ".join(f"T={e.cell.axes['seq_len']} B={e.cell.axes['batch']}" for e in group)
-            lines.append(f"left out: {scenario} {label}: {points} ({len(group)} cells, ~{format_duration(sum(e.seconds for e in group))})")
-        return lines + [f"left out: {len(self.left_out)} cells in all"]
+            lines.append(f"left out: {scenario} {label}: {points} ({counted(len(group), 'cell')}, ~{format_duration(sum(e.seconds for e in group))})")
+        return lines + [f"left out: {counted(len(self.left_out), 'cell')} in all"]
 
 
 def series_key(cell: Cell) -> str:
@@ -162,7 +163,7 @@ def plan(loaded: list, *, gpu: str | None = None, measured_from: str | None = No
         selection = select(sweeps, budget_s)
         kept = sum(map(len, selection.kept))
         total = kept + len(selection.left_out)
-        lines.append(f"budget {format_duration(budget_s)}: {kept} of {total} cells kept, estimated {format_duration(selection.seconds)}")
+        lines.append(f"budget {format_duration(budget_s)}: {kept} of {counted(total, 'cell')} kept, estimated {format_duration(selection.seconds)}")
         lines += selection.left_out_lines() if selection.left_out else []
         narrowed = [LoadedScenario(s.scenario, cells, s.path, s.sha256, s.preset, s.overrides) for s, cells in zip(loaded, selection.kept)]
         loaded = [scenario for scenario in narrowed if scenario.cells()]

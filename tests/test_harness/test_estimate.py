@@ -92,7 +92,7 @@ def test_estimate_from_uses_the_nearest_measured_cell(tmp_path):
     done = attnbench_here("run", str(tmp_path / "est.yaml"), "--dry-run", "--estimate-from", str(tmp_path))
     assert done.returncode == 0, done.stderr
     assert done.stdout.count("(measured)") == 3
-    assert f"calls of 3 cell(s) from the nearest measured cells of {tmp_path}" in done.stdout
+    assert f"calls of 3 cells from the nearest measured cells of {tmp_path}" in done.stdout
 
 
 def test_fill_order_takes_the_ends_then_halves_the_gaps():
