@@ -137,20 +137,26 @@ def _as_rounds(side) -> list[np.ndarray]:
     return [np.asarray(r, dtype=float) for r in side] if side and isinstance(side[0], (list, tuple, np.ndarray)) else [np.asarray(side, dtype=float)]
 
 
-def ratio_ci(base, head, *, alpha: float, seed) -> tuple[float, float, float, int]:
-    """The ratio of medians head/base, its percentile bootstrap interval at 1-alpha from
-    ``RESAMPLES`` resamples of each side (``_bootstrap_medians``) and how many severe outliers
-    were left out (``_without_outliers``, per round). A side is a list of raw samples, or a
-    list of rounds of samples."""
+def bootstrap_ratios(base, head, *, seed) -> tuple[float, np.ndarray, int]:
+    """The ratio of medians head/base, the ``RESAMPLES`` ratios of resampled medians of each side
+    (``_bootstrap_medians``) and how many severe outliers were left out (``_without_outliers``, per
+    round). A side is a list of raw samples, or a list of rounds of samples."""
     rng = np.random.default_rng(seed)
     sides = [_as_rounds(side) for side in (base, head)]
     kept = [[_without_outliers(r) for r in rounds] for rounds in sides]
     dropped = sum(r.size for rounds in sides for r in rounds) - sum(r.size for rounds in kept for r in rounds)
     base_kept, head_kept = kept
     ratios = _bootstrap_medians(head_kept, rng) / _bootstrap_medians(base_kept, rng)
-    low, high = np.quantile(ratios, [alpha / 2, 1 - alpha / 2])
     ratio = np.median(np.concatenate(head_kept)) / np.median(np.concatenate(base_kept))
-    return float(ratio), float(low), float(high), dropped
+    return float(ratio), ratios, dropped
+
+
+def ratio_ci(base, head, *, alpha: float, seed) -> tuple[float, float, float, int]:
+    """The ratio of medians head/base, its percentile bootstrap interval at 1-alpha from
+    ``bootstrap_ratios`` and how many severe outliers were left out."""
+    ratio, ratios, dropped = bootstrap_ratios(base, head, seed=seed)
+    low, high = np.quantile(ratios, [alpha / 2, 1 - alpha / 2])
+    return ratio, float(low), float(high), dropped
 
 
 def _rounds(value) -> list | None:
@@ -176,7 +182,7 @@ def timing_mark(ratio: float, low: float, high: float, factor: float) -> str:
     return UNDECIDED
 
 
-def _pair_seed(seed: int, pair: dict) -> list[int]:
+def pair_seed(seed: int, pair: dict) -> list[int]:
     """A seed per cell, from ``seed`` and the cell's identity, so no cell depends on the others."""
     identity = json.dumps([pair[key] for key in CELL_KEY], default=str)
     return [seed, int(hashlib.sha256(identity.encode()).hexdigest()[:8], 16)]
@@ -254,7 +260,7 @@ def _judge(pair: dict, *, factor: float, alpha: float, seed: int) -> dict:
     base_rounds, head_rounds = _rounds(pair.get("metrics.round_samples_s_base")), _rounds(pair.get("metrics.round_samples_s_head"))
     if base_rounds is not None and head_rounds is not None:
         base, head = base_rounds, head_rounds
-    ratio, low, high, dropped = ratio_ci(base, head, alpha=alpha, seed=_pair_seed(seed, pair))
+    ratio, low, high, dropped = ratio_ci(base, head, alpha=alpha, seed=pair_seed(seed, pair))
     mark = timing_mark(ratio, low, high, factor)
     notes = [f"{dropped} severe outlier(s) left out"] if dropped else []
     notes += _load_notes(pair)
