@@ -281,11 +281,7 @@ def _regress(args) -> int:
     except KeyboardInterrupt:
         print("interrupted: the worktrees were removed; nothing was written", file=sys.stderr)
         return EXIT_INTERRUPTED
-    if result.comparison is not None:
-        print(result.comparison.format_table())
-        print(f"results: {result.paths['base']} and {result.paths['head']}")
-    why = [what for what, true in (("the head is incorrect", result.incorrect("head")), ("a kernel row got worse", result.kernels_worse)) if true]
-    print(f"attnbench regress: exit code {result.exit_code}" + (f" ({'; '.join(why)})" if why else ""))
+    print(result.ending())
     return result.exit_code
 
 
@@ -447,9 +443,9 @@ def build_parser() -> argparse.ArgumentParser:
     compare = commands.add_parser("compare", help="compare two runs cell by cell (exit 0: no regression, 1: regression, 2: not comparable)")
     compare.add_argument("base", nargs=1, help="results file or directory of the base")
     compare.add_argument("head", nargs=1, help="results file or directory of the head")
-    compare.add_argument("--factor", type=options.factor, default=1.1, help="a regression must be slower by more than this ratio")
-    compare.add_argument("--alpha", type=options.alpha, default=0.05, help="significance level of the bootstrap interval")
-    compare.add_argument("--seed", type=options.seed, default=0)
+    compare.add_argument("--factor", type=options.factor, default=1.1, help="a regression must be slower by more than this ratio (default: 1.1)")
+    compare.add_argument("--alpha", type=options.alpha, default=0.05, help="significance level of the bootstrap interval (default: 0.05)")
+    compare.add_argument("--seed", type=options.seed, default=0, help="seed of the bootstrap resampling (default: 0)")
     compare.add_argument("--allow-different-machines", action="store_true", help="mark cells of different machines as not comparable")
     compare.add_argument("--report", type=Path, help="also write an HTML report with the comparison into this directory")
     compare.set_defaults(handler=_compare)
@@ -477,8 +473,8 @@ def build_parser() -> argparse.ArgumentParser:
         shared.add_argument("--out", type=Path, default=Path("results"), help="directory of the regress- or bisect-SCENARIO-TIME/ folder (default: results/)")
         shared.add_argument("--preset", help="apply the scenario's named preset")
         shared.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a field of the scenario, as for run")
-        shared.add_argument("--factor", type=options.factor, default=1.1, help="a regression must be slower by more than this ratio")
-        shared.add_argument("--alpha", type=options.alpha, default=0.05, help="significance level of the bootstrap interval")
+        shared.add_argument("--factor", type=options.factor, default=1.1, help="a regression must be slower by more than this ratio (default: 1.1)")
+        shared.add_argument("--alpha", type=options.alpha, default=0.05, help="significance level of the bootstrap interval (default: 0.05)")
         shared.add_argument("--repo", type=Path, default=Path("."), help="the git repository (default: the one holding the current directory)")
         shared.add_argument("--no-progress", action="store_true", help="no progress bar")
 

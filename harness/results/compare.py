@@ -51,7 +51,7 @@ UNSTABLE = "unstable: not compared"
 UNSTABLE_SUFFIX = " *"
 RESAMPLES = 2000
 MIN_SAMPLES = 2
-NOTE_WIDTH = 120  #: characters of a note shown by format_table (the table keeps it whole)
+NOTE_WIDTH = 100  #: format_table wraps a note onto lines of at most this many characters (never cuts it)
 
 TABLE_COLUMNS = [
     "scenario",
@@ -171,11 +171,14 @@ def _rounds(value) -> list | None:
 def timing_mark(ratio: float, low: float, high: float, factor: float) -> str:
     """worse / better when the interval excludes 1 and the ratio passes the factor; "unchanged"
     when the whole interval lies within [1 / factor, factor]; otherwise the interval is too wide
-    to tell a change of the factor from none: "too few samples to decide"."""
+    to tell a change of the factor from none: "too few samples to decide". The ratio is judged as
+    the table shows it (``format_ratio``'s three decimals): a ratio shown as 1.100 is never worse
+    at factor 1.1, nor one shown as 0.909 better (1 / 1.1 = 0.909...)."""
+    ratio, shown = float(format_ratio(ratio)), lambda value: float(format_ratio(value))
     significant = low > 1 or high < 1
-    if significant and ratio > factor:
+    if significant and ratio > shown(factor):
         return "worse"
-    if significant and ratio < 1 / factor:
+    if significant and ratio < shown(1 / factor):
         return "better"
     if 1 / factor <= low and high <= factor:
         return "unchanged"
@@ -393,27 +396,31 @@ class CompareResult:
         counts = ", ".join(f"{count} {mark}" for mark, count in self.counts().items()) or "no cells"
         return f"{len(self.table)} cells: {counts} (factor {self.factor:g}, alpha {self.alpha:g}); exit code {self.exit_code}"
 
-    def format_table(self) -> str:
-        """The table as plain text for a terminal, then the summary line."""
+    def format_table(self, summary: bool = True) -> str:
+        """The table as plain text, each note wrapped onto lines of its own (``NOTE_WIDTH``), then the summary line
+        (``summary``)."""
         headers = ["scenario", "variant", "params", "axes", "mode", "base", "head", "ratio", f"{1 - self.alpha:.0%} CI", "mark", "note"]
-        rows = [
-            [
-                row["scenario"],
-                f"{row['variant']}[{row['backend']}]",
-                row["params"] or "-",
-                row["axes"],
-                f"{row['mode']}/{row['target']}",
-                format_median(row["base_median_s"], row["base_unstable"]),
-                format_median(row["head_median_s"], row["head_unstable"]),
-                format_ratio(row["ratio"]),
-                "-" if not present(row["ci_low"]) else f"[{row['ci_low']:.3f}, {row['ci_high']:.3f}]",
-                row["mark"],
-                textwrap.shorten(row["note"], NOTE_WIDTH, placeholder=" ..."),
-            ]
-            for row in self.table.to_dict("records")
-        ]
+        rows = []
+        for row in self.table.to_dict("records"):
+            first, *more = textwrap.wrap(row["note"], NOTE_WIDTH, break_on_hyphens=False) or [""]
+            rows.append(
+                [
+                    row["scenario"],
+                    f"{row['variant']}[{row['backend']}]",
+                    row["params"] or "-",
+                    row["axes"],
+                    f"{row['mode']}/{row['target']}",
+                    format_median(row["base_median_s"], row["base_unstable"]),
+                    format_median(row["head_median_s"], row["head_unstable"]),
+                    format_ratio(row["ratio"]),
+                    "-" if not present(row["ci_low"]) else f"[{row['ci_low']:.3f}, {row['ci_high']:.3f}]",
+                    row["mark"],
+                    first,
+                ]
+            )
+            rows += [[""] * (len(headers) - 1) + [line] for line in more]  # the note's next lines, under it
         legend = [f"{UNSTABLE_SUFFIX.strip()} measured unstable: its median never reached measure.target_rel_ci"] if self.unstable_shown() else []
-        return "\n".join([_text_table(rows, headers), *legend, self.summary()])
+        return "\n".join([_text_table(rows, headers), *legend, *([self.summary()] if summary else [])])
 
     def unstable_shown(self) -> bool:
         """Whether a median of the table was measured unstable (it is shown with ``UNSTABLE_SUFFIX``)."""

@@ -12,7 +12,9 @@
    ``variants`` (``worker.Worker(code_root=...)``), with its own Triton cache, through the
    run loop of ``attnbench run`` (``runner.measure_cells``).
 5. Each cell's rounds are pooled into one record, one results file per side is written and
-   the two are compared (``harness.results.compare``).
+   the two are compared (``harness.results.compare``). Touched cells too noisy to judge get more rounds
+   (``next_steps.MAX_DOUBLINGS``); measured cells whose code did not change are controls (``next_steps``).
+6. The ending (``RegressResult.ending``) says what the controls allow and the command to run next.
 
 When the diff touches ``variants/kernels/``, the rows of ``attnbench kernels`` that compile
 differently are compiled for both revisions and compared (``kernel_diff.for_regress``); a row
@@ -35,11 +37,12 @@ from pathlib import Path
 
 from variants.backends import OWN_FORMS
 
-from ..common.checkouts import SIDES, RegressError, Revision, changed_files, repository, worktrees
+from ..common.checkouts import SIDES, RegressError, Revision, changed_files, git, repository, worktrees
 from ..measuring import machine
 from ..measuring.measure import Timing
-from ..results import ResultsWriter, cell_record, run_header
-from ..results.compare import EXIT_OK, EXIT_REGRESSION, CompareResult, compare
+from ..results import ResultsWriter, cell_record, load, run_header
+from ..results.compare import EXIT_INCOMPARABLE, EXIT_OK, EXIT_REGRESSION, CompareResult, compare
+from ..results.identity import identify, params_text
 from ..running import runner
 from ..running.executors import main_device, unmeasured
 from ..running.executors.local import LocalExecutor
@@ -47,10 +50,14 @@ from ..running.progress import progress_bar
 from ..scenarios.cell import Cell
 from ..scenarios.expansion import describe
 from ..scenarios.scenario import LoadedScenario
+from ..scenarios.scenario_files import SCENARIO_DIR
+from .next_steps import MAX_DOUBLINGS, Invocation, mark_controls, next_steps, noisy_rows, trusted, verdict_lines
 
 CHECK_SCRIPT = Path(__file__).with_name("regress_check.py")
 #: Runs a script by path without putting its directory on sys.path (this one's is harness/).
 RUN_SCRIPT = "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
+#: The columns that name a cell in compare's table and in the identified results frame.
+ROW_KEY = ("scenario", "variant", "backend", "params", "axes", "mode", "target")
 
 
 # --- correctness and what each configuration runs -----------------------------------------
@@ -96,6 +103,26 @@ def check_revision(revision: Revision, configs: dict[str, dict]) -> dict[str, di
         reason = (done.stderr.strip().splitlines() or [f"exit code {done.returncode}"])[-1]
         return {key: {**config, "ok": False, "problems": [f"the check could not run: {reason}"], "files": []} for key, config in configs.items()}
     return dict(zip(configs, json.loads(done.stdout.splitlines()[-1])))  # the last line: a variant may print
+
+
+def first_parent_commits(repo: Path, base_commit: str, head_commit: str) -> list[tuple[str, str]] | None:
+    """(commit, subject) of ``git log --first-parent --reverse base..head``; None when base is not an ancestor of head."""
+    if git(repo, "merge-base", base_commit, head_commit) != base_commit:
+        return None
+    lines = git(repo, "log", "--first-parent", "--reverse", "--format=%H %s", f"{base_commit}..{head_commit}").splitlines()
+    return [tuple(line.split(" ", 1)) if " " in line else (line, "") for line in lines]
+
+
+def row_key(row: dict) -> tuple:
+    return tuple(row[column] for column in ROW_KEY)
+
+
+def row_cell_ids(comparison: CompareResult, path: Path) -> list[str]:
+    """The cell id of each row of ``comparison``'s table, from the records of ``path`` (a side's results file), matched
+    by the identity columns compare's table is made of."""
+    frame = identify(load([path])).rename(columns={"params_text": "params", "axes_text": "axes"})
+    ids = {row_key(record): record["cell_id"] for record in frame.to_dict("records")}
+    return [ids[row_key(row)] for row in comparison.table.to_dict("records")]
 
 
 def touched(changed: list[str], checks: dict[str, dict[str, dict]]) -> dict[str, list[str]]:
@@ -203,6 +230,9 @@ class RegressResult:
     comparison: CompareResult | None = None
     paths: dict = field(default_factory=dict)
     kernel_changes: list | None = None  #: the static kernel diff's changed rows (None: not run)
+    invocation: Invocation | None = None  #: what was run, for the command to run next
+    rounds: int = 3  #: the rounds of every measured cell
+    rounds_noisy: int = 3  #: the rounds of the cells measured again because they were noisy (``rounds`` when none were)
 
     def incorrect(self, side: str) -> list[dict]:
         return [check for check in self.checks[side].values() if not check["ok"]]
@@ -214,11 +244,28 @@ class RegressResult:
 
     @property
     def exit_code(self) -> int:
-        """1 when the head computes a wrong result anywhere or a kernel row got worse; otherwise
-        compare's exit code (0 when nothing needed measuring)."""
+        """1 when the head computes a wrong result anywhere or a kernel row got worse; 2 when a control moved (the
+        timings are not trusted); otherwise compare's exit code (0 when nothing needed measuring)."""
         if self.incorrect("head") or self.kernels_worse:
             return EXIT_REGRESSION
-        return EXIT_OK if self.comparison is None else self.comparison.exit_code
+        if self.comparison is None:
+            return EXIT_OK
+        return self.comparison.exit_code if trusted(self.comparison) else EXIT_INCOMPARABLE
+
+    def ending(self) -> str:
+        """What ``attnbench regress`` prints once done: the table, the touched cells and the controls, the results
+        files, the exit code and why, then the command to run next."""
+        lines = []
+        if self.comparison is not None:
+            lines += [self.comparison.format_table(summary=False), *verdict_lines(self.comparison)]
+            lines.append(f"results: {self.paths['base']} and {self.paths['head']}")
+        why = [what for what, true in (("the head is incorrect", self.incorrect("head")), ("a kernel row got worse", self.kernels_worse)) if true]
+        if self.comparison is not None and not trusted(self.comparison):
+            why.append("not trusted: the controls moved")
+        lines.append(f"attnbench regress: exit code {self.exit_code}" + (f" ({'; '.join(why)})" if why else ""))
+        if self.invocation is not None:
+            lines += next_steps(self.comparison, self.invocation, self.rounds, self.rounds_noisy)
+        return "\n".join(lines)
 
 
 def regress(
@@ -250,30 +297,74 @@ def regress(
         raise RegressError(f"--threads must be at least 1 (or 0 for PyTorch's default), got {threads}")
     if loaded.scenario.task is not None:
         raise RegressError(f"{loaded.path}: regress measures speed scenarios (modes forward, train, decode), not quality tasks")
-    repo = repository(repo)
+    given_repo, repo = repo, repository(repo)
     with worktrees(repo, base, head) as revisions:
         for revision in revisions:
             revision.threads = threads
             say(f"{revision.side} = {revision.describe()}")
+        options = dict(all_variants=all_variants, threads=threads, factor=factor, alpha=alpha, out_dir=out_dir, repo=given_repo)
+        invocation = Invocation(
+            base, head, scenario_spec(loaded), loaded.preset, list(loaded.overrides), shared_flags(**options),
+            first_parent_commits(repo, revisions[0].commit, revisions[1].commit), revisions[1].dirty_files,
+        )  # fmt: skip
         changed = changed_files(*revisions)
         say("changed files: " + (", ".join(changed) or "none"))
         if not all_variants and not any(path.endswith(".py") for path in changed):
             say("nothing to check or measure: the diff changes no Python file")
-            return RegressResult(revisions, changed, {side: {} for side in SIDES}, {})
+            return RegressResult(revisions, changed, {side: {} for side in SIDES}, {}, invocation=invocation)
         configs = configurations(loaded, cells)
         say(f"checking {len(configs)} configurations against the float64 reference in each revision ...")
-        with ThreadPoolExecutor(len(revisions)) as threads:
-            checks = dict(zip(SIDES, threads.map(lambda revision: check_revision(revision, configs), revisions)))
-        result = RegressResult(revisions, changed, checks, touched(changed, checks))
+        with ThreadPoolExecutor(len(revisions)) as checking:
+            checks = dict(zip(SIDES, checking.map(lambda revision: check_revision(revision, configs), revisions)))
+        result = RegressResult(revisions, changed, checks, touched(changed, checks), invocation=invocation, rounds=rounds, rounds_noisy=rounds)
         _say_checks(result, say)
         if kernel_diff:
             result.kernel_changes = _kernel_diff(revisions, changed, say)
-        chosen = _cells_to_measure(scenario_cells(loaded, cells), result, all_variants)
+        scenario = scenario_cells(loaded, cells)
+        chosen = _cells_to_measure(scenario, result, all_variants)
+        untimed = _say_untimed(result, scenario, loaded, bool(chosen), say)
         if not chosen:
-            say("nothing to measure: the diff touches no variant configuration of the scenario")
+            if not untimed:
+                say("nothing to measure: the diff touches no variant configuration of the scenario")
             return result
-        result.comparison, result.paths = _measure_and_compare(revisions, chosen, checks, loaded, rounds, Path(out_dir), factor, alpha, command, progress, say)
+        measuring = Measuring(revisions, checks, loaded, Path(out_dir), command, progress, say, options, _touched_rows(result))
+        result.comparison, result.paths, result.rounds_noisy = measuring.run(chosen, rounds, factor, alpha)
     return result
+
+
+def scenario_spec(loaded: LoadedScenario) -> str:
+    """The scenario as a command names it: a shipped scenario by its name, any other by its path."""
+    path = Path(loaded.path).resolve()
+    return path.relative_to(SCENARIO_DIR).with_suffix("").as_posix() if path.is_relative_to(SCENARIO_DIR) else str(loaded.path)
+
+
+def shared_flags(*, all_variants: bool, threads: int | None, factor: float, alpha: float, out_dir, repo) -> list[str]:
+    """The options of regress and bisect that differ from their defaults, as argv words (for a command to run next)."""
+    flags = ["--all-variants"] if all_variants else []
+    flags += [] if threads == 1 else ["--threads", str(threads or 0)]
+    flags += [] if factor == 1.1 else ["--factor", f"{factor:g}"]
+    flags += [] if alpha == 0.05 else ["--alpha", f"{alpha:g}"]
+    flags += [] if Path(out_dir) == Path("results") else ["--out", str(out_dir)]
+    return flags + ([] if Path(repo).resolve() == Path.cwd().resolve() else ["--repo", str(repo)])
+
+
+def _touched_rows(result: RegressResult) -> set[tuple[str, str, str]]:
+    """The touched configurations as compare's table names them: (variant, backend, params text)."""
+    return {(variant, backend, params_text(params)) for variant, backend, params in map(json.loads, result.touched)}
+
+
+def _say_untimed(result: RegressResult, cells: list[Cell], loaded: LoadedScenario, measuring: bool, say) -> list[str]:
+    """Say which touched configurations the scenario does not time (a Triton kernel under a CPU preset), and where
+    they are timed; their names."""
+    timed = {_config_key(cell.variant, cell.backend, cell.params) for cell in cells}
+    untimed = [_config_name(result.checks["head"][key]) for key in result.touched if key not in timed]
+    if not untimed:
+        return []
+    where = loaded.name + (f" (preset {loaded.preset})" if loaded.preset else "")
+    triton = any(name.endswith("[triton]") for name in untimed)
+    hint = "; use --preset gpu on a GPU" if triton and "gpu" in loaded.scenario.presets and loaded.preset != "gpu" else ""
+    say(f"{'not timed here' if measuring else 'nothing to measure'}: the diff touches {', '.join(untimed)}, which {where} does not time{hint}")
+    return untimed
 
 
 def _cells_to_measure(cells: list[Cell], result: RegressResult, all_variants: bool) -> list[Cell]:
@@ -313,47 +404,86 @@ def _say_checks(result: RegressResult, say) -> None:
         say("touched: " + "; ".join(f"{_config_name(result.checks['head'][key])} <- {', '.join(files)}" for key, files in result.touched.items()))
 
 
-def _measure_and_compare(revisions, cells, checks, loaded, rounds, out_dir, factor, alpha, command, progress, say):
-    """Measure the correct sides of ``cells`` in rounds, write base.jsonl and head.jsonl, compare."""
-    common = machine.fingerprint(main_device(cells))
-    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    folder = out_dir / f"regress-{loaded.name}-{stamp}"
-    fingerprints, run_ids, paths, timed = {}, {}, {}, {}
-    for revision in revisions:
-        fingerprints[revision.side] = {
-            **common,
-            "git": {"commit": revision.commit, "dirty": bool(revision.dirty_files), "describe": revision.commit[:10]},
-        }
-        run_ids[revision.side] = uuid.uuid4().hex
-        timed[revision.side] = [cell for cell in cells if _check_of(checks[revision.side], cell)["ok"]]
-    say(
-        f"measuring {len(cells)} cells ({', '.join(f'{len(timed[side])} timed on {side}' for side in SIDES)}), "
-        f"{rounds} rounds, base and head alternating, fresh processes"
-        + ("" if revisions[0].threads is None else f" of {revisions[0].threads} CPU thread(s)")
-        + f" -> {folder}/"
-    )
-    measured = measure_rounds(revisions, timed, rounds, fingerprints, run_ids, progress)
-    for revision in revisions:
-        side = revision.side
-        paths[side] = folder / f"{side}.jsonl"
-        writer = ResultsWriter(paths[side])
-        writer.write_run(
-            run_header(
-                loaded,
-                run_ids[side],
-                command,
-                fingerprints[side],
-                commit=revision.commit,
-                dirty=bool(revision.dirty_files),
-                revision={"side": side, "label": revision.label, "commit": revision.commit, "dirty_files": revision.dirty_files},
-                rounds=rounds,
-            )
+@dataclass
+class Measuring:
+    """One regress measurement: the correct sides of the chosen cells in rounds, written to base.jsonl and head.jsonl
+    (their run lines record ``regress``: rounds, threads, all_variants, touched, which bisect reads to reuse them), compared;
+    the touched cells too noisy to judge measured again (``run``)."""
+
+    revisions: tuple
+    checks: dict
+    loaded: LoadedScenario
+    out_dir: Path
+    command: str
+    progress: bool
+    say: object
+    options: dict
+    touched: set
+
+    def run(self, cells: list[Cell], rounds: int, factor: float, alpha: float) -> tuple[CompareResult, dict, int]:
+        """(comparison, paths, the rounds of the noisy cells): ``rounds`` of every cell, then up to ``MAX_DOUBLINGS``
+        times as many rounds again as they have for the touched cells still undecided or unstable."""
+        common = machine.fingerprint(main_device(cells))
+        stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+        self.folder = self.out_dir / f"regress-{self.loaded.name}-{stamp}"
+        self.fingerprints, self.run_ids, timed = {}, {}, {}
+        for revision in self.revisions:
+            self.fingerprints[revision.side] = {
+                **common,
+                "git": {"commit": revision.commit, "dirty": bool(revision.dirty_files), "describe": revision.commit[:10]},
+            }
+            self.run_ids[revision.side] = uuid.uuid4().hex
+            timed[revision.side] = [cell for cell in cells if _check_of(self.checks[revision.side], cell)["ok"]]
+        threads = self.revisions[0].threads
+        self.say(
+            f"measuring {len(cells)} cells ({', '.join(f'{len(timed[side])} timed on {side}' for side in SIDES)}), "
+            f"{rounds} rounds, base and head alternating, fresh processes" + ("" if threads is None else f" of {threads} CPU thread(s)") + f" -> {self.folder}/"
         )
-        for cell in cells:
-            check = _check_of(checks[side], cell)
-            if check["ok"]:
-                record = pool(measured[side][cell.cell_id])
-            else:
-                record = _incorrect_record(cell, check, run_ids[side], fingerprints[side])
-            writer.write_cell({**record, "revision": side})
-    return compare([paths["base"]], [paths["head"]], factor=factor, alpha=alpha), paths
+        measured = measure_rounds(self.revisions, timed, rounds, self.fingerprints, self.run_ids, self.progress)
+        comparison, paths = self._compare(cells, measured, rounds, factor, alpha)
+        done = rounds
+        for _ in range(MAX_DOUBLINGS):
+            noisy = noisy_rows(comparison)
+            if noisy.empty:
+                break
+            ids = {cell_id for cell_id, is_noisy in zip(row_cell_ids(comparison, paths["head"]), comparison.table.index.isin(noisy.index)) if is_noisy}
+            self.say(f"{len(noisy)} touched cells undecided or unstable after {done} rounds: measuring them {done} rounds more")
+            again = {side: [cell for cell in side_cells if cell.cell_id in ids] for side, side_cells in timed.items()}
+            more = measure_rounds(self.revisions, again, done, self.fingerprints, self.run_ids, self.progress)
+            for side, found in more.items():
+                for cell_id, records in found.items():
+                    measured[side][cell_id] += records
+            done *= 2
+            comparison, paths = self._compare(cells, measured, rounds, factor, alpha)
+        return comparison, paths, done
+
+    def _compare(self, cells, measured, rounds, factor, alpha) -> tuple[CompareResult, dict]:
+        """Write (again) each side's results file from ``measured``, compare them, mark the controls."""
+        paths = {revision.side: self._write(revision, cells, measured[revision.side], rounds) for revision in self.revisions}
+        comparison = compare([paths["base"]], [paths["head"]], factor=factor, alpha=alpha)
+        mark_controls(comparison, self.touched)
+        return comparison, paths
+
+    def _write(self, revision: Revision, cells: list[Cell], measured: dict, rounds: int) -> Path:
+        side, path = revision.side, self.folder / f"{revision.side}.jsonl"
+        path.unlink(missing_ok=True)
+        regress_options = {"rounds": rounds, "threads": revision.threads, "all_variants": self.options["all_variants"], "touched": sorted(self.touched)}
+        with ResultsWriter(path) as writer:
+            writer.write_run(
+                run_header(
+                    self.loaded,
+                    self.run_ids[side],
+                    self.command,
+                    self.fingerprints[side],
+                    commit=revision.commit,
+                    dirty=bool(revision.dirty_files),
+                    revision={"side": side, "label": revision.label, "commit": revision.commit, "dirty_files": revision.dirty_files},
+                    rounds=rounds,
+                    regress=regress_options,
+                )
+            )
+            for cell in cells:
+                check = _check_of(self.checks[side], cell)
+                record = pool(measured[cell.cell_id]) if check["ok"] else _incorrect_record(cell, check, self.run_ids[side], self.fingerprints[side])
+                writer.write_cell({**record, "revision": side})
+        return path

@@ -111,6 +111,7 @@ def test_the_search_halves_remeasures_a_noisy_probe_once_and_stops_naming_what_i
     monkeypatch.setattr(bisect_module, "regress", _fake_regress({"c3": "worse", **marks}, calls))
     monkeypatch.setattr(bisect_module, "repository", lambda repo: repo)
     monkeypatch.setattr(bisect_module, "candidates", lambda repo, good, bad: [(f"c{i}", f"subject {i}") for i in range(4)])
+    monkeypatch.setattr(bisect_module, "reusable", lambda *args: None)  # no results folder to reuse
     monkeypatch.setattr(bisect_module, "worse_cells", lambda result: ({"cell"}, result.comparison.table.to_dict("records")))
     said = []
     result = bisect(".", SimpleNamespace(name="s"), good="g", bad="c3", say=said.append)
