@@ -21,6 +21,8 @@ import torch
 import variants
 from harness.scenarios.cell import Cell
 from harness.tasks.download import SHARED_DATA
+from variants.checking import cast_inputs as to  # noqa: F401 - the tests import it (and make_inputs) from here
+from variants.checking import compare_forms, make_inputs  # noqa: F401
 
 #: Skips a test that reads the shared WikiText-2 (``../shared/data`` beside the checkout).
 needs_shared = pytest.mark.skipif(
@@ -141,51 +143,13 @@ def config_id(config) -> str:
     return name + "".join(f"-{key}={value}" for key, value in params.items())
 
 
-def make_inputs(core, batch, heads, length, d_value, *, dtype, seed, requires_grad=False) -> dict:
-    """``core.example_inputs`` drawn in float64 from ``seed`` and cast to ``dtype`` (the same values
-    for every dtype), so that a float32 form and the float64 reference see the same inputs.
-    ``d_value`` is d_key for a per-channel core (RWKV)."""
-    d_value = core.d_key if core.d_value_is_d_key else d_value
-    inputs = core.example_inputs(batch, heads, length, d_value, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
-    return {name: x.to(dtype).requires_grad_(requires_grad) for name, x in inputs.items()}
-
-
-def to(inputs: dict, dtype, requires_grad=False) -> dict:
-    """The same inputs in ``dtype``, detached (as new leaves when ``requires_grad``)."""
-    return {name: x.detach().to(dtype).requires_grad_(requires_grad) for name, x in inputs.items()}
-
-
-def forms(core, inputs: dict):
-    """The fast forms of ``core`` on ``inputs``: the parallel form and the step loop."""
-    yield "parallel", core(**inputs)
-    yield "step loop", core.step_loop(inputs)[0]
-
-
 def check_forms(core, reference, inputs: dict, dtype, seed, what, *, backward=True, cotangent=None):
     """Every form of ``core`` (in ``dtype``) agrees with ``reference.reference`` in float64 on the same
-    ``inputs``: the outputs where ``cotangent`` is nonzero (default: random, nonzero everywhere) and,
-    with ``backward``, the gradients of every input and trainable parameter (``reference`` holds the
-    same parameter values in float64). A zero reference gradient fails the check: it would test nothing."""
-    exact = to(inputs, torch.float64, requires_grad=backward)
-    exact_parameters = [p for p in reference.parameters() if p.requires_grad]
-    expected = reference.reference(**exact)
-    if cotangent is None:
-        cotangent = torch.randn(expected.shape, generator=torch.Generator().manual_seed(seed + 1), dtype=torch.float64)
-    kept = cotangent != 0
-    names = [*exact, *(name for name, p in core.named_parameters() if p.requires_grad)]
-    if backward:
-        want = torch.autograd.grad((expected * cotangent).sum(), [*exact.values(), *exact_parameters], materialize_grads=True)
-    low = to(inputs, dtype, requires_grad=backward)
-    for form, out in forms(core, low):
-        assert out.shape == expected.shape and out.dtype == dtype, f"{what} {form}: {out.shape} {out.dtype}"
-        assert_close(out[kept], expected[kept], dtype, f"{what} {form} vs float64 reference", seed)
-        if not backward:
-            continue
-        leaves = [*low.values(), *(p for p in core.parameters() if p.requires_grad)]
-        grads = torch.autograd.grad((out * cotangent.to(dtype)).sum(), leaves, materialize_grads=True)
-        for name, grad, target in zip(names, grads, want, strict=True):
-            assert target.abs().max() > 0, f"{what}: the reference's d/d{name} is zero (seed {seed}); the check says nothing"
-            assert_close(grad, target, dtype, f"{what} {form}: d/d{name}", seed)
+    ``inputs``, forward and, with ``backward``, every gradient: ``variants.checking.compare_forms``, the
+    checker of ``attnbench check`` (a zero reference gradient fails: it would test nothing)."""
+    checks = compare_forms(core, reference, inputs, dtype, backward=backward, cotangent=cotangent, seed=seed, label=f"{what} (seed {seed}): ")
+    failed = [check.line() for check in checks if not check.ok]
+    assert not failed, "\n".join(failed)
 
 
 def layer_step_loop(layer, x, state=None):

@@ -299,8 +299,9 @@ class AttentionCore(nn.Module):
         return self._prefill_packed(q, k, v, state, cu_seqlens.tolist(), **given)
 
     def init_state(self, batch: int, heads: int, d_value: int, *, device=None, dtype=None):
-        """The empty decoding state (a KV cache, or the fast weight matrix and normaliser)."""
-        raise NotImplementedError
+        """The empty decoding state (a KV cache, or the fast weight matrix and normaliser), which
+        ``_prefill`` and ``_step`` take and return: any tensor or tuple of tensors."""
+        raise self._missing("init_state")
 
     def state_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """The dtype of the decoding state for inputs of ``dtype`` (a KV cache keeps the inputs' own)."""
@@ -347,29 +348,44 @@ class AttentionCore(nn.Module):
 
     # --- metadata for the harness (a multiply-add counts as 2 FLOPs) -------------------
     def flops(self, batch: int, heads: int, length: int, d_value: int, *, causal: bool = True) -> int:
-        """Matmul FLOPs of one call of the parallel form, as implemented."""
-        raise NotImplementedError
+        """Matmul FLOPs of one call of the parallel form, as implemented (an int: the roofline and the
+        estimates read it)."""
+        raise self._missing("flops")
 
     def step_flops(self, batch: int, heads: int, d_value: int, position: int) -> int:
-        """Matmul FLOPs of one ``step`` at 0-based ``position`` (``position`` tokens before it)."""
-        raise NotImplementedError
+        """Matmul FLOPs of one ``step`` at 0-based ``position`` (``position`` tokens before it; an int:
+        decode cells' roofline reads it)."""
+        raise self._missing("step_flops")
 
     def state_numel(self, batch: int, heads: int, d_value: int, length: int) -> int:
-        """Elements of the decoding state after ``length`` tokens."""
-        raise NotImplementedError
+        """Elements of the decoding state after ``length`` tokens (an int: decode cells' memory column
+        and roofline read it)."""
+        raise self._missing("state_numel")
 
     # --- implemented by each family (token inputs come as keywords) ---------------------
     def _parallel(self, q, k, v, causal, **token_inputs):
-        raise NotImplementedError
+        """The parallel form on checked inputs: ``q, k [B, H, T, Dk]``, ``v [B, H, T, Dv]`` -> ``[B, H, T, Dv]``."""
+        raise self._missing("_parallel")
 
     def _reference(self, q, k, v, causal, **token_inputs):
-        raise NotImplementedError
+        """The plainest correct form of the same function (the tests and ``attnbench check`` run it in
+        float64): ``[B, H, T, D]`` inputs -> ``[B, H, T, Dv]``."""
+        raise self._missing("_reference")
 
     def _prefill(self, q, k, v, state, **token_inputs):
-        raise NotImplementedError
+        """The causal parallel form from ``state`` (None: ``init_state``'s) -> ``(out [B, H, T, Dv], the
+        state after the last token)``: decode cells prefill the prompt with it."""
+        raise self._missing("_prefill")
 
     def _step(self, q_t, k_t, v_t, state, **token_inputs):
-        raise NotImplementedError
+        """One token: ``q_t, k_t [B, H, Dk]``, ``v_t [B, H, Dv]`` and the state -> ``(out_t [B, H, Dv],
+        new state)``, out_t including token t."""
+        raise self._missing("_step")
+
+    def _missing(self, method: str) -> NotImplementedError:
+        """The error of an interface method the core's class does not implement: which, and what it is for."""
+        doc = " ".join(getattr(AttentionCore, method).__doc__.split())
+        return NotImplementedError(f"{self.variant_name}: {type(self).__name__} does not implement {method}, which the interface needs: {doc}")
 
     def _parallel_packed(self, q, k, v, causal, bounds, **token_inputs):
         """The parallel form over packed sequences (``bounds``: ``cu_seqlens`` as ints); here one call
