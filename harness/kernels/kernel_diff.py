@@ -21,12 +21,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from ..common.checkouts import WORKING_TREE
 from .kernel_table import KernelTableError, Row, problems
 
 #: What a change is judged on, beside the row's limits (``problem``, ``pruned``), in the order of the printed columns.
@@ -99,11 +101,23 @@ def diff(old_rows: list[Row], new_rows: list[Row]) -> list[Change]:
     return changes
 
 
+def severity(change: Change) -> int:
+    """0 worse, 1 only in the old table, 2 only in the new one, 3 changed: the order of the rows within a group."""
+    return 0 if change.regressions else 1 if change.new is None else 2 if change.old is None else 3
+
+
+def group(change: Change) -> tuple[str, str]:
+    """(arch, dtype): the dtype is the first word of the configuration's label (``fp32 F64 Dv64 C64 norm``)."""
+    return change.row.arch, change.row.config.split(" ")[0]
+
+
 def format_changes(changes: list[Change], old_label: str, new_label: str = "the working tree") -> str:
     """The changed rows as a table, each figure "old -> new" where it changed; a last column says whether the row
-    got worse (and why) or only changed, or that it exists on one side only."""
+    got worse (and why) or only changed, or that it exists on one side only. Grouped by arch and dtype (a heading line
+    each, with its counts), the worse rows first in each group."""
     header = ["kernel", "config", "arch", "regs", "spill B", "smem B", "warps", "occ warps/SM", "mma", "verdict"]
-    lines = []
+    changes = sorted(changes, key=lambda change: (*group(change), severity(change), change.row.kernel, change.row.config))
+    lines, headings = [], {}
     for change in changes:
         old, new = change.old, change.new
         figures = []
@@ -119,8 +133,24 @@ def format_changes(changes: list[Change], old_label: str, new_label: str = "the 
         else:
             verdict = "changed" + (f" (limits: {_over(old)} -> {_over(new)})" if _over(old) or _over(new) else "")
         lines.append([change.row.kernel, change.row.config, change.row.arch, *figures, verdict])
+        headings.setdefault(group(change), len(lines) - 1)
     widths = [max(len(x) for x in column) for column in zip(header, *lines)]
-    return "\n".join("  ".join(x.ljust(w) for x, w in zip(line, widths)).rstrip() for line in [header, *lines])
+    text = lambda line: "  ".join(x.ljust(w) for x, w in zip(line, widths)).rstrip()  # noqa: E731
+    out = [text(header)]
+    for index, line in enumerate(lines):
+        if index in headings.values():
+            arch, dtype = group(changes[index])
+            members = [change for change in changes if group(change) == (arch, dtype)]
+            out.append(f"-- {arch} {dtype}: {len(members)} rows changed, {sum(bool(change.regressions) for change in members)} worse")
+        out.append(text(line))
+    return "\n".join(out)
+
+
+def gpu_timing_command(base: str, head: str | None = None) -> str:
+    """How to time the kernels of ``base`` against ``head`` (None: the working tree) on a GPU: regress's scenario with
+    its ``gpu`` preset, which times the Triton backend of both revisions (the variants whose kernels the diff touches)."""
+    revisions = ["--base", base, *(["--head", head] if head else [])]
+    return "to time the worse kernels on a GPU, run there: " + shlex.join(["attnbench", "regress", *revisions, "regress-cpu", "--preset", "gpu"])
 
 
 def _tool_directory(scratch: Path) -> Path:
@@ -266,6 +296,8 @@ def for_regress(base, head, changed: list[str], say, arch: str = REGRESS_ARCH) -
     worse = [change for change in changes if change.regressions]
     say(format_changes(changes, "base", "head") if changes else "kernels: no compiled figure changed")
     say(f"kernels: {len(changes)} rows changed, {len(worse)} worse")
+    if worse:
+        say(gpu_timing_command(base.label, None if head.label == WORKING_TREE else head.label))
     return changes
 
 
@@ -285,16 +317,19 @@ def command(rev: str, json_path: Path | None = None, repo: Path = Path("."), **r
         print(f"error: {exc}", file=sys.stderr)
         return 2
     changes = diff(old_rows, new_rows)
-    print(format_changes(changes, rev) if changes else f"no row changed between {old_label} and the working tree")
     if json_path is not None:
         json_path.write_text(json.dumps([change.as_dict() for change in changes], indent=1) + "\n")
+    print(ending(changes, rev, old_label, old_rows, new_rows))
+    return 1 if any(change.regressions for change in changes) else 0
+
+
+def ending(changes: list[Change], rev: str, old_label: str, old_rows: list[Row], new_rows: list[Row]) -> str:
+    """What ``kernels --compare`` prints on stdout once both sides are tabled: the changed rows (each once), the summary
+    line after them, then, when a row got worse, how to time it on a GPU."""
     worse = [change for change in changes if change.regressions]
-    print(
+    lines = [format_changes(changes, rev) if changes else f"no row changed between {old_label} and the working tree"]
+    lines.append(
         f"attnbench kernels --compare {rev}: {len(old_rows)} rows of {old_label}, {len(new_rows)} of the working tree; "
-        f"{len(changes)} changed, {len(worse)} worse; {len(problems(new_rows))} over a limit in the working tree",
-        file=sys.stderr,
+        f"{len(changes)} changed, {len(worse)} worse; {len(problems(new_rows))} over a limit in the working tree"
     )
-    for change in worse:
-        row = change.row
-        print(f"error: {row.kernel} [{row.config}] on {row.arch}: {'; '.join(change.regressions)}", file=sys.stderr)
-    return 1 if worse else 0
+    return "\n".join(lines + ([gpu_timing_command(rev)] if worse else []))

@@ -415,10 +415,12 @@ def write_json(rows: list[Row], path: Path) -> None:
 
 
 def _progress(done: int, total: int, start: float) -> None:
-    """About a hundred lines whatever the total: done, total and the seconds since ``start``."""
+    """Done, total and the seconds since ``start``, on stderr: a line per 1 % of the total on a terminal, per 10 % where
+    stderr is not one (a CI log, a file, the pipe of ``kernels --compare``'s children)."""
     import time
 
-    if done == total or done % max(1, total // 100) == 0:
+    lines = 100 if sys.stderr.isatty() else 10
+    if done == total or done % max(1, math.ceil(total / lines)) == 0:
         print(f"  {done}/{total} compilations, {time.perf_counter() - start:.0f} s", file=sys.stderr)
 
 

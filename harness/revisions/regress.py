@@ -195,9 +195,9 @@ def measure_rounds(revisions, cells: dict[str, list[Cell]], rounds: int, fingerp
     times by the run loop (``runner.measure_cells``), the sides alternating (base head, head
     base, ...) so that drift hits both alike; each side's round in a fresh worker of its own
     checkout, kept from cell to cell (regress compares time, not peak memory) unless a cell
-    failed or asks for a fresh one (``measure.fresh_worker``)."""
+    failed or asks for a fresh one (``measure.fresh_worker``). The bar (``progress``) only where stderr is a terminal."""
     measured = {side: {cell.cell_id: [] for cell in side_cells} for side, side_cells in cells.items()}
-    with progress_bar(rounds * sum(map(len, cells.values())), shown=progress) as bar:
+    with progress_bar(rounds * sum(map(len, cells.values())), shown=progress and sys.stderr.isatty()) as bar:  # no bar in a CI log
         for number in range(rounds):
             for revision in revisions if number % 2 == 0 else revisions[::-1]:
                 if not cells[revision.side]:

@@ -9,7 +9,7 @@ import shlex
 import pandas as pd
 import pytest
 
-from harness.cli import build_parser
+from harness.cli import build_parser, main
 from harness.results.compare import EXIT_INCOMPARABLE, EXIT_OK, EXIT_REGRESSION, TABLE_COLUMNS, CompareResult, timing_mark
 from harness.revisions import next_steps
 from harness.revisions.next_steps import Invocation, mark_controls, trusted, verdict_lines
@@ -152,3 +152,42 @@ def test_every_option_of_the_comparison_commands_states_its_default(command):
         if action.default in (None, False, "==SUPPRESS==") or action.required or not action.option_strings or action.help == "==SUPPRESS==":
             continue
         assert "default" in (action.help or ""), f"attnbench {command} {action.option_strings[0]}: its help does not state its default {action.default!r}"
+
+
+@pytest.mark.slow
+@pytest.mark.serial  # compares timings (a 50 ms sleep against 100 ms)
+def test_regress_ends_with_the_bisect_command_and_that_bisect_reuses_its_measurement(tmp_path, capsys):
+    """End to end on a repository of GOOD (linear sleeps 50 ms), a commit with a long subject, then linear sleeping
+    100 ms and a README commit: regress GOOD..BAD ends with the bisect command; run as printed, bisect reuses regress's
+    results instead of measuring the pair again, and names the commit. The subjects are shortened at a word."""
+    from helpers import commit, edit, project_repository
+
+    scan = "            scan = sum_rule_parallel\n"
+    repo = tmp_path / "repo"
+    project_repository(repo)
+    edit(repo, "variants/sum_rule.py", scan, "            import time\n            time.sleep(0.05)\n" + scan)
+    good = commit(repo, "good: linear sleeps 50 ms")
+    (repo / "README.md").write_text((repo / "README.md").read_text() + "\nA line of prose.\n")
+    commit(repo, "a README change whose subject is long enough to be shortened somewhere in the middle of its words")
+    edit(repo, "variants/sum_rule.py", "time.sleep(0.05)", "time.sleep(0.1)")
+    slower = commit(repo, "linear sleeps 100 ms")
+    (repo / "README.md").write_text((repo / "README.md").read_text() + "\nAnother line.\n")
+    bad = commit(repo, "readme again")
+    scenario = tmp_path / "tiny.yaml"
+    scenario.write_text(
+        "name: tiny\nvariants: {linear: {}, softmax: {}}\naxes: {seq_len: 16, batch: 1, heads: 1, d_key: 8}\n"
+        "modes: [forward]\nmeasure: {warmup: 1, repeats: 5, target_rel_ci: null, timeout_s: 60}\n"
+    )
+    out = tmp_path / "out"
+    common = [str(scenario), "--repo", str(repo), "--rounds", "1", "--factor", "1.5", "--out", str(out), "--no-progress"]
+    assert main(["regress", "--base", good, "--head", bad, *common]) == EXIT_REGRESSION
+    printed = capsys.readouterr().out.splitlines()
+    exit_line = printed.index("attnbench regress: exit code 1")
+    assert printed[exit_line + 1] == "next: find which of the 3 commits made the 1 worse cells worse:", printed
+    command = shlex.split(printed[exit_line + 2])
+    assert command[:6] == ["attnbench", "bisect", "--good", good, "--bad", bad] and printed[-1].startswith("  linear[torch] T=16")
+    assert main([*command[1:], "--no-progress"]) == 0
+    said = capsys.readouterr().out
+    assert f"reusing regress --base {good} --head {bad}: {out}/regress-tiny-" in said, said
+    assert f"first bad commit: {slower} linear sleeps 100 ms" in said
+    assert "a README change whose subject is long enough to be ...: good" in said, "probed, its subject cut at a word"

@@ -50,9 +50,10 @@ def test_changed_rows_are_printed_old_beside_new():
     assert [(change.row.kernel, bool(change.regressions)) for change in changes] == [("output", True), ("backward_chunk", False), ("ut_transform", False)]
     lines = kd.format_changes(changes, "HEAD~1").splitlines()
     assert lines[0].split() == ["kernel", "config", "arch", "regs", "spill", "B", "smem", "B", "warps", "occ", "warps/SM", "mma", "verdict"]
-    assert "4 -> 2" in lines[1] and "16 -> 8" in lines[1] and lines[1].endswith("WORSE: fewer warps per SM (16 -> 8)")
-    assert lines[2].endswith("only in the working tree") and "- -> 128" in lines[2]
+    assert lines[1] == "-- sm_80 bf16: 3 rows changed, 1 worse"
+    assert "4 -> 2" in lines[2] and "16 -> 8" in lines[2] and lines[2].endswith("WORSE: fewer warps per SM (16 -> 8)")
     assert lines[3].endswith("only in HEAD~1") and "128 -> -" in lines[3]
+    assert lines[4].endswith("only in the working tree") and "- -> 128" in lines[4]
 
 
 def test_the_kernel_filter_keeps_the_named_kernels_and_refuses_unknown_ones(tmp_path, monkeypatch):
@@ -93,7 +94,7 @@ def test_compare_head_is_0_unchanged_and_1_naming_the_rows_after_fewer_warps(tmp
     args += ["--kernel", "forward_scan", "--jobs", "1"]
     assert main(args) == 0
     out, err = capsys.readouterr()
-    assert out.startswith("no row changed between HEAD") and "2 rows of HEAD" in err and "0 changed, 0 worse" in err
+    assert out.startswith("no row changed between HEAD") and "2 rows of HEAD" in out and "0 changed, 0 worse" in out
 
     source = repo / "variants" / "kernels" / "sum_rule.py"
     old = 'options=tiles.options(), name=f"{name}_scan"'
@@ -102,9 +103,11 @@ def test_compare_head_is_0_unchanged_and_1_naming_the_rows_after_fewer_warps(tmp
     assert main([*args, "--json", str(tmp_path / "diff.json")]) == 1
     out, err = capsys.readouterr()
     for config in ("fp32 F16 Dv16 C16 norm", "fp32 F16 Dv16 C16 plain"):
-        assert f"error: forward_scan [{config}] on sm_80: fewer warps per SM (" in err and "-> 32)" in err
         (line,) = [line for line in out.splitlines() if line.startswith("forward_scan") and config in line]
-        assert "sm_80" in line and "8 -> 1" in line and "-> 32" in line, out
+        assert "sm_80" in line and "8 -> 1" in line and "-> 32" in line and "WORSE: fewer warps per SM (" in line, out
+    assert "error:" not in err, "each worse row is printed once, in the table"
+    assert out.splitlines()[-2].endswith("2 changed, 2 worse; 0 over a limit in the working tree"), "the summary after the rows"
+    assert out.splitlines()[-1].endswith("attnbench regress --base HEAD regress-cpu --preset gpu")
     assert len(_git(repo, "worktree", "list").splitlines()) == 1, "a temporary git worktree was not removed"
 
 
@@ -143,14 +146,15 @@ def test_regress_compiles_only_the_rows_whose_compilation_differs(monkeypatch, f
 
     monkeypatch.setattr(kd, "revision_rows", revision_rows)
     said = []
-    base, head = (SimpleNamespace(side=side, root=Path("/scratch") / side) for side in ("base", "head"))
+    base, head = (SimpleNamespace(side=side, root=Path("/scratch") / side, label=label) for side, label in (("base", "HEAD~1"), ("head", "working tree")))
     changes = kd.for_regress(base, head, ["variants/kernels/sum_rule.py"], said.append)
     unchanged = [] if fine else ["a|C|sm_80"]
     wanted = {"base": sorted([*unchanged, "gone|C|sm_80", "output|C|sm_80"]), "head": sorted([*unchanged, "new|C|sm_80", "output|C|sm_80"])}
     assert asked[2:] == [(side, "rows", wanted[side]) for side in ("base", "head")]
     assert said[0] == f"kernels (sum_rule on sm_70,sm_80,sm_90): {3 + (not fine)} of 3 rows compile differently; compiling them in each revision ..."
     assert [(change.row.kernel, bool(change.regressions)) for change in changes] == [("output", True), ("new", False), ("gone", False)]
-    assert "only in head" in said[1] and "only in base" in said[1] and said[-1] == "kernels: 3 rows changed, 1 worse"
+    assert "only in head" in said[1] and "only in base" in said[1] and said[-2] == "kernels: 3 rows changed, 1 worse"
+    assert said[-1] == "to time the worse kernels on a GPU, run there: attnbench regress --base 'HEAD~1' regress-cpu --preset gpu"
     result = RegressResult((base, head), [], {"base": {}, "head": {}}, {}, kernel_changes=changes)
     assert result.exit_code == 1 and [change.row.kernel for change in result.kernels_worse] == ["output"]
 
