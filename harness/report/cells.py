@@ -1,23 +1,24 @@
 """The report's cells: ``results.load``'s frame with each cell's identity, machine name, line
-label (``series``) and its scenario's x axis (``prepare``); colours and line styles."""
+label (``series``) and its scenario's x axis (``prepare``: the axis it sweeps, ``swept``); colours and line styles."""
 
 from __future__ import annotations
 
 import numpy as np
 import pandas as pd
-import seaborn as sns
 
 from .. import tasks
 from ..common.formatting import present
 from ..results.identity import CELL_KEY, identify, latest
 from ..scenarios import axes as axis_table
-from .figures import natural
+from .figures import distinct_colours, natural
 
 #: Axes that can be the x axis of a plot, in order of preference (after a task's own axes).
 X_CANDIDATES = axis_table.X_CANDIDATES
 #: Axes that, when they vary within one line, become part of its label.
 LABEL_AXES = X_CANDIDATES + tuple(axis.name for axis in axis_table.TABLE if not axis.x)
 TIMED_MODES = ("forward", "train", "decode")
+#: The cells of one line of a plot, before its axes: one variant configuration on one machine, in one mode and timing.
+LINE = ["variant", "params_text", "backend", "target", "machine_key", "mode", "timing"]
 DASHES = ("-", "--", ":", "-.")
 #: What one measurement is, per machine and timing mode (``timing``: metrics.timing, ``events``
 #: in files from before the modes): a cell measured again in the same mode supersedes the earlier one.
@@ -56,9 +57,9 @@ def base_label(record: dict, show_backend: bool) -> str:
     return record["variant"] + (f"({params})" if params else "") + (f"[{record['backend']}]" if show_backend else "")
 
 
-def _varying_axes(cells: pd.DataFrame, x: str) -> list[str]:
-    """The axes (other than ``x``) that take several values along one line of one machine."""
-    group = ["_label", "machine_key", "mode", f"axes.{x}"]
+def varying_axes(cells: pd.DataFrame, x: str) -> list[str]:
+    """The axes (other than ``x``) that take several values along one line (``LINE``) at one ``x``: part of its label."""
+    group = [*LINE, f"axes.{x}"]
     return [axis for axis in LABEL_AXES if axis != x and f"axes.{axis}" in cells and cells.groupby(group, dropna=False)[f"axes.{axis}"].nunique().max() > 1]
 
 
@@ -70,19 +71,24 @@ def tasks_of(cells: pd.DataFrame) -> list[tasks.Task]:
     return [task for task in tasks.tasks() if task.name in targets] if targets else []
 
 
+def swept(cells: pd.DataFrame, axis: str) -> bool:
+    """Whether ``axis`` takes several values along one line (``LINE``). An axis that differs only between
+    variants (Based's own d_key 16 beside the others' 32) is a property of each line, not a sweep."""
+    column = f"axes.{axis}"
+    return column in cells and bool((cells.groupby(LINE, dropna=False)[column].nunique() > 1).any())
+
+
 def x_axis(cells: pd.DataFrame) -> str:
-    """The swept axis to plot against: the first of the cells' task axes and ``X_CANDIDATES``
-    that varies, else the first of them the cells have, else device (a task without axes)."""
+    """The axis to plot against: the first of the cells' task axes and ``X_CANDIDATES`` that is
+    ``swept``, else the first of them the cells have (nothing swept: the plots are bars by variant),
+    else device (a task without axes)."""
     candidates = [*(axis for task in tasks_of(cells) for axis in task.axes), *X_CANDIDATES]
-    for axis in candidates:
-        if f"axes.{axis}" in cells and cells[f"axes.{axis}"].nunique() > 1:
-            return axis
-    return next((axis for axis in candidates if f"axes.{axis}" in cells), "device")
+    return next((axis for axis in candidates if swept(cells, axis)), next((axis for axis in candidates if f"axes.{axis}" in cells), "device"))
 
 
 def _series(cells: pd.DataFrame, x: str) -> pd.Series:
     """Each cell's line label: variant, parameters, backend, and any other axis that varies."""
-    extra = _varying_axes(cells, x)
+    extra = varying_axes(cells, x)
     return pd.Series(
         [" ".join([record["_label"], *(f"{axis}={record[f'axes.{axis}']}" for axis in extra)]) for record in cells.to_dict("records")],
         index=cells.index,
@@ -123,12 +129,10 @@ def prepare(frame: pd.DataFrame) -> pd.DataFrame:
 
 
 def palette(cells: pd.DataFrame) -> dict[str, tuple]:
-    """One colour per line label for the whole report, so a variant looks the same in every plot."""
+    """One colour per line label for the whole report, so a variant looks the same in every plot; labels in
+    the legend's order, each as far from those before it as ``distinct_colours`` can put it."""
     labels = sorted(cells["series"].unique(), key=natural)
-    if len(labels) > 20:
-        return dict(zip(labels, sns.color_palette("husl", len(labels))))
-    tab20 = sns.color_palette("tab20")
-    return dict(zip(labels, tab20[0::2] + tab20[1::2]))  # the ten strong colours first, then their light shades
+    return dict(zip(labels, distinct_colours(len(labels))))
 
 
 def machine_styles(cells: pd.DataFrame) -> dict[str, str]:

@@ -1,6 +1,7 @@
 """What every plot and table of a report is made of: the ``Plot`` and ``Table`` records the
 template renders, ``Figures`` (the report's output folder, one colour per line label, one line
-style per machine), a figure of several panels and the plain-text tick labels of its log axes.
+style per machine, the keys to both beside and below the panels), colours told apart
+(``distinct_colours``), a figure of several panels and the plain-text tick labels of its log axes.
 Shared by ``harness.report``, the report sections each task registers (``harness.tasks``) and
 the history page (``harness.history``)."""
 
@@ -11,14 +12,15 @@ import io
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cache
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import seaborn as sns
+from matplotlib import colormaps
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
-from matplotlib.font_manager import FontProperties
 from matplotlib.lines import Line2D
 from matplotlib.ticker import LogFormatterSciNotation
 
@@ -30,11 +32,44 @@ from ..common.files import own_directory, write_atomic
 PLAIN_TEXT = {"text.parse_math": False}
 #: A mathtext exponent's characters as unicode superscripts.
 SUPERSCRIPTS = str.maketrans("0123456789-", "⁰¹²³⁴⁵⁶⁷⁸⁹⁻")
-#: The legend's font size, the height of one of its rows in font sizes (a row takes 1.63) and the width
-#: of one of its columns in inches, beside the panels.
-LEGEND_SIZE, LEGEND_ROW, LEGEND_WIDTH = "small", 1.8, 3.2
+#: The legend's font size, and the width in inches that ``new_figure`` leaves beside its panels for a legend
+#: (``Figures.legend`` then sets it to the legend's measured width).
+LEGEND_SIZE, LEGEND_WIDTH = "small", 3.2
+#: Inches kept clear between a key and the figure's edge or the other key.
+KEY_PAD = 0.15
+#: Matplotlib's categorical palettes, the pool ``distinct_colours`` draws from after tab10's ten.
+CATEGORICAL = ("tab10", "Dark2", "Set1", "tab20", "tab20b", "tab20c", "Set2", "Paired", "Accent", "Set3")
+#: The CIELAB lightness a line's colour keeps to: darker reads as black, lighter vanishes on the white page.
+LIGHTNESS = (25, 80)
 #: How a failed cell is drawn: an x, in its line's colour.
 FAILURE_MARK = {"marker": "x", "markersize": 9, "markeredgewidth": 2, "linestyle": "none"}
+
+
+def lab(rgb) -> np.ndarray:
+    """sRGB colours (rows of three in [0, 1]) in CIELAB (D65), where the distance between two colours is how
+    different they look (ΔE: about 2 is just noticed, 20 tells two lines apart at a glance)."""
+    rgb = np.asarray(rgb, dtype=float)
+    linear = np.where(rgb <= 0.04045, rgb / 12.92, ((rgb + 0.055) / 1.055) ** 2.4)
+    xyz = linear @ np.array([[0.4124, 0.3576, 0.1805], [0.2126, 0.7152, 0.0722], [0.0193, 0.1192, 0.9505]]).T / np.array([0.9505, 1.0, 1.089])
+    f = np.where(xyz > (6 / 29) ** 3, np.cbrt(xyz), xyz / (3 * (6 / 29) ** 2) + 4 / 29)
+    return np.stack([116 * f[..., 1] - 16, 500 * (f[..., 0] - f[..., 1]), 200 * (f[..., 1] - f[..., 2])], axis=-1)
+
+
+@cache
+def distinct_colours(count: int) -> list[tuple]:
+    """``count`` colours, each as far (in CIELAB) from all before it as the pool allows: tab10's ten, then the
+    farthest of ``CATEGORICAL``'s other colours in ``LIGHTNESS``, one at a time (24 stay at least ΔE 22 apart,
+    where a hue circle's neighbours are 16° apart). Past the pool's size, it repeats."""
+    pool = list(dict.fromkeys(tuple(colour[:3]) for name in CATEGORICAL for colour in colormaps[name].colors))
+    coordinates = lab(pool)
+    usable = [index for index in range(len(pool)) if index < 10 or LIGHTNESS[0] < coordinates[index, 0] < LIGHTNESS[1]]
+    chosen = usable[:10]
+    nearest = np.linalg.norm(coordinates[usable][:, None] - coordinates[chosen][None], axis=-1).min(axis=1)
+    while len(chosen) < min(count, len(usable)):
+        pick = int(np.argmax(nearest))
+        chosen.append(usable[pick])
+        nearest = np.minimum(nearest, np.linalg.norm(coordinates[usable] - coordinates[usable[pick]], axis=-1))
+    return [pool[chosen[index % len(chosen)]] for index in range(count)]
 
 
 def natural(label):
@@ -116,25 +151,49 @@ class Figures:
         write_atomic(path, data)
         return Plot(title, caption, f"plots/{path.name}", "data:image/png;base64," + base64.b64encode(data).decode("ascii"))
 
-    def legend(self, figure: Figure, cells: pd.DataFrame, failures: bool) -> None:
-        """Colours of the lines shown, line styles of the machines, the failure marker: in as many columns as
-        it takes to fit the figure's height, each further column widening the figure by ``LEGEND_WIDTH``."""
-        handles = [Line2D([], [], color=self.colours[s], marker="o", label=s) for s in sorted(cells["series"].unique(), key=natural)]
-        machines = cells["machine"].unique()
-        if len(machines) > 1:
-            handles += [Line2D([], [], color="black", linestyle=self.styles[m], label=m) for m in machines]
+    def legend(self, figure: Figure, cells: pd.DataFrame, failures: bool, named: bool = False) -> None:
+        """The key to the lines beside the panels (colour: the line label, unless the panels already name each,
+        ``named``: bars; the failure marker) in as many columns as it takes to fit the figure's height, and, when
+        the cells are of several machines, the key to their line styles below the panels; the figure widened to
+        hold both, as measured (``fit_keys``)."""
+        labels = [] if named else sorted(cells["series"].unique(), key=natural)
+        handles = [Line2D([], [], color=self.colours[s], marker="o", label=s) for s in labels]
         if failures:
             handles.append(Line2D([], [], color="black", label="failed (oom / error / crashed / nan)", **FAILURE_MARK))
-        rows = max(1, int(figure.get_figheight() * 72 / (LEGEND_ROW * FontProperties(size=LEGEND_SIZE).get_size_in_points())))
-        columns = -(-len(handles) // rows)
-        figure.set_figwidth(figure.get_figwidth() + LEGEND_WIDTH * (columns - 1))
-        figure.legend(handles=handles, loc="outside right upper", fontsize=LEGEND_SIZE, ncols=columns)
+        machines = cells["machine"].unique()
+        styles = [Line2D([], [], color="black", linestyle=self.styles[m], label=m) for m in machines] if len(machines) > 1 else []
+        below = (
+            figure.legend(handles=styles, loc="outside lower center", fontsize=LEGEND_SIZE, ncols=len(styles), title="line style: machine") if styles else None
+        )
+        fit_keys(figure, handles, below)
 
 
-def new_figure(panels: int) -> tuple[Figure, list]:
+def fit_keys(figure: Figure, handles: list, below=None) -> None:
+    """Put the key of ``handles`` beside ``figure``'s panels in the fewest columns that fit its height above the key
+    ``below`` (a legend already placed under the panels, or None), and set the figure's width to its panels'
+    (``new_figure``'s, less ``LEGEND_WIDTH``) and the key's, measured: every entry inside the saved figure."""
+    renderer = FigureCanvasAgg(figure).get_renderer()
+
+    def inches(legend) -> tuple[float, float]:
+        box = legend.get_window_extent(renderer)
+        return box.width / figure.dpi, box.height / figure.dpi
+
+    below_width, below_height = inches(below) if below is not None else (0.0, 0.0)
+    room, width = figure.get_figheight() - below_height - 2 * KEY_PAD, 0.0
+    for columns in range(1, len(handles) + 1):
+        key = figure.legend(handles=handles, loc="outside right upper", fontsize=LEGEND_SIZE, ncols=columns)
+        width, height = inches(key)
+        if height <= room or columns == len(handles):
+            break
+        key.remove()
+    figure.set_figwidth(max(figure.get_figwidth() - LEGEND_WIDTH + width + KEY_PAD, below_width + 2 * KEY_PAD))
+
+
+def new_figure(panels: int, height: float = 3.6) -> tuple[Figure, list]:
+    """A figure of ``panels`` panels, three a row, each 4.6 inches wide and ``height`` high, and room for a legend beside them."""
     columns = min(panels, 3)
     rows = -(-panels // columns)
-    figure = Figure(figsize=(4.6 * columns + LEGEND_WIDTH, 3.6 * rows), layout="constrained")
+    figure = Figure(figsize=(4.6 * columns + LEGEND_WIDTH, height * rows), layout="constrained")
     with sns.axes_style("whitegrid"):
         axes = figure.subplots(rows, columns, squeeze=False).ravel()
     for extra in axes[panels:]:

@@ -1,5 +1,5 @@
-"""The report's plots: each metric against a scenario's x axis (one panel per mode), decode latency,
-speed against accuracy."""
+"""The report's plots: each metric against the axis a scenario sweeps (one panel per mode; bars by variant
+where it sweeps none), decode latency, speed against accuracy. Each caption says what its cells held fixed."""
 
 from __future__ import annotations
 
@@ -8,15 +8,19 @@ from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
+from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.ticker import FuncFormatter, MaxNLocator, NullLocator
 
-from ..common.formatting import MIB, present, si
+from ..common.formatting import MIB, present, si, text
 from ..results import FAILED
-from .cells import TIMED_MODES
-from .figures import FAILURE_MARK, Figures, Plot, decades, natural_columns, new_figure
+from ..results.identity import axes_text
+from .cells import LABEL_AXES, TIMED_MODES, swept, varying_axes
+from .figures import FAILURE_MARK, Figures, Plot, decades, natural, natural_columns, new_figure
 
 #: How an unstable cell's point is drawn on top of its line: an open ring around it.
 UNSTABLE_MARK = {"marker": "o", "markersize": 11, "markerfacecolor": "none", "markeredgewidth": 1.5, "linestyle": "none"}
+#: Inches of a bar chart's height per bar, and beside them (title, axis label, ticks).
+BAR_HEIGHT, BAR_MARGIN = 0.24, 1.3
 
 
 @dataclass(frozen=True)
@@ -92,31 +96,55 @@ def _draw_failures(ax, failed: pd.DataFrame, x: str, figures: Figures) -> None:
         ax.plot(record[f"axes.{x}"], height, color=figures.colours[record["series"]], transform=ax.get_xaxis_transform(), clip_on=False, **FAILURE_MARK)
 
 
-def _draw_bars(ax, ok: pd.DataFrame, failed: pd.DataFrame, metric: Metric, figures: Figures) -> None:
-    """A sweep of a single point: one horizontal bar per label (and machine) with the band as an
-    error bar; a failed cell gets an 'x' at the start of its row. Values read as the tables write them
-    (``si``: 175k, where matplotlib writes 175000 into its neighbours)."""
-    entries = pd.concat([ok, failed]).sort_values(["series", "machine"], ascending=False, key=natural_columns).reset_index(drop=True)
+def _bar_rows(cells: pd.DataFrame) -> list[tuple]:
+    """The rows of a bar chart, top to bottom: each (label, machine) of ``cells``, in the legend's order."""
+    return sorted(set(zip(cells["series"], cells["machine"])), key=lambda row: (natural(row[0]), natural(row[1])))
+
+
+def _draw_bars(ax, ok: pd.DataFrame, failed: pd.DataFrame, metric: Metric, figures: Figures, rows: list[tuple], labelled: bool) -> None:
+    """Nothing swept: one horizontal bar per label (and machine: its line style is the bar's edge) at its place in
+    ``rows`` (the same in every panel, named on the first, ``labelled``), the band as an error bar; a failed cell
+    gets an 'x' at the start of its row. A log axis where the values are over a decade apart, else values read as
+    the tables write them (``si``: 175k, where matplotlib writes 175000 into its neighbours)."""
+    entries = pd.concat([ok, failed]).reset_index(drop=True)
     values = metric.value(entries).where(entries["status"] == "ok")
     error = None
     if metric.band is not None:
         low, high = metric.band(entries)
         error = np.vstack([values - low, high - values])
-    positions = np.arange(len(entries))
-    bars = ax.barh(positions, values.fillna(0), xerr=error, color=[figures.colours[s] for s in entries["series"]], alpha=0.85)
-    ax.xaxis.set_major_formatter(FuncFormatter(lambda value, _: si(value)))
-    for bar, unstable in zip(bars, entries["metrics.unstable"].map(lambda value: value is True)):
-        bar.set_hatch("//" if unstable else None)
-    several = entries["machine"].nunique() > 1
-    ax.set_yticks(positions, [f"{r['series']} · {r['machine']}" if several else r["series"] for r in entries.to_dict("records")])
-    for position in positions[entries["status"].isin(FAILED).to_numpy()]:
-        ax.plot(0.02, position, color=figures.colours[entries["series"][position]], transform=ax.get_yaxis_transform(), clip_on=False, **FAILURE_MARK)
+    positions = np.array([len(rows) - 1 - rows.index(row) for row in zip(entries["series"], entries["machine"])])
+    several = len({machine for _, machine in rows}) > 1
+    bars = ax.barh(
+        positions,
+        values.fillna(0),
+        xerr=error,
+        color=[figures.colours[s] for s in entries["series"]],
+        alpha=0.85,
+        edgecolor="black" if several else None,
+    )
+    shown = values.dropna()
+    if len(shown) and (shown > 0).all() and shown.max() > 10 * shown.min():
+        ax.set_xscale("log")  # values decades apart: each bar reaches from the axis's left edge
+    else:
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda value, _: si(value)))
+    for bar, unstable, machine in zip(bars, entries["metrics.unstable"].map(lambda value: value is True), entries["machine"]):
+        bar.set(hatch="//" if unstable else None, linestyle=figures.styles[machine])
+    ax.set_ylim(-0.6, len(rows) - 0.4)
+    ax.set_yticks(np.arange(len(rows))[::-1], [f"{series} · {machine}" if several else series for series, machine in rows] if labelled else [])
+    for position, series in zip(positions[entries["status"].isin(FAILED).to_numpy()], entries.loc[entries["status"].isin(FAILED), "series"]):
+        ax.plot(0.02, position, color=figures.colours[series], transform=ax.get_yaxis_transform(), clip_on=False, **FAILURE_MARK)
 
 
-def _draw_panel(ax, ok: pd.DataFrame, failed: pd.DataFrame, x: str, metric: Metric, figures: Figures) -> None:
-    """Lines against ``x`` for a sweep, bars for a single point."""
-    if pd.concat([ok, failed])[f"axes.{x}"].nunique() == 1:
-        _draw_bars(ax, ok, failed, metric, figures)
+def _widen_for_names(figure, ax) -> None:
+    """Widen ``figure`` by the longest name of ``ax``'s bars, measured: its panels keep their width beside them."""
+    renderer = FigureCanvasAgg(figure).get_renderer()
+    figure.set_figwidth(figure.get_figwidth() + max(label.get_window_extent(renderer).width for label in ax.get_yticklabels()) / figure.dpi)
+
+
+def _draw_panel(ax, ok: pd.DataFrame, failed: pd.DataFrame, x: str, metric: Metric, figures: Figures, rows: list[tuple], labelled: bool) -> None:
+    """Lines against ``x`` where the panel's cells sweep it, else bars (``_draw_bars``)."""
+    if not swept(pd.concat([ok, failed]), x):
+        _draw_bars(ax, ok, failed, metric, figures, rows, labelled)
         ax.set(xlabel=metric.ylabel)
         return
     _draw_lines(ax, ok, x, metric, figures)
@@ -136,8 +164,30 @@ def _scale_axes(ax, xs, ys) -> None:
             ax.set_yscale("log")
 
 
+def plotted_against(cells: pd.DataFrame) -> str:
+    """What a scenario's plots are drawn against: its x axis (``prepare``), or 'variant' where they are bars."""
+    x = cells["x_axis"].iloc[0]
+    return x if swept(cells, x) else "variant (nothing swept)"
+
+
+def held_fixed(cells: pd.DataFrame, x: str) -> str:
+    """What the cells of a figure held fixed, as the summary writes axes (``T=256 B=1 H=2``): each axis but a swept
+    ``x`` and those a line's label names (``varying_axes``) with one value; an axis that differs only between
+    variants (Based's own d_key) with its commonest value and the variants that differ."""
+    fixed = {}
+    shown = [axis for axis in LABEL_AXES if f"axes.{axis}" in cells and not (axis == x and swept(cells, x)) and axis not in varying_axes(cells, x)]
+    for axis in shown:
+        values = cells[f"axes.{axis}"].dropna()
+        counts = values.value_counts()
+        if len(counts):
+            others = cells.loc[values.index[values != counts.index[0]]].groupby(f"axes.{axis}")["variant"].unique()
+            differ = "; ".join(f"{text(value)} for {', '.join(sorted(variants))}" for value, variants in others.items())
+            fixed[axis] = text(counts.index[0]) + (f" ({differ})" if differ else "")
+    return axes_text(fixed) or "nothing"
+
+
 def metric_plot(cells: pd.DataFrame, metric: Metric, figures: Figures, name: str) -> Plot | None:
-    """``metric`` against the scenario's x axis, one panel per mode; None without data."""
+    """``metric`` against the scenario's x axis, one panel per mode (bars by variant where nothing is swept); None without data."""
     x = cells["x_axis"].iloc[0]
     timed = cells[cells["mode"].isin(TIMED_MODES)]
     ok = timed[(timed["status"] == "ok") & metric.value(timed).notna()]
@@ -145,11 +195,16 @@ def metric_plot(cells: pd.DataFrame, metric: Metric, figures: Figures, name: str
     if ok.empty:
         return None
     modes = [mode for mode in TIMED_MODES if mode in set(timed["mode"])]
-    figure, axes = new_figure(len(modes))
-    for ax, mode in zip(axes, modes):
-        _draw_panel(ax, ok[ok["mode"] == mode], failed[failed["mode"] == mode], x, metric, figures)
+    shown = pd.concat([ok, failed])
+    bars = not swept(shown, x)
+    rows = _bar_rows(shown)
+    figure, axes = new_figure(len(modes), max(3.6, BAR_HEIGHT * len(rows) + BAR_MARGIN) if bars else 3.6)
+    for index, (ax, mode) in enumerate(zip(axes, modes)):
+        _draw_panel(ax, ok[ok["mode"] == mode], failed[failed["mode"] == mode], x, metric, figures, rows, labelled=index % 3 == 0)
         ax.set_title(mode)
-    figures.legend(figure, pd.concat([ok, failed]), not failed.empty)
+    if bars:
+        _widen_for_names(figure, axes[0])
+    figures.legend(figure, shown, not failed.empty, named=bars)
     unstable = int(ok["metrics.unstable"].map(lambda value: value is True).sum())
     warning = (
         f"{unstable} unstable cell(s), ringed (hatched bars): their median is not known to measure.target_rel_ci, "
@@ -157,16 +212,22 @@ def metric_plot(cells: pd.DataFrame, metric: Metric, figures: Figures, name: str
         if unstable
         else ""
     )
-    caption = " ".join(filter(None, [f"{metric.title} against {x}.", metric.detail(ok), warning, _decode_note(cells)]))
+    drawn = f"{metric.title} by variant" if bars else f"{metric.title} against {x}"
+    caption = " ".join(filter(None, [f"{drawn}; held fixed: {held_fixed(shown, x)}.", metric.detail(ok), warning, _decode_note(cells)]))
     return figures.save(figure, f"{name}-{metric.slug}", metric.title, caption)
 
 
 def _decode_note(cells: pd.DataFrame) -> str:
-    """What one decode call is, when the scenario decodes."""
-    if "decode" not in set(cells["mode"]) or "axes.new_tokens" not in cells:
+    """What one decode call is, when the scenario decodes: its generated tokens, after a prefill of its length."""
+    decode = cells[cells["mode"] == "decode"]
+    if decode.empty or "axes.new_tokens" not in cells:
         return ""
-    steps = "/".join(str(int(s)) for s in sorted(cells["axes.new_tokens"].dropna().unique()))
-    return f"decode: one call is the {steps} generated tokens of one round, after a prefill of {cells['x_axis'].iloc[0]} tokens."
+    steps = "/".join(str(int(s)) for s in sorted(decode["axes.new_tokens"].dropna().unique()))
+    if cells["x_axis"].iloc[0] == "seq_len" and swept(decode, "seq_len"):
+        prefill = "seq_len tokens (the x axis)"
+    else:
+        prefill = "/".join(str(int(length)) for length in sorted(decode["axes.seq_len"].dropna().unique())) + " tokens"
+    return f"decode: one call is the {steps} generated tokens of one round, after a prefill of {prefill}."
 
 
 def latency_plot(cells: pd.DataFrame, figures: Figures, name: str) -> Plot | None:
