@@ -27,7 +27,7 @@ from harness.results import load
 TIME = METRICS[0]
 #: Based projects queries and keys to 16 dimensions: its cells' d_key is 16 where every other variant's is 32.
 OWN_D_KEY = {"based": 16}
-#: A ΔE (CIELAB) at which two lines are told apart at a glance; a hue circle of 22 (seaborn's husl) has neighbours at 6.
+#: A ΔE (CIELAB) at which two lines are told apart at a glance; a hue circle of 22 (seaborn's husl) has neighbours at 9.
 MIN_DISTANCE = 20
 #: A page (the frame of every attnbench page) of one table.
 PAGE = '{% extends "page.html.j2" %}{% from "table.html.j2" import render_table %}{% block body %}{{ render_table(table) }}{% endblock %}'
