@@ -35,19 +35,18 @@ from .cells import machine_styles, palette, prepare, tasks_of
 from .figures import PLAIN_TEXT, Figures, Plot, Table
 from .frontier import cell_flags, frontier_plot
 from .header import machine_sections, runs_of
-from .plots import METRICS, accuracy_plot, latency_plot, metric_plot, plotted_against
+from .machines import side_by_side
+from .plots import METRICS, accuracy_plot, latency_plot, metric_plot
 from .seeds import seed_table
 from .summary import summary_tables
 from .tables import (
     backend_table,
     compare_table,
     failures_table,
-    machine_ratios,
     model_table,
     profile_table,
     quality_table,
     ranking_table,
-    ratio_tables,
     timing_table,
 )
 
@@ -67,6 +66,9 @@ def _slug(text: str) -> str:
 
 
 def _statuses(cells: pd.DataFrame) -> str:
+    """How many cells ended how, how many were unstable, the load while they were measured: per machine where there are several."""
+    if cells["machine"].nunique() > 1:
+        return " · ".join(f"on {machine}, {_statuses(own)}" for machine, own in cells.groupby("machine", sort=False))
     counts = cells["status"].value_counts()
     unstable = int(cells["metrics.unstable"].map(lambda value: value is True).sum())
     busy = cells["metrics.load.other_cores"].dropna()
@@ -104,7 +106,7 @@ def _scenario_section(name: str, cells: pd.DataFrame, figures: Figures, baseline
         profile_table(cells),
     ]
     targets = ", ".join(cells["target"].dropna().unique())
-    return ScenarioSection(name, targets, plotted_against(cells), _statuses(cells), [p for p in plots if p is not None], [t for t in tables if t is not None])
+    return ScenarioSection(name, targets, cells["x_axis"].iloc[0], _statuses(cells), [p for p in plots if p is not None], [t for t in tables if t is not None])
 
 
 def _score_sections(cells: pd.DataFrame, score: tasks.Score, figures: Figures, slug: str) -> list:
@@ -159,7 +161,7 @@ def build_report(paths, out_dir, *, title: str | None = None, compare_base: Comp
         several_machines=cells["machine"].nunique() > 1,
         machines=machine_sections(cells, runs),
         scenarios=scenarios,
-        side_by_side=ratio_tables(machine_ratios(cells)),
+        side_by_side=side_by_side(cells),
         comparison=compare_table(compare_base) if compare_base is not None else None,
     )
     index = out_dir / "index.html"

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import pandas as pd
 
-from ..common.formatting import gib, present, si, text
+from ..common.formatting import counted, gib, present, si, text
 from ..results import read_records
+from ..results.compare import is_unstable
+from .cells import TIMED_MODES
 from .figures import Table, table
 from .tables import cell_columns
 
@@ -58,7 +61,14 @@ def _calibration_facts(calibration: dict | None) -> list[tuple[str, str]]:
     if not calibration:
         return []
     flops = ", ".join(f"{dtype} {si(value)}FLOP/s" for dtype, value in calibration["matmul_flops_per_s"].items())
-    rows = [("calibrated peaks", f"matmul {flops}; copy {si(calibration['bandwidth_bytes_per_s'])}B/s ({calibration['torch_threads']} torch threads)")]
+    threads = calibration["torch_threads"]
+    rows = [
+        (
+            "calibrated peaks",
+            f"matmul {flops}; copy {si(calibration['bandwidth_bytes_per_s'])}B/s, measured on {counted(threads, 'torch thread')} "
+            "(a cell timed on fewer is held to the matmul peak scaled to its threads)",
+        )
+    ]
     sheet = calibration.get("datasheet")
     if sheet:
         peaks = ", ".join(f"{key} {si(value)}FLOP/s" for key, value in sheet.items() if key not in ("name", "bandwidth_bytes_per_s"))
@@ -92,6 +102,33 @@ def _threads_fact(runs: list[dict], cells: pd.DataFrame) -> list[tuple[str, str]
     if quality.any():
         parts.append(f"quality cells: {counts(measured[quality])}, their task's threads")
     return [("torch threads", "; ".join(parts))] if parts else []
+
+
+def _while_measured(cells: pd.DataFrame) -> str:
+    """What a run's timed cells met while they were measured (their records, not a setting): the cores other
+    processes kept busy (``metrics.load.other_cores``: on average and at most, of the machine's), how many
+    were unstable and, where the records say, disturbed (``metrics.disturbed``)."""
+    timed = cells[(cells["status"] == "ok") & cells["mode"].isin(TIMED_MODES)]
+    if timed.empty:
+        return "no timed cell"
+    metric = lambda name: timed.get(f"metrics.{name}", pd.Series(np.nan, index=timed.index))
+    busy, cores = metric("load.other_cores").dropna(), metric("load.cores").dropna()
+    disturbed = metric("disturbed").map(lambda value: value is True)
+    load = f"; other processes kept {busy.mean():.2f} cores{f' of {cores.max():g}' if len(cores) else ''} busy on average (at most {busy.max():.2f})"
+    return (
+        counted(len(timed), "timed cell")
+        + (load if len(busy) else "; their load was not recorded")
+        + f"; {(metric('unstable').map(is_unstable) | disturbed).sum()} unstable"
+        + (f" ({disturbed.sum()} of them disturbed)" if metric("disturbed").map(present).any() else "")
+    )
+
+
+def _measured_fact(runs: list[dict], cells: pd.DataFrame) -> list[tuple[str, str]]:
+    """``_while_measured`` for each run of the machine (its run id and scenario first where there are several)."""
+    parts = [(run, cells[cells["run_id"] == run["run_id"]]) for run in runs]
+    if len(parts) == 1:
+        return [("while measured", _while_measured(parts[0][1]))]
+    return [("while measured", " · ".join(f"run {run['run_id'][:8]} ({run['scenario']}): {_while_measured(own)}" for run, own in parts if len(own)))]
 
 
 def _commit_text(run: dict) -> str:
@@ -141,6 +178,7 @@ def _machine_section(name: str, runs: list[dict], cells: pd.DataFrame) -> Machin
     facts = (
         _machine_facts(runs[-1]["machine"])
         + _threads_fact(runs, cells)
+        + _measured_fact(runs, cells)
         + [
             ("commits", ", ".join(dict.fromkeys(_commit_text(run) for run in runs))),
             ("run dates", dates[0] if dates[0] == dates[-1] else f"{dates[0]} to {dates[-1]}"),

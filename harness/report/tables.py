@@ -1,5 +1,5 @@
-"""The report's tables: failures, model, quality, every timed cell, backends and machines side
-by side, and compare's table."""
+"""The report's tables: failures, model, quality, every timed cell, backends side by side, and
+compare's table (machines side by side: ``harness.report.machines``)."""
 
 from __future__ import annotations
 
@@ -274,53 +274,6 @@ def backend_table(cells: pd.DataFrame, baseline: str | None) -> Table | None:
         ]
     )
     return table(f"Backends against {baseline}", frame, columns, caption)
-
-
-# --- machines side by side ----------------------------------------------------------------
-
-
-def machine_ratios(cells: pd.DataFrame) -> pd.DataFrame:
-    """For each scenario measured on several machines: every matching ok cell's median time on
-    each other machine over that on the scenario's first machine (matched on scenario,
-    variant, backend, params, axes without the device, mode, target). ``cells`` from ``prepare``."""
-    ok = cells[cells["status"] == "ok"]
-    rows = []
-    for _, scenario in ok.groupby("scenario", sort=True):
-        machines = list(dict.fromkeys(scenario["machine"]))
-        reference = scenario[scenario["machine"] == machines[0]]
-        for machine in machines[1:]:
-            other = scenario[scenario["machine"] == machine]
-            pairs = reference.merge(other, on=[*CELL_KEY, "timing"], suffixes=("_ref", ""))
-            pairs["reference"], pairs["median_s_ref"], pairs["median_s"] = machines[0], pairs["metrics.median_s_ref"], pairs["metrics.median_s"]
-            pairs["unstable_ref"], pairs["unstable"] = pairs["metrics.unstable_ref"].map(is_unstable), pairs["metrics.unstable"].map(is_unstable)
-            rows.append(pairs.assign(ratio=pairs["median_s"] / pairs["median_s_ref"]))
-    columns = ["scenario", "series", "mode", "axes_text", "reference", "machine", "median_s_ref", "median_s", "ratio", "unstable_ref", "unstable"]
-    return pd.concat(rows, ignore_index=True)[columns] if rows else pd.DataFrame(columns=columns)
-
-
-def ratio_tables(ratios: pd.DataFrame) -> list[Table]:
-    tables = []
-    for (scenario, reference, machine), group in ratios.groupby(["scenario", "reference", "machine"], sort=False):
-        either = group["unstable_ref"] | group["unstable"]
-        stable = group.loc[~either, "ratio"]
-        geomean = f"{np.exp(np.log(stable).mean()):.3f}" if len(stable) else "none"
-        group = group.assign(
-            ref_text=[format_median(s, u) for s, u in zip(group["median_s_ref"], group["unstable_ref"])],
-            text=[format_median(s, u) for s, u in zip(group["median_s"], group["unstable"])],
-            ratio_text=[marked_ratio(r, u) for r, u in zip(group["ratio"], either)],
-        )
-        columns = [
-            ("variant", "series", text),
-            ("mode", "mode", text),
-            ("axes", "axes_text", text),
-            (reference, "ref_text", text),
-            (machine, "text", text),
-            ("ratio", "ratio_text", text),
-        ]
-        caption = f"median time on {machine} / on {reference}, per matching cell; geometric mean {geomean} over {len(stable)} cells."
-        caption += f" {UNSTABLE_NOTE}" if either.any() else ""
-        tables.append(table(f"{scenario}: {machine} / {reference}", group.sort_values(["mode", "series"], key=natural_columns), columns, caption))
-    return tables
 
 
 def marked_rate(rate, unstable) -> str:

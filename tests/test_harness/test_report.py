@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from harness.report import build_report, machine_ratios, prepare
+from harness.report import build_report, prepare
+from harness.report.machines import machine_pairs
 from harness.results import load, read_records
 from harness.results.compare import UNDECIDED, UNSTABLE, compare
 
@@ -228,15 +229,18 @@ def test_a_second_machine_gets_a_side_by_side_section_with_ratios_and_its_thrott
     other = as_other_machine(results["core"], tmp_path / "b" / "tiny-report-b.jsonl")
     index = build_report([results["core"], other], tmp_path / "report")
     page = Page(index.read_text(encoding="utf-8"))
-    ratios = machine_ratios(prepare(load([results["core"], other])))
-    ok = [cell for cell in cells_of(results["core"]) if cell["status"] == "ok"]
-    assert len(ratios) == len(ok) and (ratios["ratio"] == 1.0).all()
-    assert set(ratios["machine"]) == {"gpu-box-b (Simulated GPU B)"}
-    assert "Machines side by side" in page.all_text and "Simulated GPU B" in page.all_text
+    pairs = machine_pairs(prepare(load([results["core"], other])))
+    ok = [cell for cell in cells_of(results["core"]) if cell["status"] == "ok" and cell["mode"] != "quality"]
+    assert len(pairs) == len(ok) and (pairs["ratio"] == 1.0).all()
+    assert set(pairs["b"]) == {"gpu-box-b (Simulated GPU B)"}
+    assert "Machines side by side" in page.all_text and "B = gpu-box-b (Simulated GPU B)" in page.all_text
     assert "1 cell ran while the GPU was throttled" in page.all_text and "SwPowerCap" in page.all_text
-    table = next(table for table in page.tables if table and "ratio" in table[0] and "gpu-box-b (Simulated GPU B)" in table[0])
-    assert len(table) - 1 == len(ok) and {row[-1] for row in table[1:]} <= {"1.000", "1.000 *"}
-    assert sum(row[-1].endswith(" *") for row in table[1:]) == sum(cell["metrics"].get("unstable") is True for cell in ok)  # issue 36
+    table = next(table for table in page.tables if table and "B / A" in table[0])
+    ratio, verdict = table[0].index("B / A"), table[0].index("verdict")
+    assert len(table) - 1 == len(ok) and {row[ratio] for row in table[1:]} == {"1.000"}
+    unsteady = sum(cell["metrics"].get("unstable") is True or cell["metrics"].get("disturbed") is True for cell in ok)
+    assert sum("A unstable" in row[verdict] or "A disturbed" in row[verdict] for row in table[1:]) == unsteady  # issue 36, 57
+    assert {row[verdict] for row in table[1:] if not row[verdict].startswith("not compared")} <= {"no clear difference"}
 
 
 @pytest.mark.slow

@@ -110,7 +110,8 @@ def test_the_reports_side_by_side_tables_mark_unstable_times(tmp_path):
     """Machines and backends side by side: an unstable time and its ratio carry a *, the caption
     says why, and the geometric mean leaves that ratio out."""
     from harness.report.cells import prepare
-    from harness.report.tables import backend_table, machine_ratios, ratio_tables
+    from harness.report.machines import side_by_side
+    from harness.report.tables import backend_table
     from harness.results import load
 
     records = [record for record in read_records(SCHEMA_1) if record.get("status") != "error"]
@@ -130,10 +131,10 @@ def test_the_reports_side_by_side_tables_mark_unstable_times(tmp_path):
             record["machine"].update(machine_id="m2", hostname="other")
     there = tmp_path / "there.jsonl"
     there.write_text("".join(json.dumps(record) + "\n" for record in elsewhere))
-    tables = {table.title: table for table in ratio_tables(machine_ratios(prepare(load([here, there]))))}
-    (side_by_side,) = tables.values()
-    marked = sorted(row[-1].endswith(" *") for row in side_by_side.rows)
-    assert marked == [False, True] and "over 1 cells" in side_by_side.caption and "marked *" in side_by_side.caption, side_by_side
+    (section,) = side_by_side(prepare(load([here, there])))
+    verdicts = sorted(row[section.pairs.headers.index("verdict")] for row in section.pairs.rows)
+    assert verdicts[-1] == "not compared: A unstable; B unstable" and "unstable (* beside its median)" in section.pairs.caption, section.pairs
+    assert section.headline.rows[0][1].endswith(f"1 of {len(verdicts)} cells"), section.headline  # issue 57: the unstable pair is in no mean
 
 
 def test_the_threads_of_a_cpu_measurement_leave_the_busy_cores_alone():
