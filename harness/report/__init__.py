@@ -6,10 +6,10 @@ is embedded as a PNG data URI), ``out_dir/cells.csv`` (one row per cell) and eve
 PNG file under ``out_dir/plots/``. It reads results files only (``harness.results``), never
 the runner or a scenario file, so a report can be made on a laptop from files measured on a
 cluster. The page is put together here from ``cells`` (what the report makes of each cell),
-``summary`` (which is fastest, at the page's top), ``plots``, ``tables`` and ``header`` (machines
-and runs). How to read it is in docs/reports.md.
+``summary`` (which is fastest, at the page's top), ``plots``, ``tables``, ``header`` (machines
+and runs) and ``machines`` (machines side by side). How to read it is in docs/reports.md.
 
-The report group owns this page, its sections (``cells``, ``summary``, ``header``, ``plots``, ``tables``),
+The report group owns this page, its sections (``cells``, ``summary``, ``header``, ``machines``, ``plots``, ``tables``),
 what every plot and table is made of (``figures``), quality over seeds (``seeds``), the quality–speed
 frontier (``frontier``); its template is harness/templates/report.html.j2. May import: common,
 results, scenarios (the axes table), tasks (the registry).
