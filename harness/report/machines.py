@@ -52,7 +52,7 @@ def machine_pairs(cells: pd.DataFrame) -> pd.DataFrame:
     mean), ``comparable`` (none does), ``why_not`` (them in words), ``verdict``, both roof fractions, ``roofs`` and ``use``
     (B's roofline time over A's, A's fraction over B's: ratio = roofs × use) and ``mostly`` ("machine" or "code",
     the factor farther from 1). ``cells`` from ``prepare``."""
-    timed = cells[cells["mode"].isin(TIMED_MODES)]
+    timed, show_backend = cells[cells["mode"].isin(TIMED_MODES)], cells["backend"].nunique() > 1
     found = []
     for _, scenario in timed.groupby("scenario", sort=True):
         machines = list(dict.fromkeys(scenario["machine"]))
@@ -62,7 +62,7 @@ def machine_pairs(cells: pd.DataFrame) -> pd.DataFrame:
             same = pairs["timing_a"] == pairs["timing_b"]
             either_ok = (pairs["status_a"] == "ok") | (pairs["status_b"] == "ok")
             pairs = pairs[(same | ~same.groupby([pairs[key] for key in CELL_KEY]).transform("any")) & either_ok]
-            found += [_pair(pair, len(cells["backend"].unique()) > 1) for pair in pairs.to_dict("records")]
+            found += [_pair(pair, show_backend) for pair in pairs.to_dict("records")]
     return pd.DataFrame(found, columns=PAIR_COLUMNS)
 
 
