@@ -1,4 +1,4 @@
-"""The ``attnbench`` command line: run, report, compare, regress, bisect, history, list, env, demo, data."""
+"""The ``attnbench`` command line: run, report, compare, regress, bisect, history, list, check, env, demo, data."""
 
 from __future__ import annotations
 
@@ -22,8 +22,18 @@ EXIT_INTERRUPTED = 130
 
 
 def _plugins(args) -> list[str]:
+    """The plugins of a command: ``$ATTNBENCH_PLUGINS`` (comma-separated), then each ``--plugin``."""
     from_env = [p for p in os.environ.get("ATTNBENCH_PLUGINS", "").split(",") if p]
     return from_env + list(args.plugin or [])
+
+
+def _load_plugins(args) -> list[str]:
+    """Import the command's plugins (their variants and tasks registered); the list, for worker processes."""
+    from .scenarios.plugins import load_plugins
+
+    plugins = _plugins(args)
+    load_plugins(plugins)
+    return plugins
 
 
 def _default_scenarios() -> list[tuple[str, str | None]]:
@@ -62,11 +72,9 @@ def _run(args) -> int:
     if error := _option_error(args):
         print(f"error: {error}", file=sys.stderr)
         return EXIT_ERROR
-    from .scenarios.plugins import load_plugins
     from .scenarios.scenario import ScenarioError, check_scenario
 
-    plugins = _plugins(args)
-    load_plugins(plugins)
+    plugins = _load_plugins(args)
     if args.commits is not None:
         return _run_commits(args, plugins)
     if args.scenarios:
@@ -198,9 +206,8 @@ def _report(args) -> int:
     from .report import build_report
     from .results import ResultsFileError
     from .results.compare import CompareError, compare
-    from .scenarios.plugins import load_plugins
 
-    load_plugins(_plugins(args))
+    _load_plugins(args)
     try:
         baseline = compare(args.compare_base, args.results, factor=args.factor, alpha=args.alpha) if args.compare_base else None
         index = build_report(args.results, args.out, title=args.title, compare_base=baseline)
@@ -301,13 +308,54 @@ def _history(args) -> int:
 
 
 def _list(args) -> int:
-    import variants
+    from variants.params import variant_names
 
+    from .scenarios.plugins import plugin_variants
     from .scenarios.scenario import shipped
 
-    print("variants: " + ", ".join(variants.names()))
+    _load_plugins(args)
+    print("variants: " + ", ".join(variant_names()))
+    for line in plugin_variants():
+        print(f"  {line}")
     print("scenarios: " + ", ".join(shipped()))
     return 0
+
+
+def _check(args) -> int:
+    """``attnbench check VARIANT``: variants.checking.check_variant, one line per check (exit 1: one failed)."""
+    from variants import params
+    from variants.errors import VariantError
+
+    _load_plugins(args)
+    try:
+        chosen = dict(_variant_param(assignment) for assignment in args.set or [])
+        params.check(args.variant, chosen)
+    except (ValueError, VariantError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    import torch
+
+    from variants.checking import BATCH, D_VALUE, HEADS, check_variant
+
+    shown = ", ".join(f"{key}={value!r}" for key, value in chosen.items()) or "its defaults"
+    print(f"attnbench check {args.variant} ({shown}): B={BATCH} H={HEADS} d_key={args.d_key} d_value={D_VALUE} on the CPU, torch {torch.__version__}")
+    report = check_variant(args.variant, chosen, d_key=args.d_key, seed=args.seed)
+    print("\n".join(report.lines()))
+    print(report.summary() + ("" if report.failures else "; each form agrees with the float64 reference"))
+    return EXIT_CELLS_FAILED if report.failures else EXIT_OK
+
+
+def _variant_param(assignment: str) -> tuple[str, object]:
+    """``--set KEY=VALUE`` of ``check``: a parameter of the variant, its value YAML (16, true, dpfp)."""
+    import yaml
+
+    key, sep, text = assignment.partition("=")
+    if not sep or not key.isidentifier():
+        raise ValueError(f"--set {assignment!r}: expected KEY=VALUE with a parameter name, e.g. chunk_size=16 or phi=dpfp")
+    try:
+        return key, yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ValueError(f"--set {assignment!r}: the value is not YAML ({str(exc).splitlines()[0]})") from exc
 
 
 def _env(args) -> int:
@@ -321,6 +369,7 @@ def _demo(args) -> int:
     if error := options.demo_error(args.batch, args.heads, args.seq_len):
         print(f"error: {error}", file=sys.stderr)
         return EXIT_ERROR
+    _load_plugins(args)
     import torch
 
     from .demo import DemoShape, format_table, run_demo
@@ -399,7 +448,6 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--estimate-from", metavar="FILE", help="estimate each cell from the nearest measured cell of these results (a JSONL file or a directory)")
     run.add_argument("--resume", nargs="?", const=True, metavar="FILE", help="continue the latest (or the given) results file")
     run.add_argument("--retry-failed", action="store_true", help="with --resume: also run again the cells that failed (oom, error, crashed, nan)")
-    run.add_argument("--plugin", action="append", help="module or .py file registering extra variants or tasks (also ATTNBENCH_PLUGINS)")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
     run.add_argument("--report", type=Path, metavar="DIR", help="then write the HTML report of the results files of this run into DIR")
     run.add_argument(
@@ -437,7 +485,6 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--compare-base", nargs="+", metavar="BASE", help="also compare RESULTS against these results")
     report.add_argument("--factor", type=options.factor, default=1.1)
     report.add_argument("--alpha", type=options.alpha, default=0.05)
-    report.add_argument("--plugin", action="append", help="module or .py file registering the tasks of plugin cells (also ATTNBENCH_PLUGINS)")
     report.set_defaults(handler=_report)
 
     compare = commands.add_parser("compare", help="compare two runs cell by cell (exit 0: no regression, 1: regression, 2: not comparable)")
@@ -488,8 +535,17 @@ def build_parser() -> argparse.ArgumentParser:
     history.add_argument("--since", metavar="REV", help="only steps after this revision fail")
     history.set_defaults(handler=_history)
 
-    listing = commands.add_parser("list", help="list the variants and the shipped scenarios")
+    listing = commands.add_parser("list", help="list the variants (a plugin's with its file and parameters) and the shipped scenarios")
     listing.set_defaults(handler=_list)
+
+    checking = commands.add_parser(
+        "check", help="check a variant's forms and gradients against its float64 reference, one line per check (exit 0: all ok, 1: one failed)"
+    )
+    checking.add_argument("variant", help="a variant's name (attnbench list), a plugin's too")
+    checking.add_argument("--set", action="append", metavar="KEY=VALUE", help="a parameter of the variant, e.g. chunk_size=16 or phi=dpfp (the value is YAML)")
+    checking.add_argument("--d-key", type=options.DEMO["d_key"], default=8, help="the query/key width (default 8)")
+    checking.add_argument("--seed", type=options.seed, default=0, help="the seed of the inputs (default 0)")
+    checking.set_defaults(handler=_check)
 
     env = commands.add_parser("env", help="print this machine's fingerprint")
     env.add_argument("--device", type=options.device, default="cpu", help="cpu or cuda[:N]")
@@ -543,6 +599,8 @@ def build_parser() -> argparse.ArgumentParser:
     kit.set_defaults(handler=_kit)
     for leaf in (*commands.choices.values(), fetch):
         leaf.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show the traceback of an error")
+    for leaf in (run, report, regress, bisect, listing, demo, checking):
+        leaf.add_argument("--plugin", action="append", metavar="FILE", help="module or .py file registering extra variants or tasks (also ATTNBENCH_PLUGINS)")
     return parser
 
 

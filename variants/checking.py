@@ -255,11 +255,10 @@ def _with_hints(checks: dict[str, Check]) -> list[Check]:
     for form, check in checks.items():
         wrong, agreeing = check.wrong, [other for other, found in checks.items() if found.parts and "output" not in found.wrong]
         if check.cause is None and wrong and "output" not in wrong:
-            check = dataclasses.replace(
-                check, cause=f"{', '.join(wrong)} wrong, the output right: the backward of the {form} computes them wrong (a custom autograd.Function?)"
-            )
+            cause = f"the output is right, {' and '.join(wrong)} is not: the backward of the {form} is wrong (a custom autograd.Function?)"
+            check = dataclasses.replace(check, cause=cause)
         elif check.cause is None and "output" in wrong and agreeing:
-            where = " (its _step or init_state)" if form == "step loop" else " (its _prefill)" if form.startswith("prefill") else ""
+            where = " (its _step or init_state)" if form == "step loop" else " (its _prefill, or _step after it)" if form.startswith("prefill") else ""
             check = dataclasses.replace(check, cause=f"{', '.join(wrong)} wrong; the {agreeing[0]} agrees with the reference: the {form} differs{where}")
         hinted.append(check)
     return hinted
@@ -384,7 +383,7 @@ def _packed_checks(name, d_key, d_value, config, dtype, seed) -> list[Check]:
         target = reference_target(reference, inputs, seed=seed, call=lambda **x: reference.reference(**x, cu_seqlens=bounds))
     except Exception as exc:  # noqa: BLE001
         return [Check(f"{what}: float64 reference", cause=f"the reference raised {explain(exc)}")]
-    return [judge_form(core, "parallel form", lambda x: core(**x, cu_seqlens=bounds), target, dtype, label=f"{what}: ")]
+    return _with_hints({"parallel form": judge_form(core, "parallel form", lambda x: core(**x, cu_seqlens=bounds), target, dtype, label=f"{what}: ")})
 
 
 def _padded_checks(name, d_key, d_value, config, dtype, seed) -> list[Check]:

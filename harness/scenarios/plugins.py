@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
 import re
 import sys
 import traceback
@@ -58,3 +59,39 @@ def _failed_line(plugin: str, exc: BaseException) -> str:
         return f", line {exc.lineno}"
     inside = [frame for frame in traceback.extract_tb(exc.__traceback__) if Path(frame.filename).resolve() == Path(plugin).resolve()]
     return f", line {inside[-1].lineno}" if inside else ""
+
+
+def plugin_variants() -> list[str]:
+    """One line per variant a plugin registered (not a shipped one): its name, the file it came from and its
+    parameters, each with what it accepts (``PARAMS``) or, a constructor keyword not declared there, that
+    it is not checked before a run."""
+    registry = sys.modules.get("variants.base")
+    if registry is None:  # no plugin imported the variants: only the shipped ones exist
+        return []
+    from variants import params
+
+    lines = []
+    for name in registry.names():
+        if name in params.SHIPPED:
+            continue
+        factory = registry.registered(name)
+        module = sys.modules.get(factory.__module__)
+        origin = getattr(module, "__file__", None) or factory.__module__
+        lines.append(f"{name} (from {origin}): parameters: {_parameters(factory)}")
+    return lines
+
+
+def _parameters(factory) -> str:
+    """``chunk_size (a positive int), scale (not declared in PARAMS: unchecked)``, or ``none``."""
+    from variants import params
+
+    declared = params.declared(factory)
+    fixed = set(getattr(factory, "fixed_params", ()))
+    keywords = [
+        name
+        for name, parameter in inspect.signature(factory).parameters.items()
+        if parameter.kind in (parameter.KEYWORD_ONLY, parameter.POSITIONAL_OR_KEYWORD) and name != "d_key"
+    ]
+    shown = [f"{name} ({spec.rules[0][1] if spec.rules else 'any value'})" for name, spec in declared.items() if name not in fixed]
+    shown += [f"{name} (not declared in PARAMS: unchecked)" for name in keywords if name not in declared and name not in fixed]
+    return ", ".join(shown) or "none"
