@@ -236,9 +236,11 @@ def _compare(args) -> int:
 
 
 def _regress_scenario(args):
-    """The scenario of ``regress`` and ``bisect``: the one named, else regress-cpu (its gpu preset where CUDA is present)."""
+    """The scenario of ``regress`` and ``bisect``: the one named, else regress-cpu (its gpu preset where CUDA is present),
+    read once the plugins are imported (a plugin's variant may be in it)."""
     from .scenarios.scenario import load_scenario
 
+    _load_plugins(args)
     spec, preset = args.scenario or "regress-cpu", args.preset
     if args.scenario is None and preset is None and _default_scenarios() is GPU_DEFAULT:
         preset = "gpu"
@@ -246,8 +248,10 @@ def _regress_scenario(args):
 
 
 def _regress_options(args) -> dict:
-    """The options ``regress`` and ``bisect`` pass to ``harness.revisions.regress.regress``."""
+    """The options ``regress`` and ``bisect`` pass to ``harness.revisions.regress.regress``: the plugins (already
+    imported here, for the scenario) as absolute paths, since each revision's processes run in its worktree."""
     return dict(
+        plugins=tuple(str(Path(plugin).resolve()) if plugin.endswith(".py") else plugin for plugin in _plugins(args)),
         all_variants=args.all_variants, rounds=args.rounds, threads=args.threads or None, out_dir=args.out, factor=args.factor, alpha=args.alpha,
         command="attnbench " + " ".join(shlex.quote(arg) for arg in sys.argv[1:]), progress=not args.no_progress,
     )  # fmt: skip

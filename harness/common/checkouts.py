@@ -32,6 +32,7 @@ class Revision:
     root: Path
     dirty_files: int = 0  #: uncommitted changes copied into the worktree (working tree only)
     threads: int | None = None  #: OMP_NUM_THREADS of its processes (None: PyTorch's default)
+    plugins: tuple[str, ...] = ()  #: the plugins its processes import (``--plugin``: absolute paths or module names)
 
     def describe(self) -> str:
         if self.label != WORKING_TREE:
@@ -42,12 +43,14 @@ class Revision:
     @property
     def env(self) -> dict:
         """The environment of this revision's processes: its own Triton cache, without a GPU
-        Triton's interpreter, and the number of CPU threads."""
+        Triton's interpreter, the number of CPU threads and the plugins (``ATTNBENCH_PLUGINS``)."""
         env = {"TRITON_CACHE_DIR": str(self.root.parent / f"triton-cache-{self.side}")}
         if not _has_cuda():
             env["TRITON_INTERPRET"] = "1"
         if self.threads is not None:
             env["OMP_NUM_THREADS"] = str(self.threads)
+        if self.plugins:
+            env["ATTNBENCH_PLUGINS"] = ",".join(self.plugins)
         return env
 
 

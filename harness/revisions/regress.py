@@ -203,7 +203,7 @@ def measure_rounds(revisions, cells: dict[str, list[Cell]], rounds: int, fingerp
                 if not cells[revision.side]:
                     continue
                 side = revision.side
-                executor = LocalExecutor(code_root=revision.root, env=revision.env, shared=True, fingerprint=fingerprints[side])
+                executor = LocalExecutor(revision.plugins, code_root=revision.root, env=revision.env, shared=True, fingerprint=fingerprints[side])
                 journal = _Rounds(measured[side], run_ids[side])
                 label = lambda cell, number=number, side=side: f"round {number + 1}/{rounds} {side}: {describe(cell)}"
                 runner.measure_cells(executor, cells[side], fingerprints[side], journal, bar, label)
@@ -285,12 +285,14 @@ def regress(
     say=print,
     cells: set[str] | None = None,
     kernel_diff: bool = True,
+    plugins: tuple[str, ...] = (),
 ) -> RegressResult:
     """Check, then measure ``loaded``'s cells on revisions ``base`` and ``head`` (None: the
     working tree) of the repository at ``repo``, with ``threads`` CPU threads per process
     (None: PyTorch's default); ``say`` prints each step's outcome. ``cells``: only the cells of
     these ids are checked and measured (``attnbench bisect``'s probes), still only where touched
-    unless ``all_variants``. ``kernel_diff``: compare the compiled kernels when the diff touches them."""
+    unless ``all_variants``. ``kernel_diff``: compare the compiled kernels when the diff touches them. ``plugins``
+    (absolute paths or module names): imported by each revision's check and workers."""
     if rounds < 1:
         raise RegressError(f"--rounds must be at least 1, got {rounds}")
     if threads is not None and threads < 1:
@@ -300,7 +302,7 @@ def regress(
     given_repo, repo = repo, repository(repo)
     with worktrees(repo, base, head) as revisions:
         for revision in revisions:
-            revision.threads = threads
+            revision.threads, revision.plugins = threads, tuple(plugins)
             say(f"{revision.side} = {revision.describe()}")
         options = dict(all_variants=all_variants, threads=threads, factor=factor, alpha=alpha, out_dir=out_dir, repo=given_repo)
         invocation = Invocation(

@@ -2,7 +2,8 @@
 
 ``attnbench regress`` (harness.revisions.regress) starts this file as a script in a fresh interpreter
 whose working directory and ``PYTHONPATH`` are a revision's worktree, so ``import variants``
-is that revision's code; this file imports nothing else of attnbench. For every
+is that revision's code; this file imports nothing else of attnbench (but its plugin loader, for the
+plugins ``$ATTNBENCH_PLUGINS`` names: ``regress --plugin``). For every
 configuration (variant, backend, parameters, d_key) it compares, in float32 on a small
 input, the parallel form (and, when decoding is measured, the recurrent step loop) with the
 float64 ``reference`` of the torch backend, forward and every gradient, with the tolerances
@@ -126,6 +127,11 @@ def check(config: dict, device: torch.device, trace: FileTrace) -> list[str]:
 
 def main(configs: list[dict]) -> list[dict]:
     import variants
+
+    if plugins := [plugin for plugin in os.environ.get("ATTNBENCH_PLUGINS", "").split(",") if plugin]:
+        from harness.scenarios.plugins import load_plugins
+
+        load_plugins(plugins)
 
     root = Path.cwd().resolve()
     if not Path(variants.__file__).resolve().is_relative_to(root):
