@@ -29,13 +29,15 @@ from ..common.checkouts import SIDES, RegressError, commit_of, repository
 from ..common.formatting import format_ratio, present
 from ..results import read_records
 from ..results.compare import compare
-from .next_steps import MOVED, NOISY, mark_controls
-from .regress import RegressResult, first_parent_commits, regress, row_cell_ids, row_key
+from .next_steps import MOVED, NOISY, Invocation, mark_controls
+from .regress import RegressResult, first_parent_commits, regress, row_cell_ids, row_key, scenario_spec, shared_flags
 
 EXIT_FOUND = 0  #: the first bad commit is named
 EXIT_UNDECIDED = 1  #: a probe stayed undecided: the commits still in question are named
 EXIT_ERROR = 2  #: cannot bisect: a git failure, an unknown revision, GOOD not an ancestor of BAD, a bad scenario
 EXIT_NOTHING = 3  #: regress --base GOOD --head BAD marks no cell worse
+#: regress's options a next command repeats where they differ from these defaults (``regress.shared_flags``).
+SHARED_DEFAULTS = {"all_variants": False, "threads": 1, "factor": 1.1, "alpha": 0.05}
 SUBJECT_WIDTH = 60  #: a probe's line shortens the commit's subject to this many characters, at a word
 
 
@@ -155,7 +157,7 @@ def bisect(repo, loaded, *, good: str, bad: str, rounds: int = 3, out_dir=Path("
     """Find the first commit of GOOD..BAD at which the cells ``regress(base=good, head=bad)`` marks worse became
     worse (module docstring); ``options`` go to every ``regress`` call (all_variants, threads, factor, alpha, ...), which
     compares timings only (no static kernel diff: bisect follows the timed cells)."""
-    repo = repository(repo)
+    given_repo, repo = repo, repository(repo)
     commits = candidates(repo, good, bad)
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     folder = Path(out_dir) / f"bisect-{loaded.name}-{stamp}"
@@ -196,7 +198,17 @@ def bisect(repo, loaded, *, good: str, bad: str, rounds: int = 3, out_dir=Path("
     left = commits[low + 1 : high + 1]
     result = BisectResult(good, bad, flagged, probes, left)
     _say_outcome(result, rows_at.get(high, []), say)
+    if result.exit_code == EXIT_FOUND:
+        say(_confirm_step(result.left[0][0], loaded, rounds, out_dir, given_repo, options))
     return result
+
+
+def _confirm_step(commit: str, loaded, rounds: int, out_dir, repo, options: dict) -> str:
+    """The next step once the commit is found: its diff, and regress of the commit against its parent (bisect's ratios
+    are against GOOD)."""
+    flags = shared_flags(**{key: options.get(key, default) for key, default in SHARED_DEFAULTS.items()}, out_dir=out_dir, repo=repo)
+    parent = Invocation(f"{commit[:10]}^", commit[:10], scenario_spec(loaded), loaded.preset, list(loaded.overrides), flags)
+    return f"next: read its diff (git show {commit[:10]}); the ratios above are against GOOD; against its parent: {parent.command('regress', rounds)}"
 
 
 def _say_outcome(result: BisectResult, rows: list[dict], say) -> None:

@@ -114,12 +114,15 @@ def test_the_search_halves_remeasures_a_noisy_probe_once_and_stops_naming_what_i
     monkeypatch.setattr(bisect_module, "reusable", lambda *args: None)  # no results folder to reuse
     monkeypatch.setattr(bisect_module, "worse_cells", lambda result: ({"cell"}, result.comparison.table.to_dict("records")))
     said = []
-    result = bisect(".", SimpleNamespace(name="s"), good="g", bad="c3", say=said.append)
+    loaded = SimpleNamespace(name="s", path="s.yaml", preset=None, overrides=[])
+    result = bisect(".", loaded, good="g", bad="c3", say=said.append)
     assert result.exit_code == code and [commit for commit, _ in result.left] == left, said
     assert [rounds for _, rounds, _ in calls[1:]] == rounds and all(cells == {"cell"} for _, _, cells in calls[1:])
     if code == EXIT_FOUND:
-        assert said[-2] == f"first bad commit: {left[0]} subject {left[0][1]}"
-        assert said[-1] == "  linear[torch] T=16 forward/core: ratio 2.000 [1.800, 2.200]: worse"
+        assert said[-3] == f"first bad commit: {left[0]} subject {left[0][1]}"
+        assert said[-2] == "  linear[torch] T=16 forward/core: ratio 2.000 [1.800, 2.200]: worse"
+        assert said[-1].startswith(f"next: read its diff (git show {left[0]}); the ratios above are against GOOD; against its parent:")
+        assert said[-1].endswith(f"attnbench regress --base '{left[0]}^' --head {left[0]} s.yaml --rounds 3")
     else:
         assert said[-1 - len(left)].startswith(f"bisect stopped undecided: the first bad commit is one of these {len(left)}")
 

@@ -191,3 +191,44 @@ def test_regress_ends_with_the_bisect_command_and_that_bisect_reuses_its_measure
     assert f"reusing regress --base {good} --head {bad}: {out}/regress-tiny-" in said, said
     assert f"first bad commit: {slower} linear sleeps 100 ms" in said
     assert "a README change whose subject is long enough to be ...: good" in said, "probed, its subject cut at a word"
+
+
+@pytest.mark.parametrize(("noisy_after", "rounds_noisy"), [([True, False], 6), ([True, True, True], 12), ([False], 3)])
+def test_noisy_touched_cells_alone_are_measured_again_doubling_their_rounds_at_most_twice(monkeypatch, tmp_path, noisy_after, rounds_noisy):
+    """Each attempt's comparison (made up) marks the touched cell ``noisy`` unstable or not; the control ``calm`` is
+    never measured again; each further attempt measures as many rounds again as the cell has."""
+    from types import SimpleNamespace
+
+    from harness.common.checkouts import Revision
+    from harness.revisions import regress as regress_module
+
+    revisions = tuple(Revision(side, side, side * 10, tmp_path / side, threads=1) for side in ("base", "head"))
+    cells = [SimpleNamespace(cell_id=name, variant=variant, backend="torch", params={}) for name, variant in (("noisy", "delta"), ("calm", "softmax"))]
+    key = lambda variant: regress_module._config_key(variant, "torch", {})  # noqa: E731
+    checks = {side: {key(variant): {"ok": True} for variant in ("delta", "softmax")} for side in ("base", "head")}
+    calls, attempts = [], iter(noisy_after)
+
+    def measure_rounds(revisions, cells, rounds, fingerprints, run_ids, progress):
+        calls.append(({side: [cell.cell_id for cell in side_cells] for side, side_cells in cells.items()}, rounds))
+        return {side: {cell.cell_id: [{}] * rounds for cell in side_cells} for side, side_cells in cells.items()}
+
+    def fake_compare(self, cells, measured, rounds, factor, alpha):
+        mark = "unstable: not compared" if next(attempts) else "unchanged"
+        return _comparison(_row("delta", mark), _row("softmax", "unchanged")), {"base": "b", "head": "h"}
+
+    monkeypatch.setattr(regress_module, "measure_rounds", measure_rounds)
+    monkeypatch.setattr(regress_module.Measuring, "_compare", fake_compare)
+    monkeypatch.setattr(regress_module, "row_cell_ids", lambda comparison, path: ["noisy", "calm"])
+    monkeypatch.setattr(regress_module.machine, "fingerprint", lambda device: {})
+    monkeypatch.setattr(regress_module, "main_device", lambda cells: "cpu")
+    said = []
+    loaded = SimpleNamespace(name="tiny")
+    measuring = regress_module.Measuring(revisions, checks, loaded, tmp_path, "", False, said.append, {"all_variants": True}, {("delta", "torch", "")})
+    comparison, paths, done = measuring.run(cells, 3, 1.1, 0.05)
+    assert done == rounds_noisy
+    both = {"base": ["noisy", "calm"], "head": ["noisy", "calm"]}
+    again = [({"base": ["noisy"], "head": ["noisy"]}, rounds) for rounds in (3, 6)][: len(noisy_after) - 1]
+    assert calls == [(both, 3), *again], "the control is measured once; the noisy cell 3 rounds more, then 6"
+    assert [line for line in said if "rounds more" in line][:1] == ["1 touched cells undecided or unstable after 3 rounds: measuring them 3 rounds more"][
+        : len(again)
+    ]
