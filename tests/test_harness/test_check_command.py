@@ -4,14 +4,16 @@ planted mistake named with its cause (exit 1), a correct one and a built-in pass
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
 import pytest
-from helpers import attnbench_here
+from helpers import attnbench_here, project_repository
 
 import variants.backends  # noqa: F401 - the shipped variants registered before a test copies the registry
 from harness import tasks
+from harness.cli import main
 from harness.scenarios.plugins import module_name
 from variants import base
 from variants.checking import check_variant
@@ -135,3 +137,25 @@ def test_demo_runs_a_plugins_variant():
     done = attnbench_here("demo", "--plugin", TOY, "--batch", "1", "--heads", "1", "--seq-len", "8", "--d-key", "4", "--repeats", "1")
     assert done.returncode == 0, done.stderr
     assert {"toy_tempered", "softmax"} <= {line.split()[0] for line in done.stdout.splitlines()[2:-1]}
+
+
+@pytest.mark.slow
+def test_regress_checks_and_measures_a_plugins_variant_in_each_revision(tmp_path, capsys, monkeypatch):
+    """regress --plugin (a path relative to here): each revision's check and workers import it in their worktree."""
+    repo = tmp_path / "repo"
+    plain = project_repository(repo)
+    scenario = tmp_path / "tiny.yaml"
+    scenario.write_text(
+        "name: tiny\nvariants: {check_mirrored: {}}\naxes: {seq_len: 16, batch: 1, heads: 1, d_key: 8}\n"
+        "modes: [forward]\nmeasure: {warmup: 1, repeats: 3, target_rel_ci: null, timeout_s: 60}\n"
+    )
+    monkeypatch.chdir(HERE)
+    args = ["regress", str(scenario), "--repo", str(repo), "--base", plain, "--head", plain, "--all-variants", "--rounds", "1", "--no-progress"]
+    code = main([*args, "--out", str(tmp_path / "out"), "--plugin", Path(PLUGIN).name])
+    printed = capsys.readouterr().out
+    assert code in (0, 1, 2) and "INCORRECT" not in printed, printed
+    assert "base: 1 configurations correct" in printed and "head: 1 configurations correct" in printed, printed
+    for side in ("base", "head"):
+        (jsonl,) = (tmp_path / "out").glob(f"regress-tiny-*/{side}.jsonl")
+        cells = [json.loads(line) for line in jsonl.read_text().splitlines() if '"kind": "cell"' in line]
+        assert [(cell["variant"], cell["status"]) for cell in cells] == [("check_mirrored", "ok")], cells
