@@ -67,6 +67,8 @@ class Check:
     cause: str | None = None
     skipped: str | None = None
     parts: dict = field(default_factory=dict)
+    #: the compared form's output, for comparing the forms with each other
+    output: torch.Tensor | None = field(default=None, repr=False, compare=False)
 
     @property
     def ok(self) -> bool:
@@ -210,28 +212,29 @@ def judge_form(core, form: str, run: Callable[[dict], torch.Tensor], target: Tar
                 what,
                 tolerance=tolerance,
                 parts=parts,
+                output=out.detach(),
                 cause=f"the {form}'s output is connected to no input (computed under torch.no_grad() or from detached tensors?)",
             )
         try:
             grads = torch.autograd.grad((out * target.cotangent.to(dtype)).sum(), list(leaves.values()), allow_unused=True)
         except Exception as exc:  # noqa: BLE001
-            return Check(what, tolerance=tolerance, parts=parts, cause=f"the {form}'s backward raised {explain(exc)}")
+            return Check(what, tolerance=tolerance, parts=parts, output=out.detach(), cause=f"the {form}'s backward raised {explain(exc)}")
         for name, grad in zip(leaves, grads, strict=True):
             want = target.grads[name]
             if want is None:
-                return Check(what, tolerance=tolerance, parts=parts, cause=_unconnected("float64 reference", name))
+                return Check(what, tolerance=tolerance, parts=parts, output=out.detach(), cause=_unconnected("float64 reference", name))
             if not want.abs().max() > 0:
                 return Check(
-                    what, tolerance=tolerance, parts=parts, cause=f"the float64 reference's d/d{name} is zero on these inputs: the check would say nothing"
+                    what,
+                    tolerance=tolerance,
+                    parts=parts,
+                    output=out.detach(),
+                    cause=f"the float64 reference's d/d{name} is zero on these inputs: the check would say nothing",
                 )
             if grad is None:
-                return Check(what, tolerance=tolerance, parts=parts, cause=_unconnected(form, name))
+                return Check(what, tolerance=tolerance, parts=parts, output=out.detach(), cause=_unconnected(form, name))
             parts[f"d/d{name}"] = rel_error(grad, want)
-    return Check(what, max(parts.values(), key=lambda error: math.inf if math.isnan(error) else error), tolerance, parts=parts)
-
-
-def _forms(core) -> dict[str, Callable[[dict], torch.Tensor]]:
-    return {"parallel form": lambda inputs: core(**inputs), "step loop": lambda inputs: core.step_loop(inputs)[0]}
+    return Check(what, max(parts.values(), key=lambda error: math.inf if math.isnan(error) else error), tolerance, parts=parts, output=out.detach())
 
 
 def compare_forms(core, reference, inputs: dict, dtype, *, backward=True, cotangent=None, seed=0, label="") -> list[Check]:
@@ -260,8 +263,20 @@ def _with_hints(checks: dict[str, Check]) -> list[Check]:
         elif check.cause is None and "output" in wrong and agreeing:
             where = " (its _step or init_state)" if form == "step loop" else " (its _prefill, or _step after it)" if form.startswith("prefill") else ""
             check = dataclasses.replace(check, cause=f"{', '.join(wrong)} wrong; the {agreeing[0]} agrees with the reference: the {form} differs{where}")
+        elif check.cause is None and "output" in wrong and (alike := _alike(form, check, checks)):
+            check = dataclasses.replace(check, cause=f"{', '.join(wrong)} wrong; {alike}: is _reference right?")
         hinted.append(check)
     return hinted
+
+
+def _alike(form: str, check: Check, checks: dict[str, Check]) -> str | None:
+    """``the parallel form agrees with it (rel error 1e-16)``: another form whose output, wrong too, is this one's."""
+    for other, found in checks.items():
+        if other != form and found.output is not None and check.output is not None and found.output.shape == check.output.shape:
+            error = rel_error(check.output, found.output)
+            if error <= check.tolerance:
+                return f"the {other} agrees with it (rel error {error:.1e})"
+    return None
 
 
 # --- the whole variant -----------------------------------------------------------------

@@ -8,6 +8,7 @@ outside attnbench on its shared chunked scan, and the mistakes a researcher make
 - ``check_k_detached``: its parallel form uses k detached from the graph.
 - ``check_no_state_numel``: it does not implement ``state_numel``.
 - ``check_d_dot_unset``: its constructor never sets ``d_dot`` (left at d_key, the features are 2·d_key wide).
+- ``check_wrong_reference``: its reference is 1 % off, its forms right.
 """
 
 from __future__ import annotations
@@ -118,3 +119,9 @@ class DDotUnset(Mirrored):
     def __init__(self, d_key: int, *, chunk_size: int = 16):
         AttentionCore.__init__(self, d_key)
         self.chunk_size = chunk_size
+
+
+@variants.register("check_wrong_reference")
+class WrongReference(Mirrored):
+    def _reference(self, q, k, v, causal):
+        return 1.01 * super()._reference(q, k, v, causal)

@@ -95,6 +95,13 @@ def test_an_unset_d_dot_is_named_before_the_shape_errors():
     assert "must match the size of tensor b (16)" in lines[1] and "(at check_plugin.py:" in lines[1]
 
 
+def test_forms_that_agree_with_each_other_against_the_reference_question_the_reference():
+    lines = [line for line in failed(check("check_wrong_reference").stdout) if " packed " not in line]  # packed: one form, nothing to agree with
+    assert lines and all(line.endswith(": is _reference right?") for line in lines)
+    [step] = [line for line in lines if line.startswith("FAIL  float64 T=15: step loop vs float64 reference: output, d/dq, d/dk, d/dv  max rel error")]
+    assert "> 1e-09: output, d/dq, d/dk, d/dv wrong; the parallel form agrees with it (rel error" in step
+
+
 def test_a_builtin_passes_and_a_parameter_is_set():
     done = attnbench_here("check", "delta", "--set", "chunk_size=16")
     assert done.returncode == 0, done.stdout
