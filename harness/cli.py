@@ -517,7 +517,12 @@ def build_parser() -> argparse.ArgumentParser:
     for shared in (regress, bisect):
         shared.add_argument("scenario", nargs="?", help="scenario file or shipped name (default: regress-cpu; its gpu preset where CUDA is present)")
         shared.add_argument("--all-variants", action="store_true", help="measure every cell, not only those of the variants the diff touches")
-        shared.add_argument("--rounds", type=options.rounds, default=3, help="rounds of base and head, alternating, each in fresh processes (default: 3)")
+        shared.add_argument(
+            "--rounds",
+            type=options.rounds,
+            default=3,
+            help="rounds of base and head, alternating, each in fresh processes (default: 3; a touched cell too noisy to judge: up to 4x as many)",
+        )
         shared.add_argument(
             "--threads", type=options.threads, default=1, help="CPU threads of each measuring process (OMP_NUM_THREADS; default 1, 0: PyTorch's default)"
         )
