@@ -36,7 +36,7 @@ from .figures import PLAIN_TEXT, Figures, Plot, Table
 from .frontier import cell_flags, frontier_plot
 from .header import machine_sections, runs_of
 from .machines import side_by_side
-from .plots import METRICS, accuracy_plot, latency_plot, metric_plot
+from .plots import METRICS, accuracy_plot, latency_plot, metric_plot, plotted_against
 from .seeds import seed_table
 from .summary import summary_tables
 from .tables import (
@@ -106,7 +106,7 @@ def _scenario_section(name: str, cells: pd.DataFrame, figures: Figures, baseline
         profile_table(cells),
     ]
     targets = ", ".join(cells["target"].dropna().unique())
-    return ScenarioSection(name, targets, cells["x_axis"].iloc[0], _statuses(cells), [p for p in plots if p is not None], [t for t in tables if t is not None])
+    return ScenarioSection(name, targets, plotted_against(cells), _statuses(cells), [p for p in plots if p is not None], [t for t in tables if t is not None])
 
 
 def _score_sections(cells: pd.DataFrame, score: tasks.Score, figures: Figures, slug: str) -> list:
