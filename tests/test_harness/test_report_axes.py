@@ -17,8 +17,8 @@ import pandas as pd
 import pytest
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 
+from harness.report import build_report, prepare
 from harness.report import cells as report_cells
-from harness.report import prepare
 from harness.report.figures import Figures, Table, lab, new_figure
 from harness.report.plots import METRICS, metric_plot
 from harness.results import load
@@ -130,3 +130,11 @@ def test_a_table_scrolls_sideways_within_the_page():
     assert re.search(r'<div class="table-scroll">\s*<table>\s*<caption>every cell', page), "the table is not in its wrapper"
     style = re.search(r"\.table-scroll \{([^}]*)\}", page)
     assert style and "overflow-x: auto" in style.group(1) and "max-width: 100%" in style.group(1), style
+
+
+def test_the_page_says_what_the_plots_are_drawn_against_and_wraps_its_tables(tmp_path):
+    results = tmp_path / "results"
+    _cells(results, (256,), modes=("forward",))
+    page = (build_report([results], tmp_path / "report")).read_text()
+    assert "plotted against variant (nothing swept);" in page
+    assert re.search(r'<div class="table-scroll">\s*<table>\s*<caption>Every timed cell', page), "the table of every cell is not in its wrapper"
