@@ -358,19 +358,32 @@ def _sequence_checks(name, d_key, d_value, configs, length, dtype, seed) -> list
     for config in configs:
         core = _build(name, d_key, config, dtype)
         label = f"{where}{_label(config, configs[0] if len(configs) == 1 else {})}: "
-        forms = {"parallel form": judge_form(core, "parallel form", lambda x, core=core: core(**x), target, dtype, label=label, against=_against(core))}
+        own = core.approximates_reference  # its parallel form and prefill judged by themselves in float64, as a timed cell's
+        parallel = _own_target(name, d_key, config, inputs, seed, lambda core, x: core(**x), backward=length > 1) if own else target
+        forms = {
+            "parallel form": judge_form(
+                core, "parallel form", lambda x, core=core: core(**x), parallel, dtype, label=label, against=_against(core, "parallel form")
+            )
+        }
         if step is None:
             step = judge_form(core, "step loop", lambda x, core=core: core.step_loop(x)[0], target, dtype, label=f"{where}: ")
         if length >= 3:
-            decode = dataclasses.replace(target, grads={})
-            forms["prefill, prefill, steps"] = judge_form(core, "prefill, prefill, steps", lambda x, core=core: _decode(core, x), decode, dtype, label=label)
+            decode = _own_target(name, d_key, config, inputs, seed, _decode, backward=False) if own else dataclasses.replace(target, grads={})
+            form = "prefill, prefill, steps"
+            forms[form] = judge_form(core, form, lambda x, core=core: _decode(core, x), decode, dtype, label=label, against=_against(core, form))
         hinted = _with_hints({"step loop": step, **forms})
         checks += hinted[0 if not checks else 1 :]
     return checks
 
 
-def _against(core) -> str:
-    return "float64 parallel form (its parallel form approximates its reference)" if core.approximates_reference else "float64 reference"
+def _own_target(name, d_key, config, inputs, seed, run, *, backward) -> Target:
+    """``run(core, inputs)`` of the core in float64: what a form of a core whose parallel form approximates its reference is judged by."""
+    own = _build(name, d_key, config)
+    return reference_target(own, inputs, backward=backward, seed=seed, call=lambda **x: run(own, x))
+
+
+def _against(core, form: str) -> str:
+    return f"float64 {form} (its parallel form approximates its reference)" if core.approximates_reference else "float64 reference"
 
 
 def _decode(core, inputs: dict) -> torch.Tensor:
@@ -395,10 +408,14 @@ def _packed_checks(name, d_key, d_value, config, dtype, seed) -> list[Check]:
     reference = _build(name, d_key, config)
     inputs = make_inputs(reference, 1, HEADS, sum(PACKED), d_value, dtype=torch.float64, seed=seed)
     try:
-        target = reference_target(reference, inputs, seed=seed, call=lambda **x: reference.reference(**x, cu_seqlens=bounds))
+        form = reference if core.approximates_reference else reference.reference
+        target = reference_target(reference, inputs, seed=seed, call=lambda **x: form(**x, cu_seqlens=bounds))
     except Exception as exc:  # noqa: BLE001
         return [Check(f"{what}: float64 reference", cause=f"the reference raised {explain(exc)}")]
-    return _with_hints({"parallel form": judge_form(core, "parallel form", lambda x: core(**x, cu_seqlens=bounds), target, dtype, label=f"{what}: ")})
+    checked = judge_form(
+        core, "parallel form", lambda x: core(**x, cu_seqlens=bounds), target, dtype, label=f"{what}: ", against=_against(core, "parallel form")
+    )
+    return _with_hints({"parallel form": checked})
 
 
 def _padded_checks(name, d_key, d_value, config, dtype, seed) -> list[Check]:
