@@ -27,7 +27,7 @@ from pathlib import Path
 
 from ..common.checkouts import SIDES, RegressError, commit_of, repository
 from ..common.formatting import format_ratio, present
-from ..results import read_records
+from ..results import ResultsFileError, read_records
 from ..results.compare import compare
 from .next_steps import MOVED, NOISY, Invocation, mark_controls
 from .regress import RegressResult, first_parent_commits, regress, row_cell_ids, row_key, scenario_spec, shared_flags
@@ -97,7 +97,10 @@ def reusable(out_dir: Path, loaded, repo: Path, good: str, bad: str, rounds: int
         paths = {side: folder / f"{side}.jsonl" for side in SIDES}
         if not all(path.is_file() for path in paths.values()):
             continue
-        runs = {side: next((record for record in read_records(path) if record["kind"] == "run"), {}) for side, path in paths.items()}
+        try:
+            runs = {side: next((record for record in read_records(path) if record["kind"] == "run"), {}) for side, path in paths.items()}
+        except (ResultsFileError, OSError):  # a damaged file: not reused
+            continue
         same = all(
             (run.get("revision") or {}).get("commit") == commit
             and (run.get("revision") or {}).get("dirty_files") == 0

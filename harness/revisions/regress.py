@@ -31,6 +31,7 @@ import os
 import subprocess
 import sys
 import uuid
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -106,8 +107,12 @@ def check_revision(revision: Revision, configs: dict[str, dict]) -> dict[str, di
 
 
 def first_parent_commits(repo: Path, base_commit: str, head_commit: str) -> list[tuple[str, str]] | None:
-    """(commit, subject) of ``git log --first-parent --reverse base..head``; None when base is not an ancestor of head."""
-    if git(repo, "merge-base", base_commit, head_commit) != base_commit:
+    """(commit, subject) of ``git log --first-parent --reverse base..head``; None when base is not an ancestor of head
+    (or the two share no history)."""
+    try:
+        if git(repo, "merge-base", base_commit, head_commit) != base_commit:
+            return None
+    except RegressError:  # no merge base
         return None
     lines = git(repo, "log", "--first-parent", "--reverse", "--format=%H %s", f"{base_commit}..{head_commit}").splitlines()
     return [tuple(line.split(" ", 1)) if " " in line else (line, "") for line in lines]
@@ -418,9 +423,12 @@ class Measuring:
     out_dir: Path
     command: str
     progress: bool
-    say: object
+    say: Callable[[str], None]
     options: dict
     touched: set
+    folder: Path = field(init=False)  #: regress-SCENARIO-TIME/, set by ``run``
+    fingerprints: dict = field(init=False)
+    run_ids: dict = field(init=False)
 
     def run(self, cells: list[Cell], rounds: int, factor: float, alpha: float) -> tuple[CompareResult, dict, int]:
         """(comparison, paths, the rounds of the noisy cells): ``rounds`` of every cell, then up to ``MAX_DOUBLINGS``

@@ -232,3 +232,44 @@ def test_noisy_touched_cells_alone_are_measured_again_doubling_their_rounds_at_m
     assert [line for line in said if "rounds more" in line][:1] == ["1 touched cells undecided or unstable after 3 rounds: measuring them 3 rounds more"][
         : len(again)
     ]
+
+
+def test_bisect_reuses_only_a_regress_run_of_the_same_commits_scenario_and_options(tmp_path, monkeypatch):
+    """Run lines only (the comparison of the files is made up): the newest folder whose sides name the two commits,
+    without uncommitted changes, with the scenario, rounds, threads and --all-variants asked for."""
+    from harness.results import ResultsWriter, run_header
+    from harness.revisions import bisect as bisect_module
+
+    scenario = tmp_path / "tiny.yaml"
+    scenario.write_text("name: tiny\nvariants: {linear: {}, softmax: {}}\naxes: {seq_len: 16}\nmodes: [forward]\n")
+    loaded, out = load_scenario(str(scenario)), tmp_path / "out"
+
+    def regress_run(stamp: str, base="g" * 40, head="b" * 40, rounds=3, dirty=0) -> None:
+        for side, commit in (("base", base), ("head", head)):
+            regress = {"rounds": rounds, "threads": 1, "all_variants": False, "touched": [["linear", "torch", ""]]}
+            revision = {"side": side, "commit": commit, "dirty_files": dirty if side == "head" else 0}
+            machine = {"machine_id": "m", "git": {"commit": commit, "dirty": bool(dirty)}}
+            header = run_header(loaded, "r", "", machine, revision=revision, regress=regress)
+            with ResultsWriter(out / f"regress-tiny-{stamp}" / f"{side}.jsonl") as writer:
+                writer.write_run(header)
+
+    regress_run("20261201T000000Z")
+    regress_run("20261202T000000Z", rounds=2)
+    regress_run("20261203T000000Z", dirty=1)
+    regress_run("20261204T000000Z", head="c" * 40)
+    made = []
+    monkeypatch.setattr(bisect_module, "commit_of", lambda repo, revision: revision * 40)
+    monkeypatch.setattr(
+        bisect_module,
+        "compare",
+        lambda base, head, factor, alpha: (
+            made.append(base[0].parent.name)
+            or CompareResult(pd.DataFrame([_row("linear", "worse"), _row("softmax", "worse")], columns=TABLE_COLUMNS), 1.1, 0.05)
+        ),
+    )
+    found = bisect_module.reusable(out, loaded, ".", "g", "b", 3, {})
+    assert made == ["regress-tiny-20261201T000000Z"], "not the dirty one, nor another head, nor other rounds"
+    assert found.comparison.table["control"].tolist() == [False, True], "the touched configurations of the run line"
+    assert bisect_module.reusable(out, loaded, ".", "g", "b", 3, {"all_variants": True}) is None
+    assert bisect_module.reusable(out, loaded, ".", "g", "b", 2, {}) is not None and made[-1] == "regress-tiny-20261202T000000Z"
+    assert bisect_module.reusable(out, loaded, ".", "g", "b", 3, {"threads": None}) is None
