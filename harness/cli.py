@@ -27,6 +27,11 @@ def _plugins(args) -> list[str]:
     return from_env + list(args.plugin or [])
 
 
+def _in_worktrees(plugins: list[str]) -> tuple[str, ...]:
+    """The plugins as processes in another directory (a revision's worktree) name them: a file by its absolute path."""
+    return tuple(str(Path(plugin).resolve()) if plugin.endswith(".py") else plugin for plugin in plugins)
+
+
 def _load_plugins(args) -> list[str]:
     """Import the command's plugins (their variants and tasks registered); the list, for worker processes."""
     from .scenarios.plugins import load_plugins
@@ -76,7 +81,7 @@ def _run(args) -> int:
 
     plugins = _load_plugins(args)
     if args.commits is not None:
-        return _run_commits(args, plugins)
+        return _run_commits(args, list(_in_worktrees(plugins)))
     if args.scenarios:
         chosen = [(spec, args.preset) for spec in args.scenarios]
     else:
@@ -251,7 +256,7 @@ def _regress_options(args) -> dict:
     """The options ``regress`` and ``bisect`` pass to ``harness.revisions.regress.regress``: the plugins (already
     imported here, for the scenario) as absolute paths, since each revision's processes run in its worktree."""
     return dict(
-        plugins=tuple(str(Path(plugin).resolve()) if plugin.endswith(".py") else plugin for plugin in _plugins(args)),
+        plugins=_in_worktrees(_plugins(args)),
         all_variants=args.all_variants, rounds=args.rounds, threads=args.threads or None, out_dir=args.out, factor=args.factor, alpha=args.alpha,
         command="attnbench " + " ".join(shlex.quote(arg) for arg in sys.argv[1:]), progress=not args.no_progress,
     )  # fmt: skip
