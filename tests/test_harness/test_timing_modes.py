@@ -161,7 +161,7 @@ def test_profile_and_the_profiler_timing_through_the_command_line(tmp_path):
         assert record["metrics"]["timing"] == "profiler" and profile["trace"] == f"{path.stem}.profiles/{record['cell_id']}.json"
         assert json.loads((path.parent / profile["trace"]).read_text())["traceEvents"]
     page = (tmp_path / "report" / "index.html").read_text()
-    assert "Profiles" in page and cells[0]["metrics"]["profile"]["top"][0]["name"] in page and ">profiler<" in page
+    assert "Profiles" in page and cells[0]["metrics"]["profile"]["top"][0]["name"] in page and ">profiler (operators&#39; self CPU time)<" in page
 
 
 @pytest.mark.slow
