@@ -16,9 +16,9 @@ import matplotlib
 import pandas as pd
 import pytest
 import seaborn as sns
+from histories import repository, write_history
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
-from histories import repository, write_history
 
 from harness.history import history
 from harness.report import build_report
