@@ -37,7 +37,7 @@ EXIT_UNDECIDED = 1  #: a probe stayed undecided: the commits still in question a
 EXIT_ERROR = 2  #: cannot bisect: a git failure, an unknown revision, GOOD not an ancestor of BAD, a bad scenario
 EXIT_NOTHING = 3  #: regress --base GOOD --head BAD marks no cell worse
 #: regress's options a next command repeats where they differ from these defaults (``regress.shared_flags``).
-SHARED_DEFAULTS = {"all_variants": False, "threads": 1, "factor": 1.1, "alpha": 0.05}
+SHARED_DEFAULTS = {"all_variants": False, "threads": 1, "factor": 1.1, "alpha": 0.05, "plugins": ()}
 SUBJECT_WIDTH = 60  #: a probe's line shortens the commit's subject to this many characters, at a word
 
 

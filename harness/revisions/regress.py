@@ -309,7 +309,7 @@ def regress(
         for revision in revisions:
             revision.threads, revision.plugins = threads, tuple(plugins)
             say(f"{revision.side} = {revision.describe()}")
-        options = dict(all_variants=all_variants, threads=threads, factor=factor, alpha=alpha, out_dir=out_dir, repo=given_repo)
+        options = dict(all_variants=all_variants, threads=threads, factor=factor, alpha=alpha, out_dir=out_dir, repo=given_repo, plugins=tuple(plugins))
         invocation = Invocation(
             base, head, scenario_spec(loaded), loaded.preset, list(loaded.overrides), shared_flags(**options),
             first_parent_commits(repo, revisions[0].commit, revisions[1].commit), revisions[1].dirty_files,
@@ -345,9 +345,10 @@ def scenario_spec(loaded: LoadedScenario) -> str:
     return path.relative_to(SCENARIO_DIR).with_suffix("").as_posix() if path.is_relative_to(SCENARIO_DIR) else str(loaded.path)
 
 
-def shared_flags(*, all_variants: bool, threads: int | None, factor: float, alpha: float, out_dir, repo) -> list[str]:
+def shared_flags(*, all_variants: bool, threads: int | None, factor: float, alpha: float, out_dir, repo, plugins=()) -> list[str]:
     """The options of regress and bisect that differ from their defaults, as argv words (for a command to run next)."""
-    flags = ["--all-variants"] if all_variants else []
+    flags = [word for plugin in plugins for word in ("--plugin", plugin)]
+    flags += ["--all-variants"] if all_variants else []
     flags += [] if threads == 1 else ["--threads", str(threads or 0)]
     flags += [] if factor == 1.1 else ["--factor", f"{factor:g}"]
     flags += [] if alpha == 0.05 else ["--alpha", f"{alpha:g}"]

@@ -130,8 +130,10 @@ def test_the_options_of_the_next_command_are_those_that_differ_from_their_defaul
     monkeypatch.chdir(tmp_path)
     defaults = dict(all_variants=False, threads=1, factor=1.1, alpha=0.05, out_dir="results", repo=".")
     assert shared_flags(**defaults) == []
-    changed = shared_flags(**{**defaults, "all_variants": True, "threads": None, "factor": 1.5, "alpha": 0.01, "out_dir": "out", "repo": "/r"})
-    assert changed == ["--all-variants", "--threads", "0", "--factor", "1.5", "--alpha", "0.01", "--out", "out", "--repo", "/r"]
+    changed = shared_flags(
+        **{**defaults, "all_variants": True, "threads": None, "factor": 1.5, "alpha": 0.01, "out_dir": "out", "repo": "/r", "plugins": ("/p.py",)}
+    )
+    assert changed == ["--plugin", "/p.py", "--all-variants", "--threads", "0", "--factor", "1.5", "--alpha", "0.01", "--out", "out", "--repo", "/r"]
 
 
 def test_a_touched_triton_configuration_the_cpu_preset_does_not_time_is_named_with_where_it_is_timed():
