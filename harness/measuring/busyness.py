@@ -13,6 +13,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ..common.formatting import counted
+
 if TYPE_CHECKING:
     from ..scenarios.cell import Cell
 
@@ -170,6 +172,6 @@ def busy_warning(cells: list[Cell], other_cores: float | None, cores: int) -> st
         return None
     return (
         f"warning: the machine is busy: other processes keep {other_cores:.1f} of {cores} cores busy, {max(0, cores - busy)} free; "
-        f"the CPU timings of {timed} cell(s) will be unreliable (each runs on at most {spare_threads(cores, cores, other_cores)} "
-        "thread(s)); measure on a quiet machine"
+        f"the CPU timings of {counted(timed, 'cell')} will be unreliable (each runs on at most "
+        f"{counted(spare_threads(cores, cores, other_cores), 'thread')}); measure on a quiet machine"
     )

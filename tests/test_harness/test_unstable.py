@@ -169,7 +169,7 @@ def test_a_busy_machine_is_announced_before_cpu_cells(tmp_path):
 
     cells = _cells(tmp_path)
     line = busy_warning(cells, 1.6, 2)
-    assert line.startswith("warning: the machine is busy: other processes keep 1.6 of 2 cores busy, 0 free;") and "1 thread(s)" in line, line
+    assert line.startswith("warning: the machine is busy: other processes keep 1.6 of 2 cores busy, 0 free;") and "1 thread)" in line, line
     assert "\n" not in line and busy_warning(cells, 0.3, 2) is None and busy_warning(cells, None, 2) is None
     assert busy_warning([cell.replace(axes=dict(cell.axes, device="cuda")) for cell in cells], 1.6, 2) is None
 
@@ -192,4 +192,4 @@ def test_attnbench_run_says_so_before_the_first_cell(tmp_path, monkeypatch, caps
     monkeypatch.setattr(LocalExecutor, "start", start)
     assert main(["run", str(tmp_path / "tiny.yaml"), "--out", str(tmp_path / "out"), "--no-progress"]) == EXIT_INTERRUPTED
     (err,) = before_first_cell
-    assert err.startswith("warning: the machine is busy:") and "the CPU timings of 1 cell(s) will be unreliable" in err, err
+    assert err.startswith("warning: the machine is busy:") and "the CPU timings of 1 cell will be unreliable" in err, err
