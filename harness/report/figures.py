@@ -13,6 +13,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cache
+from itertools import combinations
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +23,7 @@ from matplotlib import colormaps
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
-from matplotlib.ticker import LogFormatterSciNotation
+from matplotlib.ticker import LogFormatterSciNotation, NullFormatter
 
 from ..common.files import own_directory, write_atomic
 
@@ -92,11 +93,29 @@ class PlainLogFormatter(LogFormatterSciNotation):
 
 
 def plain_log_ticks(figure: Figure) -> None:
-    """Put ``PlainLogFormatter`` in the place of the mathtext formatter that a log scale gives each axis of ``figure``."""
+    """Put ``PlainLogFormatter`` in the place of the mathtext formatter that a log scale gives each axis of ``figure``;
+    then, on an axis whose labels meet once drawn, label decades only: matplotlib labels 2×, 3×, 4× ... of a decade
+    by the decades an axis spans (up to about 1.5), not by the room the labels take."""
+    logs = []
     for axis in (axis for ax in figure.axes for axis in (ax.xaxis, ax.yaxis)):
         for formatter, use in ((axis.get_major_formatter(), axis.set_major_formatter), (axis.get_minor_formatter(), axis.set_minor_formatter)):
             if type(formatter) is LogFormatterSciNotation:
                 use(PlainLogFormatter(axis.get_transform().base, formatter.labelOnlyBase, formatter.minor_thresholds))
+                logs.append(axis)
+    if logs:
+        FigureCanvasAgg(figure)
+        figure.draw_without_rendering()
+    for axis in logs:
+        boxes = [label.get_window_extent() for label in drawn_labels(axis)]
+        if any(first.overlaps(second) for first, second in combinations(boxes, 2)):
+            axis.set_minor_formatter(NullFormatter())
+
+
+def drawn_labels(axis) -> list:
+    """The tick labels ``axis`` draws: within its view, visible, with text (after its figure was drawn)."""
+    low, high = sorted(axis.get_view_interval())
+    ticks = axis.get_major_ticks() + axis.get_minor_ticks()
+    return [tick.label1 for tick in ticks if low <= tick.get_loc() <= high and tick.label1.get_visible() and tick.label1.get_text()]
 
 
 def decades(values, margin: float = 0.1) -> tuple[float, float]:

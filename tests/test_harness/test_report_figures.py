@@ -22,7 +22,7 @@ from matplotlib.figure import Figure
 
 from harness.history import history
 from harness.report import build_report
-from harness.report.figures import PLAIN_TEXT, Figures, PlainLogFormatter, decades, new_figure, plain_log_ticks
+from harness.report.figures import PLAIN_TEXT, Figures, PlainLogFormatter, decades, drawn_labels, new_figure, plain_log_ticks
 from harness.results import TIMINGS, read_records
 
 EXAMPLE = Path(__file__).parents[2] / "reports" / "examples" / "cpu-dev-vm" / "cuda-variants-20261205T083558Z.jsonl"
@@ -121,11 +121,7 @@ def _axes(figures: dict[str, Figure]):
     return [(name, axis) for name, figure in figures.items() for ax in figure.axes if ax.get_visible() for axis in (ax.xaxis, ax.yaxis)]
 
 
-def _labels(axis) -> list:
-    """The tick labels ``axis`` draws: within its view, visible, with text (after its figure was drawn)."""
-    low, high = sorted(axis.get_view_interval())
-    ticks = axis.get_major_ticks() + axis.get_minor_ticks()
-    return [tick.label1 for tick in ticks if low <= tick.get_loc() <= high and tick.label1.get_visible() and tick.label1.get_text()]
+_labels = drawn_labels
 
 
 def test_the_report_and_the_history_draw_every_kind_of_figure(figures):
@@ -163,6 +159,22 @@ def test_no_two_labels_of_an_axis_overlap(figures):
         renderer = axis.get_figure(root=True).canvas.get_renderer()
         boxes = [label.get_window_extent(renderer) for label in _labels(axis)]
         assert not [pair for pair in combinations(boxes, 2) if pair[0].overlaps(pair[1])], (name, axis.axis_name, [label.get_text() for label in _labels(axis)])
+
+
+def test_an_axis_whose_multiples_of_a_decade_meet_labels_decades_only():
+    """A bar chart's log axis over 1.4 decades (3e-2 s to 7e-1 s, smoke-cpu's train panel): matplotlib labels 2×, 3×, 4×,
+    6× of each decade, which met in a panel of three ('2×10⁻¹3×10⁻¹4×10⁻¹6×10⁻¹'): only the decades are left there; a
+    figure of one panel has the room for them all."""
+    for panels, expected in ((3, ["10⁻¹"]), (1, ["10⁻¹", "3×10⁻²", "4×10⁻²", "6×10⁻²", "2×10⁻¹", "3×10⁻¹", "4×10⁻¹", "6×10⁻¹"])):
+        figure, (ax, *_) = new_figure(panels)
+        ax.barh(range(3), [0.03, 0.2, 0.7])
+        ax.set_xscale("log")
+        ax.set_xlim(0.025, 0.75)
+        plain_log_ticks(figure)
+        figure.draw_without_rendering()
+        texts = [label.get_text() for label in drawn_labels(ax.xaxis)]
+        boxes = [label.get_window_extent() for label in drawn_labels(ax.xaxis)]
+        assert texts == expected and not [pair for pair in combinations(boxes, 2) if pair[0].overlaps(pair[1])], (panels, texts)  # room: kept
 
 
 def test_a_results_files_mathtext_is_shown_as_written(figures):
