@@ -144,6 +144,9 @@ def run_threads(cells: list[Cell], cpu: dict, other_cores: float | None) -> int 
 #: A CPU timing whose process ran on a core less than this share of the wall time of its warm-up and
 #: samples waited for one (descheduled: another process, or the hypervisor, held it): ``disturbed``.
 MIN_CPU_SHARE = 0.8
+#: ... unless its share is below this one: such a process does not compute on the CPU (it sleeps, or waits for
+#: a device or a file, by design), and its share says nothing of other processes.
+MIN_COMPUTING_SHARE = 0.2
 #: The load of other processes is judged over at least this many seconds: /proc/stat counts in 10 ms
 #: ticks per core, so over a shorter window one stray tick reads as a busy core.
 MIN_LOAD_WINDOW_S = 0.2
@@ -155,12 +158,13 @@ def disturbed(load: dict) -> bool | None:
     than its threads left free (``busy_cores(other_cores) > cores - threads``, judged over
     ``MIN_LOAD_WINDOW_S`` or more), or the process ran on a core less than ``MIN_CPU_SHARE`` of the
     wall time (``own_cpu_s / wall_s``: a process that computes is always on a core unless it waits
-    for one). None when neither could be judged (no wall time)."""
+    for one) but no less than ``MIN_COMPUTING_SHARE`` (below it, the timed work does not compute: a
+    sleep). None when neither could be judged (no wall time)."""
     wall_s = load.get("wall_s") or 0.0
     if wall_s <= 0:
         return None
     taken = load.get("other_cores") is not None and wall_s >= MIN_LOAD_WINDOW_S and busy_cores(load["other_cores"]) > load["cores"] - load["threads"]
-    return taken or load["own_cpu_s"] / wall_s < MIN_CPU_SHARE
+    return taken or MIN_COMPUTING_SHARE <= load["own_cpu_s"] / wall_s < MIN_CPU_SHARE
 
 
 def busy_warning(cells: list[Cell], other_cores: float | None, cores: int) -> str | None:

@@ -227,6 +227,8 @@ QUIET = {"wall_s": 1.0, "own_cpu_s": 1.0, "other_cores": 0.1, "cores": 2, "threa
         ({"wall_s": 0.05, "own_cpu_s": 0.05, "other_cores": 2.0}, False),  # 5 ticks: too short to judge the others' load
         ({"own_cpu_s": 0.3, "other_cores": 0.0}, True),  # on a core 30 % of the time: it waited for one
         ({"own_cpu_s": 0.3, "other_cores": None}, True),  # no /proc/stat: the CPU time still tells
+        ({"own_cpu_s": 0.01, "other_cores": 0.9, "threads": 1}, False),  # on a core 1 % of the time: it sleeps (a fault plugin), computes nothing
+        ({"own_cpu_s": 0.01, "other_cores": 1.6, "threads": 1}, True),  # ... but the others took the core its thread needed
         ({"wall_s": 0.0}, None),
     ],
 )
