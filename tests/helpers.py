@@ -66,6 +66,17 @@ def within(seconds: int):
         signal.signal(signal.SIGALRM, previous)
 
 
+class LocalTestExecutor:
+    """An executor for the runner's tests, on this machine (its fingerprint, uncalibrated); a subclass's ``measure``
+    says what each cell gets."""
+
+    same_machine = True
+
+    def start(self, todo, fingerprint):
+        self.machine = {**fingerprint, "calibration": None}
+        return [self.machine]
+
+
 def make_cell(**fields) -> Cell:
     """A cell of a test's own making: a CPU float32 forward core cell of linear attention, with ``fields`` in place."""
     base = dict(scenario="s", variant="linear", backend="torch", backend_options={}, params={}, axes={"device": "cpu", "dtype": "float32"},

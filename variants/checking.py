@@ -204,35 +204,28 @@ def judge_form(core, form: str, run: Callable[[dict], torch.Tensor], target: Tar
         return Check(what, tolerance=tolerance, cause=f"expected a {dtype} tensor of shape {tuple(target.output.shape)}, got {got}")
     kept = target.cotangent != 0
     parts = {"output": rel_error(out[kept], target.output[kept])}
+
+    def failed(cause: str) -> Check:
+        """The check failed for ``cause``, with what was compared so far."""
+        return Check(what, tolerance=tolerance, parts=parts, output=out.detach(), cause=cause)
+
     if backward:
         learnable = {name: p for name, p in core.named_parameters() if p.requires_grad}
         leaves = {**low, **learnable}
         if not out.requires_grad:
-            return Check(
-                what,
-                tolerance=tolerance,
-                parts=parts,
-                output=out.detach(),
-                cause=f"the {form}'s output is connected to no input (computed under torch.no_grad() or from detached tensors?)",
-            )
+            return failed(f"the {form}'s output is connected to no input (computed under torch.no_grad() or from detached tensors?)")
         try:
             grads = torch.autograd.grad((out * target.cotangent.to(dtype)).sum(), list(leaves.values()), allow_unused=True)
         except Exception as exc:  # noqa: BLE001
-            return Check(what, tolerance=tolerance, parts=parts, output=out.detach(), cause=f"the {form}'s backward raised {explain(exc)}")
+            return failed(f"the {form}'s backward raised {explain(exc)}")
         for name, grad in zip(leaves, grads, strict=True):
             want = target.grads[name]
             if want is None:
-                return Check(what, tolerance=tolerance, parts=parts, output=out.detach(), cause=_unconnected("float64 reference", name))
+                return failed(_unconnected("float64 reference", name))
             if not want.abs().max() > 0:
-                return Check(
-                    what,
-                    tolerance=tolerance,
-                    parts=parts,
-                    output=out.detach(),
-                    cause=f"the float64 reference's d/d{name} is zero on these inputs: the check would say nothing",
-                )
+                return failed(f"the float64 reference's d/d{name} is zero on these inputs: the check would say nothing")
             if grad is None:
-                return Check(what, tolerance=tolerance, parts=parts, output=out.detach(), cause=_unconnected(form, name))
+                return failed(_unconnected(form, name))
             parts[f"d/d{name}"] = rel_error(grad, want)
     return Check(what, max(parts.values(), key=lambda error: math.inf if math.isnan(error) else error), tolerance, parts=parts, output=out.detach())
 

@@ -135,6 +135,17 @@ def _points_table(points: pd.DataFrame) -> Table:
     return table("Every point", rows, columns, "Each point: the cell's latest measurement at that commit on that machine.")
 
 
+#: The columns that name a series (a cell on one machine) in the page's tables of steps and of unstable series.
+SERIES_COLUMNS = [
+    ("machine", "machine", text),
+    ("scenario", "scenario", text),
+    ("variant", "variant", text),
+    ("backend", "backend", text),
+    ("mode", "mode", text),
+    ("cell", "cell", text),
+]
+
+
 def steps_table(steps: list[Step], factor: float) -> Table:
     frame = pd.DataFrame([{**step.__dict__, "direction": step.direction,
                            "interval": f"[{format_ratio(step.ci_low)}, {format_ratio(step.ci_high)}]",
@@ -143,12 +154,7 @@ def steps_table(steps: list[Step], factor: float) -> Table:
                            "confirm": " ; ".join(step.commands) or "-", "mark": mark(step, factor)}
                           for step in steps])  # fmt: skip
     columns = [
-        ("machine", "machine", text),
-        ("scenario", "scenario", text),
-        ("variant", "variant", text),
-        ("backend", "backend", text),
-        ("mode", "mode", text),
-        ("cell", "cell", text),
+        *SERIES_COLUMNS,
         ("last before", "good", text),
         ("first after", "bad", text),
         ("commits between", "between", text),
@@ -164,12 +170,7 @@ def unstable_table(unstable: list[Unstable], factor: float) -> Table:
     frame = pd.DataFrame([{**u.series.__dict__, "off": f"{u.off} of {u.series.points}", "commit": short(u.commit), "ratio": u.ratio, "rel_ci": u.rel_ci}
                           for u in unstable])  # fmt: skip
     columns = [
-        ("machine", "machine", text),
-        ("scenario", "scenario", text),
-        ("variant", "variant", text),
-        ("backend", "backend", text),
-        ("mode", "mode", text),
-        ("cell", "cell", text),
+        *SERIES_COLUMNS,
         ("points off their level", "off", text),
         ("furthest at", "commit", text),
         ("its median / level", "ratio", format_ratio),

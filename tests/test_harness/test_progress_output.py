@@ -8,6 +8,8 @@ import os
 import subprocess
 import sys
 
+from helpers import LocalTestExecutor
+
 from harness.running.executors import unmeasured
 from harness.running.progress import progress_bar
 
@@ -62,15 +64,9 @@ def test_stderr_and_its_file_descriptor_are_restored_after_the_bar_however_it_en
         assert (sys.stderr, os.fstat(2).st_ino) == before, "no bar shown: stderr left as it is"
 
 
-class _Talkative:
+class _Talkative(LocalTestExecutor):
     """An executor that measures nothing: before it skips each cell, it prints a line on stderr, as the runner's warnings
     do, and a child process writes one, as a worker does."""
-
-    same_machine = True
-
-    def start(self, todo, fingerprint):
-        self.machine = {**fingerprint, "calibration": None}
-        return [self.machine]
 
     def measure(self, todo, starting):
         for cell in todo:

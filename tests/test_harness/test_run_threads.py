@@ -11,7 +11,7 @@ import os
 import time
 
 import pytest
-from helpers import make_cell
+from helpers import LocalTestExecutor, make_cell
 
 import harness.measuring.busyness as busyness
 from harness.measuring.busyness import disturbed, run_threads
@@ -25,18 +25,12 @@ TINY = (
 )
 
 
-class _Recorder:
+class _Recorder(LocalTestExecutor):
     """An executor that measures nothing: each cell it is given is recorded as ok, timed on the threads
     the run gave it (``measure.threads``) by perf_counter; ``given`` keeps the cells."""
 
-    same_machine = True
-
     def __init__(self):
         self.given = []
-
-    def start(self, todo, fingerprint):
-        self.machine = {**fingerprint, "calibration": None}
-        return [self.machine]
 
     def measure(self, todo, starting):
         for cell in todo:
