@@ -167,9 +167,10 @@ def disturbed(load: dict) -> bool | None:
     return taken or MIN_COMPUTING_SHARE <= load["own_cpu_s"] / wall_s < MIN_CPU_SHARE
 
 
-def busy_warning(cells: list[Cell], other_cores: float | None, cores: int) -> str | None:
+def busy_warning(cells: list[Cell], other_cores: float | None, cores: int, threads: int | None) -> str | None:
     """One line saying the machine is busy, when ``cells`` time something on the CPU and other
-    processes keep a core or more of ``cores`` busy (``busy_cores``); None otherwise."""
+    processes keep a core or more of ``cores`` busy (``busy_cores``), with the ``threads`` the run
+    chose for them (``run_threads``); None otherwise."""
     timed = sum(map(timed_on_cpu, cells))
     busy = busy_cores(other_cores)
     if not timed or not busy:
@@ -177,5 +178,5 @@ def busy_warning(cells: list[Cell], other_cores: float | None, cores: int) -> st
     return (
         f"warning: the machine is busy: other processes keep {other_cores:.1f} of {cores} cores busy, {max(0, cores - busy)} free; "
         f"the CPU timings of {counted(timed, 'cell')} will be unreliable (each runs on at most "
-        f"{counted(spare_threads(cores, cores, other_cores), 'thread')}); measure on a quiet machine"
+        f"{counted(threads, 'thread')}); measure on a quiet machine"
     )

@@ -338,7 +338,7 @@ def _run_locked(loaded, out_dir, resume, retry_failed, executor, command, progre
         other_cores = other_cores_now()
         earlier = earlier_threads(path) if resumed_from else None
         threads = earlier or run_threads(todo, fingerprint.get("cpu") or {}, other_cores)
-        if busy := busy_warning(todo, other_cores, os.cpu_count()):
+        if busy := busy_warning(todo, other_cores, os.cpu_count(), threads):
             print(busy, file=sys.stderr)
     todo = [with_threads(cell, threads) for cell in todo]
 

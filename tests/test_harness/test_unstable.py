@@ -168,10 +168,10 @@ def test_a_busy_machine_is_announced_before_cpu_cells(tmp_path):
     from harness.measuring.busyness import busy_warning
 
     cells = _cells(tmp_path)
-    line = busy_warning(cells, 1.6, 2)
+    line = busy_warning(cells, 1.6, 2, 1)
     assert line.startswith("warning: the machine is busy: other processes keep 1.6 of 2 cores busy, 0 free;") and "1 thread)" in line, line
-    assert "\n" not in line and busy_warning(cells, 0.3, 2) is None and busy_warning(cells, None, 2) is None
-    assert busy_warning([cell.replace(axes=dict(cell.axes, device="cuda")) for cell in cells], 1.6, 2) is None
+    assert "\n" not in line and busy_warning(cells, 0.3, 2, 2) is None and busy_warning(cells, None, 2, 2) is None
+    assert busy_warning([cell.replace(axes=dict(cell.axes, device="cuda")) for cell in cells], 1.6, 2, None) is None
 
 
 def test_attnbench_run_says_so_before_the_first_cell(tmp_path, monkeypatch, capsys):
