@@ -140,9 +140,11 @@ def _chunk_output_kernel(
     out += dot(scores, v, PRECISION, input_type)
     if NORMALIZE:
         if PRECISION.startswith("input"):
-            # 16-bit operands: A 1 summed from A's fp32 tile (the product below, natively on the H200 with
-            # bf16 operands, gave NaN or Inf in 22-38 % of the rows: docs/performance.md, "First GPU contact")
-            row_sums = tl.sum(scores, axis=1)
+            # 16-bit operands: A 1 summed from A's tile rounded as the A V product above rounds it, so that y stays a
+            # weighted mean of the v_i and dy·v_i − δ cancels where one weight dominates (the first tokens, q·z small);
+            # summed in fp32 (the product with a ones column, natively on the H200 with bf16 operands, gave NaN or Inf
+            # in 22-38 % of the rows: docs/performance.md, "First GPU contact")
+            row_sums = tl.sum(scores.to(input_type).to(tl.float32), axis=1)
         else:
             # fp32 operands: A 1 as a product with [1, 0, ..., 0] columns, which keeps A in the layout of the dot
             # above (a row sum of A beside it held A twice: fp32 spilled 1.2 KB a thread)
