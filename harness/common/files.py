@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
 import stat
 import tempfile
 from pathlib import Path
+
+from .formatting import spreadsheet_safe
 
 #: Flags of every descriptor attnbench opens on a file it writes: a symbolic link in the last
 #: component is refused (``O_NOFOLLOW``), a FIFO or device never blocks the open (``O_NONBLOCK``).
@@ -33,22 +36,52 @@ def open_regular(path, flags: int, mode: int = 0o644) -> int:
     return fd
 
 
-def write_atomic(path, data: bytes | str) -> None:
-    """Write ``data`` (text as UTF-8) to ``path``: into a temporary file in the same directory,
-    flushed to disk (fsync), then renamed over ``path`` (``os.replace``), so ``path`` holds either
-    its old content or the whole new one, even if the process dies midway; a link planted at
-    ``path`` is replaced, never written through."""
+def umask() -> int:
+    """The process's umask, read without changing it (``/proc/self/status``, Linux 4.7 and later);
+    elsewhere set and restored at once (``os.umask`` offers no read)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            return next(int(line.split()[1], 8) for line in status if line.startswith("Umask:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        mask = os.umask(0o077)
+        os.umask(mask)
+        return mask
+
+
+@contextlib.contextmanager
+def atomic_file(path):
+    """``with atomic_file(path) as file:`` a binary file that becomes ``path`` when the block ends
+    (``write_atomic``), with the mode a plain ``open`` would give it (0666 less the umask: 0644 under
+    umask 022), never the temporary file's 0600; an exception removes it and leaves ``path`` as it was."""
     path = Path(path)
     handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(handle, "wb") as file:
-            file.write(data.encode("utf-8") if isinstance(data, str) else data)
+            os.fchmod(file.fileno(), 0o666 & ~umask())
+            yield file
             file.flush()
             os.fsync(file.fileno())
         os.replace(temporary, path)
     except BaseException:
-        os.unlink(temporary)
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
         raise
+
+
+def write_atomic(path, data: bytes | str) -> None:
+    """Write ``data`` (text as UTF-8) to ``path``: into a temporary file in the same directory,
+    flushed to disk (fsync), then renamed over ``path`` (``os.replace``), so ``path`` holds either
+    its old content or the whole new one, even if the process dies midway; a link planted at
+    ``path`` is replaced, never written through (``atomic_file``)."""
+    with atomic_file(path) as file:
+        file.write(data.encode("utf-8") if isinstance(data, str) else data)
+
+
+def write_csv_atomic(path, frame) -> None:
+    """Write the pandas ``frame`` to ``path`` as CSV (``write_atomic``), its headers and cells made
+    safe to open in a spreadsheet (``formatting.spreadsheet_safe``), its lines ended by CRLF as RFC 4180
+    has them (so that a carriage return within a cell is quoted, never read as the end of a row)."""
+    write_atomic(path, frame.rename(columns=spreadsheet_safe).map(spreadsheet_safe).to_csv(index=False, lineterminator="\r\n"))
 
 
 def write_json_atomic(path, obj) -> None:

@@ -93,3 +93,14 @@ def quote(value) -> str:
     if len(shown) <= QUOTE_CHARS:
         return shown
     return f"{shown[:QUOTE_CHARS]}... ({len(shown)} characters)"
+
+
+#: The first characters that make a spreadsheet read a cell as a formula (OWASP, "CSV Injection").
+FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")
+
+
+def spreadsheet_safe(value):
+    """A CSV cell as a spreadsheet shows it and never evaluates: text beginning with ``=``, ``+``,
+    ``-``, ``@``, a tab or a carriage return gets a leading ``'`` (OWASP's advice); anything else,
+    numbers (negative ones too) included, as it is."""
+    return "'" + value if isinstance(value, str) and value.startswith(FORMULA_STARTS) else value

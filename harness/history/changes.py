@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from ..common.files import write_atomic
+from ..common.files import write_csv_atomic
 from ..common.formatting import present
 from ..results.compare import ratio_ci, timing_mark
 from .series import NO_COMMIT, History
@@ -107,7 +107,7 @@ def mark(step: Step, factor: float) -> str:
 
 
 def write_csv(steps: list[Step], path) -> None:
-    """``steps.csv``: ``CSV_COLUMNS``, then the interval and the commands, one row a step."""
+    """``steps.csv``: ``CSV_COLUMNS``, then the interval and the commands, one row a step (``write_csv_atomic``: safe in a spreadsheet)."""
     rows = [
         {
             **{column: getattr(step, column) for column in CSV_COLUMNS},
@@ -119,4 +119,4 @@ def write_csv(steps: list[Step], path) -> None:
         for step in steps
     ]
     columns = CSV_COLUMNS + ["ci_low", "ci_high", "commits_between", "commands"]
-    write_atomic(path, pd.DataFrame(rows, columns=columns).to_csv(index=False))
+    write_csv_atomic(path, pd.DataFrame(rows, columns=columns))

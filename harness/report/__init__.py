@@ -28,7 +28,7 @@ import matplotlib
 import pandas as pd
 
 from .. import tasks
-from ..common.files import write_atomic
+from ..common.files import write_atomic, write_csv_atomic
 from ..results import load
 from ..results.compare import CompareResult
 from .cells import machine_styles, palette, prepare, tasks_of
@@ -119,14 +119,15 @@ def _csv_value(value):
 
 
 def write_cells_csv(frame: pd.DataFrame, path: Path, cells: pd.DataFrame | None = None) -> None:
-    """Every cell of ``load``, one row each; list values (raw samples, latencies) as JSON. Given
+    """Every cell of ``load``, one row each; list values (raw samples, latencies) as JSON, text safe
+    in a spreadsheet (``write_csv_atomic``). Given
     the report's ``cells`` (``prepare``), a quality cell also says whether its variant is on its
     task's quality–speed frontier (``quality_frontier``, ``harness.report.frontier``)."""
     if cells is not None:
         flags = [cell_flags(cells[cells["target"] == task.name], task.score) for task in tasks_of(cells) if task.score]
         if flags:
             frame = frame.assign(quality_frontier=pd.concat(flags).reindex(frame.index))
-    write_atomic(path, frame.map(_csv_value).to_csv(index=False))
+    write_csv_atomic(path, frame.map(_csv_value))
 
 
 def render(template: str, **values) -> str:

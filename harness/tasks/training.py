@@ -23,10 +23,8 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import random
 import re
-import tempfile
 import time
 import warnings
 from collections.abc import Callable
@@ -38,6 +36,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from ..common.files import atomic_file
 from ..measuring.measure import PeakMemory, synchronize
 from .batches import BatchStream
 from .distributed import Distributed
@@ -320,7 +319,7 @@ def load_checkpoint(path, device) -> dict:
 
 
 def save_checkpoint(directory: Path, step: int, payload: dict) -> None:
-    """Write ``step-XXXXXXXXX.pt`` atomically (a new temporary file of its own, ``mkstemp``, so
+    """Write ``step-XXXXXXXXX.pt`` atomically (``atomic_file``: a new temporary file of its own, so
     never through a planted link, then ``os.replace``), with the current cell's identity
     (``cell_checkpoints``), and remove older checkpoints. A write that fails (a full disk)
     removes the temporary file and raises ``CheckpointError`` naming the checkpoint: the
@@ -329,20 +328,12 @@ def save_checkpoint(directory: Path, step: int, payload: dict) -> None:
     path = directory / f"{CHECKPOINT_PREFIX}{step:09d}.pt"
     if _cell_identity is not None:
         payload = {**payload, "cell": _cell_identity}
-    handle, temporary = tempfile.mkstemp(dir=directory, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(handle, "wb") as file:
+        with atomic_file(path) as file:
             torch.save(payload, file)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(temporary, path)
-    except BaseException as exc:
-        with contextlib.suppress(OSError):
-            os.unlink(temporary)
-        if isinstance(exc, (OSError, RuntimeError)):  # torch.save reports a failed write as a RuntimeError
-            reason = " ".join(str(exc).split())[:200] or type(exc).__name__
-            raise CheckpointError(f"{path}: could not write the checkpoint ({reason}); the previous one is kept") from None
-        raise
+    except (OSError, RuntimeError) as exc:  # torch.save reports a failed write as a RuntimeError
+        reason = " ".join(str(exc).split())[:200] or type(exc).__name__
+        raise CheckpointError(f"{path}: could not write the checkpoint ({reason}); the previous one is kept") from None
     for older in directory.glob(f"{CHECKPOINT_PREFIX}*.pt"):
         if older != path:
             older.unlink()
