@@ -167,3 +167,18 @@ def test_the_report_reaches_neither_runner_scenario_models_nor_variants():
     code = "import sys, harness.report, harness.tasks; harness.tasks.tasks(); print(' '.join(sorted(sys.modules)))"
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True).stdout.split()
     assert not sorted(filter(_outside, loaded))
+
+
+def test_a_worker_that_measures_every_variant_eagerly_never_imports_torchdynamo():
+    """TorchDynamo costs a worker about 1 s of its start: only backend 'compile' may load it (variants/chunked.py's
+    ``outside_compiled_graphs`` leaves the chunk loops out of compiled graphs without importing it)."""
+    code = (
+        "import sys, torch, variants, harness.running.worker, harness.running.workloads\n"
+        "for name in variants.names():\n"
+        "    core = variants.create(name, d_key=16)\n"
+        "    core(**core.example_inputs(1, 2, 40, 16, requires_grad=True)).sum().backward()\n"
+        "print('torch._dynamo' in sys.modules)"
+    )
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert loaded.returncode == 0, loaded.stderr
+    assert loaded.stdout.split() == ["False"]

@@ -22,6 +22,7 @@ The output is in the input dtype.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 
@@ -143,7 +144,22 @@ def _identity(x):
     return x
 
 
-@torch.compiler.disable
+def outside_compiled_graphs(loop):
+    """``torch.compiler.disable(loop)`` where it matters: a loop over chunks traced by TorchDynamo (backend 'compile',
+    variants/compiled.py) is left out of the graph, so the graph is one chunk's whatever T. Eagerly the loop is called as it
+    is: applying the decorator at import would import TorchDynamo in every process (about 1 s of a worker's start, and
+    150 MB) that never compiles."""
+
+    @functools.wraps(loop)
+    def call(*args, **kwargs):
+        if torch.compiler.is_compiling():
+            return torch.compiler.disable(loop)(*args, **kwargs)
+        return loop(*args, **kwargs)
+
+    return call
+
+
+@outside_compiled_graphs
 def sum_rule_chunked(q, k, v, weights, normaliser, chunk_size: int, phi=_identity, phi_k=None, bounds=None, chunk=None):
     """Causal sum rule: y_t = φ(q_t)ᵀ S_t / (φ(q_t)·z_t + ε), S_t = S_0 + Σ_{i≤t} φ(k_i) v_iᵀ,
     z_t = z_0 + Σ_{i≤t} φ(k_i).
@@ -193,7 +209,7 @@ def _solve_unit_lower(strictly_lower: torch.Tensor, rhs: torch.Tensor, wide: tor
     return torch.linalg.solve_triangular(lower, rhs, upper=False, unitriangular=True)
 
 
-@torch.compiler.disable
+@outside_compiled_graphs
 def delta_rule_chunked(q, k, v, beta, weights, normaliser, chunk_size: int, phi=_identity, phi_k=None, log_gate=None, bounds=None, chunk=None):
     """Causal delta rule through the WY / UT-transform representation, optionally gated.
 
@@ -258,7 +274,7 @@ def delta_rule_chunk(q_c, k_c, v_c, beta_c, gate_c, weights, normaliser, phi, ph
     return read.to(v_c.dtype), kept + written_keys.to(wide).transpose(-1, -2) @ new_values, normaliser
 
 
-@torch.compiler.disable
+@outside_compiled_graphs
 def wkv_chunked(k, v, decay, bonus, numerator, denominator, max_exponent, chunk_size: int, chunk=None):
     """Causal RWKV-4 WKV operator (Peng et al. 2023, eq. 14), stabilised per chunk:
 

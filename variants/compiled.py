@@ -37,7 +37,7 @@ def wrap(core, *, mode: str | None = None, dynamic: bool | None = None):
 def chunk_form(core, body):
     """``body`` (one chunk of a loop scan, ``chunked.sum_rule_chunk``, ...) as ``core`` runs it: itself
     eagerly, or ``torch.compile``'d once per core with its options under backend 'compile'. The loop
-    over the chunks is kept out of the compiled graphs (``torch.compiler.disable``) and calls it, so
+    over the chunks is kept out of the compiled graphs (``chunked.outside_compiled_graphs``) and calls it, so
     the graph is one chunk's whatever T."""
     if not core.compiled:
         return body
