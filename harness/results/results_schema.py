@@ -22,7 +22,6 @@ Number = float
 #: A count or a time that cannot be negative.
 Amount = Annotated[float, Field(ge=0)]
 Mapping = dict[str, Any]
-Scalar = int | float | str | bool | None
 
 
 @dataclass(frozen=True)
@@ -54,13 +53,41 @@ class _Fields(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
 
 
+class Cpu(_Fields):
+    usable_cores: int | None = None
+    logical_cores: int | None = None
+    torch_threads: int | None = None
+
+
+class Gpu(_Fields):
+    memory_bytes: Amount | None = None
+
+
+class Datasheet(_Fields):
+    name: str
+    bandwidth_bytes_per_s: Amount
+    __pydantic_extra__: dict[str, Amount]  # the peaks, FLOP/s by dtype
+
+
+class Calibration(_Fields):
+    """A run's calibrated limits (docs/results.md, "Roofline"), as the report's header reads them."""
+
+    matmul_flops_per_s: dict[str, Amount]
+    bandwidth_bytes_per_s: Amount
+    torch_threads: int
+    datasheet: Datasheet | None = None
+    sm_clock_mhz: Number | None = None
+
+
 class Machine(_Fields):
     machine_id: str
     hostname: str | None = None
-    calibration: Mapping | None = None
-    gpu: Mapping | None = None
-    cpu: Mapping | None = None
+    memory_bytes: Amount | None = None
+    calibration: Calibration | None = None
+    gpu: Gpu | None = None
+    cpu: Cpu | None = None
     git: Mapping | None = None
+    versions: Mapping | None = None
 
 
 class RunLine(_Fields):
@@ -80,6 +107,33 @@ class RunLine(_Fields):
     executor: str | None = None
     node_id: str | None = None
     torch_threads: int | None = None
+
+
+class Load(_Fields):
+    """``metrics.load`` and ``metrics.timed_load`` (docs/results.md)."""
+
+    wall_s: Amount | None = None
+    cores: Amount | None = None
+    other_cpu_s: Number | None = None
+    other_cores: Number | None = None
+    own_cpu_s: Amount | None = None
+    threads: int | None = None
+    loadavg_before: list[Number] | None = None
+    loadavg_after: list[Number] | None = None
+    gpu_before: Mapping | None = None
+    gpu_after: Mapping | None = None
+
+
+class Axes(_Fields):
+    """A cell's axes: the text ones (those of ``harness.scenarios.axes`` no plot puts on an x axis) strings,
+    every other (``seq_len``, ``batch``, a task's ``S`` or ``d_model``, ``seed``, ...) a number."""
+
+    __pydantic_extra__: dict[str, Number]
+    dtype: str | None = None
+    device: str | None = None
+    model: str | None = None
+    lengths: str | None = None
+    packing: str | None = None
 
 
 class Metrics(_Fields):
@@ -116,8 +170,8 @@ class Metrics(_Fields):
     target_rel_ci: Number | None = None
     unstable: bool | None = None
     disturbed: bool | None = None
-    load: Mapping | None = None
-    timed_load: Mapping | None = None
+    load: Load | None = None
+    timed_load: Load | None = None
     timing: str | None = None
     clock: str | None = None
     profile: Mapping | None = None
@@ -144,7 +198,7 @@ class CellLine(_Fields):
     status: str
     backend: str | None = None
     params: Mapping | None = None
-    axes: dict[str, Scalar] | None = None
+    axes: Axes | None = None
     task: Mapping | None = None
     target: str | None = None
     error: str | None = None
@@ -177,9 +231,11 @@ def type_error(record: dict) -> str | None:
         LINES[record["kind"]].model_validate(record)
     except ValidationError as exc:
         error = exc.errors(include_url=False)[0]
-        field = ".".join(_in_record(record, error["loc"]))
+        field = _in_record(record, error["loc"])
         expected = EXPECTED.get(error["type"], error["msg"])
-        return f"{field}: expected {expected}, got {quote(error['input'])}"
+        if error["type"] == "missing":  # the field is not in the record: named by pydantic's last part
+            return f"{'.'.join([*field, str(error['loc'][-1])])}: expected {expected}, got nothing"
+        return f"{'.'.join(field)}: expected {expected}, got {quote(error['input'])}"
     return None
 
 

@@ -19,6 +19,8 @@ from harness.common.formatting import spreadsheet_safe
 from harness.history.changes import Step
 from harness.history.changes import write_csv as write_steps_csv
 from harness.report import build_report, write_cells_csv
+from harness.results.results_schema import Axes
+from harness.scenarios import axes as axis_table
 from harness.tasks.training import latest_checkpoint, save_checkpoint
 
 # --- 7. files written with the user's umask -------------------------------------------------------------------
@@ -123,3 +125,53 @@ def test_steps_csv_quotes_formulas(tmp_path):
         "'=cmd",
         "1.5",
     )
+
+
+# --- 9c. every results field typed on read -------------------------------------------------------------------------
+
+RUN = {"kind": "run", "schema": 2, "run_id": "r", "started_at": "2026-12-01T00:00:00+00:00", "scenario": "s", "machine": {"machine_id": "m"}}
+CELL = {"kind": "cell", "schema": 2, "run_id": "r", "cell_id": "c", "scenario": "s", "variant": "softmax", "backend": "torch", "params": {},
+        "axes": {"seq_len": 16, "batch": 1, "dtype": "float32", "device": "cpu"}, "mode": "forward", "target": "core", "status": "ok",
+        "error": None, "metrics": {"median_s": 0.1, "samples_s": [0.1, 0.1, 0.2], "tokens": 16}, "started_at": "2026-12-01T00:00:01+00:00"}  # fmt: skip
+CALIBRATION = {"matmul_flops_per_s": {"float32": 1e10}, "bandwidth_bytes_per_s": 1e10, "torch_threads": 2}
+
+
+def _machine(**fields) -> dict:
+    return {**RUN, "machine": {**RUN["machine"], **fields}}
+
+
+def _metrics(**fields) -> dict:
+    return {**CELL, "metrics": {**CELL["metrics"], **fields}}
+
+
+@pytest.mark.parametrize(
+    "line, where, expected",
+    [
+        ({**CELL, "axes": {**CELL["axes"], "seq_len": "abc"}}, "line 2 (cell line): axes.seq_len", 'expected a number, got "abc"'),
+        ({**CELL, "axes": {**CELL["axes"], "S": "abc"}}, "line 2 (cell line): axes.S", 'expected a number, got "abc"'),
+        ({**CELL, "axes": {**CELL["axes"], "dtype": 32}}, "line 2 (cell line): axes.dtype", "expected a string, got 32"),
+        (_metrics(load={"other_cores": "abc"}), "line 2 (cell line): metrics.load.other_cores", 'expected a number, got "abc"'),
+        (_metrics(timed_load={"loadavg_after": "high"}), "line 2 (cell line): metrics.timed_load.loadavg_after", 'expected a list, got "high"'),
+        (_machine(memory_bytes="abc"), "line 1 (run line): machine.memory_bytes", 'expected a number, got "abc"'),
+        (_machine(cpu={"usable_cores": "2"}), "line 1 (run line): machine.cpu.usable_cores", 'expected an integer, got "2"'),
+        (_machine(gpu={"memory_bytes": -1}), "line 1 (run line): machine.gpu.memory_bytes", "expected a number >= 0, got -1"),
+        (_machine(calibration={"torch_threads": 2}), "line 1 (run line): machine.calibration.matmul_flops_per_s", "expected a value (required), got nothing"),
+        (_machine(calibration={**CALIBRATION, "datasheet": {"name": "X", "bandwidth_bytes_per_s": 1, "float16": "fast"}}),
+         "line 1 (run line): machine.calibration.datasheet.float16", 'expected a number, got "fast"'),
+    ],
+    ids=["axis seq_len", "task axis", "text axis", "load", "timed_load", "memory_bytes", "cpu cores", "gpu memory", "calibration", "datasheet"],
+)  # fmt: skip
+@pytest.mark.parametrize("command", ["report", "compare"])
+def test_a_field_of_the_wrong_type_anywhere_is_one_line_naming_file_line_field_and_type(tmp_path, line, where, expected, command):
+    run, cell = (line, CELL) if line["kind"] == "run" else (RUN, line)
+    good, bad = tmp_path / "good.jsonl", tmp_path / "bad.jsonl"
+    good.write_text(json.dumps(RUN) + "\n" + json.dumps(CELL) + "\n")
+    bad.write_text(json.dumps(run) + "\n" + json.dumps(cell) + "\n")
+    args = ["report", str(bad), "-o", str(tmp_path / "out")] if command == "report" else ["compare", str(good), str(bad)]
+    done = attnbench_here(*args)
+    assert done.returncode == 2 and done.stderr == f"error: {bad}, {where}: {expected}\n", done.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_text_axes_of_a_results_line_are_those_no_plot_puts_on_an_x_axis():
+    assert set(Axes.model_fields) == {axis.name for axis in axis_table.TABLE if not axis.x}
