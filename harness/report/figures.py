@@ -43,6 +43,8 @@ CATEGORICAL = ("tab10", "Dark2", "Set1", "tab20", "tab20b", "tab20c", "Set2", "P
 #: The CIELAB lightness a line's colour keeps to: darker reads as black, lighter vanishes on the white page.
 LIGHTNESS = (25, 80)
 #: How a failed cell is drawn: an x, in its line's colour.
+#: Marker fills that tell machines apart on a plot of points (``Figures.fill``): line styles do not show on a point.
+MACHINE_FILLS = ("full", "none", "left", "bottom", "right", "top")
 FAILURE_MARK = {"marker": "x", "markersize": 9, "markeredgewidth": 2, "linestyle": "none"}
 
 
@@ -160,6 +162,11 @@ class Figures:
     colours: dict[str, tuple]
     styles: dict[str, str]
 
+    def fill(self, machine: str) -> str:
+        """The marker fill that tells ``machine``'s points apart where points stand alone (``MACHINE_FILLS``, in
+        ``styles``' order: full for the first)."""
+        return MACHINE_FILLS[list(self.styles).index(machine) % len(MACHINE_FILLS)]
+
     def save(self, figure: Figure, name: str, title: str, caption: str) -> Plot:
         """Write ``figure`` to plots/NAME.png (its log axes labelled in plain text) and return it with its data URI."""
         plain_log_ticks(figure)
@@ -170,20 +177,22 @@ class Figures:
         write_atomic(path, data)
         return Plot(title, caption, f"plots/{path.name}", "data:image/png;base64," + base64.b64encode(data).decode("ascii"))
 
-    def legend(self, figure: Figure, cells: pd.DataFrame, failures: bool, named: bool = False) -> None:
+    def legend(self, figure: Figure, cells: pd.DataFrame, failures: bool, named: bool = False, machines: str = "lines") -> None:
         """The key to the lines beside the panels (colour: the line label, unless the panels already name each,
         ``named``: bars; the failure marker) in as many columns as it takes to fit the figure's height, and, when
-        the cells are of several machines, the key to their line styles below the panels; the figure widened to
-        hold both, as measured (``fit_keys``)."""
+        the cells are of several machines, the key to them below the panels: their line styles (``machines="lines"``),
+        their marker fills (``"points"``: ``fill``) or none (``"panels"``: each panel names its machine); the figure
+        widened to hold both, as measured (``fit_keys``)."""
         labels = [] if named else sorted(cells["series"].unique(), key=natural)
         handles = [Line2D([], [], color=self.colours[s], marker="o", label=s) for s in labels]
         if failures:
             handles.append(Line2D([], [], color="black", label="failed (oom / error / crashed / nan)", **FAILURE_MARK))
-        machines = cells["machine"].unique()
-        styles = [Line2D([], [], color="black", linestyle=self.styles[m], label=m) for m in machines] if len(machines) > 1 else []
-        below = (
-            figure.legend(handles=styles, loc="outside lower center", fontsize=LEGEND_SIZE, ncols=len(styles), title="line style: machine") if styles else None
-        )
+        names = cells["machine"].unique() if machines != "panels" else []
+        if machines == "points":
+            keys, title = [Line2D([], [], color="black", marker="o", fillstyle=self.fill(m), linestyle="none", label=m) for m in names], "marker fill: machine"
+        else:
+            keys, title = [Line2D([], [], color="black", linestyle=self.styles[m], label=m) for m in names], "line style: machine"
+        below = figure.legend(handles=keys, loc="outside lower center", fontsize=LEGEND_SIZE, ncols=len(keys), title=title) if len(keys) > 1 else None
         fit_keys(figure, handles, below)
 
 

@@ -84,7 +84,7 @@ def frontier_plot(cells: pd.DataFrame, score: Score, figures: Figures, name: str
         ax.set(title=title, xlabel="training words/s", ylabel=f"{score.metric} ({'higher' if score.higher_is_better else 'lower'} is better)")
         ax.ticklabel_format(axis="y", useOffset=False)  # losses that differ in the fifth digit read as themselves
         _speed_axis(ax, panel["words_per_s"])
-    figures.legend(figure, cells[cells["series"].isin(points["series"])], False)
+    figures.legend(figure, cells[cells["series"].isin(points["series"])], False, machines="panels")
     title = f"Quality against speed: {score.metric} and training words/s"
     caption = (
         f"{title}, per variant (mean over seeds; bars: lowest to highest seed). The black line joins the variants on the "

@@ -258,7 +258,7 @@ DTYPE_MARKERS = {"float32": "o", "bfloat16": "s", "float16": "^", "float64": "D"
 def accuracy_plot(cells: pd.DataFrame, figures: Figures, name: str) -> Plot | None:
     """Tokens/s against the relative error from the float64 reference (``metrics.rel_error``), one
     point per timed cell, one panel per mode: a form that is fast because it is wrong sits to the
-    right. Colour: the line label (variant and backend); marker: the dtype; dashed: each dtype's tolerance.
+    right. Colour: the line label (variant and backend); marker: the dtype, its fill the machine; dashed: each dtype's tolerance.
     The error axis reaches a decade on either side of its points (``decades``): it labels decades only, none overlapping."""
     if "metrics.rel_error" not in cells:
         return None
@@ -276,6 +276,7 @@ def accuracy_plot(cells: pd.DataFrame, figures: Figures, name: str) -> Plot | No
                 record["metrics.tokens_per_s"],
                 color=figures.colours[record["series"]],
                 marker=DTYPE_MARKERS.get(record["axes.dtype"], "x"),
+                fillstyle=figures.fill(record["machine"]),
                 linestyle="none",
                 markersize=6,
                 alpha=0.8,
@@ -285,8 +286,10 @@ def accuracy_plot(cells: pd.DataFrame, figures: Figures, name: str) -> Plot | No
             ax.axvline(tolerance, color="grey", linestyle="--", linewidth=1)
         errors = decades([*own["metrics.rel_error"], *tolerances])
         ax.set(title=mode, xscale="log", yscale="log", xlim=errors, xlabel="relative error from float64", ylabel="tokens / s")
-    figures.legend(figure, timed, False)
+    figures.legend(figure, timed, False, machines="points")
     markers = ", ".join(f"{marker} {dtype}" for dtype, marker in DTYPE_MARKERS.items() if dtype in set(timed["axes.dtype"]))
+    if timed["machine"].nunique() > 1:
+        markers += "; their fill: the machine (key below)"
     title = "Speed against accuracy"
     caption = (
         f"{title}: each timed cell's tokens/s against its relative L2 error from the float64 reference (metrics.rel_error); "
