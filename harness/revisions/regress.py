@@ -147,13 +147,15 @@ def touched(changed: list[str], checks: dict[str, dict[str, dict]]) -> dict[str,
 def pool(records: list[dict]) -> dict:
     """One record from a cell's measurements in several rounds: every round's raw samples
     together, the order statistics, interval and rates of them all, the largest peak memory,
-    the load over all rounds; the other metrics are the first round's. A round that failed
-    makes the cell fail."""
+    the load over all rounds, disturbed when any round was (and so unstable); the other metrics are the first round's.
+    A round that failed makes the cell fail."""
     failed = [record for record in records if record["status"] != "ok"]
     if failed:
         return failed[0]
     first = records[0]
-    timing = Timing(tuple(sample for record in records for sample in record["metrics"]["samples_s"]), first["metrics"].get("target_rel_ci"))
+    judged = [record["metrics"]["disturbed"] for record in records if record["metrics"].get("disturbed") is not None]
+    samples = tuple(sample for record in records for sample in record["metrics"]["samples_s"])
+    timing = Timing(samples, first["metrics"].get("target_rel_ci"), any(judged) if judged else None)
     metrics = {
         **first["metrics"],
         **timing.summary(),

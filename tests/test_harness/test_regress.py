@@ -198,6 +198,18 @@ def test_rounds_are_pooled_into_one_record():
     assert pool([record([1.0, 2.0]), record([3.0], status="error")])["status"] == "error"
 
 
+def test_a_round_that_was_disturbed_leaves_the_pooled_cell_disturbed_and_unstable():
+    """A round another process disturbed (``busyness.disturbed``) makes the pooled cell disturbed, and so unstable
+    however tight its pooled interval: it is not compared (``next_steps``), as a disturbed cell of a run is not."""
+
+    def record(disturbed):
+        metrics = {"samples_s": [1.0, 1.0, 1.0], "median_s": 1.0, "tokens": 1, "target_rel_ci": 0.05, "unstable": False, "disturbed": disturbed}
+        return {"status": "ok", "error": None, "metrics": metrics, "duration_s": 1.0}
+
+    assert pool([record(False), record(True)])["metrics"].items() >= {"disturbed": True, "unstable": True}.items()
+    assert pool([record(False), record(False)])["metrics"].items() >= {"disturbed": False, "unstable": False}.items()
+
+
 def test_a_failed_cell_costs_its_worker_and_the_next_cell_gets_a_fresh_one(monkeypatch, tmp_path):
     """As in ``attnbench run`` (issue 36): after an ``error``, a ``nan`` or a ``crashed`` cell the
     revision's worker is replaced (a sticky CUDA error would fail every later cell in it); after
