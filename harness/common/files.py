@@ -36,6 +36,25 @@ def open_regular(path, flags: int, mode: int = 0o644) -> int:
     return fd
 
 
+def read_small(path, most: int, what: str) -> bytes:
+    """The bytes of ``path``, a regular file of at most ``most`` bytes: one larger (by its size, ``fstat``,
+    before a byte is read), a directory, FIFO or device (never waited on) or an unreadable one is a
+    ValueError naming the path and expecting ``what`` (``a histogram file``)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise ValueError(f"{path}: cannot be read ({exc.strerror}); expected {what}") from None
+    with os.fdopen(fd, "rb") as file:
+        facts = os.fstat(fd)
+        if not stat.S_ISREG(facts.st_mode):
+            kind = "directory" if stat.S_ISDIR(facts.st_mode) else "special file (FIFO, device or socket)"
+            raise ValueError(f"{path}: expected {what}, got a {kind}")
+        data = file.read(most + 1) if facts.st_size <= most else b""
+    if facts.st_size > most or len(data) > most:
+        raise ValueError(f"{path}: {max(facts.st_size, len(data))} bytes, more than the {most} {what} may have")
+    return data
+
+
 def umask() -> int:
     """The process's umask, read without changing it (``/proc/self/status``, Linux 4.7 and later);
     elsewhere set and restored at once (``os.umask`` offers no read)."""

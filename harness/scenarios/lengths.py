@@ -8,7 +8,8 @@ A distribution is a mapping with a ``kind``:
 * ``{kind: lognormal, median: 256, sigma: 1.0, tokens: 8192, seed: 0, max: 4096}``: round(exp(N(ln median, σ²)))
   clipped to [1, max] (default: the token budget);
 * ``{kind: histogram, file: lengths.csv, tokens: 8192, seed: 0}``: lengths drawn with the frequencies of a
-  captured histogram, a text file (path relative to the scenario) of lines ``length,count`` (``#`` comments).
+  captured histogram, a text file (path relative to the scenario, under its folder or ``$ATTNBENCH_DATA``) of lines
+  ``length,count`` (``#`` comments), at most ``MAX_HISTOGRAM_BYTES``.
 
 A drawn batch takes lengths until they reach ``tokens``; the last is cut so that the batch holds
 exactly ``tokens`` tokens (every distribution of a scenario then has the same work in real tokens).
@@ -19,11 +20,14 @@ from __future__ import annotations
 
 import hashlib
 import math
+import os
 import random
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..common.files import read_small
 from ..common.formatting import quote
+from ..tasks.download import DATA_ENV
 
 #: The fields each kind takes (besides ``kind``), and which are required.
 FIELDS = {
@@ -105,16 +109,30 @@ def _sampler(kind: str, spec: dict, field: str, tokens: int, base: Path | None):
     return (lambda rng: min(most, rng.choices(lengths, counts)[0])), f"histogram({Path(spec['file']).name}:{digest},max {most})"
 
 
-def read_histogram(name, field: str, base: Path | None) -> tuple[list[int], list[int], str]:
-    """A captured histogram file: its lengths, their counts and the first 8 hex digits of its sha256."""
+def histogram_path(name, field: str, base: Path | None) -> Path:
+    """The histogram file ``name`` names, relative to the scenario's folder ``base``: it must lie under that
+    folder, or under the data root the user names (``$ATTNBENCH_DATA``), links resolved; else a ValueError."""
     if not isinstance(name, str) or not name:
         raise ValueError(f"{field}: expected a file name (relative to the scenario), got {quote(name)}")
-    path = (base or Path.cwd()) / name
-    if not path.is_file():
+    folder = (base or Path.cwd()).resolve()
+    roots = [folder, *([Path(os.environ[DATA_ENV]).expanduser().resolve()] if os.environ.get(DATA_ENV) else [])]
+    path = (folder / name).resolve()
+    if not any(path.is_relative_to(root) for root in roots):
+        within = " or ".join(f"{root}" for root in roots)
+        raise ValueError(f"{field}: {quote(name)} is outside {within}; a histogram file lies under the scenario's folder (or ${DATA_ENV}, where set)")
+    if not path.exists():
         raise ValueError(f"{field}: no such file {quote(str(path))} (a histogram file, relative to the scenario)")
-    data = path.read_bytes()[: MAX_HISTOGRAM_BYTES + 1]
-    if len(data) > MAX_HISTOGRAM_BYTES:
-        raise ValueError(f"{field}: {path} is larger than {MAX_HISTOGRAM_BYTES} bytes")
+    return path
+
+
+def read_histogram(name, field: str, base: Path | None) -> tuple[list[int], list[int], str]:
+    """A captured histogram file (``histogram_path``, at most ``MAX_HISTOGRAM_BYTES``): its lengths, their counts
+    and the first 8 hex digits of its sha256. An error names the file and line, never quotes its content."""
+    path = histogram_path(name, field, base)
+    try:
+        data = read_small(path, MAX_HISTOGRAM_BYTES, "a histogram file")
+    except ValueError as exc:
+        raise ValueError(f"{field}: {exc}") from None
     lengths, counts = [], []
     for number, line in enumerate(data.decode("utf-8", errors="replace").splitlines(), 1):
         text = line.split("#")[0].strip()
@@ -122,7 +140,7 @@ def read_histogram(name, field: str, base: Path | None) -> tuple[list[int], list
             continue
         parts = [part.strip() for part in text.split(",")]
         if len(parts) != 2 or not all(part.isdigit() for part in parts) or int(parts[0]) < 1:
-            raise ValueError(f"{field}: {path}, line {number}: expected 'length,count' (a positive integer, an integer >= 0), got {quote(line)}")
+            raise ValueError(f"{field}: {path}, line {number}: expected 'length,count' (a positive integer, an integer >= 0)")
         lengths.append(int(parts[0]))
         counts.append(int(parts[1]))
     if not lengths or sum(counts) == 0:

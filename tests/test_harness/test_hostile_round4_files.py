@@ -9,10 +9,11 @@ import csv
 import json
 import os
 import stat
+import tracemalloc
 
 import pandas as pd
 import pytest
-from helpers import attnbench_here
+from helpers import attnbench_here, within
 from histories import repository, template, write_history
 
 from harness.common.formatting import spreadsheet_safe
@@ -21,6 +22,7 @@ from harness.history.changes import write_csv as write_steps_csv
 from harness.report import build_report, write_cells_csv
 from harness.results.results_schema import Axes
 from harness.scenarios import axes as axis_table
+from harness.scenarios.lengths import MAX_HISTOGRAM_BYTES, read_histogram
 from harness.tasks.training import latest_checkpoint, save_checkpoint
 
 # --- 7. files written with the user's umask -------------------------------------------------------------------
@@ -175,3 +177,64 @@ def test_a_field_of_the_wrong_type_anywhere_is_one_line_naming_file_line_field_a
 
 def test_the_text_axes_of_a_results_line_are_those_no_plot_puts_on_an_x_axis():
     assert set(Axes.model_fields) == {axis.name for axis in axis_table.TABLE if not axis.x}
+
+
+# --- 9a, 9b. a scenario reads only its own files, of a plausible size, and quotes none -------------------------------
+
+SECRET = "AWS_SECRET=hunter2"
+SCENARIO = {"name": "v", "variants": {"softmax": {}}, "axes": {"heads": 2, "d_key": 4}, "modes": ["forward"], "measure": {"warmup": 0, "repeats": 1}}
+
+
+def _scenario(folder, file) -> str:
+    folder.mkdir(exist_ok=True)
+    path = folder / "v.yaml"
+    path.write_text(json.dumps({**SCENARIO, "axes": {**SCENARIO["axes"], "lengths": {"kind": "histogram", "file": str(file), "tokens": 64}}}))
+    return str(path)
+
+
+@pytest.mark.parametrize("where", ["absolute", "dotdot", "link"])
+def test_a_histogram_outside_the_scenarios_folder_is_refused_unread_at_dry_run(tmp_path, where):
+    secret = tmp_path / "secret.csv"
+    secret.write_text(SECRET + "\n")
+    folder = tmp_path / "scenario"
+    folder.mkdir()
+    (folder / "h.csv").symlink_to(secret)
+    name = {"absolute": secret, "dotdot": "../secret.csv", "link": "h.csv"}[where]
+    done = attnbench_here("run", _scenario(folder, name), "--dry-run")
+    assert done.returncode == 2 and "is outside" in done.stderr and "histogram file lies under the scenario's folder" in done.stderr, done.stderr
+    assert "hunter2" not in done.stderr + done.stdout
+
+
+def test_a_histogram_under_the_data_root_the_user_names_is_read(tmp_path, monkeypatch):
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "h.csv").write_text("8,1\n16,1\n")
+    monkeypatch.setenv("ATTNBENCH_DATA", str(tmp_path / "data"))
+    lengths_, counts, _ = read_histogram("../data/h.csv", "axes.lengths.file", tmp_path / "scenario")
+    assert (lengths_, counts) == ([8, 16], [1, 1])
+
+
+def test_a_bad_histogram_line_names_file_and_line_never_its_content(tmp_path):
+    (tmp_path / "h.csv").write_text(f"8,1\n{SECRET}\n")
+    with pytest.raises(ValueError) as info:
+        read_histogram("h.csv", "axes.lengths.file", tmp_path)
+    assert str(info.value) == f"axes.lengths.file: {tmp_path / 'h.csv'}, line 2: expected 'length,count' (a positive integer, an integer >= 0)"
+
+
+def test_a_histogram_too_large_to_be_one_is_refused_by_its_size_before_it_is_read(tmp_path):
+    size = 64 << 20  # sparse; a multi-GB one, read, would fill the memory
+    with open(tmp_path / "h.csv", "wb") as file:
+        file.truncate(size)
+    tracemalloc.start()
+    try:
+        with pytest.raises(ValueError, match=rf"h.csv: {size} bytes, more than the {MAX_HISTOGRAM_BYTES} a histogram file may have"):
+            read_histogram("h.csv", "axes.lengths.file", tmp_path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < MAX_HISTOGRAM_BYTES, f"{peak} bytes allocated: the file was read"
+
+
+def test_a_fifo_as_a_histogram_is_refused_without_waiting(tmp_path):
+    os.mkfifo(tmp_path / "h.csv")
+    with within(5), pytest.raises(ValueError, match="expected a histogram file, got a special file"):
+        read_histogram("h.csv", "axes.lengths.file", tmp_path)
