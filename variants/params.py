@@ -15,6 +15,7 @@ under several labels.
 
 from __future__ import annotations
 
+import inspect
 import math
 import sys
 from collections.abc import Callable
@@ -178,6 +179,23 @@ def declared(factory) -> dict[str, Param]:
     return specs
 
 
+def declare(name: str) -> str:
+    """How to declare parameter ``name`` (the end of the messages of an undeclared one)."""
+    return f"declare it in the class's PARAMS, e.g. {{{name!r}: integer()}} (variants.params: integer, flag, choice, positive_number or a Param)"
+
+
+def undeclared(factory) -> list[str]:
+    """The keywords the constructor of ``factory`` names (d_key, its first, and ``**kwargs`` aside) that its
+    ``PARAMS`` do not declare and it does not set itself (``fixes``): a value given for one would go unchecked."""
+    try:
+        signature = inspect.signature(factory)
+    except (TypeError, ValueError):
+        return []
+    named = [p.name for p in signature.parameters.values() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)][1:]
+    known = set(declared(factory)) | set(getattr(factory, "fixed_params", ()))
+    return [name for name in named if name not in known]
+
+
 def _shown(value) -> str:
     text = repr(value)
     return text if len(text) <= QUOTE else text[:QUOTE] + "…"
@@ -192,9 +210,11 @@ def refusal(variant: str, params: dict, factory=None) -> str | None:
         if key in spec.fixes:
             return f"{key} is set by the variant itself, not a parameter of it, got {_shown(value)}"
         if key not in spec.params:
-            if not spec.complete:
-                continue  # a plugin's constructor may take it; it says so itself if not
-            return f"no parameter {key!r}{did_you_mean(key, spec.names())}; its parameters: {', '.join(spec.names()) or 'none'}"
+            if spec.complete:
+                return f"no parameter {key!r}{did_you_mean(key, spec.names())}; its parameters: {', '.join(spec.names()) or 'none'}"
+            if key in undeclared(factory or _registry().registered(variant)):
+                return f"{key} is a keyword of its constructor that its PARAMS do not declare, so its value would go unchecked; {declare(key)}"
+            continue  # a keyword its constructor does not name: the constructor refuses it (or takes it in **kwargs)
         param = spec.params[key]
         if (problem := param.problem(value)) is not None:
             return f"{key} must be {problem}, got {_shown(value)}{did_you_mean(value, param.names) if isinstance(value, str) else ''}"
