@@ -68,9 +68,16 @@ def git(repo, *args: str) -> str:
     return done.stdout.strip()
 
 
-def commit_of(repo, spec: str) -> str:
-    """The full hash of revision ``spec`` of ``repo`` (a tag or branch: the commit it names); RegressError when git does not know it."""
-    return git(repo, "rev-parse", "--verify", f"{spec}^{{commit}}")
+def commit_of(repo, spec: str, option: str | None = None) -> str:
+    """The full hash of the commit revision ``spec`` names in ``repo`` (a tag or branch: its commit): the one door by which a
+    user's revision reaches git. RegressError, naming ``option`` (the command line's, such as ``--base``) and ``spec``, when
+    it names no commit; one beginning with ``-`` names none (git would read it as an option)."""
+    done = None
+    if not spec.startswith("-"):
+        done = subprocess.run(["git", "-C", str(repo), "rev-parse", "--verify", "--quiet", f"{spec}^{{commit}}"], capture_output=True, text=True)
+    if done is None or done.returncode != 0:
+        raise RegressError(f"{option + ': ' if option else ''}{spec!r} is not a revision of the repository at {repo}")
+    return done.stdout.strip()
 
 
 def repository(path) -> Path:
@@ -131,7 +138,7 @@ def worktree(repo: Path, spec: str | None, side: str, scratch: Path) -> Iterator
     """Revision ``spec`` (None: the working tree) in a temporary worktree ``scratch/side``, removed on
     exit, also after an error or Ctrl-C."""
     root = scratch / side
-    commit = commit_of(repo, spec or "HEAD")
+    commit = commit_of(repo, spec or "HEAD", f"--{side}")
     git(repo, "worktree", "add", "--detach", str(root), commit)
     try:
         dirty = _copy_working_tree(repo, root) if spec is None else 0

@@ -55,9 +55,9 @@ def first_parent(repo) -> list[str]:
 def resolve(repo, revision: str) -> str:
     """The full hash of ``revision`` in ``repo``; HistoryError when git does not know it."""
     try:
-        return commit_of(repo, revision)
-    except RegressError:
-        raise HistoryError(f"--since: {revision!r} is not a revision of the repository at {repo}") from None
+        return commit_of(repo, revision, "--since")
+    except RegressError as exc:
+        raise HistoryError(str(exc)) from None
 
 
 def is_ancestor(repo, commit: str, base: str) -> bool:

@@ -305,11 +305,13 @@ def command(rev: str, json_path: Path | None = None, repo: Path = Path("."), **r
     """``attnbench kernels --compare REV``: print the rows that changed between REV's kernels and the working
     tree's (``request``: the arguments of ``kernel_table.table``), write them to ``json_path``; 1 when a row
     regressed, 0 otherwise, 2 when either table cannot be made."""
-    from ..common.checkouts import RegressError, worktrees
+    from ..common.checkouts import RegressError, commit_of, worktrees
     from ..common.checkouts import repository as git_repository
 
     try:
-        with worktrees(git_repository(repo), rev, None) as (base, head):
+        top = git_repository(repo)
+        commit_of(top, rev, "--compare")  # a bad REV named as the user wrote it, before a worktree is made
+        with worktrees(top, rev, None) as (base, head):
             scratch = base.root.parent
             old_rows, new_rows = (revision_rows(revision, request, scratch) for revision in (base, head))
             old_label = base.describe()

@@ -90,7 +90,7 @@ def reusable(out_dir: Path, loaded, repo: Path, good: str, bad: str, rounds: int
     ``bisect-NAME-TIME/bad/regress-NAME-TIME/``) measured as ``regress(rounds=rounds, **options)`` would measure it:
     the same scenario file, preset and overrides, rounds, threads and all_variants, both sides committed (no
     uncommitted change); compared again with ``options``' factor and alpha. None when there is none."""
-    name, good, bad = loaded.name, commit_of(repo, good), commit_of(repo, bad)
+    name, good, bad = loaded.name, commit_of(repo, good, "--good"), commit_of(repo, bad, "--bad")
     folders = [*Path(out_dir).glob(f"regress-{name}-*"), *Path(out_dir).glob(f"bisect-{name}-*/bad/regress-{name}-*")]
     wanted = {"rounds": rounds, "threads": options.get("threads", 1), "all_variants": options.get("all_variants", False)}
     for folder in sorted(folders, key=lambda folder: folder.name, reverse=True):
@@ -144,7 +144,7 @@ def describe_row(row: dict) -> str:
 def candidates(repo: Path, good: str, bad: str) -> list[tuple[str, str]]:
     """(commit, subject) of GOOD..BAD's first-parent commits (``git log --first-parent --reverse``), BAD last; a
     RegressError when GOOD is not an ancestor of BAD or nothing lies between them."""
-    good_commit, bad_commit = commit_of(repo, good), commit_of(repo, bad)
+    good_commit, bad_commit = commit_of(repo, good, "--good"), commit_of(repo, bad, "--bad")
     commits = first_parent_commits(repo, good_commit, bad_commit)
     if not commits:
         raise RegressError(f"--good {good} ({good_commit[:10]}) must be an ancestor of --bad {bad} ({bad_commit[:10]})")

@@ -1,14 +1,20 @@
 """``attnbench run SCENARIO --commits RANGE``: the scenario measured at each first-parent commit of a range
-(every Nth), each in a temporary worktree with its own code, worker processes and Triton cache (as
-regress does: ``checkouts.worktree``, ``LocalExecutor(code_root=...)``), the scenario file taken from the
-newest commit so that every commit measures the same cells. One results file per commit and machine,
-``SCENARIO-COMMIT-MACHINE.jsonl``; a commit already measured on this machine is skipped (``force``:
-measured again); a commit whose code cannot run is recorded with the reason in each cell, and the range
-goes on. ``dry_run`` lists the commits, those already measured and the estimated duration, and measures
-nothing. docs/history.md; ``attnbench history`` draws the results (``harness.history``)."""
+(``every`` Nth: a grid anchored at the repository's root commit, the newest always), each in a temporary worktree
+with its own code, worker processes and Triton cache (as regress does: ``checkouts.worktree``,
+``LocalExecutor(code_root=...)``), the scenario file taken from the newest commit so that every commit measures
+the same cells. Results are keyed by what was measured (``measured_as``: the scenario's content, preset and
+``--set`` overrides), one file per commit, machine and key, ``SCENARIO-COMMIT-MACHINE-KEY.jsonl``: a cell
+recorded at a commit under this key on this machine by a clean run is not measured again (``force``: it is;
+``retry_failed``: a failed one is; a cell that failed for a passing reason is, ``PASSING_TRIES`` times in all),
+so a changed scenario measures its cells anew and leaves the old files as they are. A commit whose code cannot
+run is recorded with the reason in each cell, and the range goes on. ``dry_run`` lists the commits, those already
+measured and the estimated duration, and measures nothing. docs/history.md; ``attnbench history`` draws the
+results (``harness.history``)."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -19,12 +25,13 @@ from pathlib import Path
 from ..common.checkouts import RegressError, commit_of, git, repository, scratch_directory, worktree
 from ..common.formatting import counted
 from ..measuring import machine
-from ..results import ResultsFileError, ResultsWriter, cell_record, read_records, run_header
+from ..results import FAILED, ResultsFileError, ResultsWriter, cell_record, read_records, run_header
 from ..running import runner
 from ..running.estimate import Estimator, Measured, format_duration, roofs_for
 from ..running.executors import main_device, unmeasured
 from ..running.executors.local import LocalExecutor
 from ..running.worker import CHECKOUT_WORKER
+from ..scenarios.cell import Cell
 from ..scenarios.scenario import LoadedScenario, load_scenario
 
 #: What a commit's code must import to measure a cell: its worker's loop (as ``Worker(code_root=...)`` finds it, from
@@ -34,6 +41,10 @@ IMPORT_CHECK = CHECKOUT_WORKER.rpartition("\n")[0] + "\nimport variants"
 #: removed, and ``IMPORT_CHECK`` in a fresh interpreter over sources not yet compiled. Measured on the 2-core development VM:
 #: the worktree 0.4-0.6 s, the import check 4.7-5.3 s of CPU (14-19 s of wall time while other processes kept a load of 6).
 CHECKOUT_S = 6.0
+#: How many times in all a cell that failed for a passing reason (``passing_failure``) is measured at a commit before
+#: its failure stands as the commit's: once a night, so a busy night's timeout heals the next, and a cell that always
+#: hangs at that commit costs three nights, not every night.
+PASSING_TRIES = 3
 
 
 @dataclass
@@ -49,52 +60,73 @@ class CommitRun:
 
 
 def range_commits(repo: Path, spec: str, every: int = 1) -> list[str]:
-    """The first-parent commits of ``A..B`` (oldest first), the newest and every ``every``-th before it. Each end is
-    resolved to its commit first, so git never reads a revision as an option."""
+    """The first-parent commits of ``A..B`` (oldest first) on the grid of ``every``: those whose first-parent distance from
+    the repository's root commit is a multiple of ``every``, and the newest. Anchored at the root, the grid stays where it
+    is when commits are added or the range begins elsewhere, so a nightly measures each commit of it once. Each end is
+    resolved by ``checkouts.commit_of`` first, so git never reads a revision as an option."""
     first, dots, last = spec.partition("..")
     if not dots or not first or not last or last.startswith("."):
         raise RegressError("not a range of commits (A..B, such as HEAD~10..HEAD or v1.0..main)")
     if every < 1:
         raise RegressError(f"--every must be at least 1, got {every}")
-    commits = git(repo, "rev-list", "--first-parent", "--reverse", f"{_end(repo, first)}..{_end(repo, last)}", "--").split()
+    commits = git(repo, "rev-list", "--first-parent", "--reverse", f"{commit_of(repo, first)}..{commit_of(repo, last)}", "--").split()
     if not commits:
         raise RegressError(f"the range {spec!r} holds no commit (is the first revision an ancestor of the second?)")
-    return commits[::-1][::every][::-1]
+    start = int(git(repo, "rev-list", "--first-parent", "--count", commits[0], "--")) - 1  # the oldest's distance from the root
+    return [commit for index, commit in enumerate(commits) if (start + index) % every == 0 or commit == commits[-1]]
 
 
-def _end(repo: Path, revision: str) -> str:
-    """The commit of one end of a range; one that begins with ``-`` (git would read it as an option) is none."""
-    try:
-        if not revision.startswith("-"):
-            return commit_of(repo, revision)
-    except RegressError:
-        pass
-    raise RegressError(f"{revision!r} is not a revision of the repository at {repo}")
+def measured_as(loaded: LoadedScenario) -> dict:
+    """What a nightly's results are keyed by, as a run line records it: the scenario's name and content, preset and overrides."""
+    return {**runner.scenario_identity(loaded), "overrides": list(loaded.overrides)}
 
 
-def results_file(out_dir: Path, scenario: str, commit: str, machine_id: str) -> Path:
-    return out_dir / f"{scenario}-{commit[:12]}-{machine_id}.jsonl"
+def results_file(out_dir: Path, loaded: LoadedScenario, commit: str, machine_id: str) -> Path:
+    """The file of ``loaded``'s cells at ``commit`` on machine ``machine_id``, named with a hash of ``measured_as``."""
+    key = hashlib.sha256(json.dumps(measured_as(loaded), sort_keys=True).encode()).hexdigest()[:10]
+    return out_dir / f"{loaded.name}-{commit[:12]}-{machine_id}-{key}.jsonl"
 
 
-def recorded_cells(out_dir: Path, loaded: LoadedScenario, machine_id: str) -> dict[str, set[str]]:
-    """Per commit, the cells of ``loaded`` recorded on machine ``machine_id`` in ``out_dir``."""
-    recorded = {}
+def recorded_cells(out_dir: Path, loaded: LoadedScenario, machine_id: str) -> dict[str, dict[str, list[dict]]]:
+    """Per commit and cell_id, the records (oldest first) in ``out_dir`` that measure ``loaded``'s cell at that commit: of
+    runs on machine ``machine_id`` measured as ``loaded`` is (``measured_as``), with the commit's code (not ``dirty``)."""
+    wanted, recorded = measured_as(loaded), {}
     for path in sorted(out_dir.glob("*.jsonl")) if out_dir.is_dir() else []:
         try:
             records = read_records(path)
         except ResultsFileError:
             continue  # not a file of this command's making; the history will say what is wrong with it
-        runs = {record["run_id"] for record in records if record["kind"] == "run" and record["machine"].get("machine_id") == machine_id}
+        runs = {
+            record["run_id"]
+            for record in records
+            if record["kind"] == "run"
+            and record["machine"].get("machine_id") == machine_id
+            and record.get("dirty") is False
+            and all(record.get(key) == value for key, value in wanted.items())
+        }
         for record in records:
-            if record["kind"] == "cell" and record["run_id"] in runs and record["scenario"] == loaded.name and record.get("commit"):
-                recorded.setdefault(record["commit"], set()).add(record["cell_id"])
+            if record["kind"] == "cell" and record["run_id"] in runs and record.get("commit"):
+                recorded.setdefault(record["commit"], {}).setdefault(record["cell_id"], []).append(record)
+    for cells in recorded.values():
+        for records in cells.values():
+            records.sort(key=lambda record: str(record.get("started_at") or ""))
     return recorded
 
 
-def measured_before(out_dir: Path, loaded: LoadedScenario, machine_id: str) -> set[str]:
-    """The commits at which every cell of ``loaded`` is recorded on machine ``machine_id`` in ``out_dir``."""
-    wanted = {cell.cell_id for cell in loaded.cells()}
-    return {commit for commit, cells in recorded_cells(out_dir, loaded, machine_id).items() if wanted <= cells}
+def passing_failure(record: dict) -> bool:
+    """Whether a cell record failed for a reason of the moment, not of its commit's code (``harness.running.worker``'s
+    words): ``crashed`` (its worker died or did not start), ``oom`` by the out-of-memory killer (not the variant's own
+    out-of-memory error, which a sweep to the memory limit expects) or an ``error`` of its timeout."""
+    status, error = record["status"], record.get("error") or ""
+    return status == "crashed" or (status == "oom" and "out-of-memory killer" in error) or (status == "error" and error.startswith("timed out after"))
+
+
+def settled(records: list[dict], retry_failed: bool = False) -> bool:
+    """Whether a cell's records at a commit (oldest first) measure it: the latest did not fail for a passing reason, or
+    ``PASSING_TRIES`` did; with ``retry_failed`` (``--retry-failed``), the latest did not fail at all."""
+    if retry_failed:
+        return records[-1]["status"] not in FAILED
+    return not passing_failure(records[-1]) or sum(map(passing_failure, records)) >= PASSING_TRIES
 
 
 def cannot_import(root: Path, env: dict) -> str | None:
@@ -126,8 +158,9 @@ def _scenario(repo: Path, newest: str, spec: str, preset: str | None, overrides:
 
 @dataclass
 class Range:
-    """A range to measure: its commits (oldest first), the scenario they measure, this machine's fingerprint and the
-    cells already recorded at each commit on it (none with ``force``)."""
+    """A range to measure: its commits (oldest first), the scenario they measure, this machine's fingerprint, the
+    records of its cells at each commit on it (``recorded_cells``; none with ``force``) and whether a failed cell is
+    measured again (``retry_failed``)."""
 
     repo: Path
     spec: str
@@ -135,37 +168,42 @@ class Range:
     commits: list[str]
     loaded: LoadedScenario
     here: dict
-    recorded: dict[str, set[str]]
+    recorded: dict[str, dict[str, list[dict]]]
+    retry_failed: bool = False
+
+    def left(self, commit: str) -> list[Cell]:
+        """The cells to measure at ``commit``: those not recorded there, or not ``settled``."""
+        recorded = self.recorded.get(commit, {})
+        return [cell for cell in self.loaded.cells() if cell.cell_id not in recorded or not settled(recorded[cell.cell_id], self.retry_failed)]
 
     @property
     def done(self) -> set[str]:
-        """The commits whose every cell is recorded on this machine: skipped."""
-        wanted = {cell.cell_id for cell in self.loaded.cells()}
-        return {commit for commit in self.commits if wanted <= self.recorded.get(commit, set())}
+        """The commits with no cell left: skipped."""
+        return {commit for commit in self.commits if not self.left(commit)}
 
     def headline(self) -> str:
         todo = sum(commit not in self.done for commit in self.commits)
         return f"{self.loaded.name}: {counted(len(self.commits), 'commit')} of {self.spec}, {todo} to measure -> {self.out_dir}/"
 
 
-def commit_range(repo, spec: str, commits_range: str, out_dir, *, preset=None, overrides=(), every: int = 1, force: bool = False) -> Range:
-    """The ``Range`` of ``commits_range`` (every ``every``-th, the newest always) for scenario ``spec``, results in ``out_dir``."""
+def commit_range(
+    repo, spec: str, commits_range: str, out_dir, *, preset=None, overrides=(), every: int = 1, force: bool = False, retry_failed: bool = False
+) -> Range:
+    """The ``Range`` of ``commits_range`` (``every``: ``range_commits``) for scenario ``spec``, results in ``out_dir``."""
     repo, out_dir = repository(repo), Path(out_dir)
     commits = range_commits(repo, commits_range, every)
     loaded = _scenario(repo, commits[-1], spec, preset, list(overrides))
     here = machine.fingerprint(main_device(loaded.cells()))
     recorded = {} if force else recorded_cells(out_dir, loaded, here["machine_id"])
-    return Range(repo, commits_range, out_dir, commits, loaded, here, recorded)
+    return Range(repo, commits_range, out_dir, commits, loaded, here, recorded, retry_failed)
 
 
-def measure_commits(
-    repo, spec: str, commits_range: str, out_dir, *, preset=None, overrides=(), every=1, force=False, plugins=(), command="", progress=True, say=print
-) -> list[CommitRun]:
-    """Measure ``spec`` at each commit of ``commits_range`` (every ``every``-th, the newest always) into ``out_dir``."""
-    chosen = commit_range(repo, spec, commits_range, out_dir, preset=preset, overrides=overrides, every=every, force=force)
+def measure_commits(repo, spec: str, commits_range: str, out_dir, *, plugins=(), command="", progress=True, say=print, **chosen_by) -> list[CommitRun]:
+    """Measure ``spec`` at each commit of ``commits_range`` into ``out_dir`` (``chosen_by``: ``commit_range``'s options)."""
+    chosen = commit_range(repo, spec, commits_range, out_dir, **chosen_by)
     say(chosen.headline())
     with scratch_directory() as scratch:
-        return _measure(chosen, scratch, force=force, plugins=plugins, command=command, progress=progress, say=say)
+        return _measure(chosen, scratch, force=chosen_by.get("force", False), plugins=plugins, command=command, progress=progress, say=say)
 
 
 def dry_run(chosen: Range, *, gpu: str | None = None, measured_from: str | None = None) -> list[str]:
@@ -177,14 +215,13 @@ def dry_run(chosen: Range, *, gpu: str | None = None, measured_from: str | None 
     described = dict(line.split("\t", 1) for line in git(chosen.repo, "show", "-s", "--format=%H%x09%cs %s", *chosen.commits).splitlines())
     lines, total, todo = [chosen.headline() + " (dry run: nothing is measured)"], 0.0, 0
     for commit in chosen.commits:
-        recorded = chosen.recorded.get(commit, set())
-        left = [cell for cell in cells if cell.cell_id not in recorded]
+        left = chosen.left(commit)
         if not left:
             state = "measured on this machine"
         else:
             seconds = estimator.sweep(left).seconds() + CHECKOUT_S
             total, todo = total + seconds, todo + 1
-            part = f"{len(cells) - len(left)} of {len(cells)} cells recorded; " if len(left) < len(cells) else ""
+            part = f"{len(cells) - len(left)} of {len(cells)} cells measured; " if len(left) < len(cells) else ""
             state = f"to measure: {part}{counted(len(left), 'cell')}, ~{format_duration(seconds)}"
         lines.append(f"  {commit[:10]} {textwrap.shorten(described[commit], 60, placeholder=' ...')}: {state}")
     whole = estimator.sweep(cells).seconds()
@@ -196,26 +233,28 @@ def dry_run(chosen: Range, *, gpu: str | None = None, measured_from: str | None 
 
 
 def _measure(chosen: Range, scratch: Path, *, force, plugins, command, progress, say) -> list[CommitRun]:
-    """Each commit of ``chosen`` not ``done`` in its worktree under ``scratch``, one after the other."""
-    repo, loaded, out_dir, here, done = chosen.repo, chosen.loaded, chosen.out_dir, chosen.here, chosen.done
+    """The cells ``left`` at each commit of ``chosen`` in its worktree under ``scratch``, one commit after the other, into
+    its ``results_file`` under the results directory's lock: resumed, or (``force``) a new run appended, whose records
+    supersede the earlier ones (history and report read a cell's latest); nothing is deleted."""
+    repo, loaded, out_dir, here = chosen.repo, chosen.loaded, chosen.out_dir, chosen.here
     finished = []
     for commit in chosen.commits:
-        path = results_file(out_dir, loaded.name, commit, here["machine_id"])
-        if commit in done:
+        path = results_file(out_dir, loaded, commit, here["machine_id"])
+        if not (left := chosen.left(commit)):
             finished.append(CommitRun(commit, "skipped", path))
             continue
-        if force:
-            path.unlink(missing_ok=True)
+        part = LoadedScenario(loaded.scenario, left, loaded.path, loaded.sha256, loaded.preset, loaded.overrides)
         fingerprint = {**here, "git": {"commit": commit, "dirty": False, "describe": commit[:10]}}
         with worktree(repo, commit, commit[:12], scratch) as revision:
             reason = cannot_import(revision.root, revision.env)
             if reason is not None:
-                _record_failure(path, loaded, fingerprint, command, reason)
+                _record_failure(path, part, fingerprint, command, reason)
                 finished.append(CommitRun(commit, "cannot run", path, reason=reason))
             else:
                 executor = LocalExecutor(plugins, code_root=revision.root, env=revision.env, fingerprint=fingerprint)
+                resume = path if path.exists() and not force else False
                 summary = runner.run(
-                    loaded, out_dir, resume=path if path.exists() else False, path=path, plugins=plugins, command=command, progress=progress, executor=executor
+                    part, out_dir, resume=resume, retry_failed=True, path=path, plugins=plugins, command=command, progress=progress, executor=executor
                 )
                 finished.append(CommitRun(commit, "measured", path, summary))
                 if summary.interrupted or summary.write_error:

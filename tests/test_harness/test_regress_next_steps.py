@@ -260,7 +260,7 @@ def test_bisect_reuses_only_a_regress_run_of_the_same_commits_scenario_and_optio
     regress_run("20261203T000000Z", dirty=1)
     regress_run("20261204T000000Z", head="c" * 40)
     made = []
-    monkeypatch.setattr(bisect_module, "commit_of", lambda repo, revision: revision * 40)
+    monkeypatch.setattr(bisect_module, "commit_of", lambda repo, revision, option=None: revision * 40)
     monkeypatch.setattr(
         bisect_module,
         "compare",

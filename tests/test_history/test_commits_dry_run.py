@@ -34,10 +34,10 @@ def test_the_dry_run_lists_the_range_and_measures_nothing(repo, tmp_path):
     done = attnbench_here("run", "tiny", "--commits", "HEAD~4..HEAD", "--every", "2", "--dry-run", "--repo", str(path), "--out", str(tmp_path / "out"))
     assert done.returncode == 0, done.stdout + done.stderr
     lines = done.stdout.splitlines()
-    assert lines[0] == f"tiny: 2 commits of HEAD~4..HEAD, 2 to measure -> {tmp_path / 'out'}/ (dry run: nothing is measured)"
-    assert [line.split()[0] for line in lines[1:3]] == [commits[3][:10], commits[5][:10]]  # the newest and every 2nd before it
-    assert " change 2: to measure: 2 cells, ~" in lines[1] and " change 4: to measure: 2 cells, ~" in lines[2]
-    assert lines[3].startswith("estimated ") and "for 2 commits to measure" in lines[3] and lines[4].startswith("roof (cpu): ")
+    assert lines[0] == f"tiny: 3 commits of HEAD~4..HEAD, 3 to measure -> {tmp_path / 'out'}/ (dry run: nothing is measured)"
+    assert [line.split()[0] for line in lines[1:4]] == [commits[2][:10], commits[4][:10], commits[5][:10]]  # every 2nd from the root, the newest
+    assert " change 1: to measure: 2 cells, ~" in lines[1] and " change 4: to measure: 2 cells, ~" in lines[3]
+    assert lines[4].startswith("estimated ") and "for 3 commits to measure" in lines[4] and lines[5].startswith("roof (cpu): ")
     assert not (tmp_path / "out").exists() and git(path, "worktree", "list").count("\n") == 0
 
 
@@ -50,15 +50,17 @@ def test_commits_measured_on_this_machine_are_named_and_not_estimated(repo, tmp_
     chosen = commit_range(path, "tiny", "HEAD~3..HEAD", out)
     for number in (3, 4):
         fingerprint = {**chosen.here, "git": {"commit": commits[number], "dirty": False, "describe": None}}
-        _record_failure(results_file(out, "tiny", commits[number], chosen.here["machine_id"]), chosen.loaded, fingerprint, "test", "recorded by the test")
-    part = results_file(out, "tiny", commits[4], chosen.here["machine_id"])
+        _record_failure(
+            results_file(out, chosen.loaded, commits[number], chosen.here["machine_id"]), chosen.loaded, fingerprint, "test", "recorded by the test"
+        )
+    part = results_file(out, chosen.loaded, commits[4], chosen.here["machine_id"])
     part.write_text("".join(part.read_text().splitlines(keepends=True)[:-1]))  # its last cell left out
     chosen = commit_range(path, "tiny", "HEAD~3..HEAD", out)
     lines = dry_run(chosen)
     assert chosen.done == {commits[3]} and lines[0].startswith("tiny: 3 commits of HEAD~3..HEAD, 2 to measure")
     states = {line.split()[0]: line.split(": ", 1)[1] for line in lines[1:4]}
     assert states[commits[3][:10]] == "measured on this machine"
-    assert states[commits[4][:10]].startswith("to measure: 1 of 2 cells recorded; 1 cell, ~")
+    assert states[commits[4][:10]].startswith("to measure: 1 of 2 cells measured; 1 cell, ~")
     assert states[commits[5][:10]].startswith("to measure: 2 cells, ~")
     cells = chosen.loaded.cells()
     estimator = Estimator(roofs_for(cells))
