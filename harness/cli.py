@@ -53,8 +53,8 @@ def _option_error(args) -> str | None:
         return "--every and --force choose the commits of --commits: use them with --commits"
     if args.commits is not None and (len(args.scenarios) != 1 or args.resume or args.budget or args.executor != "local"):
         return "--commits measures one named scenario at each commit, with the local executor (no --resume or --budget)"
-    if args.retry_failed and not args.resume:
-        return "--retry-failed re-runs the failed cells of a results file: use it with --resume"
+    if args.retry_failed and not (args.resume or args.commits is not None):
+        return "--retry-failed re-runs the failed cells of a results file or of a range: use it with --resume or --commits"
     if args.profile in ("ncu", "nsys") and args.executor != "local":
         return f"--profile {args.profile} wraps the local worker; with --executor {args.executor} use --profile (torch.profiler)"
     if args.executor == "local" and (args.address or args.cells_per_node != 1):
@@ -158,11 +158,10 @@ def _run_commits(args, plugins: list[str]) -> int:
     from .scenarios.scenario import ScenarioError
 
     command = "attnbench " + " ".join(shlex.quote(arg) for arg in sys.argv[1:])
+    chosen_by = {"preset": args.preset, "overrides": args.set or [], "every": args.every, "force": args.force, "retry_failed": args.retry_failed}
     try:
         if args.dry_run:  # the commits, those measured on this machine, the estimated duration; nothing measured
-            chosen = commit_range(
-                args.repo, args.scenarios[0], args.commits, args.out, preset=args.preset, overrides=args.set or [], every=args.every, force=args.force
-            )
+            chosen = commit_range(args.repo, args.scenarios[0], args.commits, args.out, **chosen_by)
             print("\n".join(dry_run(chosen, gpu=args.estimate_for, measured_from=args.estimate_from)))
             return EXIT_OK
         finished = measure_commits(
@@ -170,13 +169,10 @@ def _run_commits(args, plugins: list[str]) -> int:
             args.scenarios[0],
             args.commits,
             args.out,
-            preset=args.preset,
-            overrides=args.set or [],
-            every=args.every,
-            force=args.force,
             plugins=plugins,
             command=command,
             progress=not args.no_progress,
+            **chosen_by,
         )
     except (RegressError, ScenarioError, EstimateError) as exc:
         print(f"error: --commits {args.commits}: {exc}", file=sys.stderr)
@@ -457,7 +453,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--estimate-from", metavar="FILE", help="estimate each cell from the nearest measured cell of these results (a JSONL file or a directory)")
     run.add_argument("--resume", nargs="?", const=True, metavar="FILE", help="continue the latest (or the given) results file")
-    run.add_argument("--retry-failed", action="store_true", help="with --resume: also run again the cells that failed (oom, error, crashed, nan)")
+    run.add_argument("--retry-failed", action="store_true", help="with --resume or --commits: also run again the cells that failed (oom, error, crashed, nan)")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
     run.add_argument("--report", type=Path, metavar="DIR", help="then write the HTML report of the results files of this run into DIR")
     run.add_argument(
@@ -483,8 +479,8 @@ def build_parser() -> argparse.ArgumentParser:
         "ncu, nsys wrap the worker of each CUDA cell (docs/profiling.md)",
     )
     run.add_argument("--commits", metavar="A..B", help="measure the scenario at each first-parent commit of the range, each in a worktree (docs/history.md)")
-    run.add_argument("--every", type=options.int_in(1, 10_000), default=1, metavar="N", help="with --commits: the newest commit and every Nth before it")
-    run.add_argument("--force", action="store_true", help="with --commits: measure again the commits already measured on this machine")
+    run.add_argument("--every", type=options.int_in(1, 10_000), default=1, metavar="N", help="with --commits: every Nth commit from the root, and the newest")
+    run.add_argument("--force", action="store_true", help="with --commits: measure again the cells already measured on this machine")
     run.add_argument("--repo", type=Path, default=Path("."), help="with --commits: the git repository (default: the one holding the current directory)")
     run.set_defaults(handler=_run)
 
