@@ -108,6 +108,7 @@ def _run(args) -> int:
                 measured_from=args.estimate_from,
                 budget_s=parse_duration(args.budget) if args.budget else None,
                 dry_run=args.dry_run,
+                out_dir=args.out,
             )
         except EstimateError as exc:
             print(f"error: {exc}", file=sys.stderr)

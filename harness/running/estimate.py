@@ -8,7 +8,9 @@ check, ``warmup``, ``repeats`` and, for an unstable cell, adaptive sampling up t
 bandwidth (each divided by the fraction of the roof the form reaches) and the form's launch floor. The roof is a
 GPU's datasheet (``harness.measuring.roofline.DATASHEETS``) for a CUDA cell, this CPU's matmul and copy rates (measured
 now, briefly) for a CPU cell. ``Measured`` replaces the roof's time of a call with the median of the nearest
-measured cell of a results file, scaled by the model's ratio between the two shapes.
+measured cell of a results file, scaled by the model's ratio between the two shapes, and a quality cell's flat
+``quality_cell_s`` with the seconds the same cell took; ``attnbench run`` reads this machine's results in the directory
+it writes to (``planning.this_machines_results``) unless ``--estimate-from`` names others.
 """
 
 from __future__ import annotations
@@ -287,7 +289,8 @@ class Estimator:
         if cell.skip:
             return CellEstimate(cell, 0.0, 0.0)
         if cell.quality:
-            return CellEstimate(cell, costs.quality_cell_s, 0.0)
+            took = self.measured.durations.get(cell.cell_id) if self.measured is not None else None
+            return CellEstimate(cell, costs.quality_cell_s if took is None else took, 0.0, took is not None)
         call, measured = self.call_s(cell)
         if cell.mode == "decode":  # a round: the prefill, then the steps; the warm-up's prefill and two steps, the memory round
             prefill = cell.replace(mode="forward")
@@ -359,17 +362,23 @@ def format_duration(seconds: float) -> str:
 
 
 class Measured:
-    """The ok speed cells of results files (``--estimate-from``), by what a cell must share with the one
-    estimated: variant, backend, mode, target, dtype and device type."""
+    """The ok cells of results files (``--estimate-from``; those of one machine, ``machine_id``): speed cells by what
+    a cell must share with the one estimated (variant, backend, mode, target, dtype and device type), quality cells
+    by their id with the seconds each took (its last record's ``duration_s``). ``source`` names them in the dry run."""
 
-    def __init__(self, paths):
+    def __init__(self, paths, machine_id: str | None = None, source: str | None = None):
         from ..results import ResultsFileError, load
 
+        self.source = source or str(paths)
         try:
             frame = load(paths)
         except (ResultsFileError, ValueError, OSError) as exc:
             raise EstimateError(f"--estimate-from: {exc}") from None
+        if machine_id is not None and not frame.empty:
+            frame = frame[frame["machine.machine_id"] == machine_id]
         self.cells: dict[tuple, list[dict]] = {}
+        quality = frame[(frame["status"] == "ok") & (frame["mode"] == "quality")] if not frame.empty else frame
+        self.durations = {row["cell_id"]: float(row["duration_s"]) for row in quality.to_dict("records") if row["duration_s"] == row["duration_s"]}
         needed = {"metrics.median_s", "metrics.flops", "axes.dtype", "axes.device"}
         if frame.empty or not needed <= set(frame.columns):
             return
@@ -384,7 +393,7 @@ class Measured:
             })  # fmt: skip
 
     def __len__(self) -> int:
-        return sum(map(len, self.cells.values()))
+        return sum(map(len, self.cells.values())) + len(self.durations)
 
     def nearest(self, cell: Cell, flops: float) -> dict | None:
         """The measured cell nearest ``cell``: of the same parameters where one is, then of the nearest FLOPs (in ratio)."""

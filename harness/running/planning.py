@@ -13,11 +13,12 @@ from __future__ import annotations
 import json
 from collections import defaultdict
 from dataclasses import dataclass
+from pathlib import Path
 
 from ..common.formatting import counted
 from ..scenarios.cell import Cell
 from ..scenarios.expansion import describe
-from .estimate import CellEstimate, Estimator, Sweep, first_use_group, format_duration
+from .estimate import CellEstimate, Estimator, Measured, Sweep, first_use_group, format_duration
 
 #: The axes along which a series runs (its points ordered by them), the rest name the series.
 LENGTH_AXES = ("seq_len", "batch")
@@ -29,30 +30,45 @@ def group_label(cell: Cell) -> str:
     return f"{cell.variant}{'(' + params + ')' if params else ''}[{cell.backend}] {cell.mode} {cell.axes['dtype']} {cell.axes['device']}"
 
 
-def format_dry_run(loaded, sweeps: list[Sweep], roofs: dict, measured_from: str | None = None) -> list[str]:
-    """The lines of ``--dry-run``: per scenario its cells with their estimates, its groups and its total; then the total."""
+def format_dry_run(loaded, sweeps: list[Sweep], roofs: dict, measured: Measured | None = None) -> list[str]:
+    """The lines of ``--dry-run``: per scenario its cells with their estimates, its groups and its total; then the total,
+    the roofs and where the estimates came from (with measured cells, each cell estimated by the model is marked so)."""
     lines = []
     for scenario, sweep in zip(loaded, sweeps):
         preset = f", preset {scenario.preset}" if scenario.preset else ""
         lines.append(f"{scenario.path} ({scenario.name}{preset}): {counted(len(sweep.cells), 'cell')}, estimated {format_duration(sweep.seconds())}")
         for estimate in sweep.cells:
-            lines.append(f"  {estimate.cell.cell_id}  {describe(estimate.cell)}{_cell_note(estimate)}")
+            lines.append(f"  {estimate.cell.cell_id}  {describe(estimate.cell)}{_cell_note(estimate, measured is not None)}")
         lines += [f"  group {label}: {text}" for label, text in _groups(sweep.cells)]
         lines.append(f"  {scenario.name}: estimated {format_duration(sweep.seconds())} ({_fixed(sweep)})")
     total = sum(sweep.seconds() for sweep in sweeps)
     count = sum(len(sweep.cells) for sweep in sweeps)
-    from_file = sum(e.measured for sweep in sweeps for e in sweep.cells)
     lines.append(f"estimated total: {format_duration(total)} for {counted(count, 'cell')} in {counted(len(sweeps), 'scenario')}")
     lines += [f"roof ({kind}): {roof.describe()}" for kind, roof in roofs.items()]
-    if measured_from is not None:
-        lines.append(f"calls of {counted(from_file, 'cell')} from the nearest measured cells of {measured_from}, scaled by the model; the rest from the roof")
-    return lines
+    return lines + [_sources(sweeps, measured)]
 
 
-def _cell_note(estimate: CellEstimate) -> str:
+def _sources(sweeps: list[Sweep], measured: Measured | None) -> str:
+    """Which cells were estimated from measured ones (``(measured)``) and which from the model."""
+    estimates = [e for sweep in sweeps for e in sweep.measured]
+    if measured is None:
+        learn = "this machine's results of these scenarios in --out, or --estimate-from"
+        return f"{counted(len(estimates), 'cell')} from the model: no measured cells to learn from ({learn})"
+    speed = sum(e.measured and not e.cell.quality for e in estimates)
+    quality = sum(e.measured and e.cell.quality for e in estimates)
+    model = len(estimates) - speed - quality
+    parts = [f"calls of {counted(speed, 'cell')} from the nearest measured cells of {measured.source}, scaled by the model"] if speed else []
+    parts += [f"{counted(quality, 'quality cell')} from their own durations{'' if speed else f' measured in {measured.source}'}"] if quality else []
+    parts += [f"{counted(model, 'cell')} from the model" + (" (marked (model))" if parts else f": none measured in {measured.source}")] if model else []
+    return "; ".join(parts)
+
+
+def _cell_note(estimate: CellEstimate, marked: bool) -> str:
+    """``  ~1.2 s``, ``(measured)`` where it came from a measured cell; ``(model)`` beside measured ones (``marked``)."""
     if estimate.cell.skip:
         return ""
-    return f"  ~{estimate.seconds:.1f} s" + (" (measured)" if estimate.measured else "")
+    source = " (measured)" if estimate.measured else " (model)" if marked else ""
+    return f"  ~{estimate.seconds:.1f} s{source}"
 
 
 def _groups(estimates: list[CellEstimate]) -> list[tuple[str, str]]:
@@ -148,15 +164,39 @@ def select(sweeps: list[Sweep], budget_s: float) -> Selection:
     return Selection(chosen, left_out, spent)
 
 
-def plan(loaded: list, *, gpu: str | None = None, measured_from: str | None = None, budget_s: float | None = None, dry_run: bool = False):
+def this_machines_results(loaded: list, out_dir) -> tuple[Measured | None, str | None]:
+    """The cells measured on this machine in ``out_dir`` (the directory the run writes to), in the results files of
+    ``loaded``'s scenarios, as ``--estimate-from`` reads them: ``(Measured or None where there are none, a line
+    saying why they were not read)`` (an unreadable file is passed over: the estimates then come from the model)."""
+    from ..measuring import machine
+    from .estimate import EstimateError
+    from .executors import main_device
+    from .runner import _results_file_pattern
+
+    patterns = [_results_file_pattern(scenario.name) for scenario in loaded]
+    files = sorted(path for path in Path(out_dir).glob("*.jsonl") if any(pattern.fullmatch(path.name) for pattern in patterns))
+    if not files:
+        return None, None
+    here = machine.fingerprint(main_device([cell for scenario in loaded for cell in scenario.cells()]))["machine_id"]
+    try:
+        found = Measured(files, machine_id=here, source=f"{out_dir} (this machine's results of {counted(len(files), 'file')})")
+    except EstimateError as exc:
+        return None, f"measured cells in {out_dir} not used: {str(exc).removeprefix('--estimate-from: ')}"
+    return (found, None) if len(found) else (None, None)
+
+
+def plan(loaded: list, *, gpu: str | None = None, measured_from: str | None = None, budget_s: float | None = None, dry_run: bool = False, out_dir=None):
     """``(scenarios to run, lines to print)`` for ``attnbench run``: with a budget each scenario narrowed to the
-    cells it keeps (one it keeps none of dropped) and a line per group left out; with ``dry_run`` the listing.
-    An EstimateError for an unknown GPU or an unreadable results file."""
+    cells it keeps (one it keeps none of dropped) and a line per group left out; with ``dry_run`` the listing. The
+    estimates come from the cells measured in ``measured_from`` (``--estimate-from``), else from those measured on this
+    machine in ``out_dir`` (``this_machines_results``), and from the model. An EstimateError for an unknown GPU or an
+    unreadable ``measured_from``."""
     from ..scenarios.scenario import LoadedScenario
-    from .estimate import Measured, roofs_for
+    from .estimate import roofs_for
 
     roofs = roofs_for([cell for scenario in loaded for cell in scenario.cells()], gpu)
-    estimator = Estimator(roofs, measured=Measured(measured_from) if measured_from else None)
+    measured, unread = (Measured(measured_from), None) if measured_from else this_machines_results(loaded, out_dir) if out_dir else (None, None)
+    estimator = Estimator(roofs, measured=measured)
     sweeps = [estimator.sweep(scenario.cells()) for scenario in loaded]
     lines = []
     if budget_s is not None:
@@ -169,5 +209,5 @@ def plan(loaded: list, *, gpu: str | None = None, measured_from: str | None = No
         loaded = [scenario for scenario in narrowed if scenario.cells()]
         sweeps = [estimator.sweep(scenario.cells()) for scenario in loaded]
     if dry_run:
-        lines = format_dry_run(loaded, sweeps, roofs, measured_from) + lines
-    return loaded, lines
+        lines = format_dry_run(loaded, sweeps, roofs, measured) + lines
+    return loaded, lines + ([unread] if unread else [])
