@@ -175,7 +175,8 @@ def _run_commits(args, plugins: list[str]) -> int:
             **chosen_by,
         )
     except (RegressError, ScenarioError, EstimateError) as exc:
-        print(f"error: --commits {args.commits}: {exc}", file=sys.stderr)
+        shown = args.commits if args.commits.isprintable() else repr(args.commits)  # one line, whatever the range holds
+        print(f"error: --commits {shown}: {exc}", file=sys.stderr)
         return EXIT_ERROR
     return exit_code(finished)
 

@@ -110,6 +110,13 @@ def test_a_revision_git_would_read_as_an_option_is_one_line_naming_the_option(re
     assert "usage" not in line and file.read_text() == "kept\n" and not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("spec", ["HEAD~1\n--output=x..HEAD", "HEAD~1..HEAD\n--all", "\n"])
+def test_a_range_of_several_lines_is_one_line(repo, tmp_path, spec):
+    path, _ = repo
+    done = attnbench_here("run", "tiny", f"--commits={spec}", "--dry-run", "--repo", str(path), "--out", str(tmp_path / "out"))
+    assert done.returncode == 2 and len(done.stderr.splitlines()) == 1 and f"--commits {spec!r}: " in done.stderr, done.stderr
+
+
 @pytest.mark.parametrize("revision", ["-h", "--all", "--output=x", "", "HEAD --all", "nope"])
 def test_the_one_door_names_the_option_and_the_value(repo, revision):
     path, hashes = repo
