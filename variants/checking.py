@@ -10,6 +10,9 @@
   the output and the gradient of every input (q, k, v and each token input) and learnable parameter,
   at awkward lengths (1, each chunk boundary ±1, a prime, a longer one), in float64, float32 and
   bfloat16, each judged by its relative L2 error against ``precision.REL_ERROR_TOLERANCE``;
+* the outputs of the parallel form and the step loop at ``LONGEST`` tokens, beyond the 1,024 up to which a timed
+  cell is judged against ``reference`` (beyond them against its float64 parallel form and step loop), in float64
+  on one row and head: a parallel form wrong only at long T fails there, named so;
 * packed sequences (``cu_seqlens``) and a right-padded batch decoded (``prefill(lengths=)``), where
   the core takes them.
 
@@ -37,7 +40,6 @@ from pathlib import Path
 import torch
 
 from . import params as declared_params
-from .base import registered
 from .errors import VariantError
 from .inputs import time_slice
 from .precision import REL_ERROR_TOLERANCE, rel_error
@@ -50,6 +52,9 @@ BATCH, HEADS, D_KEY, D_VALUE = 2, 2, 8, 6
 PRIME, LONG = 37, 100
 #: The chunk sizes of a variant that declares ``chunk_size``, unless one is given (16 divides by 4: T=16 ± 1 straddles both).
 CHUNK_SIZES = (4, 16)
+#: A length beyond the 1,024 tokens up to which a timed cell's reference is ``core.reference``
+#: (``harness.measuring.accuracy.REFERENCE_MAX_TOKENS``): checked in float64 on one row and head.
+LONGEST = 1100
 #: Packed sequences (``cu_seqlens``) and a right-padded batch's rows: their lengths.
 PACKED = (5, 12, 23)
 PADDED = (17, 9)
@@ -297,6 +302,8 @@ def check_variant(name: str, params: dict | None = None, *, d_key: int = D_KEY, 
                 report.checks += _sequence_checks(name, d_key, d_value, configs, length, dtype, seed)
             report.checks += _packed_checks(name, d_key, d_value, configs[0], dtype, seed)
             report.checks += _padded_checks(name, d_key, d_value, configs[0], dtype, seed)
+        if torch.float64 in dtypes:
+            report.checks += _long_checks(name, d_key, d_value, configs, seed, report.checks)
     finally:
         torch.set_num_threads(threads)
     report.checks[0] = _d_dot(core, report.checks)
@@ -338,14 +345,16 @@ def _dtype_name(dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _sequence_checks(name, d_key, d_value, configs, length, dtype, seed) -> list[Check]:
+def _sequence_checks(name, d_key, d_value, configs, length, dtype, seed, *, long=False) -> list[Check]:
     """At one length in one dtype: the step loop once, and per configuration the parallel form and
-    decoding after a prefill, each against the float64 reference."""
+    decoding after a prefill, each against the float64 reference. ``long``: the step loop's and the parallel
+    forms' outputs only, on one row and head (the backward of a loop over a long sequence costs more than the rest)."""
     reference = _build(name, d_key, configs[0])
-    inputs = make_inputs(reference, BATCH, HEADS, length, d_value, dtype=torch.float64, seed=seed + length)
-    where = f"{_dtype_name(dtype)} T={length}"
+    inputs = make_inputs(reference, *((1, 1) if long else (BATCH, HEADS)), length, d_value, dtype=torch.float64, seed=seed + length)
+    where = f"{_dtype_name(dtype)} T={length}" + (" (long) B=1 H=1" if long else "")
+    backward = length > 1 and not long
     try:  # at T = 1 the output only: a gradient may be zero there (softmax's d/dq, a decay's) or rounding noise
-        target = reference_target(reference, inputs, backward=length > 1, seed=seed)
+        target = reference_target(reference, inputs, backward=backward, seed=seed)
     except Exception as exc:  # noqa: BLE001
         return [Check(f"{where}: float64 reference", cause=f"the reference raised {explain(exc)}")]
     checks, step = [], None
@@ -353,7 +362,7 @@ def _sequence_checks(name, d_key, d_value, configs, length, dtype, seed) -> list
         core = _build(name, d_key, config, dtype)
         label = f"{where}{_label(config, configs[0] if len(configs) == 1 else {})}: "
         own = core.approximates_reference  # its parallel form and prefill judged by themselves in float64, as a timed cell's
-        parallel = _own_target(name, d_key, config, inputs, seed, lambda core, x: core(**x), backward=length > 1) if own else target
+        parallel = _own_target(name, d_key, config, inputs, seed, lambda core, x: core(**x), backward=backward) if own else target
         forms = {
             "parallel form": judge_form(
                 core, "parallel form", lambda x, core=core: core(**x), parallel, dtype, label=label, against=_against(core, "parallel form")
@@ -361,13 +370,23 @@ def _sequence_checks(name, d_key, d_value, configs, length, dtype, seed) -> list
         }
         if step is None:
             step = judge_form(core, "step loop", lambda x, core=core: core.step_loop(x)[0], target, dtype, label=f"{where}: ")
-        if length >= 3:
+        if length >= 3 and not long:
             decode = _own_target(name, d_key, config, inputs, seed, _decode, backward=False) if own else dataclasses.replace(target, grads={})
             form = "prefill, prefill, steps"
             forms[form] = judge_form(core, form, lambda x, core=core: _decode(core, x), decode, dtype, label=label, against=_against(core, form))
         hinted = _with_hints({"step loop": step, **forms})
         checks += hinted[0 if not checks else 1 :]
     return checks
+
+
+def _long_checks(name, d_key, d_value, configs, seed, shorter: list[Check]) -> list[Check]:
+    """The outputs of the parallel form and step loop at ``LONGEST`` tokens in float64 on one row and head; a failure
+    where every shorter length passed is said to be one of long sequences only."""
+    checks = _sequence_checks(name, d_key, d_value, configs, LONGEST, torch.float64, seed, long=True)
+    if any(not check.ok for check in shorter):
+        return checks
+    only = f"wrong only at long T: every check passed up to T={LONG} (a timed cell beyond 1,024 tokens is judged by its float64 parallel form and step loop)"
+    return [check if check.ok else dataclasses.replace(check, cause=f"{check.cause or ', '.join(check.wrong) + ' wrong'}; {only}") for check in checks]
 
 
 def _own_target(name, d_key, config, inputs, seed, run, *, backward) -> Target:
@@ -458,10 +477,6 @@ def _interface(core, d_value: int) -> list[Check]:
             continue
         good = isinstance(value, int) and not isinstance(value, bool) and value >= 0
         checks.append(Check(f"{what} = {value}" if good else what, cause=None if good else f"expected a non-negative int, got {value!r}"))
-    if missing := declared_params.undeclared(registered(core.variant_name)):  # a line only where one is missing
-        names = ", ".join(missing)
-        cause = f"its constructor takes {names}, which PARAMS do not declare: create refuses a value for it; {declared_params.declare(missing[0])}"
-        checks.append(Check(f"interface: PARAMS: {names}", cause=cause))
     return checks
 
 

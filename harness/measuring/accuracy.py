@@ -13,7 +13,11 @@ sequence: its reference runs each (``cu_seqlens``); a mixed decode batch is judg
 
 The reference of a core is ``core.reference`` (the plainest form: quadratic, or a token loop) up to
 ``REFERENCE_MAX_TOKENS`` tokens, beyond them the torch backend's parallel form in float64 (which the
-tests tie to ``core.reference``). A core whose parallel form only approximates its reference by design
+tests tie to ``core.reference`` at short lengths only). So that a parallel form wrong only at long T (a
+plugin's) is not judged by itself, that float64 form's output is also compared with the core's step loop in
+float64 (the recurrent form, other code, which ``attnbench check`` ties to the reference) on the compared
+row and head, on the CPU, up to ``STEP_REFERENCE_MAX_TOKENS`` (``rel_error_step_loop``); beyond them, a
+cell is judged by its own parallel form only, and its ``rel_error_reference`` says so. A core whose parallel form only approximates its reference by design
 (``approximates_reference``: LSH's sorted chunks once a bucket outgrows the window) is judged against the
 function each form computes (``_exact_reference``). A layer or a model is its own twin in float64 with
 the torch backend and the same weights, dropout off. Every call here is outside the timed calls.
@@ -40,6 +44,12 @@ if TYPE_CHECKING:
 REFERENCE_ROWS = 1
 #: Longest sequence ``core.reference`` runs on (a core's [T, T] or T-step float64 reference).
 REFERENCE_MAX_TOKENS = 1024
+#: Longest sequence beyond ``REFERENCE_MAX_TOKENS`` whose float64 parallel form is also checked against the float64
+#: step loop on the CPU (one row and head, docs/results.md: 1.2-7.3 s at 16,384 tokens on a quiet 2-core VM, softmax the dearest).
+STEP_REFERENCE_MAX_TOKENS = 16384
+#: What ``rel_error_reference`` names: the core's plainest form; the torch backend's float64 form (a core's own
+#: parallel form; a layer's or model's twin); that form with its output checked against the float64 step loop too.
+REFERENCE, TORCH_FLOAT64, WITH_STEP_LOOP = "reference", "torch float64", "torch float64 + step loop"
 #: How far beyond its plainest form's own error in the dtype a cell may be (``reference_floor``).
 ILL_CONDITIONED_FACTOR = 10
 #: The input of a packed row's offsets: passed to the reference as it is (the sliced row holds every sequence).
@@ -151,7 +161,8 @@ def _flat(tensors) -> torch.Tensor:
 def measure(cell: Cell, device, dtype, workload) -> dict:
     """The accuracy metrics (``record``) of a forward or train cell: the timed workload's module on
     its inputs against its float64 reference; train: also the input gradients (core, layer) or the
-    weights' gradients (a model, whose inputs are tokens). Dropout is off meanwhile."""
+    weights' gradients (a model, whose inputs are tokens); a long core cell's float64 parallel form also against
+    its step loop (``step_loop_error``: the cell's error is the larger). Dropout is off meanwhile."""
     module, inputs, train = workload.module, workload.inputs, cell.mode == "train"
     if cell.target == "core":
         double = twin(module, lambda: build_core(cell, "torch"), device)
@@ -159,14 +170,18 @@ def measure(cell: Cell, device, dtype, workload) -> dict:
         leaves = [name for name, x in inputs.items() if x.is_floating_point()] if train else ()
         with _without_dropout(module):
             error = forward_error(module, reference, inputs, 2, leaves=leaves)
-        return record(error, dtype, cell.params, name, reference_floor(double, inputs, dtype, leaves))
+        floor = reference_floor(double, inputs, dtype, leaves)
+        if not _steps_checked(double, inputs, cell.axes["seq_len"]):
+            return record(error, dtype, cell.params, name, floor)
+        steps = step_loop_error(double, inputs)
+        return record(max(error, steps), dtype, cell.params, WITH_STEP_LOOP, floor) | {"rel_error_step_loop": steps}
     if cell.target == "layer":
         double = twin(module, lambda: build_layer(cell, device, torch.float64, "torch"), device)
     else:
         double = twin(module, lambda: build_model(cell, device, torch.float64, "torch")[0], device)
     with _without_dropout(module):
         error = forward_error(module, double, inputs, 1, leaves=("x",) if train and "x" in inputs else (), weights=train and "x" not in inputs)
-    return record(error, dtype, cell.params, "torch float64")
+    return record(error, dtype, cell.params, TORCH_FLOAT64)
 
 
 def measure_decode(cell: Cell, device, dtype, decoder) -> dict:
@@ -186,7 +201,25 @@ def measure_decode(cell: Cell, device, dtype, decoder) -> dict:
             return record(rel_error(_rows(torch.stack(steps, 2), 2), expected), dtype, cell.params, name)
         double = twin(decoder.module, lambda: build_layer(cell, device, torch.float64, "torch"), device)
         expected = double(**reference_inputs(decoder.inputs, 1, False))[:, context:]
-        return record(rel_error(_rows(torch.stack(steps, 1), 1), expected), dtype, cell.params, "torch float64")
+        return record(rel_error(_rows(torch.stack(steps, 1), 1), expected), dtype, cell.params, TORCH_FLOAT64)
+
+
+def _steps_checked(core, inputs: dict, length: int) -> bool:
+    """Whether a core cell's float64 parallel form is checked against its step loop: beyond ``REFERENCE_MAX_TOKENS``
+    (where it replaced ``core.reference``) up to ``STEP_REFERENCE_MAX_TOKENS``, for a core with a reference whose
+    parallel form computes it (not LSH's), on one sequence (a packed row's steps would cross its boundaries)."""
+    within = REFERENCE_MAX_TOKENS < length <= STEP_REFERENCE_MAX_TOKENS
+    return within and _defines_reference(core) and not core.approximates_reference and PACKED not in inputs
+
+
+def step_loop_error(core, inputs: dict) -> float:
+    """The error of the float64 ``core``'s parallel form against its step loop (the recurrent form, token by token)
+    on the compared row and head of ``inputs``, both in float64 on the CPU: the same function computed by other
+    code, so a parallel form wrong only at long T is not judged by itself."""
+    cpu = copy.deepcopy(core).cpu()
+    sliced = {name: x.cpu() for name, x in reference_inputs(inputs, 2, False).items()}
+    with torch.no_grad():
+        return rel_error(cpu(**sliced), cpu.step_loop(sliced)[0])
 
 
 def _exact_reference(core, length: int, *, steps: bool = False):
@@ -197,7 +230,7 @@ def _exact_reference(core, length: int, *, steps: bool = False):
     parallel form against itself in float64, its ``steps`` (the exact definition) against the
     reference at any length."""
     exact = steps if core.approximates_reference else length <= REFERENCE_MAX_TOKENS
-    return (core.reference, "reference") if exact and _defines_reference(core) else (core, "torch float64")
+    return (core.reference, REFERENCE) if exact and _defines_reference(core) else (core, TORCH_FLOAT64)
 
 
 def _defines_reference(core) -> bool:

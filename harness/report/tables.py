@@ -91,6 +91,7 @@ def timing_table(cells: pd.DataFrame) -> Table | None:
         ("±CI", "metrics.rel_ci", percent),
         ("stability", "stability_text", text),
         ("error", "error_text", text),
+        ("checked against", "checked_against", text),
         ("tokens/s", "metrics.tokens_per_s", si),
         ("roofline", "metrics.roofline_fraction", fraction),
         ("bound", "metrics.bound", text),
@@ -104,13 +105,16 @@ def timing_table(cells: pd.DataFrame) -> Table | None:
         "device time; a cell recorded without it shows its measure.timing; docs/profiling.md); times of two modes are not comparable. "
         "±CI: half the 95 % interval of the median, relative; unstable: it stayed wider than measure.target_rel_ci, or (disturbed) "
         "another process took a core the cell's threads needed while it was timed (metrics.disturbed). error: the "
-        "relative L2 error against the float64 reference (metrics.rel_error), '!' beyond its dtype's tolerance (inaccurate: its speed "
-        "is not to be compared). roofline: the fraction of the machine's calibrated limit (docs/results.md, 'Roofline'). other cores: "
-        "the cores other processes kept busy meanwhile."
+        "relative L2 error against the float64 reference (metrics.rel_error); 'inaccurate: 8.1e-02 > 5e-02' where it is beyond the "
+        "tolerance of the cell's dtype (metrics.rel_error_tolerance: its speed is not to be compared). checked against "
+        f"(metrics.rel_error_reference): {'; '.join(CHECKED_AGAINST_TEXT)}. roofline: the fraction of the machine's calibrated limit "
+        "(docs/results.md, 'Roofline'). other cores: the cores other processes kept busy meanwhile."
     )
+    records = ok.to_dict("records")
     ok = ok.assign(
-        stability_text=[_stability(record) for record in ok.to_dict("records")],
-        error_text=_error_texts(ok),
+        stability_text=[_stability(record) for record in records],
+        error_text=[error_text(record) for record in records],
+        checked_against=[checked_against(record) for record in records],
     )
     ok = ok.assign(stability=ok["stability_text"].map(lambda shown: "unstable" if shown.startswith(("unstable", "disturbed")) else "stable"))
     return table("Every timed cell", ok, columns, caption, classes="stability")
@@ -195,11 +199,43 @@ def _share(value) -> str:
     return "-" if not present(value) else f"{100 * value:.1f}%"
 
 
-def _error_texts(cells: pd.DataFrame) -> pd.Series:
-    """Each cell's ``metrics.rel_error`` (``relative_error``), with ' !' where it is inaccurate."""
-    errors = cells.get("metrics.rel_error", pd.Series(np.nan, index=cells.index))
-    inaccurate = cells.get("metrics.inaccurate", pd.Series(False, index=cells.index)).map(lambda value: value is True)
-    return pd.Series([relative_error(e) + (" !" if bad else "") for e, bad in zip(errors, inaccurate)], index=cells.index)
+#: What a cell's error was measured against (``metrics.rel_error_reference``, harness.measuring.accuracy), in words.
+CHECKED_AGAINST = {
+    "reference": "its reference",
+    "torch float64 + step loop": "own parallel form + step loop",
+    "torch float64": "own parallel form only",
+}
+#: The same, of a layer or model: its twin in float64 with the torch backend.
+TWIN = "torch float64 twin"
+#: The caption's key to the column.
+CHECKED_AGAINST_TEXT = (
+    "'its reference': the core's plainest form (core.reference, quadratic or a token loop) in float64, up to 1,024 tokens",
+    "'own parallel form + step loop': beyond 1,024 tokens (to 16,384) the torch parallel form in float64, itself checked against "
+    "the core's step loop (the recurrent form) in float64 on the CPU",
+    "'own parallel form only': the torch parallel form in float64, which the tests tie to the reference at short lengths only "
+    "(a core beyond 16,384 tokens, packed or without a reference; LSH, whose parallel form approximates it by design)",
+    f"'{TWIN}': a layer or model with the same weights, the torch backend, in float64",
+)
+
+
+def error_text(record: dict) -> str:
+    """A cell's ``metrics.rel_error`` (``relative_error``); an inaccurate one in words with its tolerance:
+    ``inaccurate: 8.1e-02 > 5e-02 (its bfloat16 tolerance)``."""
+    error = relative_error(record.get("metrics.rel_error"))
+    if record.get("metrics.inaccurate") is not True:
+        return error
+    bound = record.get("metrics.rel_error_tolerance")
+    return f"inaccurate: {error} > {bound:.0e} (its {record.get('axes.dtype')} tolerance)" if present(bound) else f"inaccurate: {error}"
+
+
+def checked_against(record: dict) -> str:
+    """What the cell's error was measured against, in words (``CHECKED_AGAINST``); '-' where it was not measured."""
+    reference = record.get("metrics.rel_error_reference")
+    if not present(reference):
+        return "-"
+    if record.get("target") != "core" and reference == "torch float64":
+        return TWIN
+    return CHECKED_AGAINST.get(reference, reference)
 
 
 # --- backends side by side ----------------------------------------------------------------

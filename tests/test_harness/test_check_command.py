@@ -48,7 +48,7 @@ def test_a_correct_plugin_variant_passes():
     done = check("check_mirrored")
     assert done.returncode == 0, done.stdout + done.stderr
     lines = done.stdout.splitlines()
-    assert lines[-1] == "check_mirrored: 58 checks, all ok"
+    assert lines[-1] == "check_mirrored: 61 checks, all ok"
     for what in ("float64 T=1:", "T=15 chunk_size=4", "T=17 chunk_size=16", "T=37", "T=100", "bfloat16", "packed T=5+12+23", "prefill, prefill, steps"):
         assert any(what in line for line in lines), what
     assert any(line.startswith("ok    float32 T=37: step loop vs float64 reference: output, d/dq, d/dk, d/dv  max rel error") for line in lines)
@@ -126,7 +126,7 @@ def test_bad_usage_is_one_line_and_exit_2(args, message):
 
 def test_the_pytest_helper_fails_with_the_failed_lines():
     attnbench_here("list", "--plugin", PLUGIN)  # registers the plugin's variants
-    with pytest.raises(AssertionError, match=r"(?s)check_k_detached: 58 checks, \d+ failed\nFAIL .*the gradient to k is not connected"):
+    with pytest.raises(AssertionError, match=r"(?s)check_k_detached: 61 checks, \d+ failed\nFAIL .*the gradient to k is not connected"):
         check_variant("check_k_detached").assert_ok()
 
 
