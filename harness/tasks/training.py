@@ -23,8 +23,10 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import random
 import re
+import sys
 import time
 import warnings
 from collections.abc import Callable
@@ -238,6 +240,10 @@ class CheckpointError(ValueError):
     another training or cell), or one that could not be written (a full disk)."""
 
 
+class ForeignCheckpoint(CheckpointError):
+    """A checkpoint of another cell, or of none, in the directory of the cell measured now (``cell_checkpoints``)."""
+
+
 #: The fields ``train`` writes into every checkpoint and reads back on resume, with their types.
 CHECKPOINT_FIELDS = {
     "step": int,
@@ -270,8 +276,8 @@ CELL_IDENTITY = ("cell_id", "variant", "backend", "params", "axes", "task")
 def cell_checkpoints(cell: Cell):
     """``with cell_checkpoints(cell):`` every checkpoint saved meanwhile carries the cell's id,
     variant, parameters, axes and task config, and one loaded must carry the same (else
-    ``CheckpointError`` naming the file and what differs): a checkpoint copied from another
-    cell's directory is refused, not continued."""
+    ``ForeignCheckpoint`` naming the file and what differs): a checkpoint copied from another
+    cell's directory is never continued (``own_checkpoint`` sets it aside)."""
     global _cell_identity
     saved, _cell_identity = _cell_identity, {key: getattr(cell, key) for key in CELL_IDENTITY}
     try:
@@ -286,11 +292,30 @@ def _check_cell(path, saved: dict) -> None:
         return
     owner = saved.get("cell")
     if not isinstance(owner, dict):
-        raise CheckpointError(f"{path}: a checkpoint that names no cell, so not this cell's ({_cell_identity['cell_id']}); remove it to start afresh")
+        raise ForeignCheckpoint(f"{path}: a checkpoint that names no cell, so not this cell's ({_cell_identity['cell_id']})")
     differing = [key for key in CELL_IDENTITY if owner.get(key) != _cell_identity[key]]
     if differing:
         shown = ", ".join(f"{key} {owner.get(key)!r:.80} (this cell: {_cell_identity[key]!r:.80})" for key in differing)
-        raise CheckpointError(f"{path}: a checkpoint of another cell: {shown}; remove it to start afresh")
+        raise ForeignCheckpoint(f"{path}: a checkpoint of another cell: {shown}")
+
+
+#: What a checkpoint of another cell is renamed to (``own_checkpoint``): no longer a ``step-*.pt`` the trainer reads.
+FOREIGN_PREFIX = "foreign-"
+
+
+def own_checkpoint(directory, device) -> tuple[Path | None, dict | None]:
+    """The latest checkpoint in ``directory`` and its payload (``load_checkpoint``), or (None, None). One of another
+    cell (``ForeignCheckpoint``: copied from another cell's directory) is never continued, nor does it fail the cell
+    on every resume until someone finds it: it is set aside (renamed ``foreign-step-….pt``, removed with the
+    directory once the cell is recorded) with a note on stderr naming it and what differs, and the cell trains afresh."""
+    while (path := latest_checkpoint(directory)) is not None:
+        try:
+            return path, load_checkpoint(path, device)
+        except ForeignCheckpoint as exc:
+            aside = path.with_name(FOREIGN_PREFIX + path.name)
+            os.replace(path, aside)
+            print(f"note: {exc}: not continued; set aside as {aside.name}, the cell trains afresh", file=sys.stderr)
+    return None, None
 
 
 def load_checkpoint(path, device) -> dict:
@@ -385,9 +410,8 @@ def train(
     pending: list[float] = []  # the losses since the last point (log_mean)
     start_step, units, train_s, previous_wall_s, resumed_from = 0, 0, 0.0, 0.0, None
 
-    checkpoint = latest_checkpoint(config.checkpoint_dir) if config.checkpoint_dir else None
+    checkpoint, saved = own_checkpoint(config.checkpoint_dir, dist.device) if config.checkpoint_dir else (None, None)
     if checkpoint is not None:
-        saved = load_checkpoint(checkpoint, dist.device)
         _restore(checkpoint, saved, identity, dist)
         model.load_state_dict(saved["model"])
         optimizer.load_state_dict(saved["optimizer"])

@@ -8,13 +8,15 @@ from __future__ import annotations
 import csv
 import json
 import os
+import shutil
 import stat
 import tracemalloc
 
 import pandas as pd
 import pytest
-from helpers import attnbench_here, within
+from helpers import attnbench_here, make_cell, within
 from histories import repository, template, write_history
+from test_tasks.test_training import RegressionStream, make_model, mse
 
 from harness.common.formatting import spreadsheet_safe
 from harness.history.changes import Step
@@ -23,7 +25,7 @@ from harness.report import build_report, write_cells_csv
 from harness.results.results_schema import Axes
 from harness.scenarios import axes as axis_table
 from harness.scenarios.lengths import MAX_HISTOGRAM_BYTES, read_histogram
-from harness.tasks.training import latest_checkpoint, save_checkpoint
+from harness.tasks.training import TrainConfig, TrainResult, cell_checkpoints, latest_checkpoint, load_checkpoint, save_checkpoint, train
 
 # --- 7. files written with the user's umask -------------------------------------------------------------------
 
@@ -238,3 +240,30 @@ def test_a_fifo_as_a_histogram_is_refused_without_waiting(tmp_path):
     os.mkfifo(tmp_path / "h.csv")
     with within(5), pytest.raises(ValueError, match="expected a histogram file, got a special file"):
         read_histogram("h.csv", "axes.lengths.file", tmp_path)
+
+
+# --- 9d. a checkpoint of another cell is never continued ----------------------------------------------------------
+
+
+def _cell(cell_id: str, variant: str):
+    return make_cell(cell_id=cell_id, variant=variant, params={}, axes={"seq_len": 16}, task={"name": "mqar", "steps": 4})
+
+
+def _train(directory) -> TrainResult:
+    config = TrainConfig(steps=4, lr=0.02, warmup=1, log_every=1, eval_every=4, checkpoint_every=2, checkpoint_dir=str(directory))
+    return train(make_model(0, dropout=0.0), mse, RegressionStream(0), config, progress=False)
+
+
+def test_a_checkpoint_copied_from_another_variants_cell_is_set_aside_and_the_cell_trains_afresh(tmp_path, capsys):
+    with cell_checkpoints(_cell("a", "linear")):
+        _train(tmp_path / "a")
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    with cell_checkpoints(_cell("b", "softmax")):
+        copied, fresh = _train(tmp_path / "b"), _train(tmp_path / "fresh")
+    assert copied.resumed_from is None and copied.losses == fresh.losses
+    assert sorted(path.name for path in (tmp_path / "b").iterdir()) == ["foreign-step-000000004.pt", "step-000000004.pt"]
+    err = capsys.readouterr().err
+    assert f"note: {tmp_path / 'b' / 'step-000000004.pt'}: a checkpoint of another cell: cell_id 'a' (this cell: 'b'), variant 'linear'" in err, err
+    assert "set aside as foreign-step-000000004.pt, the cell trains afresh" in err
+    with cell_checkpoints(_cell("b", "softmax")):  # its own checkpoint is continued
+        assert load_checkpoint(latest_checkpoint(tmp_path / "b"), "cpu")["cell"]["cell_id"] == "b"
