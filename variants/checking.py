@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 
 from . import params as declared_params
+from .base import registered
 from .errors import VariantError
 from .inputs import time_slice
 from .precision import REL_ERROR_TOLERANCE, rel_error
@@ -477,6 +478,10 @@ def _interface(core, d_value: int) -> list[Check]:
             continue
         good = isinstance(value, int) and not isinstance(value, bool) and value >= 0
         checks.append(Check(f"{what} = {value}" if good else what, cause=None if good else f"expected a non-negative int, got {value!r}"))
+    if missing := declared_params.undeclared(registered(core.variant_name)):  # a line only where one is missing
+        names = ", ".join(missing)
+        cause = f"its constructor takes {names}, which PARAMS do not declare: create refuses a value for it; {declared_params.declare(missing[0])}"
+        checks.append(Check(f"interface: PARAMS: {names}", cause=cause))
     return checks
 
 
