@@ -205,8 +205,8 @@ CHECKED_AGAINST = {
     "torch float64 + step loop": "own parallel form + step loop",
     "torch float64": "own parallel form only",
 }
-#: The same, of a layer or model: its twin in float64 with the torch backend.
-TWIN = "torch float64 twin"
+#: The same, of a layer or model: its twin in float64 with the torch backend; of a core's decode steps: the parallel form.
+TWIN, PARALLEL_FORM = "torch float64 twin", "float64 parallel form"
 #: The caption's key to the column.
 CHECKED_AGAINST_TEXT = (
     "'its reference': the core's plainest form (core.reference, quadratic or a token loop) in float64, up to 1,024 tokens",
@@ -214,7 +214,8 @@ CHECKED_AGAINST_TEXT = (
     "the core's step loop (the recurrent form) in float64 on the CPU",
     "'own parallel form only': the torch parallel form in float64, which the tests tie to the reference at short lengths only "
     "(a core beyond 16,384 tokens, packed or without a reference; LSH, whose parallel form approximates it by design)",
-    f"'{TWIN}': a layer or model with the same weights, the torch backend, in float64",
+    f"'{PARALLEL_FORM}': a core's decode steps (another form) beyond 1,024 tokens against its torch parallel form in float64",
+    f"'{TWIN}': the layer or model itself with the same weights on the torch backend in float64 (its core's own parallel form, at any length)",
 )
 
 
@@ -233,8 +234,10 @@ def checked_against(record: dict) -> str:
     reference = record.get("metrics.rel_error_reference")
     if not present(reference):
         return "-"
-    if record.get("target") != "core" and reference == "torch float64":
+    if reference == "torch float64" and record.get("target") != "core":
         return TWIN
+    if reference == "torch float64" and record.get("mode") == "decode":
+        return PARALLEL_FORM
     return CHECKED_AGAINST.get(reference, reference)
 
 

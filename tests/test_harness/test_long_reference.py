@@ -20,7 +20,7 @@ from helpers import attnbench_here, make_cell
 import variants.backends  # noqa: F401 - the shipped variants registered before a test copies the registry
 from harness.measuring import accuracy
 from harness.measuring.builders import BUILDERS
-from harness.report.tables import CHECKED_AGAINST, TWIN, timing_table
+from harness.report.tables import CHECKED_AGAINST, PARALLEL_FORM, TWIN, timing_table
 from harness.scenarios.plugins import load_plugins, module_name
 from variants import base
 from variants.checking import LONGEST, check_variant
@@ -85,23 +85,30 @@ def test_a_correct_variant_passes_the_long_checks():
     assert all(line.startswith("ok") for line in long), long
 
 
-def _record(target: str, reference, inaccurate=False, error=8.1e-2) -> dict:
-    return {"target": target, "axes.dtype": "bfloat16", "metrics.rel_error": error, "metrics.rel_error_tolerance": 5e-2,
-            "metrics.inaccurate": inaccurate, "metrics.rel_error_reference": reference}  # fmt: skip
+def _record(series: str, target: str, reference, inaccurate=False, error=8.1e-2, mode="forward") -> dict:
+    return {"series": series, "target": target, "mode": mode, "axes.dtype": "bfloat16", "metrics.rel_error": error,
+            "metrics.rel_error_tolerance": 5e-2, "metrics.inaccurate": inaccurate, "metrics.rel_error_reference": reference}  # fmt: skip
 
 
 def test_the_table_of_timed_cells_says_in_words_what_a_cell_was_checked_against_and_that_it_is_inaccurate():
     """The page's text: the table rendered as every page renders it, read back cell by cell."""
-    records = [_record("core", "reference"), _record("core", accuracy.WITH_STEP_LOOP, inaccurate=True), _record("core", accuracy.TORCH_FLOAT64),
-               _record("layer", accuracy.TORCH_FLOAT64), _record("core", None, error=None)]  # fmt: skip
-    common = {"status": "ok", "mode": "forward", "series": "v", "machine": "m", "axes_text": "T", "x_axis": "seq_len", "axes.seq_len": 1}
-    cells = pd.DataFrame([{**common, **record} for record in records]).assign(**{"metrics.unstable": False})
-    shown = timing_table(cells)
+    records = [_record("short", "core", "reference"), _record("long", "core", accuracy.WITH_STEP_LOOP, inaccurate=True),
+               _record("longest", "core", accuracy.TORCH_FLOAT64), _record("layer", "layer", accuracy.TORCH_FLOAT64),
+               _record("decode", "core", accuracy.TORCH_FLOAT64, mode="decode"), _record("unchecked", "core", None, error=None)]  # fmt: skip
+    common = {"status": "ok", "machine": "m", "axes_text": "T", "x_axis": "seq_len", "axes.seq_len": 1, "metrics.unstable": False}
+    shown = timing_table(pd.DataFrame([{**common, **record} for record in records]))
     environment = jinja2.Environment(loader=jinja2.PackageLoader("harness", "templates"), autoescape=True, undefined=jinja2.StrictUndefined)
     page = environment.from_string(PAGE).render(title="t", table=shown)
     headers = [html.unescape(header) for header in re.findall(r"<th>(.*?)</th>", page)]
     rows = [dict(zip(headers, map(html.unescape, re.findall(r"<td>(.*?)</td>", row)))) for row in re.findall(r"<tr[^>]*>(.*?)</tr>", page) if "<td>" in row]
-    assert [row["checked against"] for row in rows] == ["its reference", "own parallel form + step loop", "own parallel form only", TWIN, "-"]
-    assert [row["error"] for row in rows] == ["8.1e-02", "inaccurate: 8.1e-02 > 5e-02 (its bfloat16 tolerance)", "8.1e-02", "8.1e-02", "-"]
-    for words in (*CHECKED_AGAINST.values(), TWIN, "inaccurate: 8.1e-02 > 5e-02"):
+    shown_as = {row["variant"]: (row["error"], row["checked against"]) for row in rows}
+    assert shown_as == {
+        "short": ("8.1e-02", "its reference"),
+        "long": ("inaccurate: 8.1e-02 > 5e-02 (its bfloat16 tolerance)", "own parallel form + step loop"),
+        "longest": ("8.1e-02", "own parallel form only"),
+        "layer": ("8.1e-02", TWIN),
+        "decode": ("8.1e-02", PARALLEL_FORM),
+        "unchecked": ("-", "-"),
+    }
+    for words in (*CHECKED_AGAINST.values(), TWIN, PARALLEL_FORM, "inaccurate: 8.1e-02 > 5e-02"):
         assert f"'{words}'" in html.unescape(page), words
