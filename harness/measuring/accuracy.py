@@ -17,7 +17,8 @@ tests tie to ``core.reference`` at short lengths only). So that a parallel form 
 plugin's) is not judged by itself, that float64 form's output is also compared with the core's step loop in
 float64 (the recurrent form, other code, which ``attnbench check`` ties to the reference) on the compared
 row and head, on the CPU, up to ``STEP_REFERENCE_MAX_TOKENS`` (``rel_error_step_loop``); beyond them, a
-cell is judged by its own parallel form only, and its ``rel_error_reference`` says so. A core whose parallel form only approximates its reference by design
+cell is judged by its own parallel form only, and its ``rel_error_reference`` says so. A core whose
+parallel form only approximates its reference by design
 (``approximates_reference``: LSH's sorted chunks once a bucket outgrows the window) is judged against the
 function each form computes (``_exact_reference``). A layer or a model is its own twin in float64 with
 the torch backend and the same weights, dropout off. Every call here is outside the timed calls.
