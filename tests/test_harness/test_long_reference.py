@@ -49,7 +49,7 @@ def wrong() -> str:
 
 
 def _forward_metrics(variant: str, seq_len: int = T) -> dict:
-    cell = make_cell(variant=variant, axes={"seq_len": seq_len, "batch": 2, "heads": 2, "d_key": 8, "d_value": 8, "device": "cpu", "dtype": "float32"})
+    cell = make_cell(variant=variant, axes={"seq_len": seq_len, "batch": 1, "heads": 1, "d_key": 8, "d_value": 8, "device": "cpu", "dtype": "float32"})
     device = torch.device("cpu")
     return accuracy.measure(cell, device, torch.float32, BUILDERS["core"](cell, device, torch.float32))
 
