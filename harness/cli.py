@@ -629,8 +629,18 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 
 def main(argv: list[str] | None = None) -> int:
     """Run one command. An error is one line on stderr and exit code 2 (``--debug``: the
-    traceback too); Ctrl-C is exit code 130, without a traceback."""
+    traceback too); SIGINT (Ctrl-C), SIGTERM and SIGHUP end it as Ctrl-C does (``common.signals``), exit code
+    128 + the signal's number (130, 143, 129), without a traceback."""
+    from .common.signals import stopping
+
     args = build_parser().parse_args(argv)
+    with stopping() as stop:
+        code = _handled(args)
+    return stop.exit_code(code)
+
+
+def _handled(args) -> int:
+    """The exit code of the command ``args`` names; an interruption or an error as ``main`` says."""
     try:
         return args.handler(args)
     except KeyboardInterrupt:

@@ -14,6 +14,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from .signals import deferred
+
 SIDES = ("base", "head")
 WORKING_TREE = "working tree"
 
@@ -125,27 +127,35 @@ def _real_directory(root: Path, relative: Path) -> Path:
 
 @contextmanager
 def scratch_directory() -> Iterator[Path]:
-    """A temporary directory for worktrees and their Triton caches, removed on exit."""
-    scratch = Path(tempfile.mkdtemp(prefix="attnbench-regress-")).resolve()
+    """A temporary directory for worktrees and their Triton caches, removed on exit (a stop signal, ``common.signals``,
+    included: made and removed with the signals held)."""
+    scratch = None
     try:
+        with deferred():
+            scratch = Path(tempfile.mkdtemp(prefix="attnbench-regress-")).resolve()
         yield scratch
     finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+        with deferred():
+            if scratch is not None:
+                shutil.rmtree(scratch, ignore_errors=True)
 
 
 @contextmanager
 def worktree(repo: Path, spec: str | None, side: str, scratch: Path) -> Iterator[Revision]:
     """Revision ``spec`` (None: the working tree) in a temporary worktree ``scratch/side``, removed on
-    exit, also after an error or Ctrl-C."""
+    exit, also after an error or a stop signal (``common.signals``: Ctrl-C, SIGTERM, SIGHUP), which is held while the
+    worktree is added and removed, so that neither is cut in half and left registered in ``repo``."""
     root = scratch / side
     commit = commit_of(repo, spec or "HEAD", f"--{side}")
-    git(repo, "worktree", "add", "--detach", str(root), commit)
     try:
+        with deferred():
+            git(repo, "worktree", "add", "--detach", str(root), commit)
         dirty = _copy_working_tree(repo, root) if spec is None else 0
         yield Revision(side, spec or WORKING_TREE, commit, root, dirty)
     finally:
-        subprocess.run(["git", "-C", str(repo), "worktree", "remove", "--force", str(root)], capture_output=True)
-        subprocess.run(["git", "-C", str(repo), "worktree", "prune"], capture_output=True)
+        with deferred():
+            subprocess.run(["git", "-C", str(repo), "worktree", "remove", "--force", str(root)], capture_output=True)
+            subprocess.run(["git", "-C", str(repo), "worktree", "prune"], capture_output=True)
 
 
 @contextmanager

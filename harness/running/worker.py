@@ -21,6 +21,7 @@ import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from ..common.signals import ignore_stop_signals, ignored_by_children
 from ..results import FAILING
 from ..scenarios.cell import Cell
 from ..scenarios.plugins import load_plugins
@@ -94,7 +95,7 @@ def die_with_parent() -> None:
 
 def serve(conn, plugins, parent_pid=None) -> None:
     """The worker's loop: receive a cell (or a ``Calibration``), measure it, send back its result;
-    ``None`` stops. It starts with SIGINT ignored (``Worker._start_spawned``): Ctrl-C is the runner's to handle."""
+    ``None`` stops. It starts with the stop signals ignored (``Worker._start_spawned``): Ctrl-C, SIGTERM and SIGHUP are the runner's to handle."""
     from .workloads import is_out_of_memory, measure_cell
 
     die_with_parent()
@@ -160,8 +161,8 @@ def _empty_cuda_cache() -> None:
 
 
 def _worker_preexec() -> None:
-    """In a checkout worker before it execs: SIGINT ignored, killed when the runner dies."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    """In a checkout worker before it execs: the stop signals ignored (``common.signals``), killed when the runner dies."""
+    ignore_stop_signals()
     die_with_parent()
 
 
@@ -269,20 +270,14 @@ class Worker:
     def _start_spawned(self, context, child) -> None:
         saved = {key: os.environ.get(key) for key in self.env}
         os.environ.update(self.env)
-        # A process that starts with SIGINT ignored keeps it ignored (Python installs its
-        # KeyboardInterrupt handler only over the default), so Ctrl-C, which the terminal sends
-        # to the whole process group, never reaches the worker even while it imports. Blocked
-        # meanwhile here: Linux keeps a blocked signal pending even while it is ignored, so a
-        # Ctrl-C to the runner while its worker starts interrupts it once the mask is restored
-        # (an ignored one was lost, and the run went on).
-        mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-        interrupt = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        # Ctrl-C, which the terminal sends to the whole process group (``timeout`` sends SIGTERM so), never reaches the
+        # worker, even while it imports: the runner ends it. A stop signal to the runner while its worker starts is
+        # held and interrupts it once the worker is started (an ignored one was lost, and the run went on).
         try:
-            self.process = context.Process(target=serve, args=(child, self.plugins, os.getpid()), daemon=True)
-            self.process.start()
+            with ignored_by_children():
+                self.process = context.Process(target=serve, args=(child, self.plugins, os.getpid()), daemon=True)
+                self.process.start()
         finally:
-            signal.signal(signal.SIGINT, interrupt)
-            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
             for key, value in saved.items():
                 if value is None:
                     os.environ.pop(key)
