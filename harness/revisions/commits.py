@@ -35,8 +35,13 @@ from ..scenarios.cell import Cell
 from ..scenarios.scenario import LoadedScenario, load_scenario
 
 #: What a commit's code must import to measure a cell: its worker's loop (as ``Worker(code_root=...)`` finds it, from
-#: before and after harness/ was grouped by role) and its variants.
-IMPORT_CHECK = CHECKOUT_WORKER.rpartition("\n")[0] + "\nimport variants"
+#: before and after harness/ was grouped by role) and its variants, each from the commit's own checkout: it prints the files
+#: they came from, and an attnbench installed elsewhere (``pip install -e``, as nox does, serves the packages a commit does
+#: not have) is no stand-in.
+IMPORT_CHECK = CHECKOUT_WORKER.rpartition("\n")[0] + "\nimport variants\nprint(sys.modules[serve.__module__].__file__)\nprint(variants.__file__)"
+#: Seconds ``IMPORT_CHECK`` may take: a commit whose code takes longer (an import that hangs) cannot run, and the range goes
+#: on. The check took 14-19 s of wall time on the 2-core development VM under a load of 6 (``CHECKOUT_S``).
+IMPORT_CHECK_TIMEOUT_S = 120
 #: What a commit costs besides its run (``harness.running.estimate``'s, the run's start included): its worktree added and
 #: removed, and ``IMPORT_CHECK`` in a fresh interpreter over sources not yet compiled. Measured on the 2-core development VM:
 #: the worktree 0.4-0.6 s, the import check 4.7-5.3 s of CPU (14-19 s of wall time while other processes kept a load of 6).
@@ -130,13 +135,20 @@ def settled(records: list[dict], retry_failed: bool = False) -> bool:
 
 
 def cannot_import(root: Path, env: dict) -> str | None:
-    """Why the checkout at ``root`` cannot measure (its worker or variants do not import), or None."""
-    done = subprocess.run(
-        [sys.executable, "-c", IMPORT_CHECK], cwd=root, capture_output=True, text=True, env={**os.environ, **env, "PYTHONPATH": str(root)}, timeout=600
-    )
-    if done.returncode == 0:
-        return None
-    return (done.stderr.strip().splitlines() or [f"exit code {done.returncode}"])[-1]
+    """Why the checkout at ``root`` cannot measure, or None: its worker loop or variants do not import, not within
+    ``IMPORT_CHECK_TIMEOUT_S``, or not from ``root`` (from an installed attnbench: the commit lacks them)."""
+    environment = {**os.environ, **env, "PYTHONPATH": str(root)}
+    try:
+        done = subprocess.run([sys.executable, "-c", IMPORT_CHECK], cwd=root, capture_output=True, text=True, env=environment, timeout=IMPORT_CHECK_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return f"its code did not import within {IMPORT_CHECK_TIMEOUT_S} s (stopped; IMPORT_CHECK_TIMEOUT_S)"
+    if done.returncode != 0:
+        return (done.stderr.strip().splitlines() or [f"exit code {done.returncode}"])[-1]
+    files = done.stdout.splitlines()[-2:]
+    for name, file in zip(("its worker loop", "variants"), files):
+        if not Path(file).resolve().is_relative_to(root.resolve()):
+            return f"{name} imported from {file}, not from the commit (an installed attnbench stood in for code the commit does not have)"
+    return None if len(files) == 2 else f"the import check printed {files} instead of the files it imported"
 
 
 def _record_failure(path: Path, loaded: LoadedScenario, fingerprint: dict, command: str, reason: str) -> None:
