@@ -477,12 +477,32 @@ def _interface(core, d_value: int) -> list[Check]:
             checks.append(Check(what, cause=explain(exc)))
             continue
         good = isinstance(value, int) and not isinstance(value, bool) and value >= 0
-        checks.append(Check(f"{what} = {value}" if good else what, cause=None if good else f"expected a non-negative int, got {value!r}"))
+        cause = None if good else f"expected a non-negative int, got {value!r}"
+        if good and method == "state_numel":
+            cause = _state_mismatch(core, d_value, value)
+        checks.append(Check(f"{what} = {value}" if good else what, cause=cause))
     if missing := declared_params.undeclared(registered(core.variant_name)):  # a line only where one is missing
         names = ", ".join(missing)
         cause = f"its constructor takes {names}, which PARAMS do not declare: create refuses a value for it; {declared_params.declare(missing[0])}"
         checks.append(Check(f"interface: PARAMS: {names}", cause=cause))
     return checks
+
+
+def _state_mismatch(core, d_value: int, numel: int) -> str | None:
+    """Why ``numel`` (``state_numel`` after LONG tokens, which decode cells' memory column and roofline read) is not
+    the element count of the state a prefill of LONG tokens returns (its tensors', however nested); None when it is,
+    or when the prefill fails (the decoding checks name that)."""
+    try:
+        with torch.no_grad():
+            _, state = core.prefill(**make_inputs(core, BATCH, HEADS, LONG, d_value, dtype=torch.float64, seed=0))
+    except Exception:  # noqa: BLE001
+        return None
+    tensors = [leaf for leaf in torch.utils._pytree.tree_leaves(state) if isinstance(leaf, torch.Tensor)]
+    held = sum(tensor.numel() for tensor in tensors)
+    if held == numel:
+        return None
+    shapes = ", ".join(str(list(tensor.shape)) for tensor in tensors)
+    return f"the state after a prefill of {LONG} tokens holds {held} elements ({shapes}), not {numel}: state_numel(batch, heads, d_value, length) counts them"
 
 
 def _d_dot(core, checks: list[Check]) -> Check:

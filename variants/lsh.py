@@ -210,7 +210,8 @@ class LSHAttention(AttentionCore):
         return batch * heads * self.n_rounds * per_round
 
     def state_numel(self, batch, heads, d_value, length):
-        return batch * heads * length * (self.d_key + d_value + self.n_rounds + 1)
+        """Every past token's key, value and bucket per round, and one poison flag a head (``LSHCache``)."""
+        return batch * heads * (length * (self.d_key + d_value + self.n_rounds) + 1)
 
     def extra_repr(self) -> str:
         return f"d_key={self.d_key}, n_rounds={self.n_rounds}, n_buckets={self.n_buckets}, chunk_size={self.chunk_size}, seed={self.seed}"

@@ -113,7 +113,8 @@ class RWKV(AttentionCore):
         return batch * heads * 12 * d_value
 
     def state_numel(self, batch, heads, d_value, length):
-        return 3 * batch * heads * d_value
+        """numerator, denominator and running maximum exponent, one a channel (``init_state``)."""
+        return 3 * batch * heads * self.d_key
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, chunk_size={self.chunk_size}"
