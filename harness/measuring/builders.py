@@ -211,7 +211,8 @@ def layer_workload(cell, device, dtype) -> Workload:
 
 def build_model(cell, device, dtype, backend: str | None = None):
     """The cell's DecoderLM (its preset, vocabulary and overrides, the cell's variant) and its config."""
-    from ..models import DecoderLM, lm_config
+    from ..models import lm_config
+    from ..models.decoder import DecoderLM
 
     spec = cell.model
     variant_params = dict(cell.params, **backend_arguments(cell, backend))

@@ -2,8 +2,10 @@
 (or a bare core) so that any registered variant drops in by name:
 
 - ``decoder``: ``DecoderLM``, the decoder-only Transformer of the ``model`` speed target and
-  of the language-modelling, copy and image-generation tasks (with its presets and segment
-  recurrence); its names are re-exported here;
+  of the language-modelling, copy and image-generation tasks (with segment recurrence);
+- ``configs``: its sizes, presets and segment settings (``DecoderConfig``, ``LM_PRESETS``,
+  ``SegmentConfig``), torch-free and re-exported here, so that a scenario is checked before
+  torch loads (importing this package loads no torch);
 - ``seq2seq``: ``Seq2Seq``, the encoder-decoder Transformer of translation;
 - ``mqar``: ``MQARModel``, the Zoology-style stack of multi-query associative recall;
 - ``retrieval``: ``RetrievalModel``, the single fast-weight memory of associative retrieval.
@@ -15,9 +17,9 @@ May import: variants, tasks (the translation vocabulary's ids).
 
 from __future__ import annotations
 
-from .decoder import LM_PRESETS, SEGMENT_KINDS, DecoderConfig, DecoderLM, SegmentConfig, config_from_preset, lm_config
+from .configs import LM_PRESETS, SEGMENT_KINDS, DecoderConfig, SegmentConfig, config_from_preset, lm_config
 
-__all__ = ["LM_PRESETS", "SEGMENT_KINDS", "DecoderConfig", "DecoderLM", "SegmentConfig", "check_positive_int", "config_from_preset", "lm_config"]
+__all__ = ["LM_PRESETS", "SEGMENT_KINDS", "DecoderConfig", "SegmentConfig", "check_positive_int", "config_from_preset", "lm_config"]
 
 
 def check_positive_int(name: str, value, minimum: int = 1) -> None:

@@ -21,6 +21,8 @@ from variants.params import BACKENDS, refusal, variant_names
 from .. import tasks
 from ..common.formatting import quote
 from ..measuring.timings import CPU_TIMINGS, DECODE_TIMINGS, MAX_SAMPLES, TIMINGS
+from ..models import LM_PRESETS, lm_config
+from ..tasks import precision
 from . import axes as axis_table
 from . import lengths, scenario_files, validation
 from .scenario_files import SEED_AXIS
@@ -196,9 +198,7 @@ class ModelSpec(StrictSettings):
         return self
 
     def check_config(self) -> None:
-        """The preset and override fields are the LM config's (``harness.models``, which imports torch)."""
-        from ..models import LM_PRESETS, lm_config
-
+        """The preset and override fields are the LM config's (``harness.models``)."""
         if self.preset not in LM_PRESETS:
             raise ValueError(f"model.preset: expected one of {', '.join(LM_PRESETS)}, got {quote(self.preset)}{did_you_mean(self.preset, LM_PRESETS)}")
         try:
@@ -383,9 +383,9 @@ class Scenario(Strict):
 
     @model_validator(mode="after")
     def _torch_checks(self):
-        """The checks that load torch, last (a validator runs only when those before it passed), so that every other
-        mistake is answered before torch loads: the LM config of ``model``, a quality task's training dtypes
-        (``harness.tasks.precision``) and the backend options (the variants' own)."""
+        """The checks that need the fields checked before them (a validator runs only when those before it passed):
+        the LM config of ``model``, a quality task's training dtypes (``harness.tasks.precision``), and, last, the
+        backend options (the variants' own), which load torch, so that every other mistake is answered before."""
         if self.model is not None:
             self.model.check_config()
         if self.task is not None:
@@ -483,8 +483,6 @@ def check_packed_axes(scenario: Scenario, axes: Axes, field: str) -> list[length
 
 def _training_dtypes(axes: Axes, field: str) -> None:
     """A quality cell trains in one of the dtypes of the policy (``harness.tasks.precision``)."""
-    from ..tasks import precision
-
     for dtype in sweep(axes.dtype):
         try:
             precision.check(dtype)
@@ -528,7 +526,7 @@ _MODELS: dict[tuple, type[Scenario]] = {}
 def scenario_model(raw: dict | None = None) -> type[Scenario]:
     """The model of a scenario ``raw``: ``Scenario`` itself where it has no ``task`` section (a speed scenario), else
     ``Scenario`` whose ``task`` is one of the registered tasks' configs, told apart by ``task.name`` (errors read
-    ``task.<name>.<field>``); those configs are in the tasks' modules, which import torch."""
+    ``task.<name>.<field>``); the shipped ones are torch-free (``harness.tasks.<task>_config``)."""
     if raw is not None and raw.get("task") is None:
         return Scenario
     configs = tuple(tasks.resolve(task.config) for task in tasks.tasks())

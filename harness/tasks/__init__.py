@@ -6,10 +6,11 @@ the report. ``harness.scenarios.scenario``, ``harness.running.workloads`` and ``
 registry and name no task; a plugin (``--plugin``) registers a task exactly as the shipped ones
 do. docs/extending.md has the recipe.
 
-A shipped task lives in two modules: ``<task>_report.py`` registers it and holds how its results
+A shipped task lives in three modules: ``<task>_report.py`` registers it and holds how its results
 read (metrics, score, report sections), and names its config and run as ``"module:attribute"``
-(``resolve``) in ``<task>.py``, which trains. So the report, which reads results files only,
-never imports a model, a variant or the training.
+(``resolve``): the config in ``<task>_config.py``, torch-free, and the run in ``<task>.py``, which
+trains. So the report, which reads results files only, never imports a model, a variant or the
+training, and a scenario's ``task:`` section is checked before torch loads.
 
 May import: common, measuring, models, report (a task's sections: ``figures``, ``seeds``), variants;
 the typed cell (``scenarios.cell``) for its type only.

@@ -12,7 +12,7 @@ context: "sequences of up to 128 symbols" is read as T = 128, at most 63 symbols
 the second copy's predictions are scored (the first is random: nothing can predict it); every
 other target is ignored. Tokens: 0 the separator, 1 .. n_symbols the symbols, n_symbols + 1 padding.
 
-The model is ``harness.models.DecoderLM`` (pre-LayerNorm, learned positions; 4 layers and 8
+The model is ``harness.models.decoder.DecoderLM`` (pre-LayerNorm, learned positions; 4 layers and 8
 heads in the paper), trained with RAdam at 1e-3, then 1e-4 after 3000 updates
 (``harness.tasks.training.TrainConfig.loss_curve``). A cell records the training-loss curve (nats per copied
 symbol, chance ln(n_symbols)), the steps it took to reach ``loss_threshold``, and the
@@ -23,15 +23,15 @@ of sequences copied without a mistake).
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
-from pydantic import Field
 
-from ..models import DecoderConfig, DecoderLM
-from . import MAX_BATCH, MAX_LAYERS, MAX_VOCAB, MAX_WIDTH, Seed, Steps, TaskConfig
+from ..models import DecoderConfig
+from ..models.decoder import DecoderLM
 from .batches import GeneratorBatches
+from .copy_config import CopyConfig
 from .precision import Precision
 from .training import TrainConfig, train
 
@@ -102,25 +102,6 @@ def evaluate(model: DecoderLM, seq_len: int, n_symbols: int, *, batch: int, batc
         exact += int(right.all(1).sum())
         sequences += batch
     return {"accuracy": correct / total, "exact": exact / sequences}
-
-
-class CopyConfig(TaskConfig):
-    """A scenario's ``task:`` section for the copy task (Katharopoulos et al. 2020, §4.1)."""
-
-    name: Literal["copy"]
-    n_symbols: int = Field(10, ge=1, le=MAX_VOCAB)
-    n_layers: int = Field(4, ge=1, le=MAX_LAYERS)
-    n_heads: int = Field(8, ge=1, le=MAX_LAYERS)
-    d_model: int = Field(128, ge=1, le=MAX_WIDTH)
-    d_ff: int | None = Field(None, ge=1, le=MAX_WIDTH, description="default 4 d_model")
-    batch: int = Field(64, ge=1, le=MAX_BATCH)
-    steps: Steps = 10000
-    lr: float = Field(1e-3, gt=0)
-    lr_drop_step: Steps | None = Field(3000, description="the learning rate drops tenfold after this many updates")
-    log_every: Steps = Field(50, description="one point of the loss curve: the mean training loss of this many steps")
-    loss_threshold: float = Field(0.1, gt=0, description="steps_to_threshold: the first curve point at or below this loss (nats)")
-    eval_batches: int = Field(8, ge=1, le=MAX_BATCH)
-    seed: Seed = 0
 
 
 def run_copy(variant: str, params: dict, config: CopyConfig, *, seq_len: int, device="cpu", dtype: str = "float32") -> dict:

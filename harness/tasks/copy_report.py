@@ -83,7 +83,7 @@ def report_sections(cells, figures, name: str) -> list:
 register(
     Task(
         name="copy",
-        config="harness.tasks.copy:CopyConfig",
+        config="harness.tasks.copy_config:CopyConfig",
         axes=("seq_len",),
         run="harness.tasks.copy:run_cell",
         d_keys=lambda config, axes: [config.d_model // config.n_heads],

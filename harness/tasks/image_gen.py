@@ -2,7 +2,7 @@
 
 Pixels are predicted one by one in raster order (``harness.tasks.images``): a categorical
 distribution over 256 intensity levels per pixel (not the paper's mixture of logistics). The
-model is ``harness.models.DecoderLM`` over the 257 tokens of the levels and a start token: the
+model is ``harness.models.decoder.DecoderLM`` over the 257 tokens of the levels and a start token: the
 input is [START, p_1 .. p_{P−1}], the targets p_1 .. p_P, and the start token's logit is
 dropped from every prediction (``levels``). Training: RAdam with a tenfold learning-rate drop
 (``harness.tasks.training.TrainConfig.loss_curve``). Metrics:
@@ -27,17 +27,17 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from typing import TYPE_CHECKING, Annotated, Literal
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from pydantic import Field
 
-from ..models import DecoderConfig, DecoderLM
-from . import MAX_BATCH, MAX_LAYERS, MAX_LENGTH, MAX_STEPS, MAX_WIDTH, Seed, Steps, TaskConfig
+from ..models import DecoderConfig
+from ..models.decoder import DecoderLM
 from .batches import GeneratorBatches
-from .images import DATASETS, load, pixels
+from .image_gen_config import ImageGenConfig
+from .images import load, pixels
 from .precision import Precision
 from .training import TrainConfig, train
 
@@ -130,27 +130,6 @@ def generation_speed(model: DecoderLM, n_pixels: int, batch: int, repeats: int, 
         "images_per_s": batch / median,
         "s_per_image": median / batch,
     }
-
-
-class ImageGenConfig(TaskConfig):
-    """A scenario's ``task:`` section for autoregressive image generation (§4.2)."""
-
-    name: Literal["image-gen"]
-    dataset: Literal[DATASETS] = "digits"
-    data_dir: str | None = Field(None, description="the directory of the MNIST IDX or CIFAR-10 binary files")
-    n_layers: int = Field(8, ge=1, le=MAX_LAYERS)
-    n_heads: int = Field(8, ge=1, le=MAX_LAYERS)
-    d_ff: int | None = Field(None, ge=1, le=MAX_WIDTH, description="default 4 d_model")
-    batch: int = Field(32, ge=1, le=MAX_BATCH)
-    steps: Steps = 10000
-    lr: float = Field(1e-4, gt=0)
-    lr_drop_step: Steps | None = None
-    log_every: Steps = 50
-    test_images: int | None = Field(None, ge=1, description="score the first this many test images (default all)")
-    gen_batch: int = Field(16, ge=1, le=MAX_BATCH, description="images generated at once when timing generation")
-    gen_repeats: int = Field(3, ge=1, le=MAX_STEPS)
-    speed_pixels: list[Annotated[int, Field(ge=1, le=MAX_LENGTH)]] = Field([784, 3072], description="lengths also timed with untrained weights")
-    seed: Seed = 0
 
 
 def _model(variant: str, params: dict, config: ImageGenConfig, d_model: int, context: int, device) -> DecoderLM:

@@ -64,7 +64,7 @@ def report_sections(cells, figures, name: str) -> list:
 register(
     Task(
         name="image-gen",
-        config="harness.tasks.image_gen:ImageGenConfig",
+        config="harness.tasks.image_gen_config:ImageGenConfig",
         axes=("d_model",),
         run="harness.tasks.image_gen:run_cell",
         d_keys=lambda config, axes: [d // config.n_heads for d in axes["d_model"]],

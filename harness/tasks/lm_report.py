@@ -9,7 +9,7 @@ from . import Score, Task, register
 register(
     Task(
         name="lm",
-        config="harness.tasks.lm:LMConfig",
+        config="harness.tasks.lm_config:LMConfig",
         axes=("seq_len",),
         run="harness.tasks.lm:run_cell",
         d_keys=lambda config, axes: [config.head_width],

@@ -16,17 +16,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
-from pydantic import Field
 
 from ..models import check_positive_int
 from ..models.mqar import MQARModel
-from . import MAX_BATCH, MAX_VOCAB, Seed, Steps, TaskConfig
 from . import training as trainer
 from .batches import GeneratorBatches
+from .mqar_config import MQARConfig
 from .training import TrainConfig
 
 if TYPE_CHECKING:
@@ -128,19 +127,6 @@ def make_batch(seq_len: int, num_pairs: int | None, vocab_size: int, batch: int,
 def mqar_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Cross-entropy over the queried positions (targets of −100 are ignored)."""
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE)
-
-
-class MQARConfig(TaskConfig):
-    """A scenario's ``task:`` section for multi-query associative recall (Arora et al. 2023, Zoology)."""
-
-    name: Literal["mqar"]
-    steps: Steps = 2000
-    batch: int = Field(64, ge=1, le=MAX_BATCH)
-    lr: float = Field(1e-3, gt=0)
-    eval_every: Steps = 100
-    num_pairs: int | None = Field(None, ge=1, le=MAX_VOCAB)
-    vocab_size: int = Field(256, ge=4, le=MAX_VOCAB)
-    seed: Seed = 0
 
 
 # --- training --------------------------------------------------------------------------

@@ -38,7 +38,7 @@ def report_sections(cells, figures, name: str) -> list:
 register(
     Task(
         name="mqar",
-        config="harness.tasks.mqar:MQARConfig",
+        config="harness.tasks.mqar_config:MQARConfig",
         axes=("seq_len", "d_model"),
         run="harness.tasks.mqar:run_cell",
         d_keys=lambda config, axes: axes["d_model"],

@@ -9,7 +9,7 @@ from . import Score, Task, register
 register(
     Task(
         name="mt",
-        config="harness.tasks.mt:MTConfig",
+        config="harness.tasks.mt_config:MTConfig",
         axes=(),
         run="harness.tasks.mt:run_cell",
         d_keys=lambda config, axes: [config.head_width],

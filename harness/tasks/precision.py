@@ -11,18 +11,18 @@ dtype says in which precision the forward and backward passes compute:
   to zero, the gradients are unscaled before clipping and the step, and a step whose
   gradients overflowed is skipped while the scale shrinks (Micikevicius et al. 2018).
 
-``check`` refuses any other dtype when a scenario loads; ``Precision`` is what the trainer
+``check`` refuses any other dtype when a scenario loads, before torch does (this module loads
+torch only when a ``Precision`` is made); ``Precision`` is what the trainer
 (``harness.tasks.training``) and a task's evaluation run under.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 
-import torch
-
-#: The dtypes a quality cell trains in, with the dtype autocast computes in (None: no autocast).
-TRAIN_DTYPES = {"float32": None, "bfloat16": torch.bfloat16, "float16": torch.float16}
+#: The dtypes a quality cell trains in; the 16-bit ones are also what autocast computes in.
+TRAIN_DTYPES = ("float32", "bfloat16", "float16")
 
 
 def check(dtype: str) -> None:
@@ -39,11 +39,13 @@ class Precision:
     (a no-op in float32) and ``scaler`` (a ``GradScaler``, enabled in float16 only)."""
 
     def __init__(self, dtype: str, device):
+        import torch
+
         check(dtype)
         self.dtype, self.device = dtype, torch.device(device)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=dtype == "float16")
+        self._autocast = contextlib.nullcontext if dtype == "float32" else functools.partial(torch.autocast, self.device.type, dtype=getattr(torch, dtype))
 
     def autocast(self):
         """A context that computes in the policy's 16-bit dtype (``torch.autocast``), or nothing."""
-        compute = TRAIN_DTYPES[self.dtype]
-        return contextlib.nullcontext() if compute is None else torch.autocast(self.device.type, dtype=compute)
+        return self._autocast()

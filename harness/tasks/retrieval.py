@@ -15,19 +15,18 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
-from pydantic import Field
 
 import variants
 
 from ..models import check_positive_int
 from ..models.retrieval import RetrievalModel
-from . import MAX_BATCH, Seed, Steps, TaskConfig
 from . import training as trainer
 from .batches import GeneratorBatches
+from .retrieval_config import RetrievalConfig
 from .training import TrainConfig
 
 if TYPE_CHECKING:
@@ -136,20 +135,6 @@ def retrieval_loss(v_hat: torch.Tensor, answer: torch.Tensor) -> torch.Tensor:
     v_hat = v_hat.to(torch.promote_types(v_hat.dtype, torch.float32))  # a 16-bit read: the loss in float32
     target = F.one_hot(answer, v_hat.shape[-1]).to(v_hat.dtype)
     return 0.5 * (target - v_hat).pow(2).sum(dim=-1).mean()
-
-
-class RetrievalConfig(TaskConfig):
-    """A scenario's ``task:`` section for associative retrieval (Schlag et al. 2021, §6.1)."""
-
-    name: Literal["retrieval"] = "retrieval"
-    setting: Literal[1, 2] = 1
-    max_steps: Steps = 20000
-    eval_every: Steps = 100
-    patience: Steps = 10
-    target_loss: float = Field(1e-3, gt=0)
-    lr: float = Field(1e-3, gt=0)
-    batch: int = Field(32, ge=1, le=MAX_BATCH)
-    seed: Seed = 0
 
 
 # --- training --------------------------------------------------------------------------

@@ -65,7 +65,7 @@ def report_sections(cells, figures, name: str) -> list:
 register(
     Task(
         name="retrieval",
-        config="harness.tasks.retrieval:RetrievalConfig",
+        config="harness.tasks.retrieval_config:RetrievalConfig",
         axes=("S", "d_key"),
         run="harness.tasks.retrieval:run_cell",
         metrics=("loss",),

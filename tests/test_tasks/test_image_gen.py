@@ -11,7 +11,8 @@ import pytest
 import torch
 from helpers import attnbench
 
-from harness.models import DecoderConfig, DecoderLM
+from harness.models import DecoderConfig
+from harness.models.decoder import DecoderLM
 from harness.scenarios.scenario import load_scenario
 from harness.tasks.image_gen import LEVELS, START, bits_per_dim, generate, generation_speed, gumbel, levels, score_bits_per_dim, shifted
 from harness.tasks.images import ImageFileError, load, read_cifar_binary, read_idx_images

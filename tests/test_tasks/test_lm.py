@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 from helpers import attnbench, make_cell, needs_shared
 
-from harness.models import DecoderConfig, DecoderLM
+from harness.models import DecoderConfig
+from harness.models.decoder import DecoderLM
 from harness.tasks.batches import WindowBatches
 from harness.tasks.command_line import parse_command_line
 from harness.tasks.lm import LMConfig, evaluate_carry, evaluate_sliding, evaluate_windows, main, run_cell, run_lm

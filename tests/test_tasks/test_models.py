@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import variants
-from harness.models import LM_PRESETS, DecoderConfig, DecoderLM, lm_config
+from harness.models import LM_PRESETS, DecoderConfig, lm_config
+from harness.models.decoder import DecoderLM
 
 BATCH, VOCAB, CONTEXT = 2, 50, 24
 

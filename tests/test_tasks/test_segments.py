@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 from helpers import attnbench, needs_shared
 
-from harness.models import DecoderConfig, DecoderLM, SegmentConfig
+from harness.models import DecoderConfig, SegmentConfig
+from harness.models.decoder import DecoderLM
 from harness.tasks.lm import LMConfig, evaluate_segments, evaluate_windows, main, run_lm
 
 VOCAB = 40
