@@ -304,7 +304,7 @@ def _history(args) -> int:
     from .results import ResultsFileError
 
     try:
-        result = history(args.results, args.out, repo=args.repo, factor=args.factor, since=args.since)
+        result = history(args.results, args.out, repo=args.repo, factor=args.factor, since=args.since, fail_unconfirmed=args.fail_unconfirmed)
     except (HistoryError, ResultsFileError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -545,6 +545,7 @@ def build_parser() -> argparse.ArgumentParser:
     history.add_argument("--repo", type=Path, default=Path("."), help="the git repository whose first-parent history orders the commits (default: here)")
     history.add_argument("--factor", type=options.factor, default=1.1, help="a slower step beyond this ratio fails (exit code 1)")
     history.add_argument("--since", metavar="REV", help="only steps after this revision fail")
+    history.add_argument("--fail-unconfirmed", action="store_true", help="a slower jump at the newest commit (not yet confirmed) fails too")
     history.set_defaults(handler=_history)
 
     listing = commands.add_parser("list", help="list the variants (a plugin's with its file and parameters) and the shipped scenarios")

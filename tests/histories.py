@@ -1,19 +1,28 @@
 """Histories built from real results lines: a results file measured on the development VM
 (reports/examples/), copied to each commit of a scratch git repository and each machine, its
-timings scaled by a chosen factor and ±3 % noise (fixed seeds)."""
+timings scaled by a chosen factor and ±3 % noise (fixed seeds); or, for rates and scale, any number
+of cells each a series of given log times (``write_series``). Run as a script it writes a large
+history to time ``attnbench history`` on (docs/history.md):
+
+    python tests/histories.py DIR --commits 500 --cells 40 --machines 3
+"""
 
 from __future__ import annotations
 
+import argparse
 import datetime as dt
 import json
+import sys
 import uuid
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
-from helpers import git
 
-from harness.results import TIMINGS, read_records
+sys.path.insert(0, str(Path(__file__).parent))  # helpers, when run as a script
+from helpers import git  # noqa: E402
+
+from harness.results import TIMINGS, read_records  # noqa: E402
 
 ROOT = Path(__file__).parents[1]
 TEMPLATE = ROOT / "reports" / "examples" / "cpu-dev-vm" / "cuda-variants-20261205T083558Z.jsonl"
@@ -78,3 +87,49 @@ def write_history(
                 )
             (out / f"{name}-{number:02d}.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
     return out
+
+
+def write_series(out: Path, commits: list[str], log_times: np.ndarray, *, rel_ci: float = 0.005, names=("box-a", "box-b", "box-c")) -> Path:
+    """One results file per commit and machine in ``out``: cell ``c`` (the template's first cell, at batch ``c + 1``) at
+    commit ``i`` on machine ``m`` timed at the template's time x exp(``log_times[i, m, c]``), its interval ``rel_ci``
+    (its median and interval only: the fields a history reads)."""
+    run, (cell, *_) = template()
+    start = dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc)
+    out.mkdir(parents=True, exist_ok=True)
+    for number, commit in enumerate(commits):
+        for m, name in enumerate(names[: log_times.shape[1]]):
+            machine_id, run_id = f"{m:016x}", uuid.uuid4().hex
+            started = (start + dt.timedelta(hours=number)).isoformat(timespec="seconds")
+            machine = {**run["machine"], "hostname": name, "machine_id": machine_id, "git": {"commit": commit, "dirty": False, "describe": None}}
+            lines = [{**run, "run_id": run_id, "started_at": started, "machine": machine, "commit": commit}]
+            for c, log_time in enumerate(log_times[number, m]):
+                metrics = {"median_s": cell["metrics"]["median_s"] * float(np.exp(log_time)), "rel_ci": rel_ci, "unstable": False}
+                axes = {**cell["axes"], "batch": c + 1}
+                lines.append({**cell, "cell_id": f"{c:016x}", "axes": axes, "run_id": run_id, "machine_id": machine_id, "commit": commit,
+                              "started_at": started, "metrics": metrics})  # fmt: skip
+            (out / f"{name}-{number:05d}.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return out
+
+
+def two_levels(rng: np.random.Generator, shape) -> np.ndarray:
+    """Log times on one of two levels 10 % apart at random, 1 % scatter about each (a GPU's two clock states)."""
+    return np.log(1.1) * rng.integers(0, 2, shape) + rng.normal(0.0, 0.01, shape)
+
+
+def main() -> None:
+    """A large history: two-level noise in every cell, one cell 20 % slower from the middle commit on the first machine."""
+    parser = argparse.ArgumentParser(description="write a large synthetic history (a scratch repository and its results files)")
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--commits", type=int, default=500)
+    parser.add_argument("--cells", type=int, default=40)
+    parser.add_argument("--machines", type=int, default=3)
+    args = parser.parse_args()
+    commits = repository(args.out / "repo", args.commits)
+    log_times = two_levels(np.random.default_rng(0), (args.commits, args.machines, args.cells))
+    log_times[args.commits // 2 :, 0, 0] += np.log(1.2)
+    write_series(args.out / "results", commits, log_times)
+    print(f"attnbench history {args.out / 'results'} --repo {args.out / 'repo'} --out {args.out / 'page'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -33,26 +33,36 @@ class HistoryResult:
         return EXIT_SLOWER if self.alarming else EXIT_OK
 
     def lines(self, factor: float) -> list[str]:
-        """What ``attnbench history`` prints: the count of steps, what they cannot tell (``Limits.lines``), then each slower step beyond ``factor``."""
-        faster = sum(step.direction == "faster" for step in self.steps)
-        found = [f"history: {counted(len(self.steps), 'step')} ({len(self.alarming)} slower by more than {factor}, {faster} faster) -> {self.index}"]
+        """What ``attnbench history`` prints: the count of steps, what they cannot tell (``Limits.lines``), each
+        unconfirmed step (a jump at the newest commit), then each slower step beyond ``factor`` that fails."""
+        confirmed = [step for step in self.steps if step.confirmed]
+        faster, slower = sum(step.direction == "faster" for step in confirmed), sum(step.confirmed for step in self.alarming)
+        found = f"history: {counted(len(confirmed), 'step')} ({slower} slower by more than {factor}, {faster} faster)"
+        unconfirmed = [step for step in self.steps if not step.confirmed]
+        found += f", {len(unconfirmed)} unconfirmed at the newest commit" if unconfirmed else ""
         return (
-            found
+            [f"{found} -> {self.index}"]
             + self.limits.lines()
-            + [
-                f"slower: {step.machine} {step.scenario} {step.variant}[{step.backend}] {step.mode} {step.cell}: x{step.ratio:.3f} "
-                f"[{step.ci_low:.3f}, {step.ci_high:.3f}] from {step.good_commit[:10]} to {step.bad_commit[:10]}"
-                for step in self.alarming
-            ]
+            + [f"unconfirmed ({step.direction}, the next commit confirms it or not): {describe(step)}" for step in unconfirmed]
+            + [f"slower: {describe(step)}" for step in self.alarming]
         )
 
 
-def history(paths, out_dir, *, repo=".", factor: float = 1.1, since: str | None = None, alpha: float = 0.05) -> HistoryResult:
+def describe(step: Step) -> str:
+    """A step as the command prints it: its series, ratio, interval and commits."""
+    return (
+        f"{step.machine} {step.scenario} {step.variant}[{step.backend}] {step.mode} {step.cell}: x{step.ratio:.3f} "
+        f"[{step.ci_low:.3f}, {step.ci_high:.3f}] from {step.good_commit[:10]} to {step.bad_commit[:10]}"
+    )
+
+
+def history(paths, out_dir, *, repo=".", factor: float = 1.1, since: str | None = None, alpha: float = 0.05, fail_unconfirmed: bool = False) -> HistoryResult:
     """Write the history page of the results files or directories ``paths`` into ``out_dir``, ordered
-    by ``repo``'s first-parent history; the steps found, and those slower than ``factor`` after ``since``."""
+    by ``repo``'s first-parent history; the steps found, and those slower than ``factor`` after ``since``
+    (confirmed ones, and with ``fail_unconfirmed`` a jump at the newest commit too)."""
     built = build(paths, repo)
     steps = find(built, alpha=alpha)
-    slower = alarming(steps, factor)
+    slower = alarming(steps, factor, unconfirmed=fail_unconfirmed)
     if since is not None:
         base = resolve(repo, since)
         slower = [step for step in slower if not is_ancestor(repo, step.bad_commit, base)]

@@ -28,6 +28,8 @@ from .changes import Step, cell_text, mark, write_csv
 from .limits import Limits, Unstable
 from .series import NO_COMMIT, History
 
+#: The most points of a line drawn with a marker on each point and caps on its error bars.
+DOTTED = 100
 #: Colours of the steps' marks.
 STEP_COLOURS = {"slower": "#c0392b", "faster": "#1e8449"}
 #: Tick labels along the commit axis, at most.
@@ -55,6 +57,10 @@ def short(commit: str) -> str:
     return commit if commit.startswith(NO_COMMIT) else commit[:10]
 
 
+#: The columns that tell a group's cells apart (its panels).
+CELL_COLUMNS = ["backend", "mode", "target", "params_text", "axes_text"]
+
+
 def _panel_title(cell) -> str:
     return f"{cell['backend']} {cell['mode']} {cell_text(cell)}"
 
@@ -77,11 +83,14 @@ def _draw_panel(ax, cell: pd.DataFrame, steps: list[Step], commits: pd.DataFrame
         line = line.sort_values("position")
         xs, ys = line["position"].to_numpy(float), line["metrics.median_s"].to_numpy(float)
         spread = ys * np.nan_to_num(line["rel_ci"].to_numpy(float))
-        ax.errorbar(xs, ys, yerr=spread, color=colours[machine], marker="o", markersize=4, capsize=2, linewidth=1.2)
+        few = xs.size <= DOTTED  # a long line's markers and caps would hide it, and take long to draw
+        ax.errorbar(
+            xs, ys, yerr=spread, color=colours[machine], marker="o" if few else None, markersize=4, capsize=2 if few else 0, linewidth=1.2 if few else 0.6
+        )
         unstable = line["unstable"].to_numpy(bool)
         ax.plot(xs[unstable], ys[unstable], color=colours[machine], **UNSTABLE_MARK)
     for step in steps:
-        ax.axvline(step.position - 0.5, color=STEP_COLOURS[step.direction], linestyle="--", linewidth=1.5)
+        ax.axvline(step.position - 0.5, color=STEP_COLOURS[step.direction], linestyle="--" if step.confirmed else ":", linewidth=1.5)
     shown = sorted(set(cell["position"]))
     ticks = shown[:: max(1, -(-len(shown) // TICKS))]
     ax.xaxis.set_major_locator(FixedLocator(ticks))
@@ -92,7 +101,7 @@ def _draw_panel(ax, cell: pd.DataFrame, steps: list[Step], commits: pd.DataFrame
 
 def group_figure(scenario: str, variant: str, points: pd.DataFrame, steps: list[Step], limits: Limits, history: History, colours: dict) -> Figure:
     """The figure of one scenario and variant: a panel per cell (``_draw_panel``), titled by ``panel_title``, the legend outside the panels."""
-    cells = list(points.groupby(["backend", "mode", "target", "params_text", "axes_text"], sort=True))
+    cells = list(points.groupby(CELL_COLUMNS, sort=True))
     figure, axes = new_figure(len(cells))
     for ax, (_, cell) in zip(axes, cells):
         record = cell.iloc[0]
@@ -104,6 +113,8 @@ def group_figure(scenario: str, variant: str, points: pd.DataFrame, steps: list[
         ax.set_title(panel_title(record, unstable, short), fontsize="small", color=WARNING_COLOUR if unstable else "black")
     handles = [Line2D([], [], color=colours[m], marker="o", label=m) for m in sorted(points["machine"].unique())]
     handles += [Line2D([], [], color=colour, linestyle="--", label=f"step: {direction}") for direction, colour in STEP_COLOURS.items()]
+    if any(not step.confirmed for step in steps):
+        handles.append(Line2D([], [], color="grey", linestyle=":", label="unconfirmed (newest commit)"))
     figure.legend(handles=handles, loc="outside right upper", fontsize="small")
     return figure
 
@@ -113,16 +124,17 @@ def _group_plot(scenario: str, variant: str, points: pd.DataFrame, steps: list[S
     name = re.sub(r"[^A-Za-z0-9_.-]+", "-", f"history-{scenario}-{variant}").strip("-")
     caption = (
         f"{scenario} / {variant}: median time per commit (oldest left), one line per machine, error bars the median's 95 % interval, "
-        "a ring an unstable point; a dashed line a step (red slower, green faster); an amber title an unstable series."
+        "a ring an unstable point; a dashed line a step (red slower, green faster), dotted where it is unconfirmed (a jump at the newest commit); "
+        "an amber title an unstable series."
     )
     return figures.save(figure, name, f"{scenario} / {variant}", caption)
 
 
 def _points_table(points: pd.DataFrame) -> Table:
-    rows = points.sort_values(["backend", "mode", "params_text", "axes_text", "machine", "position"]).assign(
-        short=lambda f: f["commit"].map(short),
-        what=lambda f: [_panel_title(r) for r in f.to_dict("records")],
-    )
+    shown = ["backend", "mode", "target", "params_text", "axes_text", "machine", "position", "commit", "started_at", "metrics.median_s", "rel_ci", "unstable"]
+    rows = points[shown].sort_values(["backend", "mode", "params_text", "axes_text", "machine", "position"])
+    titles = {key: _panel_title(dict(zip(CELL_COLUMNS, key))) for key in rows[CELL_COLUMNS].drop_duplicates().itertuples(index=False)}
+    rows = rows.assign(short=rows["commit"].map(short), what=[titles[key] for key in rows[CELL_COLUMNS].itertuples(index=False)])
     columns = [
         ("cell", "what", text),
         ("machine", "machine", text),
@@ -151,7 +163,8 @@ def steps_table(steps: list[Step], factor: float) -> Table:
                            "interval": f"[{format_ratio(step.ci_low)}, {format_ratio(step.ci_high)}]",
                            "good": short(step.good_commit), "bad": short(step.bad_commit),
                            "between": "unknown" if step.between is None else str(step.between),
-                           "confirm": " ; ".join(step.commands) or "-", "mark": mark(step, factor)}
+                           "confirm": " ; ".join(step.commands) or "-", "mark": mark(step, factor) if step.confirmed else "",
+                           "status": step.status}
                           for step in steps])  # fmt: skip
     columns = [
         *SERIES_COLUMNS,
@@ -161,9 +174,14 @@ def steps_table(steps: list[Step], factor: float) -> Table:
         ("after / before", "ratio", format_ratio),
         ("95 % interval", "interval", text),
         ("", "direction", text),
+        ("status", "status", text),
         ("confirm and narrow", "confirm", text),
     ]
-    return table("Steps found", frame, columns, f"Red: slower by more than --factor {factor}, its interval above 1; green: faster by as much.", classes="mark")
+    caption = (
+        f"Red: slower by more than --factor {factor}, its interval above 1; green: faster by as much. "
+        "Unconfirmed: a jump at the newest commit, one point after it (the next commit confirms it or not; it fails only with --fail-unconfirmed)."
+    )
+    return table("Steps found", frame, columns, caption, classes="mark")
 
 
 def unstable_table(unstable: list[Unstable], factor: float) -> Table:
@@ -205,6 +223,7 @@ def write_page(history: History, steps: list[Step], limits: Limits, out_dir, *, 
         factor=factor,
         since=since,
         steps=steps_table(steps, factor) if steps else None,
+        unconfirmed_steps=sum(not step.confirmed for step in steps),
         too_few=limits.too_few(),
         blind=limits.blind(),
         some_short=bool(limits.short),

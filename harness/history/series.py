@@ -1,8 +1,10 @@
-"""The points of a history: per cell, machine and commit the latest median time, its interval and its
-samples, in commit order. The order is the repository's first-parent history where the commits are in
+"""The points of a history: per cell, machine and commit the latest median time and its interval,
+in commit order. The order is the repository's first-parent history where the commits are in
 it; a commit that is not (another branch, another clone) or a run without a commit (``commit`` null)
-is placed by its runs' start time among them, and ``History.notes`` says so. Reads results files
-only, as the report does."""
+is placed by its runs' start time among them, and ``History.notes`` says so. A time of 0 (which no
+timing can be: the reader refuses negative and non-finite ones) is set aside with a note; a cell
+without the optional ``backend`` or ``target`` has them empty, a series of its own as the report
+reads it. Reads each results file once, as the report does."""
 
 from __future__ import annotations
 
@@ -16,12 +18,13 @@ import pandas as pd
 from ..common.checkouts import RegressError, commit_of, git
 from ..common.formatting import counted, present
 from ..report.cells import machine_names
-from ..report.header import runs_of
 from ..results import load
 from ..results.identity import CELL_KEY, identify, latest
 
 #: One series: a cell on one machine (never two machines in one series).
 SERIES_KEY = CELL_KEY + ["machine_key"]
+#: The metrics and machine fields a history reads (its points, the machines' names).
+KEPT = ["metrics.median_s", "metrics.rel_ci", "metrics.unstable", "machine.machine_id", "machine.hostname", "machine.gpu.name", "machine.cpu.model"]
 #: What a results record says when the run knew no commit.
 NO_COMMIT = "no commit"
 
@@ -41,10 +44,9 @@ class History:
     runs: list[dict]
     notes: list[str] = field(default_factory=list)
 
-    def series(self):
+    def series(self) -> list[tuple[dict, pd.DataFrame]]:
         """(key, points in commit order) per cell and machine."""
-        for key, points in self.points.groupby(SERIES_KEY, sort=True):
-            yield dict(zip(SERIES_KEY, key)), points.sort_values("position")
+        return [(dict(zip(SERIES_KEY, key)), points.sort_values("position")) for key, points in self.points.groupby(SERIES_KEY, sort=True)]
 
 
 def first_parent(repo) -> list[str]:
@@ -96,15 +98,26 @@ def order_commits(first_seen: pd.Series, known: list[str]) -> pd.DataFrame:
 def build(paths, repo=None) -> History:
     """The history of the results files or directories ``paths``, ordered by ``repo``'s first-parent
     history (None or not a git repository: by the runs' start times)."""
-    frame = load(paths)
+    runs = []
+    frame = load(paths, runs=runs)
+    frame = frame[[column for column in frame.columns if not column.startswith(("metrics.", "machine.")) or column in KEPT]]  # identify reads every column
     timed = frame[(frame["status"] == "ok") & frame.get("metrics.median_s", pd.Series(np.nan, index=frame.index)).notna()]
+    timed = timed.assign(
+        **{column: timed.get(column, pd.Series(None, index=timed.index)).map(lambda v: v if present(v) else "") for column in ("backend", "target")}
+    )
+    notes = []
+    if not (zero := timed[timed["metrics.median_s"] <= 0]).empty:
+        first = zero.iloc[0]
+        notes.append(
+            f"{counted(len(zero), 'timed cell')} with metrics.median_s 0 set aside (no timing is 0 s: a clock or writer fault), "
+            f"the first in {first['file']}: {first['variant']} {first['mode']}"
+        )
+        timed = timed[timed["metrics.median_s"] > 0]
     if timed.empty:
-        raise HistoryError(f"no timed cells (status ok with metrics.median_s) in {', '.join(map(str, paths))}: nothing to draw")
-    runs = runs_of(timed["file"].unique())
+        raise HistoryError(f"no timed cells (status ok with metrics.median_s above 0) in {', '.join(map(str, paths))}: nothing to draw")
     points = identify(timed.assign(commit=_commit_label(timed, runs)))
     points = latest(points, SERIES_KEY + ["commit"])
     points["machine"] = points["machine_key"].map(machine_names(points))  # two machines of one name: told apart
-    notes = []
     try:
         known = first_parent(repo) if repo is not None else []
     except RegressError as exc:
@@ -127,6 +140,5 @@ def build(paths, repo=None) -> History:
         position=points["commit"].map(position),
         rel_ci=points.get("metrics.rel_ci", pd.Series(np.nan, index=points.index)),
         unstable=points.get("metrics.unstable", pd.Series(False, index=points.index)).map(lambda value: present(value) and bool(value)),
-        samples=points.get("metrics.samples_s", pd.Series(None, index=points.index)),
     )
     return History(points, commits, runs, notes)

@@ -410,17 +410,21 @@ def _expand(paths) -> list[Path]:
     return files
 
 
-def _cell_rows(path: Path) -> list[dict]:
-    """The cell records of one file, each with its file name and its run's machine fingerprint."""
+def _cell_rows(path: Path, runs: list | None = None) -> list[dict]:
+    """The cell records of one file, each with its file name and its run's machine fingerprint (its run lines,
+    each with its file, appended to ``runs`` when given)."""
     records = read_records(path)
+    if runs is not None:
+        runs += [dict(record, file=str(path)) for record in records if record["kind"] == "run"]
     machines = {record["run_id"]: record["machine"] for record in records if record["kind"] == "run"}
     return [{"file": str(path), **record, "machine": machines[record["run_id"]]} for record in records if record["kind"] == "cell"]
 
 
-def load(paths: str | os.PathLike | Iterable[str | os.PathLike]) -> pd.DataFrame:
+def load(paths: str | os.PathLike | Iterable[str | os.PathLike], *, runs: list | None = None) -> pd.DataFrame:
     """One row per cell across all files; nested fields become dotted columns (``axes.seq_len``,
-    ``metrics.median_s``, ``machine.gpu.name``); lists stay whole. Any bad file raises."""
-    rows = [row for path in _expand(paths) for row in _cell_rows(path)]
+    ``metrics.median_s``, ``machine.gpu.name``); lists stay whole. Any bad file raises. ``runs``, a list,
+    receives every run line (with its file) as well: each file is read once."""
+    rows = [row for path in _expand(paths) for row in _cell_rows(path, runs)]
     if not rows:
         return pd.DataFrame(columns=COLUMNS)
     frame = pd.json_normalize(rows, sep=".").drop(columns=["kind", "schema"])
