@@ -178,7 +178,9 @@ def _run_commits(args, plugins: list[str]) -> int:
         shown = args.commits if args.commits.isprintable() else repr(args.commits)  # one line, whatever the range holds
         print(f"error: --commits {shown}: {exc}", file=sys.stderr)
         return EXIT_ERROR
-    return exit_code(finished)
+    if (code := exit_code(finished)) == EXIT_INTERRUPTED:
+        print(f"interrupted: every finished cell is in its commit's results file in {args.out}; the same command measures the rest", file=sys.stderr)
+    return code
 
 
 def _executor(args, plugins: list[str]):
