@@ -24,7 +24,7 @@ DASHES = ("-", "--", ":", "-.")
 #: in files from before the modes): a cell measured again in the same mode supersedes the earlier one.
 MEASUREMENT = CELL_KEY + ["machine_key", "axes.device", "timing"]
 #: Optional columns of a cell line (docs/results.md) the report reads, added empty when no cell has them.
-READ = ["axes.device"]
+READ = ["axes.device", "axes.seq_len", "axes.dtype"]
 #: Metric columns the plots and tables read (added, empty, when no cell has them).
 PLOTTED = [
     f"metrics.{name}"
@@ -43,6 +43,8 @@ PLOTTED = [
         "roofline_fraction",
         "bound",
         "load.other_cores",
+        "rel_error",
+        "rel_error_tolerance",
     )
 ]
 

@@ -267,3 +267,24 @@ def test_a_checkpoint_copied_from_another_variants_cell_is_set_aside_and_the_cel
     assert "set aside as foreign-step-000000004.pt, the cell trains afresh" in err
     with cell_checkpoints(_cell("b", "softmax")):  # its own checkpoint is continued
         assert load_checkpoint(latest_checkpoint(tmp_path / "b"), "cpu")["cell"]["cell_id"] == "b"
+
+
+EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "reports", "examples", "cpu-dev-vm", "cuda-variants-20261205T083558Z.jsonl")
+
+
+@pytest.mark.parametrize(
+    "drop",
+    [("axes",), ("axes", "dtype"), ("axes", "seq_len"), ("metrics", "rel_error_tolerance"), ("metrics", "rel_error")],
+    ids=".".join,
+)
+def test_a_cell_without_an_optional_field_the_plots_read_is_reported(tmp_path, drop):
+    """Fields the plots read (a decode cell's length, a cell's dtype, its accuracy and tolerance) read as absent, as
+    the report reads any optional field: the page is written, no "(an attnbench bug?)"."""
+    run, *records = [json.loads(line) for line in open(EXAMPLE, encoding="utf-8")]
+    cells = [cell for mode in ("forward", "train", "decode") for cell in [cell for cell in records if cell["mode"] == mode][:2]]
+    for cell in cells:
+        parent = cell if len(drop) == 1 else cell[drop[0]]
+        parent.pop(drop[-1], None)
+    path = tmp_path / "results.jsonl"
+    path.write_text("".join(json.dumps(record) + "\n" for record in [run, *cells]), encoding="utf-8")
+    assert build_report([path], tmp_path / "report").is_file()
