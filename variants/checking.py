@@ -206,9 +206,8 @@ def judge_form(core, form: str, run: Callable[[dict], torch.Tensor], target: Tar
         out = run(low)
     except Exception as exc:  # noqa: BLE001 - the researcher's code: any error is a finding
         return Check(what, tolerance=tolerance, cause=f"the {form} raised {explain(exc)}")
-    if not isinstance(out, torch.Tensor) or out.shape != target.output.shape or out.dtype != dtype:
-        got = f"{tuple(out.shape)} {out.dtype}" if isinstance(out, torch.Tensor) else type(out).__name__
-        return Check(what, tolerance=tolerance, cause=f"expected a {dtype} tensor of shape {tuple(target.output.shape)}, got {got}")
+    if wrong := _not_a_tensor_of(out, target.output.shape, dtype):
+        return Check(what, tolerance=tolerance, cause=wrong)
     kept = target.cotangent != 0
     parts = {"output": rel_error(out[kept], target.output[kept])}
 
@@ -235,6 +234,14 @@ def judge_form(core, form: str, run: Callable[[dict], torch.Tensor], target: Tar
                 return failed(_unconnected(form, name))
             parts[f"d/d{name}"] = rel_error(grad, want)
     return Check(what, max(parts.values(), key=lambda error: math.inf if math.isnan(error) else error), tolerance, parts=parts, output=out.detach())
+
+
+def _not_a_tensor_of(out, shape, dtype) -> str | None:
+    """Why ``out`` (what a form returned) is not a ``dtype`` tensor of ``shape``, or None."""
+    if isinstance(out, torch.Tensor) and out.shape == shape and out.dtype == dtype:
+        return None
+    got = f"{tuple(out.shape)} {out.dtype}" if isinstance(out, torch.Tensor) else type(out).__name__
+    return f"expected a {dtype} tensor of shape {tuple(shape)}, got {got}"
 
 
 def compare_forms(core, reference, inputs: dict, dtype, *, backward=True, cotangent=None, seed=0, label="") -> list[Check]:
@@ -457,6 +464,9 @@ def _padded_checks(name, d_key, d_value, config, dtype, seed) -> list[Check]:
             step, _ = core.step(**{f"{key}_t": x for key, x in token.items()}, state=state)
         except Exception as exc:  # noqa: BLE001
             return [Check(what, cause=explain(exc))]
+        for form, returned, shape in (("prefill", out, (len(PADDED), HEADS, max(PADDED), d_value)), ("step", step, (len(PADDED), HEADS, d_value))):
+            if wrong := _not_a_tensor_of(returned, shape, dtype):
+                return [Check(what, cause=f"{form}: {wrong}")]
         got = torch.cat([torch.cat([out[n : n + 1, :, :length], step[n : n + 1, :, None]], 2).flatten(2, -1) for n, length in enumerate(PADDED)], 2)
     return [Check(what, rel_error(got, expected), REL_ERROR_TOLERANCE[dtype])]
 

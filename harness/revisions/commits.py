@@ -74,6 +74,8 @@ def range_commits(repo: Path, spec: str, every: int = 1) -> list[str]:
         raise RegressError("not a range of commits (A..B, such as HEAD~10..HEAD or v1.0..main)")
     if every < 1:
         raise RegressError(f"--every must be at least 1, got {every}")
+    if every > 1 and git(repo, "rev-parse", "--is-shallow-repository") == "true":  # its root is a boundary that moves
+        raise RegressError(f"--every {every} counts commits from the root commit, and the repository at {repo} is a shallow clone (git fetch --unshallow)")
     commits = git(repo, "rev-list", "--first-parent", "--reverse", f"{commit_of(repo, first)}..{commit_of(repo, last)}", "--").split()
     if not commits:
         raise RegressError(f"the range {spec!r} holds no commit (is the first revision an ancestor of the second?)")

@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import numbers
 import re
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -361,6 +362,11 @@ def format_duration(seconds: float) -> str:
 # --- measured cells -----------------------------------------------------------------------------------
 
 
+def _positive(value) -> bool:
+    """Whether a recorded time or count is a positive finite number, one an estimate can scale."""
+    return isinstance(value, numbers.Real) and math.isfinite(value) and value > 0
+
+
 class Measured:
     """The ok cells of results files (``--estimate-from``; those of one machine, ``machine_id``): speed cells by what
     a cell must share with the one estimated (variant, backend, mode, target, dtype and device type), quality cells
@@ -378,18 +384,18 @@ class Measured:
             frame = frame[frame["machine.machine_id"] == machine_id]
         self.cells: dict[tuple, list[dict]] = {}
         quality = frame[(frame["status"] == "ok") & (frame["mode"] == "quality")] if not frame.empty else frame
-        self.durations = {row["cell_id"]: float(row["duration_s"]) for row in quality.to_dict("records") if row["duration_s"] == row["duration_s"]}
+        self.durations = {row["cell_id"]: float(row["duration_s"]) for row in quality.to_dict("records") if _positive(row["duration_s"])}
         needed = {"metrics.median_s", "metrics.flops", "axes.dtype", "axes.device"}
         if frame.empty or not needed <= set(frame.columns):
             return
         for row in frame[(frame["status"] == "ok") & (frame["mode"] != "quality")].to_dict("records"):
-            if not row["metrics.flops"] or not row["metrics.median_s"] > 0:
-                continue
+            if not (_positive(row["metrics.flops"]) and _positive(row["metrics.median_s"])):
+                continue  # a time or count that is no positive finite number (the reader takes NaN and inf): nothing learned
             key = (row["variant"], row["backend"], row["mode"], row["target"], row["axes.dtype"], str(row["axes.device"]).split(":")[0])
             params = {name[len("params.") :]: value for name, value in row.items() if name.startswith("params.") and value == value}
             self.cells.setdefault(key, []).append({
-                "params": params, "flops": float(row["metrics.flops"]), "min_bytes": float(row.get("metrics.min_bytes") or 0.0),
-                "median_s": float(row["metrics.median_s"]), "cell_id": row["cell_id"],
+                "params": params, "flops": float(row["metrics.flops"]), "median_s": float(row["metrics.median_s"]), "cell_id": row["cell_id"],
+                "min_bytes": float(row["metrics.min_bytes"]) if _positive(row.get("metrics.min_bytes")) else 0.0,
             })  # fmt: skip
 
     def __len__(self) -> int:

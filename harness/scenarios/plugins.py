@@ -31,7 +31,7 @@ def load_plugins(plugins) -> None:
             _load(plugin)
         except PluginError:
             raise
-        except Exception as exc:
+        except (Exception, SystemExit) as exc:  # a plugin's sys.exit() ends no command, nor with its exit code
             raise PluginError(f"plugin {plugin}{_failed_line(plugin, exc)}: {type(exc).__name__}: {exc}") from exc
 
 
