@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import shlex
 import sys
 import uuid
 from collections.abc import Callable
@@ -123,12 +124,16 @@ def main() -> None:
     parser.add_argument("--commits", type=int, default=500)
     parser.add_argument("--cells", type=int, default=40)
     parser.add_argument("--machines", type=int, default=3)
+    parser.add_argument(
+        "--no-repo", action="store_true", help="made-up commits, ordered by their runs' start time (a repository of 10,000 commits takes minutes)"
+    )
     args = parser.parse_args()
-    commits = repository(args.out / "repo", args.commits)
+    commits = [f"{number:040x}" for number in range(args.commits)] if args.no_repo else repository(args.out / "repo", args.commits)
     log_times = two_levels(np.random.default_rng(0), (args.commits, args.machines, args.cells))
     log_times[args.commits // 2 :, 0, 0] += np.log(1.2)
     write_series(args.out / "results", commits, log_times)
-    print(f"attnbench history {args.out / 'results'} --repo {args.out / 'repo'} --out {args.out / 'page'}")
+    repo = [] if args.no_repo else ["--repo", str(args.out / "repo")]
+    print(shlex.join(["attnbench", "history", str(args.out / "results"), *repo, "--out", str(args.out / "page")]))
 
 
 if __name__ == "__main__":

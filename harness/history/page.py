@@ -28,7 +28,7 @@ from .changes import Step, cell_text, mark, write_csv
 from .limits import Limits, Unstable
 from .series import NO_COMMIT, History
 
-#: The most points of a line drawn with a marker on each point and caps on its error bars.
+#: The most points of a line drawn with a marker on each point and error bars (a longer one: a thin line in a band).
 DOTTED = 100
 #: Colours of the steps' marks.
 STEP_COLOURS = {"slower": "#c0392b", "faster": "#1e8449"}
@@ -77,16 +77,17 @@ def panel_title(cell, unstable: list[Unstable], short: bool) -> str:
 
 
 def _draw_panel(ax, cell: pd.DataFrame, steps: list[Step], commits: pd.DataFrame, colours: dict) -> None:
-    """One cell: a line per machine (median, its interval as error bars, unstable points ringed),
+    """One cell: a line per machine (median, its interval as error bars or, on a long line, a band; unstable points ringed),
     a vertical mark at each step, commits along x."""
     for machine, line in cell.groupby("machine", sort=True):
         line = line.sort_values("position")
         xs, ys = line["position"].to_numpy(float), line["metrics.median_s"].to_numpy(float)
         spread = ys * np.nan_to_num(line["rel_ci"].to_numpy(float))
-        few = xs.size <= DOTTED  # a long line's markers and caps would hide it, and take long to draw
-        ax.errorbar(
-            xs, ys, yerr=spread, color=colours[machine], marker="o" if few else None, markersize=4, capsize=2 if few else 0, linewidth=1.2 if few else 0.6
-        )
+        if xs.size <= DOTTED:
+            ax.errorbar(xs, ys, yerr=spread, color=colours[machine], marker="o", markersize=4, capsize=2, linewidth=1.2)
+        else:  # a long line: its intervals a band (error bars would hide it, and take long to draw)
+            ax.plot(xs, ys, color=colours[machine], linewidth=0.6)
+            ax.fill_between(xs, ys - spread, ys + spread, color=colours[machine], alpha=0.25, linewidth=0)
         unstable = line["unstable"].to_numpy(bool)
         ax.plot(xs[unstable], ys[unstable], color=colours[machine], **UNSTABLE_MARK)
     for step in steps:
@@ -123,7 +124,7 @@ def _group_plot(scenario: str, variant: str, points: pd.DataFrame, steps: list[S
     figure = group_figure(scenario, variant, points, steps, limits, history, figures.colours)
     name = re.sub(r"[^A-Za-z0-9_.-]+", "-", f"history-{scenario}-{variant}").strip("-")
     caption = (
-        f"{scenario} / {variant}: median time per commit (oldest left), one line per machine, error bars the median's 95 % interval, "
+        f"{scenario} / {variant}: median time per commit (oldest left), one line per machine, error bars (a band on a long line) the median's 95 % interval, "
         "a ring an unstable point; a dashed line a step (red slower, green faster), dotted where it is unconfirmed (a jump at the newest commit); "
         "an amber title an unstable series."
     )

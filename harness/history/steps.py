@@ -45,6 +45,9 @@ LENIENT_PER_LOG_N = 1.0
 MIN_CHANGE = 0.02
 #: The least share of the (weighted) pairs of points across a step ordered its way: levels of mixed noise overlap more.
 SEPARATION = 0.9
+#: The same between two levels of ``LONG`` points or more: runs of one state of two-state noise are short, and two
+#: long levels of the same noise never differ this much, while a step of 1.2 standard deviations passes it.
+LONG_SEPARATION, LONG = 0.8, 20
 #: The most points of a level in the exact fit; longer levels are merged from such pieces (asv's max_size is 20).
 LONGEST = 20
 #: A newest point this many standard errors (and ``MIN_CHANGE``) off the last level is an unconfirmed jump.
@@ -182,13 +185,17 @@ def separation(before: np.ndarray, before_w: np.ndarray, after: np.ndarray, afte
 
 def pruned(values: np.ndarray, weights: np.ndarray, points: list[int]) -> list[int]:
     """``points`` without the steps whose levels (weighted medians) differ by less than ``MIN_CHANGE`` or are not
-    ``separated`` by ``SEPARATION``, the smallest change merged first, until every one left passes."""
+    ``separated`` by ``SEPARATION`` (``LONG_SEPARATION`` between long levels), the smallest change merged first, until
+    every one left passes."""
     points = list(points)
     while points:
         edges = [0, *points, values.size]
         parts = [(values[a:b], weights[a:b]) for a, b in zip(edges, edges[1:])]
         changes = np.abs(np.diff([weighted_median(*part) for part in parts]))
-        failing = [change < MIN_CHANGE or separation(*before, *after) < SEPARATION for change, before, after in zip(changes, parts, parts[1:])]
+        failing = [
+            change < MIN_CHANGE or separation(*before, *after) < (LONG_SEPARATION if min(before[0].size, after[0].size) >= LONG else SEPARATION)
+            for change, before, after in zip(changes, parts, parts[1:])
+        ]
         if not any(failing):
             break
         points.pop(min((i for i, fails in enumerate(failing) if fails), key=lambda i: changes[i]))
