@@ -128,7 +128,7 @@ def main() -> None:
         "--no-repo", action="store_true", help="made-up commits, ordered by their runs' start time (a repository of 10,000 commits takes minutes)"
     )
     args = parser.parse_args()
-    commits = [f"{number:040x}" for number in range(args.commits)] if args.no_repo else repository(args.out / "repo", args.commits)
+    commits = [f"{number:040x}"[::-1] for number in range(args.commits)] if args.no_repo else repository(args.out / "repo", args.commits)
     log_times = two_levels(np.random.default_rng(0), (args.commits, args.machines, args.cells))
     log_times[args.commits // 2 :, 0, 0] += np.log(1.2)
     write_series(args.out / "results", commits, log_times)

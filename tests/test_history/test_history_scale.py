@@ -94,6 +94,14 @@ def test_ten_thousand_commits_fit_whole():
     assert fit(np.exp(log_times), np.full(10_000, 0.02)).changes == [2000, 2050, 6000]
 
 
+def test_a_small_step_between_long_levels_is_found():
+    """A +5 % step in 3 % noise: its levels overlap (87 % of the pairs across it ordered its way), too little for
+    short levels, enough for two of 100 points; two-level noise of that length never steps (test_steps.py's table)."""
+    rng = np.random.default_rng(4)
+    found = [fit(np.exp(rng.normal(0.0, NOISE, 200) + np.log(1.05) * (np.arange(200) >= 100)), np.full(200, 0.03)).changes for _ in range(20)]
+    assert sum(len(changes) == 1 and abs(changes[0] - 100) <= 3 for changes in found) >= 16, found
+
+
 @pytest.fixture
 def repo(tmp_path) -> tuple[Path, list[str]]:
     return tmp_path / "repo", repository(tmp_path / "repo", 12)
