@@ -33,6 +33,7 @@ from ..running.executors.local import LocalExecutor
 from ..running.worker import CHECKOUT_WORKER
 from ..scenarios.cell import Cell
 from ..scenarios.scenario import LoadedScenario, load_scenario
+from ..scenarios.scenario_files import ScenarioError, set_target
 
 #: What a commit's code must import to measure a cell: its worker's loop (as ``Worker(code_root=...)`` finds it, from
 #: before and after harness/ was grouped by role) and its variants, each from the commit's own checkout: it prints the files
@@ -84,8 +85,20 @@ def range_commits(repo: Path, spec: str, every: int = 1) -> list[str]:
 
 
 def measured_as(loaded: LoadedScenario) -> dict:
-    """What a nightly's results are keyed by, as a run line records it: the scenario's name and content, preset and overrides."""
-    return {**runner.scenario_identity(loaded), "overrides": list(loaded.overrides)}
+    """What a nightly's results are keyed by, as a run line records it: the scenario's name and content, preset and overrides
+    (``in_effect``)."""
+    return {**runner.scenario_identity(loaded), "overrides": in_effect(loaded.overrides)}
+
+
+def in_effect(overrides) -> list:
+    """``--set`` ``overrides`` sorted where their order changes nothing (no two set one field, nor one a field inside
+    another's), else as given: a nightly whose options are written in another order measures the same scenario."""
+    try:
+        fields = [tuple(set_target(assignment)) for assignment in overrides]
+    except ScenarioError:  # not --set options (a results file edited by hand): as they are
+        return list(overrides)
+    nested = any(one[: len(other)] == other or other[: len(one)] == one for index, one in enumerate(fields) for other in fields[index + 1 :])
+    return list(overrides) if nested else sorted(overrides)
 
 
 def results_file(out_dir: Path, loaded: LoadedScenario, commit: str, machine_id: str) -> Path:
@@ -109,7 +122,7 @@ def recorded_cells(out_dir: Path, loaded: LoadedScenario, machine_id: str) -> di
             if record["kind"] == "run"
             and record["machine"].get("machine_id") == machine_id
             and record.get("dirty") is False
-            and all(record.get(key) == value for key, value in wanted.items())
+            and {**{key: record.get(key) for key in wanted}, "overrides": in_effect(record.get("overrides") or [])} == wanted
         }
         for record in records:
             if record["kind"] == "cell" and record["run_id"] in runs and record.get("commit"):

@@ -67,6 +67,26 @@ def test_a_cell_of_another_scenario_pasted_in_counts_for_nothing(repo, tmp_path,
     assert call_range(call, path, out) == ["skipped", "skipped", "measured"] and len(measured) == 1
 
 
+@pytest.mark.parametrize(
+    "first, then, again",
+    [
+        (["measure.repeats=7", "measure.warmup=2"], ["measure.warmup=2", "measure.repeats=7"], False),  # the same scenario: nothing to measure
+        (["measure.repeats=7", "measure.repeats=9"], ["measure.repeats=9", "measure.repeats=7"], True),  # the last one counts: another scenario
+        (["seq_len=[16]", "axes.seq_len=[32]"], ["axes.seq_len=[32]", "seq_len=[16]"], True),  # one field under two names
+        (["measure.repeats=7"], ["measure.repeats=7", "measure.warmup=2"], True),
+    ],
+)
+def test_the_order_of_set_overrides_counts_only_where_it_changes_the_scenario(repo, tmp_path, night, first, then, again):
+    """Before, a nightly whose --set options were written in another order measured every commit of its range again."""
+    path, _ = repo
+    _, measured, call = night
+    out = tmp_path / "out"
+    call(path, out, overrides=first)
+    measured.clear()
+    assert call_range(call, path, out, overrides=then) == (["measured"] * 3 if again else ["skipped"] * 3)
+    assert len(list(out.glob("*.jsonl"))) == (6 if again else 3)
+
+
 # run --commits: odd ranges
 
 
