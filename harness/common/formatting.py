@@ -95,6 +95,12 @@ def quote(value) -> str:
     return f"{shown[:QUOTE_CHARS]}... ({len(shown)} characters)"
 
 
+def one_line(text: str) -> str:
+    """A user's ``text`` (a name, a range) as a one-line message shows it: as it is, or quoted where it holds a newline
+    or another unprintable character."""
+    return text if text.isprintable() else quote(text)
+
+
 #: The first characters that make a spreadsheet read a cell as a formula (OWASP, "CSV Injection").
 FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")
 

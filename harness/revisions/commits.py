@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..common.checkouts import RegressError, commit_of, git, repository, scratch_directory, worktree
-from ..common.formatting import counted
+from ..common.formatting import counted, one_line
 from ..measuring import machine
 from ..results import FAILED, ResultsFileError, ResultsWriter, cell_record, read_records, run_header
 from ..running import runner
@@ -180,7 +180,10 @@ def _scenario(repo: Path, newest: str, spec: str, preset: str | None, overrides:
     if Path(spec).is_file():
         return load_scenario(spec, preset=preset, overrides=overrides)
     with scratch_directory() as scratch, worktree(repo, newest, "scenario", scratch) as revision:
-        return load_scenario(str(revision.root / "scenarios" / f"{spec}.yaml"), preset=preset, overrides=overrides)
+        shipped = revision.root / "scenarios" / f"{spec}.yaml"
+        if not shipped.is_file():
+            raise ScenarioError(f"{one_line(spec)}: no such scenario file here, nor in scenarios/ at {newest[:10]}, the range's newest commit")
+        return load_scenario(str(shipped), preset=preset, overrides=overrides)
 
 
 @dataclass

@@ -15,7 +15,7 @@ import yaml
 from variants.errors import did_you_mean
 
 from .. import tasks
-from ..common.formatting import quote
+from ..common.formatting import one_line, quote
 from . import axes as axis_table
 
 SCENARIO_DIR = Path(__file__).resolve().parents[2] / "scenarios"
@@ -210,7 +210,7 @@ def resolve_path(spec: str) -> Path:
         if candidate.exists():
             return candidate
     name = Path(spec).with_suffix("").as_posix().removeprefix(f"{SCENARIO_DIR.name}/")  # scenarios/x.yaml: x
-    raise ScenarioError(f"{spec}: no such scenario file{did_you_mean(name, shipped())} (shipped scenarios: {', '.join(shipped())})")
+    raise ScenarioError(f"{one_line(spec)}: no such scenario file{did_you_mean(name, shipped())} (shipped scenarios: {', '.join(shipped())})")
 
 
 def shipped() -> list[str]:

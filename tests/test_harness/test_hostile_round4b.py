@@ -87,6 +87,25 @@ def test_the_order_of_set_overrides_counts_only_where_it_changes_the_scenario(re
     assert len(list(out.glob("*.jsonl"))) == (6 if again else 3)
 
 
+@pytest.mark.parametrize("commits", [[], ["--commits", "HEAD~1..HEAD"]])
+def test_a_scenario_name_of_several_lines_is_one_line(repo, tmp_path, commits):
+    """Before, the name went into the error as it was: two lines (and with --commits the temporary worktree's path)."""
+    path, _ = repo
+    done = attnbench_here("run", "tiny\nsecond line", *commits, "--dry-run", "--repo", str(path), "--out", str(tmp_path / "out"))
+    assert done.returncode == 2 and len(done.stderr.splitlines()) == 1 and '"tiny\\nsecond line"' in done.stderr, done.stderr
+    assert "attnbench-regress-" not in done.stderr and not (tmp_path / "out").exists()
+
+
+def test_a_scenario_the_newest_commit_lacks_is_named_with_the_commit(repo, tmp_path):
+    """Before: '/tmp/attnbench-regress-…/scenario/scenarios/nope.yaml: no such scenario file', a path removed as it was printed."""
+    path, hashes = repo
+    done = attnbench_here("run", "nope", "--commits", "HEAD~1..HEAD", "--dry-run", "--repo", str(path), "--out", str(tmp_path / "out"))
+    assert done.returncode == 2 and "attnbench-regress-" not in done.stderr, done.stderr
+    assert (
+        done.stderr == f"error: --commits HEAD~1..HEAD: nope: no such scenario file here, nor in scenarios/ at {hashes[-1][:10]}, the range's newest commit\n"
+    )
+
+
 # run --commits: odd ranges
 
 
