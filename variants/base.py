@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -43,6 +44,8 @@ from .errors import UnsupportedBackend, VariantError
 from .inputs import in_layout, padded_lengths, token_slice
 
 _REGISTRY: dict[str, Callable[..., AttentionCore]] = {}
+#: A variant's name: it stands in scenario files, results, reports and on the command line, one word each.
+NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
 
 def register(name: str, *, core: type | None = None, fixes: tuple[str, ...] = ()) -> Callable:
@@ -51,6 +54,8 @@ def register(name: str, *, core: type | None = None, fixes: tuple[str, ...] = ()
     and the parameters of that class it sets itself (``fixes``: refused when given)."""
 
     def add(factory):
+        if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name):
+            raise VariantError(f"variant name {name!r}: expected letters, digits, '.', '_' and '-', starting with a letter or digit")
         if name in _REGISTRY:
             raise VariantError(f"variant {name!r} is registered twice")
         _REGISTRY[name] = factory

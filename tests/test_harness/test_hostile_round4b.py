@@ -324,3 +324,16 @@ def test_a_results_files_commit_never_reaches_git_as_an_option(repo, tmp_path, m
     assert series.is_ancestor(path, commit, hashes[-1]) is False
     assert not [args for args in calls if commit in args], calls
     assert not (tmp_path / "written").exists()
+
+
+@pytest.mark.parametrize("name", ["bad\nname", "../evil", "-h", "", "two words"])
+def test_a_variant_name_that_is_not_one_word_is_refused_at_registration(tmp_path, monkeypatch, name):
+    """Before, any string was registered: ``attnbench list`` printed a name of two lines, ``-h`` or nothing at all."""
+    from variants import base
+
+    monkeypatch.setattr(base, "_REGISTRY", dict(base._REGISTRY))
+    plugin = tmp_path / "weird.py"
+    plugin.write_text(f"import variants\nfrom variants.softmax import Softmax\n\nvariants.register({name!r})(type('Weird', (Softmax,), {{}}))\n")
+    done = attnbench_here("list", "--plugin", str(plugin))
+    assert done.returncode == 2 and len(done.stderr.splitlines()) == 1, done.stderr
+    assert done.stderr.startswith(f"error: plugin {plugin}, line 4: VariantError: variant name {name!r}: expected letters, digits"), done.stderr
