@@ -11,6 +11,8 @@ import sys
 import traceback
 from pathlib import Path
 
+from ..common.formatting import one_line
+
 #: A plugin file is imported as this prefix and its stem, so ``variants.py`` or ``json.py`` cannot replace those modules.
 MODULE_PREFIX = "attnbench_plugin_"
 
@@ -32,7 +34,7 @@ def load_plugins(plugins) -> None:
         except PluginError:
             raise
         except (Exception, SystemExit) as exc:  # a plugin's sys.exit() ends no command, nor with its exit code
-            raise PluginError(f"plugin {plugin}{_failed_line(plugin, exc)}: {type(exc).__name__}: {exc}") from exc
+            raise PluginError(f"plugin {one_line(plugin)}{_failed_line(plugin, exc)}: {type(exc).__name__}: {exc}") from exc
 
 
 def _load(plugin: str) -> None:
@@ -40,10 +42,10 @@ def _load(plugin: str) -> None:
         importlib.import_module(plugin)
         return
     if not Path(plugin).is_file():
-        raise PluginError(f"plugin {plugin}: no such file")
+        raise PluginError(f"plugin {one_line(plugin)}: no such file")
     spec = importlib.util.spec_from_file_location(module_name(plugin), plugin)
     if spec is None or spec.loader is None:
-        raise PluginError(f"plugin {plugin}: cannot be loaded as a Python file")
+        raise PluginError(f"plugin {one_line(plugin)}: cannot be loaded as a Python file")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     try:

@@ -337,3 +337,9 @@ def test_a_variant_name_that_is_not_one_word_is_refused_at_registration(tmp_path
     done = attnbench_here("list", "--plugin", str(plugin))
     assert done.returncode == 2 and len(done.stderr.splitlines()) == 1, done.stderr
     assert done.stderr.startswith(f"error: plugin {plugin}, line 4: VariantError: variant name {name!r}: expected letters, digits"), done.stderr
+
+
+@pytest.mark.parametrize("plugin", ["a\nb.py", "no\nsuch.module"])
+def test_a_plugin_named_over_two_lines_is_one_line(plugin):
+    done = attnbench_here("list", "--plugin", plugin)
+    assert done.returncode == 2 and len(done.stderr.splitlines()) == 1 and done.stderr.startswith(f"error: plugin {json.dumps(plugin)}"), done.stderr
