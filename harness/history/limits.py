@@ -22,7 +22,7 @@ def off_level(times, rel_ci, changes: list[int], factor: float) -> np.ndarray:
     as none) lies more than ``factor`` above the level or below it."""
     log_times = np.log(np.asarray(times, dtype=float))
     own = np.nan_to_num(np.asarray(rel_ci, dtype=float), nan=0.0)
-    sigma = spreads(log_times, own)
+    sigma = spreads(log_times, own, changes)
     edges = [0, *changes, log_times.size]
     levels = np.concatenate([np.full(b - a, weighted_median(log_times[a:b], 1 / sigma[a:b])) for a, b in zip(edges, edges[1:])])
     ratio = np.exp(log_times - levels)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import attnbench_here
 from histories import repository, two_levels, write_series
 
 from harness.history import history
@@ -125,7 +126,9 @@ def test_a_jump_at_the_newest_commit_is_shown_unconfirmed(repo, tmp_path):
     assert result.exit_code == 0 and result.lines(1.1)[0].startswith("history: 0 steps (0 slower by more than 1.1, 0 faster), 1 unconfirmed")
     assert any(line.startswith("unconfirmed (slower, the next commit confirms it or not): ") for line in result.lines(1.1))
     assert "1 unconfirmed" in (tmp_path / "page" / "index.html").read_text(encoding="utf-8")
-    assert history([results], tmp_path / "strict", repo=path, fail_unconfirmed=True).exit_code == 1
+    command = ["history", results, "--repo", path, "--out"]
+    assert attnbench_here(*map(str, [*command, tmp_path / "cli"])).returncode == 0
+    assert attnbench_here(*map(str, [*command, tmp_path / "strict", "--fail-unconfirmed"])).returncode == 1
     log_times = np.concatenate([log_times, log_times[-1:]])  # the next night confirms it
     confirmed = history([write_series(tmp_path / "next", [*commits, "f" * 40], log_times)], tmp_path / "next-page", repo=path)
     assert [(step.status, step.position) for step in confirmed.steps] == [("confirmed", 11)] and confirmed.exit_code == 1
@@ -146,6 +149,14 @@ def test_one_slow_night_beside_a_step_moves_neither_its_ratio_nor_its_interval(r
     result = history([stepped(tmp_path, commits, night=5, slow=slow)], tmp_path / "page", repo=path)
     (step,) = [step for step in result.steps if step.cell.split()[2] == "B=1"]
     assert 1.4 < step.ci_low < step.ratio < step.ci_high < 1.6 and result.exit_code == 1, step
+
+
+def test_each_results_file_is_read_once(repo, tmp_path, monkeypatch):
+    path, commits = repo
+    results, read = stepped(tmp_path, commits), []
+    monkeypatch.setattr(Path, "read_bytes", lambda file, reader=Path.read_bytes: read.append(file) or reader(file))  # how the reader reads
+    history([results], tmp_path / "page", repo=path)
+    assert sorted(str(file) for file in read if file.suffix == ".jsonl") == sorted(map(str, results.glob("*.jsonl")))
 
 
 def test_a_time_of_zero_is_set_aside_with_a_note(repo, tmp_path):
