@@ -187,12 +187,12 @@ class Figures:
         handles = [Line2D([], [], color=self.colours[s], marker="o", label=s) for s in labels]
         if failures:
             handles.append(Line2D([], [], color="black", label="failed (oom / error / crashed / nan)", **FAILURE_MARK))
-        names = cells["machine"].unique() if machines != "panels" else []
+        names = cells["machine"].unique() if machines != "panels" and cells["machine"].nunique() > 1 else []
         if machines == "points":
             keys, title = [Line2D([], [], color="black", marker="o", fillstyle=self.fill(m), linestyle="none", label=m) for m in names], "marker fill: machine"
         else:
             keys, title = [Line2D([], [], color="black", linestyle=self.styles[m], label=m) for m in names], "line style: machine"
-        below = figure.legend(handles=keys, loc="outside lower center", fontsize=LEGEND_SIZE, ncols=len(keys), title=title) if len(keys) > 1 else None
+        below = figure.legend(handles=keys, loc="outside lower center", fontsize=LEGEND_SIZE, ncols=len(keys), title=title) if keys else None
         fit_keys(figure, handles, below)
 
 

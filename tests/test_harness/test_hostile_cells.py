@@ -17,24 +17,23 @@ from harness.running import worker as workers
 from harness.running.runner import with_checkpoint_dir
 from harness.running.workloads import measure_cell
 from harness.scenarios.scenario import load_scenario
-from harness.tasks.training import CheckpointError
 
 PLUGIN = Path(__file__).with_name("frozen_plugin.py")
 
 # --- a checkpoint of another cell is never continued ---------------------------------------------
 
 
-def test_a_checkpoint_copied_from_another_variants_folder_is_refused_outside_a_worker(tmp_path):
+def test_a_checkpoint_copied_from_another_variants_folder_is_set_aside_outside_a_worker(tmp_path, capsys):
+    """Never continued, never failing the cell: set aside as foreign-step-….pt with a note naming what differs, and the
+    cell trains from scratch (issue 55, item 9d)."""
     cells = load_scenario("scenarios/quality/mqar.yaml", preset="ci", overrides=["task.steps=4", "task.eval_every=2"]).cells()
     softmax, linear = (with_checkpoint_dir(cell, tmp_path / "r.jsonl") for cell in cells)
     assert (softmax.variant, linear.variant) == ("softmax", "linear")
     assert measure_cell(softmax)["status"] == "ok"
     shutil.copytree(softmax.checkpoint_dir, linear.checkpoint_dir)
-    with pytest.raises(CheckpointError, match=r"a checkpoint of another cell: .*variant 'softmax' \(this cell: 'linear'\)"):
-        measure_cell(linear)
-    shutil.rmtree(linear.checkpoint_dir)
     result = measure_cell(linear)
     assert result["status"] == "ok" and result["metrics"]["resumed_from"] is None
+    assert "variant 'softmax' (this cell: 'linear')" in capsys.readouterr().err
 
 
 # --- a worker frozen before its first answer costs its cell within the cell's timeout --------------
