@@ -183,7 +183,10 @@ def _scenario(repo: Path, newest: str, spec: str, preset: str | None, overrides:
         shipped = revision.root / "scenarios" / f"{spec}.yaml"
         if not shipped.is_file():
             raise ScenarioError(f"{one_line(spec)}: no such scenario file here, nor in scenarios/ at {newest[:10]}, the range's newest commit")
-        return load_scenario(str(shipped), preset=preset, overrides=overrides)
+        try:
+            return load_scenario(str(shipped), preset=preset, overrides=overrides)
+        except ScenarioError as exc:  # named as the user knows it, not by the temporary worktree's path
+            raise ScenarioError(str(exc).replace(str(shipped), f"scenarios/{spec}.yaml at {newest[:10]}")) from None
 
 
 @dataclass

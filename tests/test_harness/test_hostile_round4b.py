@@ -343,3 +343,27 @@ def test_a_variant_name_that_is_not_one_word_is_refused_at_registration(tmp_path
 def test_a_plugin_named_over_two_lines_is_one_line(plugin):
     done = attnbench_here("list", "--plugin", plugin)
     assert done.returncode == 2 and len(done.stderr.splitlines()) == 1 and done.stderr.startswith(f"error: plugin {json.dumps(plugin)}"), done.stderr
+
+
+def test_a_second_nightly_at_once_stops_at_the_lock_and_leaves_no_worktree(repo, tmp_path, night):
+    """Held: the other night's lock is met at the first commit to measure: LockedError (one line, exit 2), the
+    results as they were and no worktree left registered in the repository."""
+    from harness.results.locking import LockedError, ResultsDirectoryLock
+
+    path, _ = repo
+    _, measured, call = night
+    out = tmp_path / "out"
+    out.mkdir()
+    with ResultsDirectoryLock(out, {"pid": 0, "scenario": "the other nightly"}), pytest.raises(LockedError):
+        call(path, out)
+    assert measured == [] and list(out.glob("*.jsonl")) == []
+    assert len(git(path, "worktree", "list", "--porcelain").split("\n\n")) == 1
+
+
+@pytest.mark.parametrize("options, error", [(["--preset", "none"], "presets.none: no such preset"), (["--set", "measure.repeats=-1"], "measure.repeats")])
+def test_a_mistake_in_the_newest_commits_scenario_is_named_by_its_commit(repo, tmp_path, options, error):
+    """Before, the error named the scenario by the temporary worktree's path, removed as it was printed."""
+    path, hashes = repo
+    done = attnbench_here("run", "tiny", "--commits", "HEAD~1..HEAD", *options, "--dry-run", "--repo", str(path), "--out", str(tmp_path / "out"))
+    assert done.returncode == 2 and len(done.stderr.splitlines()) == 1 and "attnbench-regress-" not in done.stderr, done.stderr
+    assert done.stderr.startswith(f"error: --commits HEAD~1..HEAD: scenarios/tiny.yaml at {hashes[-1][:10]}: ") and error in done.stderr, done.stderr
