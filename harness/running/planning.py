@@ -22,6 +22,9 @@ from .estimate import CellEstimate, Estimator, Measured, Sweep, first_use_group,
 
 #: The axes along which a series runs (its points ordered by them), the rest name the series.
 LENGTH_AXES = ("seq_len", "batch")
+#: The largest results file in --out that estimates learn from (read whole): a run of the most cells a scenario may have
+#: (100,000, about 250 MB) fits; a larger file is passed over unread, with a line.
+LEARN_MAX_BYTES = 512 * 2**20
 
 
 def group_label(cell: Cell) -> str:
@@ -167,7 +170,8 @@ def select(sweeps: list[Sweep], budget_s: float) -> Selection:
 def this_machines_results(loaded: list, out_dir) -> tuple[Measured | None, str | None]:
     """The cells measured on this machine in ``out_dir`` (the directory the run writes to), in the results files of
     ``loaded``'s scenarios, as ``--estimate-from`` reads them: ``(Measured or None where there are none, a line
-    saying why they were not read)`` (an unreadable file is passed over: the estimates then come from the model)."""
+    saying why they were not read)`` (an unreadable file is passed over: the estimates then come from the model; one larger
+    than ``LEARN_MAX_BYTES`` is not read)."""
     from ..measuring import machine
     from .estimate import EstimateError
     from .executors import main_device
@@ -175,14 +179,19 @@ def this_machines_results(loaded: list, out_dir) -> tuple[Measured | None, str |
 
     patterns = [_results_file_pattern(scenario.name) for scenario in loaded]
     files = sorted(path for path in Path(out_dir).glob("*.jsonl") if any(pattern.fullmatch(path.name) for pattern in patterns))
+    large = [path for path in files if path.is_file() and path.stat().st_size > LEARN_MAX_BYTES]
+    files = [path for path in files if path not in large]
+    unread = (
+        f"measured cells in {large[0]} not used: {large[0].stat().st_size} bytes, more than the {LEARN_MAX_BYTES} of a file to learn from" if large else None
+    )
     if not files:
-        return None, None
+        return None, unread
     here = machine.fingerprint(main_device([cell for scenario in loaded for cell in scenario.cells()]))["machine_id"]
     try:
         found = Measured(files, machine_id=here, source=f"{out_dir} (this machine's results of {counted(len(files), 'file')})")
     except EstimateError as exc:
-        return None, f"measured cells in {out_dir} not used: {str(exc).removeprefix('--estimate-from: ')}"
-    return (found, None) if len(found) else (None, None)
+        return None, "; ".join(filter(None, [unread, f"measured cells in {out_dir} not used: {str(exc).removeprefix('--estimate-from: ')}"]))
+    return (found if len(found) else None), unread
 
 
 def plan(loaded: list, *, gpu: str | None = None, measured_from: str | None = None, budget_s: float | None = None, dry_run: bool = False, out_dir=None):

@@ -367,3 +367,21 @@ def test_a_mistake_in_the_newest_commits_scenario_is_named_by_its_commit(repo, t
     done = attnbench_here("run", "tiny", "--commits", "HEAD~1..HEAD", *options, "--dry-run", "--repo", str(path), "--out", str(tmp_path / "out"))
     assert done.returncode == 2 and len(done.stderr.splitlines()) == 1 and "attnbench-regress-" not in done.stderr, done.stderr
     assert done.stderr.startswith(f"error: --commits HEAD~1..HEAD: scenarios/tiny.yaml at {hashes[-1][:10]}: ") and error in done.stderr, done.stderr
+
+
+def test_a_huge_results_file_is_passed_over_unread(tmp_path):
+    """Before, --dry-run read a 2 GB file named as the scenario's results whole (2.3 GB of memory, 9 s) to learn nothing."""
+    import os
+
+    from harness.running import planning
+
+    spec = _measured_file(tmp_path, {})
+    huge = tmp_path / "out" / "tiny-20261206T090000Z.jsonl"
+    huge.touch()
+    os.truncate(huge, planning.LEARN_MAX_BYTES + 1)  # sparse: no disk used
+    done = _dry_run(tmp_path, spec)
+    assert done.returncode == 0 and "calls of 1 cell from the nearest measured cells of" in done.stdout, done.stdout + done.stderr
+    assert (
+        done.stdout.splitlines()[-1]
+        == f"measured cells in {huge} not used: {planning.LEARN_MAX_BYTES + 1} bytes, more than the {planning.LEARN_MAX_BYTES} of a file to learn from"
+    )
