@@ -51,6 +51,9 @@ CHECKOUT_S = 6.0
 #: its failure stands as the commit's: once a night, so a busy night's timeout heals the next, and a cell that always
 #: hangs at that commit costs three nights, not every night.
 PASSING_TRIES = 3
+#: What each cell of a commit that cannot run says (``_record_failure``), and the reason of an import check stopped at its
+#: timeout: a failure of the moment (a busy machine's night) as a cell's timeout is (``passing_failure``).
+CANNOT_RUN, IMPORT_TIMED_OUT = "this commit cannot run the scenario: ", "its code did not import within"
 
 
 @dataclass
@@ -136,9 +139,11 @@ def recorded_cells(out_dir: Path, loaded: LoadedScenario, machine_id: str) -> di
 def passing_failure(record: dict) -> bool:
     """Whether a cell record failed for a reason of the moment, not of its commit's code (``harness.running.worker``'s
     words): ``crashed`` (its worker died or did not start), ``oom`` by the out-of-memory killer (not the variant's own
-    out-of-memory error, which a sweep to the memory limit expects) or an ``error`` of its timeout."""
+    out-of-memory error, which a sweep to the memory limit expects) or an ``error`` of its timeout or of its commit's
+    import check's (``IMPORT_TIMED_OUT``)."""
     status, error = record["status"], record.get("error") or ""
-    return status == "crashed" or (status == "oom" and "out-of-memory killer" in error) or (status == "error" and error.startswith("timed out after"))
+    timed_out = error.startswith(("timed out after", CANNOT_RUN + IMPORT_TIMED_OUT))
+    return status == "crashed" or (status == "oom" and "out-of-memory killer" in error) or (status == "error" and timed_out)
 
 
 def settled(records: list[dict], retry_failed: bool = False) -> bool:
@@ -156,7 +161,7 @@ def cannot_import(root: Path, env: dict) -> str | None:
     try:
         done = subprocess.run([sys.executable, "-c", IMPORT_CHECK], cwd=root, capture_output=True, text=True, env=environment, timeout=IMPORT_CHECK_TIMEOUT_S)
     except subprocess.TimeoutExpired:
-        return f"its code did not import within {IMPORT_CHECK_TIMEOUT_S} s (stopped; IMPORT_CHECK_TIMEOUT_S)"
+        return f"{IMPORT_TIMED_OUT} {IMPORT_CHECK_TIMEOUT_S} s (stopped; IMPORT_CHECK_TIMEOUT_S)"
     if done.returncode != 0:
         return (done.stderr.strip().splitlines() or [f"exit code {done.returncode}"])[-1]
     files = done.stdout.splitlines()[-2:]
@@ -172,7 +177,7 @@ def _record_failure(path: Path, loaded: LoadedScenario, fingerprint: dict, comma
     with ResultsWriter(path) as writer:
         writer.write_run(run_header(loaded, run_id, command, fingerprint))
         for cell in loaded.cells():
-            writer.write_cell(cell_record(cell, unmeasured("error", f"this commit cannot run the scenario: {reason}"), run_id, fingerprint))
+            writer.write_cell(cell_record(cell, unmeasured("error", CANNOT_RUN + reason), run_id, fingerprint))
 
 
 def _scenario(repo: Path, newest: str, spec: str, preset: str | None, overrides: list[str]) -> LoadedScenario:

@@ -15,6 +15,8 @@ from harness.revisions import commits as nightly
 from harness.running.runner import RunError
 
 TINY = round4.TINY
+#: The import check as the night fixture finds it.
+CANNOT_IMPORT = nightly.cannot_import
 repo, night = round4.repo, round4.night  # its fixtures: a repository of four commits, a night measured by a fake executor
 
 
@@ -385,3 +387,26 @@ def test_a_huge_results_file_is_passed_over_unread(tmp_path):
         done.stdout.splitlines()[-1]
         == f"measured cells in {huge} not used: {planning.LEARN_MAX_BYTES + 1} bytes, more than the {planning.LEARN_MAX_BYTES} of a file to learn from"
     )
+
+
+def test_an_import_check_that_timed_out_is_tried_again_next_night(repo, tmp_path, night, monkeypatch):
+    """A commit's import stopped at IMPORT_CHECK_TIMEOUT_S (a hanging import, or a night's busy machine) is a failure of
+    the moment as a cell's timeout is: tried PASSING_TRIES nights in all; before, the first night's stood forever."""
+    import subprocess
+    import sys
+
+    path, _ = repo
+    _, measured, call = night
+
+    run = subprocess.run
+
+    def stopped(args, **options):
+        if args[0] != sys.executable:  # git
+            return run(args, **options)
+        raise subprocess.TimeoutExpired(args, options["timeout"])
+
+    monkeypatch.setattr(nightly, "cannot_import", CANNOT_IMPORT)  # the real import check (night() replaced it) ...
+    monkeypatch.setattr(subprocess, "run", stopped)  # ... stopped at its timeout
+    out = tmp_path / "out"
+    nights = [call_range(call, path, out) for _ in range(nightly.PASSING_TRIES + 1)]
+    assert nights == [["cannot run"] * 3] * nightly.PASSING_TRIES + [["skipped"] * 3], nights
