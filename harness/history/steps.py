@@ -170,6 +170,8 @@ def change_points(values, sigma, *, penalty: float | None = None, min_size: int 
     points, end = [], n
     while (end := int(last[end])) > 0:
         points.append(end)
+    if n <= longest:  # one piece could hold the series: the partition is exact
+        return sorted(points)
     return placed(y, weights, merged(y, weights, sorted(points), beta), longest, min_size)
 
 
