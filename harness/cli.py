@@ -388,9 +388,10 @@ def _demo(args) -> int:
         f"attnbench demo: B={shape.batch} H={shape.heads} T={shape.length} D={shape.d_key}, float32 on the CPU, "
         f"{torch.get_num_threads()} threads, torch {torch.__version__}; median of {args.repeats} runs after a warm-up"
     )
-    print(format_table(run_demo(shape, repeats=args.repeats)))
+    table = run_demo(shape, repeats=args.repeats)
+    print(format_table(table))
     print("max_abs_err: largest |form - float64 reference|; tokens_per_s = B*T / median time of the whole form.")
-    return 0
+    return EXIT_CELLS_FAILED if "failed" in table and table["failed"].notna().any() else EXIT_OK
 
 
 def _data_download(args) -> int:

@@ -410,3 +410,17 @@ def test_an_import_check_that_timed_out_is_tried_again_next_night(repo, tmp_path
     out = tmp_path / "out"
     nights = [call_range(call, path, out) for _ in range(nightly.PASSING_TRIES + 1)]
     assert nights == [["cannot run"] * 3] * nightly.PASSING_TRIES + [["skipped"] * 3], nights
+
+
+def test_demo_names_a_form_that_returns_the_wrong_thing_and_goes_on(wrong_forms, monkeypatch):
+    """Before, the first such form ended the demo in '(an attnbench bug?)', exit 2, and no variant after it was shown."""
+    from variants import base
+
+    monkeypatch.setattr(base, "_REGISTRY", {name: made for name, made in base._REGISTRY.items() if name.startswith(("hostile4b_", "softmax"))})
+    done = attnbench_here("demo", "--batch", "1", "--heads", "1", "--seq-len", "8", "--d-key", "4", "--repeats", "1")
+    assert done.returncode == 1 and done.stderr == "", done.stderr
+    lines = done.stdout.splitlines()
+    assert "FAIL  hostile4b_none parallel: returned NoneType, not a tensor of shape (1, 1, 8, 4) (attnbench check hostile4b_none tells more)" in lines
+    assert "FAIL  hostile4b_short parallel: returned a tensor of shape (1, 1, 7, 4), not a tensor of shape (1, 1, 8, 4)" in done.stdout
+    shown = {line.split()[0] for line in lines[2:] if not line.startswith(("FAIL", "max_abs_err"))}
+    assert shown == {"hostile4b_none", "hostile4b_short", "hostile4b_step_wide", "hostile4b_tuple", "softmax"}, lines  # the forms that work, all ran
