@@ -174,7 +174,7 @@ def steps_table(steps: list[Step], factor: float) -> Table:
         ("commits between", "between", text),
         ("after / before", "ratio", format_ratio),
         ("95 % interval", "interval", text),
-        ("", "direction", text),
+        ("direction", "direction", text),
         ("status", "status", text),
         ("confirm and narrow", "confirm", text),
     ]
