@@ -180,6 +180,12 @@ def resumable_file(resume, loaded: LoadedScenario) -> Path:
     return path
 
 
+def _repair(writer: ResultsWriter) -> None:
+    """Cut an incomplete last line of the file ``writer`` holds (an interrupted write), saying so, before lines follow it."""
+    if writer.repair_tail():
+        print(f"warning: {writer.path}: dropped an incomplete last line left by an interrupted write", file=sys.stderr)
+
+
 def _resume_state(writer: ResultsWriter, loaded: LoadedScenario, fingerprint: dict, retry_failed: bool, *, same_machine: bool = True) -> tuple[str, set]:
     """(the run_id resumed, the cell_ids not to measure again) of the results file ``writer``
     holds, when this run may continue it: the same scenario, file, preset and ``--set``
@@ -187,8 +193,7 @@ def _resume_state(writer: ResultsWriter, loaded: LoadedScenario, fingerprint: di
     machine's id; a run on several devices writes one per device, and a Ray run's cells record
     each its own machine, so any machine may continue it)."""
     path = writer.path
-    if writer.repair_tail():
-        print(f"warning: {path}: dropped an incomplete last line left by an interrupted write", file=sys.stderr)
+    _repair(writer)
     runs = [record for record in read_records(path) if record["kind"] == "run"]
     wanted = scenario_identity(loaded)
     differ = [f"{key} {runs[0].get(key)!r} (this run: {value!r})" for key, value in wanted.items() if runs[0].get(key) != value]
@@ -321,7 +326,10 @@ def _run_locked(loaded, out_dir, resume, retry_failed, executor, command, progre
     path = results_path(out_dir, loaded.name, resume) if resume or path is None else path
     fingerprint = machine.fingerprint(main_device(cells))
     resumed_from, done = None, set()
-    writer = ResultsWriter(path, create=not resume)
+    appending = not resume and path.exists()  # run --commits --force: a new run after the file's earlier ones
+    writer = ResultsWriter(path, create=not resume and not appending)
+    if appending:
+        _repair(writer)
     if resume:
         try:
             resumed_from, done = _resume_state(writer, loaded, fingerprint, retry_failed, same_machine=executor.same_machine)

@@ -424,3 +424,18 @@ def test_demo_names_a_form_that_returns_the_wrong_thing_and_goes_on(wrong_forms,
     assert "FAIL  hostile4b_short parallel: returned a tensor of shape (1, 1, 7, 4), not a tensor of shape (1, 1, 8, 4)" in done.stdout
     shown = {line.split()[0] for line in lines[2:] if not line.startswith(("FAIL", "max_abs_err"))}
     assert shown == {"hostile4b_none", "hostile4b_short", "hostile4b_step_wide", "hostile4b_tuple", "softmax"}, lines  # the forms that work, all ran
+
+
+def test_force_on_a_file_with_a_truncated_last_line_leaves_it_readable(repo, tmp_path, night):
+    from harness.results import read_records
+
+    path, hashes = repo
+    _, measured, call = night
+    out = tmp_path / "out"
+    call(path, out)
+    (file,) = [f for f in out.glob("*.jsonl") if hashes[-1][:12] in f.name]
+    data = file.read_bytes()
+    file.write_bytes(data[: len(data) - 20])
+    call(path, out, force=True)
+    records = read_records(file)
+    assert [record["kind"] for record in records] == ["run", "run", "cell"], records
