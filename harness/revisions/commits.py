@@ -25,7 +25,7 @@ from pathlib import Path
 from ..common.checkouts import RegressError, commit_of, git, repository, scratch_directory, worktree
 from ..common.formatting import counted, one_line
 from ..measuring import machine
-from ..results import FAILED, ResultsFileError, ResultsWriter, cell_record, read_records, run_header
+from ..results import FAILED, ResultsFileError, cell_record, read_records, run_header
 from ..running import runner
 from ..running.estimate import Estimator, Measured, format_duration, roofs_for
 from ..running.executors import main_device, unmeasured
@@ -174,7 +174,7 @@ def cannot_import(root: Path, env: dict) -> str | None:
 def _record_failure(path: Path, loaded: LoadedScenario, fingerprint: dict, command: str, reason: str) -> None:
     """A results file whose every cell is an error with ``reason``: the commit is in the history, with why."""
     run_id = f"cannot-run-{fingerprint['git']['commit'][:12]}"
-    with ResultsWriter(path) as writer:
+    with runner.append_writer(path) as writer:
         writer.write_run(run_header(loaded, run_id, command, fingerprint))
         for cell in loaded.cells():
             writer.write_cell(cell_record(cell, unmeasured("error", CANNOT_RUN + reason), run_id, fingerprint))

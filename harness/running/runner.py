@@ -180,6 +180,16 @@ def resumable_file(resume, loaded: LoadedScenario) -> Path:
     return path
 
 
+def append_writer(path: Path) -> ResultsWriter:
+    """The writer of a run into results file ``path``: a new file created at its first line, or an existing one (run
+    --commits --force, a commit that cannot run) held at once, an incomplete last line an interrupted write left cut first."""
+    if not path.exists():
+        return ResultsWriter(path)
+    writer = ResultsWriter(path, create=False)
+    _repair(writer)
+    return writer
+
+
 def _repair(writer: ResultsWriter) -> None:
     """Cut an incomplete last line of the file ``writer`` holds (an interrupted write), saying so, before lines follow it."""
     if writer.repair_tail():
@@ -326,10 +336,7 @@ def _run_locked(loaded, out_dir, resume, retry_failed, executor, command, progre
     path = results_path(out_dir, loaded.name, resume) if resume or path is None else path
     fingerprint = machine.fingerprint(main_device(cells))
     resumed_from, done = None, set()
-    appending = not resume and path.exists()  # run --commits --force: a new run after the file's earlier ones
-    writer = ResultsWriter(path, create=not resume and not appending)
-    if appending:
-        _repair(writer)
+    writer = ResultsWriter(path, create=False) if resume else append_writer(path)
     if resume:
         try:
             resumed_from, done = _resume_state(writer, loaded, fingerprint, retry_failed, same_machine=executor.same_machine)

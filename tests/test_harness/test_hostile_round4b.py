@@ -439,3 +439,19 @@ def test_force_on_a_file_with_a_truncated_last_line_leaves_it_readable(repo, tmp
     call(path, out, force=True)
     records = read_records(file)
     assert [record["kind"] for record in records] == ["run", "run", "cell"], records
+
+
+def test_a_commit_that_cannot_run_again_leaves_its_file_readable(repo, tmp_path, night, monkeypatch):
+    """Its failure is appended to its file as a run's is: an incomplete last line cut first."""
+    from harness.results import read_records
+
+    path, hashes = repo
+    _, _, call = night
+    monkeypatch.setattr(nightly, "cannot_import", lambda root, env: "No module named 'variants'")
+    out = tmp_path / "out"
+    call(path, out)
+    (file,) = [f for f in out.glob("*.jsonl") if hashes[-1][:12] in f.name]
+    data = file.read_bytes()
+    file.write_bytes(data[: len(data) - 20])
+    assert call_range(call, path, out, retry_failed=True) == ["cannot run"] * 3
+    assert [record["kind"] for record in read_records(file)] == ["run", "run", "cell"]
