@@ -71,8 +71,9 @@ class CommitRun:
 def range_commits(repo: Path, spec: str, every: int = 1) -> list[str]:
     """The first-parent commits of ``A..B`` (oldest first) on the grid of ``every``: those whose first-parent distance from
     the repository's root commit is a multiple of ``every``, and the newest. Anchored at the root, the grid stays where it
-    is when commits are added or the range begins elsewhere, so a nightly measures each commit of it once. Each end is
-    resolved by ``checkouts.commit_of`` first, so git never reads a revision as an option."""
+    is when commits are added or the range begins elsewhere, so a nightly measures each commit of it once (a shallow clone,
+    whose root moves with each fetch, is refused). Each end is resolved by ``checkouts.commit_of`` first, so git never reads
+    a revision as an option."""
     first, dots, last = spec.partition("..")
     if not dots or not first or not last or last.startswith("."):
         raise RegressError("not a range of commits (A..B, such as HEAD~10..HEAD or v1.0..main)")
