@@ -8,6 +8,7 @@ reads it. Reads each results file once, as the report does."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -62,9 +63,14 @@ def resolve(repo, revision: str) -> str:
         raise HistoryError(str(exc)) from None
 
 
+#: A commit as results files record it: a (possibly abbreviated) hexadecimal hash.
+COMMIT_HASH = re.compile(r"[0-9a-f]{4,64}")
+
+
 def is_ancestor(repo, commit: str, base: str) -> bool:
-    """Whether ``commit`` is ``base`` or one of its ancestors (False for a commit the repository does not know)."""
-    if commit.startswith(NO_COMMIT):
+    """Whether ``commit`` is ``base`` or one of its ancestors (False for a commit the repository does not know, or for a
+    results file's commit that is no hash: it never reaches git, which could read it as an option)."""
+    if not COMMIT_HASH.fullmatch(commit):
         return False
     done = subprocess.run(["git", "-C", str(repo), "merge-base", "--is-ancestor", commit, base], capture_output=True)
     return done.returncode == 0

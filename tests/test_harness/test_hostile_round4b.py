@@ -308,11 +308,6 @@ def test_a_plugin_that_fails_at_import_is_one_line(tmp_path, source, error):
 # history: a commit read from a results file reaches git only as a commit
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="harness/history/series.py is_ancestor passes a results file's commit to `git merge-base --is-ancestor` unchecked "
-    "(git refuses these with its usage, exit 129, so is_ancestor says False): resolve it through checkouts.commit_of or require 40 hex digits",
-)
 @pytest.mark.parametrize("commit", ["--output=OUT", "-h", "--all"])
 def test_a_results_files_commit_never_reaches_git_as_an_option(repo, tmp_path, monkeypatch, commit):
     import subprocess
