@@ -30,6 +30,7 @@ from ..running import runner
 from ..running.estimate import Estimator, Measured, format_duration, roofs_for
 from ..running.executors import main_device, unmeasured
 from ..running.executors.local import LocalExecutor
+from ..running.planning import learned_from
 from ..running.worker import CHECKOUT_WORKER
 from ..scenarios.cell import Cell
 from ..scenarios.scenario import LoadedScenario, load_scenario
@@ -250,7 +251,13 @@ def dry_run(chosen: Range, *, gpu: str | None = None, measured_from: str | None 
     not) with the estimate of what is left of it, the total and the roofs (EstimateError: an unknown GPU or file)."""
     cells = chosen.loaded.cells()
     roofs = roofs_for(cells, gpu)
-    estimator = Estimator(roofs, measured=Measured(measured_from) if measured_from else None)
+    unread = None
+    if measured_from:
+        measured = Measured(measured_from)
+    else:  # this machine's nights of this scenario, as measured (any key), as `run --dry-run` learns from its results
+        files = sorted(chosen.out_dir.glob(f"{chosen.loaded.name}-*-{chosen.here['machine_id']}-*.jsonl"))
+        measured, unread = learned_from(files, chosen.here["machine_id"], chosen.out_dir) if files else (None, None)
+    estimator = Estimator(roofs, measured=measured)
     described = dict(line.split("\t", 1) for line in git(chosen.repo, "show", "-s", "--format=%H%x09%cs %s", *chosen.commits).splitlines())
     lines, total, todo = [chosen.headline() + " (dry run: nothing is measured)"], 0.0, 0
     for commit in chosen.commits:
@@ -268,7 +275,8 @@ def dry_run(chosen: Range, *, gpu: str | None = None, measured_from: str | None 
         f"estimated {format_duration(total)} for {counted(todo, 'commit')} to measure: each its cells as `attnbench run --dry-run` estimates them "
         f"({format_duration(whole)} for all {counted(len(cells), 'cell')}, the run's start included) and {CHECKOUT_S:.0f} s for its worktree and import check"
     )
-    return lines + [f"roof ({kind}): {roof.describe()}" for kind, roof in roofs.items()]
+    learned = [f"estimates from {measured.source} where a cell was measured, else from the model"] if measured is not None else []
+    return lines + learned + ([unread] if unread else []) + [f"roof ({kind}): {roof.describe()}" for kind, roof in roofs.items()]
 
 
 def _measure(chosen: Range, scratch: Path, *, force, plugins, command, progress, say) -> list[CommitRun]:

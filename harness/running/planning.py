@@ -169,16 +169,25 @@ def select(sweeps: list[Sweep], budget_s: float) -> Selection:
 
 def this_machines_results(loaded: list, out_dir) -> tuple[Measured | None, str | None]:
     """The cells measured on this machine in ``out_dir`` (the directory the run writes to), in the results files of
-    ``loaded``'s scenarios, as ``--estimate-from`` reads them: ``(Measured or None where there are none, a line
-    saying why they were not read)`` (an unreadable file is passed over: the estimates then come from the model; one larger
-    than ``LEARN_MAX_BYTES`` is not read)."""
+    ``loaded``'s scenarios, as ``--estimate-from`` reads them (``learned_from``)."""
     from ..measuring import machine
-    from .estimate import EstimateError
     from .executors import main_device
     from .runner import _results_file_pattern
 
     patterns = [_results_file_pattern(scenario.name) for scenario in loaded]
     files = sorted(path for path in Path(out_dir).glob("*.jsonl") if any(pattern.fullmatch(path.name) for pattern in patterns))
+    if not files:
+        return None, None
+    here = machine.fingerprint(main_device([cell for scenario in loaded for cell in scenario.cells()]))["machine_id"]
+    return learned_from(files, here, out_dir)
+
+
+def learned_from(files: list[Path], machine_id: str, out_dir) -> tuple[Measured | None, str | None]:
+    """The cells of ``files`` (in ``out_dir``) measured on machine ``machine_id``: ``(Measured or None where there are
+    none, a line saying why some were not read)`` (an unreadable file is passed over: the estimates then come from the
+    model; one larger than ``LEARN_MAX_BYTES`` is not read)."""
+    from .estimate import EstimateError
+
     large = [path for path in files if path.is_file() and path.stat().st_size > LEARN_MAX_BYTES]
     files = [path for path in files if path not in large]
     unread = (
@@ -186,9 +195,8 @@ def this_machines_results(loaded: list, out_dir) -> tuple[Measured | None, str |
     )
     if not files:
         return None, unread
-    here = machine.fingerprint(main_device([cell for scenario in loaded for cell in scenario.cells()]))["machine_id"]
     try:
-        found = Measured(files, machine_id=here, source=f"{out_dir} (this machine's results of {counted(len(files), 'file')})")
+        found = Measured(files, machine_id=machine_id, source=f"{out_dir} (this machine's results of {counted(len(files), 'file')})")
     except EstimateError as exc:
         return None, "; ".join(filter(None, [unread, f"measured cells in {out_dir} not used: {str(exc).removeprefix('--estimate-from: ')}"]))
     return (found if len(found) else None), unread

@@ -9,7 +9,7 @@ import pytest
 from helpers import attnbench_here, commit, git
 
 from harness.revisions.commits import CHECKOUT_S, _record_failure, commit_range, dry_run, results_file
-from harness.running.estimate import Estimator, format_duration, roofs_for
+from harness.running.estimate import Estimator, Measured, format_duration, roofs_for
 
 #: Two cells (softmax at two lengths), cheap to estimate.
 TINY = "variants: {softmax: {}}\naxes: {seq_len: [16, 32], batch: 1, heads: 2, d_key: 8}\nmodes: [forward]\nmeasure: {warmup: 1, repeats: 5}\n"
@@ -77,3 +77,28 @@ def test_a_bad_range_is_refused_before_anything_is_estimated(repo, tmp_path, spe
     done = attnbench_here("run", "tiny", "--commits", spec, "--dry-run", "--repo", str(path), "--out", str(tmp_path / "out"))
     assert done.returncode == 2 and done.stdout == "", done.stdout
     assert done.stderr == f"error: --commits {spec}: {said}" + done.stderr.split(said, 1)[1] and len(done.stderr.splitlines()) == 1
+
+
+def test_the_dry_run_learns_from_this_machines_earlier_nights(repo, tmp_path):
+    """A night's cells recorded ok at one commit (here, 2 s a call): the other commits' estimates come from them, as
+    `run --dry-run` learns from this machine's results, and the dry run says so; the model alone estimates far less."""
+    import json
+
+    path, commits = repo
+    out = tmp_path / "out"
+    out.mkdir()
+    chosen = commit_range(path, "tiny", "HEAD~3..HEAD", out)
+    fingerprint = {**chosen.here, "git": {"commit": commits[3], "dirty": False, "describe": None}}
+    night = results_file(out, chosen.loaded, commits[3], chosen.here["machine_id"])
+    _record_failure(night, chosen.loaded, fingerprint, "test", "rewritten below as measured")
+    records = [json.loads(line) for line in night.read_text().splitlines()]
+    for record in records[1:]:
+        record.update(status="ok", error=None, metrics={**record["metrics"], "median_s": 2.0, "flops": 1e6, "samples_s": [2.0]})
+    night.write_text("".join(json.dumps(record) + "\n" for record in records))
+    learned = dry_run(commit_range(path, "tiny", "HEAD~3..HEAD", out))
+    assert any(line.startswith(f"estimates from {out} (this machine's results of 1 file)") for line in learned), learned
+    cells, roofs = chosen.loaded.cells(), roofs_for(chosen.loaded.cells())
+    expected = Estimator(roofs, measured=Measured([night], machine_id=chosen.here["machine_id"])).sweep(cells).seconds() + CHECKOUT_S
+    (newest,) = [line for line in learned if line.split()[0] == commits[5][:10]]
+    assert newest.endswith(f"change 4: to measure: 2 cells, ~{format_duration(expected)}"), (newest, expected)
+    assert expected > 2 * (Estimator(roofs).sweep(cells).seconds() + CHECKOUT_S)
