@@ -31,7 +31,7 @@ from ..running.estimate import Estimator, Measured, format_duration, roofs_for
 from ..running.executors import main_device, unmeasured
 from ..running.executors.local import LocalExecutor
 from ..running.planning import learned_from
-from ..running.worker import CHECKOUT_WORKER
+from ..running.worker import CHECKOUT_WORKER, OOM_KILLED, TIMED_OUT
 from ..scenarios.cell import Cell
 from ..scenarios.scenario import LoadedScenario, load_scenario
 from ..scenarios.scenario_files import ScenarioError, set_target
@@ -140,12 +140,12 @@ def recorded_cells(out_dir: Path, loaded: LoadedScenario, machine_id: str) -> di
 
 def passing_failure(record: dict) -> bool:
     """Whether a cell record failed for a reason of the moment, not of its commit's code (``harness.running.worker``'s
-    words): ``crashed`` (its worker died or did not start), ``oom`` by the out-of-memory killer (not the variant's own
-    out-of-memory error, which a sweep to the memory limit expects) or an ``error`` of its timeout or of its commit's
-    import check's (``IMPORT_TIMED_OUT``)."""
+    words, ``TIMED_OUT`` and ``OOM_KILLED``): ``crashed`` (its worker died or did not start), ``oom`` by the out-of-memory
+    killer (not the variant's own out-of-memory error, which a sweep to the memory limit expects) or an ``error`` of its
+    timeout or of its commit's import check's (``IMPORT_TIMED_OUT``)."""
     status, error = record["status"], record.get("error") or ""
-    timed_out = error.startswith(("timed out after", CANNOT_RUN + IMPORT_TIMED_OUT))
-    return status == "crashed" or (status == "oom" and "out-of-memory killer" in error) or (status == "error" and timed_out)
+    timed_out = error.startswith((TIMED_OUT, CANNOT_RUN + IMPORT_TIMED_OUT))
+    return status == "crashed" or (status == "oom" and error.startswith(OOM_KILLED)) or (status == "error" and timed_out)
 
 
 def settled(records: list[dict], retry_failed: bool = False) -> bool:

@@ -38,6 +38,10 @@ WORKER_START_TIMEOUT_S = 300
 START_MARGIN_S = 60
 #: Seconds a calibration (``roofline.calibrate``, a few seconds of matmuls and copies) may take.
 CALIBRATION_TIMEOUT_S = 120
+#: How the error of a cell begins when the worker stopped it at its timeout, and that of a worker the kernel's
+#: out-of-memory killer ended: failures of the moment, which ``run --commits`` measures again (``commits.passing_failure``).
+TIMED_OUT = "timed out after"
+OOM_KILLED = "the worker was killed by the out-of-memory killer"
 PR_SET_PDEATHSIG = 1
 #: The cgroup (v2, then v1) counters of out-of-memory kills, read before and after a cell.
 OOM_COUNTERS = (Path("/sys/fs/cgroup/memory.events"), Path("/sys/fs/cgroup/memory/memory.oom_control"))
@@ -307,7 +311,7 @@ class Worker:
         self.conn.send(message)
         if not self.conn.poll(timeout_s):
             self.restart()
-            return {"status": "error", "error": f"timed out after {timeout_s:g} s (cell stopped; measure.timeout_s)", "metrics": {}}
+            return {"status": "error", "error": f"{TIMED_OUT} {timeout_s:g} s (cell stopped; measure.timeout_s)", "metrics": {}}
         try:
             return self.conn.recv()
         except EOFError:
@@ -321,7 +325,7 @@ class Worker:
         self.restart()
         oom_after = oom_kills()
         if oom_before is not None and oom_after is not None and oom_after > oom_before:
-            return {"status": "oom", "error": f"the worker was killed by the out-of-memory killer (exit code {code})", "metrics": {}}
+            return {"status": "oom", "error": f"{OOM_KILLED} (exit code {code})", "metrics": {}}
         if code is not None and code < 0:
             how = f"killed by signal {signal.Signals(-code).name}"
         else:
