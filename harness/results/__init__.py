@@ -27,7 +27,7 @@ from ..common.files import open_regular
 from ..measuring.stats import median_rel_ci
 from ..scenarios.cell import Cell
 from .locking import LockedError
-from .results_schema import integer, type_error
+from .results_schema import LONG_DIGITS, integer, type_error
 
 if TYPE_CHECKING:
     from ..scenarios.scenario import LoadedScenario
@@ -322,7 +322,7 @@ def parse_line(raw: bytes, path: Path, where: str) -> dict:
         raise ResultsFileError(f"{where} ({record['kind']} line) is missing the required key {missing!r}")
     if record["kind"] == "cell":
         record["metrics"] = _decode(record.get("metrics", {}))
-    if (wrong := type_error(record)) is not None:
+    if (wrong := type_error(record, LONG_DIGITS.search(raw) is not None)) is not None:
         raise ResultsFileError(f"{where} ({record['kind']} line): {wrong}")
     return record
 
@@ -427,5 +427,8 @@ def load(paths: str | os.PathLike | Iterable[str | os.PathLike], *, runs: list |
     rows = [row for path in _expand(paths) for row in _cell_rows(path, runs)]
     if not rows:
         return pd.DataFrame(columns=COLUMNS)
-    frame = pd.json_normalize(rows, sep=".").drop(columns=["kind", "schema"])
+    machines = [row.pop("machine") for row in rows]  # one fingerprint a run, the same dict in each of its cells: flattened once
+    flat = {key: pd.json_normalize({"machine": machine}, sep=".").iloc[0].to_dict() for key, machine in {id(m): m for m in machines}.items()}
+    frame = pd.concat([pd.json_normalize(rows, sep="."), pd.DataFrame([flat[id(machine)] for machine in machines])], axis=1)
+    frame = frame.drop(columns=["kind", "schema"])
     return frame.reindex(columns=COLUMNS + [c for c in frame.columns if c not in COLUMNS])

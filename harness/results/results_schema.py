@@ -6,6 +6,7 @@ integer anywhere in a line must fit a float, since every reader (pandas, the sta
 
 from __future__ import annotations
 
+import re
 import sys
 from dataclasses import dataclass
 from typing import Annotated, Any
@@ -220,10 +221,16 @@ EXPECTED = {
 }  # fmt: skip
 
 
-def type_error(record: dict) -> str | None:
+#: A run of digits as long as an integer must be for ``integer`` to find no float that holds it: a line without one
+#: holds no ``TooLarge`` (``type_error(..., long_digits=False)`` then skips looking for one).
+LONG_DIGITS = re.compile(rb"[0-9]{%d}" % FLOAT_DIGITS)
+
+
+def type_error(record: dict, long_digits: bool = True) -> str | None:
     """What is wrong with the types of ``record`` (a decoded run or cell line, its metrics' NaN strings
-    decoded): ``metrics.tokens: expected a number, got "many"``; None when every field is well typed."""
-    found = _too_large(record, "")
+    decoded): ``metrics.tokens: expected a number, got "many"``; None when every field is well typed. ``long_digits``:
+    whether its line held ``LONG_DIGITS`` (where it did not, no integer in it is too large for a float)."""
+    found = _too_large(record, "") if long_digits else None
     if found is not None:
         path, value = found
         return f"{path}: expected a number a float can hold, got an integer of {len(value.text.lstrip('-'))} digits"
