@@ -4,6 +4,7 @@ does not show on a point) and keys the fills below its panels; the committed exa
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -16,8 +17,17 @@ EXAMPLES = Path(__file__).parents[2] / "reports" / "examples"
 RESULTS = [EXAMPLES / "cpu-dev-vm" / "cuda-variants-20261205T083558Z.jsonl", EXAMPLES / "cpu-xeon-vm" / "cuda-variants-20261206T060435Z.jsonl"]
 
 
+def _forward_cells(path: Path, folder: Path) -> Path:
+    """``path``'s run lines and forward cells (a figure of points per mode is drawn alike; three modes cost 3x)."""
+    records = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+    kept = folder / path.name
+    kept.write_text("".join(json.dumps(r) + "\n" for r in records if r["kind"] == "run" or r["mode"] == "forward"), encoding="utf-8")
+    return kept
+
+
 @pytest.fixture(scope="module")
 def accuracy(tmp_path_factory) -> Figure:
+    folder = tmp_path_factory.mktemp("results")
     saved, save = {}, Figures.save
 
     def keep(self, figure, name, title, caption):
@@ -26,7 +36,7 @@ def accuracy(tmp_path_factory) -> Figure:
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(Figures, "save", keep)
-        build_report(RESULTS, tmp_path_factory.mktemp("report"))
+        build_report([_forward_cells(path, folder) for path in RESULTS], tmp_path_factory.mktemp("report"))
     (name,) = [name for name in saved if name.endswith("-accuracy")]
     return saved[name]
 
