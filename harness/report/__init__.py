@@ -34,7 +34,7 @@ from ..results.compare import CompareResult
 from .cells import machine_styles, palette, prepare, tasks_of
 from .figures import PLAIN_TEXT, Figures, Plot, Table
 from .frontier import cell_flags, frontier_plot
-from .header import machine_sections, runs_of
+from .header import machine_sections
 from .machines import side_by_side
 from .plots import METRICS, accuracy_plot, latency_plot, metric_plot, plotted_against
 from .seeds import seed_table
@@ -139,14 +139,15 @@ def render(template: str, **values) -> str:
 def build_report(paths, out_dir, *, title: str | None = None, compare_base: CompareResult | None = None) -> Path:
     """Write the report of the results files or directories ``paths`` into ``out_dir``
     (index.html, cells.csv, plots/*.png); return the path of index.html."""
-    frame = load(paths)
+    runs: list[dict] = []
+    frame = load(paths, runs=runs)  # each file read once: its cells and its run lines
     if frame.empty:
         raise ValueError("the results files hold no cells: nothing to report")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     cells = prepare(frame)
     write_cells_csv(frame, out_dir / "cells.csv", cells)
-    runs = runs_of(frame["file"].unique())
+    runs = [run for run in runs if run["file"] in set(frame["file"])]  # of the files that hold cells
     figures = Figures(out_dir, palette(cells), machine_styles(cells))
     with matplotlib.rc_context(PLAIN_TEXT):
         scenarios = [
