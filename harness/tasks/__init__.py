@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 #: The shipped tasks' registering modules, imported the first time the registry is read.
 BUILTIN = tuple(f"harness.tasks.{task}_report" for task in ("retrieval", "mqar", "lm", "mt", "copy", "image_gen"))
@@ -42,6 +42,17 @@ MAX_SEED = 2**32 - 1
 
 Steps = Annotated[int, Field(ge=1, le=MAX_STEPS)]
 Seed = Annotated[int, Field(ge=0, le=MAX_SEED, description="seed of the initialisation and the data")]
+
+
+def one_of(table, what: str) -> AfterValidator:
+    """A config field's check that its value names an entry of ``table`` (a preset, a data set): "expected WHAT among ..."."""
+
+    def check(value):
+        if value not in table:
+            raise ValueError(f"expected {what} among {', '.join(table)}")
+        return value
+
+    return AfterValidator(check)
 
 
 class TaskConfig(BaseModel):

@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, field_validator
 
 from ..models import LM_PRESETS, DecoderConfig, SegmentConfig
-from . import MAX_BATCH, MAX_LAYERS, MAX_LENGTH, MAX_VOCAB, MAX_WIDTH, Seed, Steps, TaskConfig
+from . import MAX_BATCH, MAX_LAYERS, MAX_LENGTH, MAX_VOCAB, MAX_WIDTH, Seed, Steps, TaskConfig, one_of
 
 #: DecoderConfig fields that a run sets itself (from its settings, variant and context), so
 #: ``model_overrides`` cannot.
@@ -44,7 +44,9 @@ class LMConfig(TaskConfig):
     The model's context is the run's (``axes.seq_len``, ``--context``), not a setting."""
 
     name: Literal["lm"] = "lm"
-    preset: str = Field("cpu", description="model sizes: a preset of harness.models.LM_PRESETS (small, medium, cpu)")
+    preset: Annotated[str, one_of(LM_PRESETS, "a model preset")] = Field(
+        "cpu", description="model sizes: a preset of harness.models.LM_PRESETS (small, medium, cpu)"
+    )
     steps: Steps = Field(700, description="optimiser steps")
     batch: int = Field(16, ge=1, le=MAX_BATCH, description="windows per step (the global batch, over all processes)")
     lr: float = Field(2e-3, gt=0, description="peak learning rate (AdamW)")
@@ -69,13 +71,6 @@ class LMConfig(TaskConfig):
         "(harness.models.SegmentConfig; length defaults to the context)",
     )
     seed: Seed = Field(0, description="seed of the initialisation, the batches and dropout")
-
-    @field_validator("preset")
-    @classmethod
-    def _known_preset(cls, value):
-        if value not in LM_PRESETS:
-            raise ValueError(f"expected a model preset among {', '.join(LM_PRESETS)}")
-        return value
 
     @field_validator("warmup")
     @classmethod

@@ -5,13 +5,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, field_validator
 
 from variants.params import variant_names
 
-from . import MAX_LAYERS, MAX_LENGTH, MAX_VOCAB, Seed, Steps, TaskConfig
+from . import MAX_LAYERS, MAX_LENGTH, MAX_VOCAB, Seed, Steps, TaskConfig, one_of
 
 
 @dataclass(frozen=True)
@@ -63,8 +63,10 @@ class MTConfig(TaskConfig):
     None takes the preset's value (``PRESETS``; ``resolved``)."""
 
     name: Literal["mt"] = "mt"
-    preset: str = Field("cpu", description=f"model sizes and the values of the settings left none: one of {', '.join(PRESETS)}")
-    dataset: str = Field("multi30k", description=f"the data set: one of {', '.join(DATASETS)}")
+    preset: Annotated[str, one_of(PRESETS, "a preset")] = Field(
+        "cpu", description=f"model sizes and the values of the settings left none: one of {', '.join(PRESETS)}"
+    )
+    dataset: Annotated[str, one_of(DATASETS, "a data set")] = Field("multi30k", description=f"the data set: one of {', '.join(DATASETS)}")
     data: str | None = Field(None, description="the data set's directory (none: the shared data, or $ATTNBENCH_DATA)")
     steps: Steps | None = Field(None, description="optimiser steps (none: the preset's)")
     batch_tokens: int | None = Field(None, ge=1, le=MAX_LENGTH, description="padded tokens per batch and process (none: the preset's)")
@@ -81,20 +83,6 @@ class MTConfig(TaskConfig):
     fallback: str = Field("linear", description="encoder and cross variant when the run's variant is causal only")
     threads: int | None = Field(None, ge=1, le=MAX_LAYERS, description="torch CPU threads (none: torch's default)")
     seed: Seed = Field(0, description="seed of the initialisation, the batches and dropout")
-
-    @field_validator("preset")
-    @classmethod
-    def _known_preset(cls, value):
-        if value not in PRESETS:
-            raise ValueError(f"expected a preset among {', '.join(PRESETS)}")
-        return value
-
-    @field_validator("dataset")
-    @classmethod
-    def _known_dataset(cls, value):
-        if value not in DATASETS:
-            raise ValueError(f"expected a data set among {', '.join(DATASETS)}")
-        return value
 
     @field_validator("warmup")
     @classmethod
