@@ -24,6 +24,13 @@ def call_range(call, path, out, **options):
     return [run.outcome for run in call(path, out, **options)]
 
 
+def newest_file(call, path, hashes, out):
+    """A night measured into ``out``: the results file of the range's newest commit."""
+    call(path, out)
+    (file,) = [f for f in out.glob("*.jsonl") if hashes[-1][:12] in f.name]
+    return file
+
+
 # run --commits: results files edited by hand
 
 
@@ -32,8 +39,7 @@ def test_a_keyed_file_edited_to_another_preset_is_one_line_naming_file_and_field
     path, hashes = repo
     _, measured, call = night
     out = tmp_path / "out"
-    call(path, out)
-    (file,) = [f for f in out.glob("*.jsonl") if hashes[-1][:12] in f.name]
+    file = newest_file(call, path, hashes, out)
     lines = file.read_text().splitlines()
     header = json.loads(lines[0])
     header["preset"] = "edited"
@@ -46,8 +52,7 @@ def test_a_truncated_last_line_does_not_stop_the_nightly(repo, tmp_path, night):
     path, hashes = repo
     _, measured, call = night
     out = tmp_path / "out"
-    call(path, out)
-    (file,) = [f for f in out.glob("*.jsonl") if hashes[-1][:12] in f.name]
+    file = newest_file(call, path, hashes, out)
     data = file.read_bytes()
     file.write_bytes(data[: len(data) - 20])
     measured.clear()
@@ -60,8 +65,7 @@ def test_a_cell_of_another_scenario_pasted_in_counts_for_nothing(repo, tmp_path,
     path, hashes = repo
     _, measured, call = night
     out = tmp_path / "out"
-    call(path, out)
-    (file,) = [f for f in out.glob("*.jsonl") if hashes[-1][:12] in f.name]
+    file = newest_file(call, path, hashes, out)
     lines = file.read_text().splitlines()
     cell = json.loads(lines[-1])
     file.write_text("\n".join([lines[0], json.dumps({**cell, "cell_id": "another-scenario-cell"})]) + "\n")
@@ -427,8 +431,7 @@ def test_force_on_a_file_with_a_truncated_last_line_leaves_it_readable(repo, tmp
     path, hashes = repo
     _, measured, call = night
     out = tmp_path / "out"
-    call(path, out)
-    (file,) = [f for f in out.glob("*.jsonl") if hashes[-1][:12] in f.name]
+    file = newest_file(call, path, hashes, out)
     data = file.read_bytes()
     file.write_bytes(data[: len(data) - 20])
     call(path, out, force=True)
@@ -444,8 +447,7 @@ def test_a_commit_that_cannot_run_again_leaves_its_file_readable(repo, tmp_path,
     _, _, call = night
     monkeypatch.setattr(nightly, "cannot_import", lambda root, env: "No module named 'variants'")
     out = tmp_path / "out"
-    call(path, out)
-    (file,) = [f for f in out.glob("*.jsonl") if hashes[-1][:12] in f.name]
+    file = newest_file(call, path, hashes, out)
     data = file.read_bytes()
     file.write_bytes(data[: len(data) - 20])
     assert call_range(call, path, out, retry_failed=True) == ["cannot run"] * 3
