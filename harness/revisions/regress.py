@@ -57,6 +57,9 @@ from .next_steps import MAX_DOUBLINGS, Invocation, mark_controls, next_steps, no
 CHECK_SCRIPT = Path(__file__).with_name("regress_check.py")
 #: Runs a script by path without putting its directory on sys.path (this one's is harness/).
 RUN_SCRIPT = "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
+#: The longest a revision's correctness check may take (its import and every form of the touched variants in float64 on
+#: the CPU: well under a minute for all eleven on the 2-core development VM); a check that hangs fails the revision.
+CHECK_TIMEOUT_S = 600
 #: The columns that name a cell in compare's table and in the identified results frame.
 ROW_KEY = ("scenario", "variant", "backend", "params", "axes", "mode", "target")
 
@@ -96,12 +99,18 @@ def configurations(loaded: LoadedScenario, only: set[str] | None = None) -> dict
 def check_revision(revision: Revision, configs: dict[str, dict]) -> dict[str, dict]:
     """Run harness/revisions/regress_check.py in ``revision``'s checkout: per configuration ``ok``,
     ``problems``, ``files`` (what ran) and ``unsupported`` (the backend does not exist there).
-    A revision whose check cannot run at all (its variants do not import) fails every one."""
+    A revision whose check cannot run at all (its variants do not import) or does not end within ``CHECK_TIMEOUT_S``
+    fails every one."""
     env = {**os.environ, **revision.env, "PYTHONPATH": str(revision.root)}
     command = [sys.executable, "-c", RUN_SCRIPT, str(CHECK_SCRIPT)]
-    done = subprocess.run(command, input=json.dumps(list(configs.values())), capture_output=True, text=True, cwd=revision.root, env=env)
-    if done.returncode != 0:
-        reason = (done.stderr.strip().splitlines() or [f"exit code {done.returncode}"])[-1]
+    try:
+        done = subprocess.run(
+            command, input=json.dumps(list(configs.values())), capture_output=True, text=True, cwd=revision.root, env=env, timeout=CHECK_TIMEOUT_S
+        )
+        reason = None if done.returncode == 0 else (done.stderr.strip().splitlines() or [f"exit code {done.returncode}"])[-1]
+    except subprocess.TimeoutExpired:
+        reason = f"it did not end within {CHECK_TIMEOUT_S:g} s (regress.CHECK_TIMEOUT_S): does the revision's import hang?"
+    if reason is not None:
         return {key: {**config, "ok": False, "problems": [f"the check could not run: {reason}"], "files": []} for key, config in configs.items()}
     return dict(zip(configs, json.loads(done.stdout.splitlines()[-1])))  # the last line: a variant may print
 

@@ -16,6 +16,7 @@ or equally slow.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -275,6 +276,21 @@ def test_each_revision_has_a_triton_cache_of_its_own_in_its_check_and_its_worker
         measure_rounds(revisions, {"base": [cell], "head": [cell]}, 1, fingerprints, {"base": "b", "head": "h"}, progress=False)
         assert started == {revision.root: str(cache) for revision, cache in zip(revisions, caches)}
     assert not scratch.exists()
+
+
+def test_a_check_that_hangs_fails_its_revision_within_the_bound(tmp_path, monkeypatch):
+    """A revision whose check does not end (an import that hangs) fails every configuration, naming the bound, instead
+    of hanging regress."""
+    script = tmp_path / "check.py"
+    script.write_text("import time\ntime.sleep(60)\n")
+    monkeypatch.setattr(regress_module, "CHECK_SCRIPT", script)
+    monkeypatch.setattr(regress_module, "CHECK_TIMEOUT_S", 1)
+    started = time.monotonic()
+    checked = check_revision(Revision("head", "HEAD", "0" * 40, tmp_path), {"k": {"variant": "linear"}})
+    assert time.monotonic() - started < 30
+    assert checked["k"]["ok"] is False and checked["k"]["problems"] == [
+        "the check could not run: it did not end within 1 s (regress.CHECK_TIMEOUT_S): does the revision's import hang?"
+    ]
 
 
 @pytest.mark.parametrize("name", variants.names())
