@@ -290,7 +290,7 @@ def _measure(chosen: Range, scratch: Path, *, force, plugins, command, progress,
         if not (left := chosen.left(commit)):
             finished.append(CommitRun(commit, "skipped", path))
             continue
-        part = LoadedScenario(loaded.scenario, left, loaded.path, loaded.sha256, loaded.preset, loaded.overrides)
+        part = loaded.narrowed(left)
         fingerprint = {**here, "git": {"commit": commit, "dirty": False, "describe": commit[:10]}}
         with worktree(repo, commit, commit[:12], scratch) as revision:
             reason = cannot_import(revision.root, revision.env)

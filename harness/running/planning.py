@@ -208,7 +208,6 @@ def plan(loaded: list, *, gpu: str | None = None, measured_from: str | None = No
     estimates come from the cells measured in ``measured_from`` (``--estimate-from``), else from those measured on this
     machine in ``out_dir`` (``this_machines_results``), and from the model. An EstimateError for an unknown GPU or an
     unreadable ``measured_from``."""
-    from ..scenarios.scenario import LoadedScenario
     from .estimate import roofs_for
 
     roofs = roofs_for([cell for scenario in loaded for cell in scenario.cells()], gpu)
@@ -222,8 +221,7 @@ def plan(loaded: list, *, gpu: str | None = None, measured_from: str | None = No
         total = kept + len(selection.left_out)
         lines.append(f"budget {format_duration(budget_s)}: {kept} of {counted(total, 'cell')} kept, estimated {format_duration(selection.seconds)}")
         lines += selection.left_out_lines() if selection.left_out else []
-        narrowed = [LoadedScenario(s.scenario, cells, s.path, s.sha256, s.preset, s.overrides) for s, cells in zip(loaded, selection.kept)]
-        loaded = [scenario for scenario in narrowed if scenario.cells()]
+        loaded = [scenario.narrowed(cells) for scenario, cells in zip(loaded, selection.kept) if cells]
         sweeps = [estimator.sweep(scenario.cells()) for scenario in loaded]
     if dry_run:
         lines = format_dry_run(loaded, sweeps, roofs, measured) + lines

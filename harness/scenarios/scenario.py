@@ -59,3 +59,7 @@ class LoadedScenario:
 
             self._cells = expand(self.scenario, str(self.path))
         return self._cells
+
+    def narrowed(self, cells: list[Cell]) -> LoadedScenario:
+        """The same scenario, measuring only ``cells`` (some of its own: a budget's, a commit's cells left)."""
+        return LoadedScenario(self.scenario, cells, self.path, self.sha256, self.preset, self.overrides)
