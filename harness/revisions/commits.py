@@ -109,7 +109,12 @@ def in_effect(overrides) -> list:
 def results_file(out_dir: Path, loaded: LoadedScenario, commit: str, machine_id: str) -> Path:
     """The file of ``loaded``'s cells at ``commit`` on machine ``machine_id``, named with a hash of ``measured_as``."""
     key = hashlib.sha256(json.dumps(measured_as(loaded), sort_keys=True).encode()).hexdigest()[:10]
-    return out_dir / f"{loaded.name}-{commit[:12]}-{machine_id}-{key}.jsonl"
+    return out_dir / _file_name(loaded.name, commit[:12], machine_id, key)
+
+
+def _file_name(scenario: str, commit: str, machine_id: str, key: str) -> str:
+    """``SCENARIO-COMMIT-MACHINE-KEY.jsonl`` (``*`` for a part: the pattern of every such file)."""
+    return f"{scenario}-{commit}-{machine_id}-{key}.jsonl"
 
 
 def recorded_cells(out_dir: Path, loaded: LoadedScenario, machine_id: str) -> dict[str, dict[str, list[dict]]]:
@@ -255,7 +260,7 @@ def dry_run(chosen: Range, *, gpu: str | None = None, measured_from: str | None 
     if measured_from:
         measured = Measured(measured_from)
     else:  # this machine's nights of this scenario, as measured (any key), as `run --dry-run` learns from its results
-        files = sorted(chosen.out_dir.glob(f"{chosen.loaded.name}-*-{chosen.here['machine_id']}-*.jsonl"))
+        files = sorted(chosen.out_dir.glob(_file_name(chosen.loaded.name, "*", chosen.here["machine_id"], "*")))
         measured, unread = learned_from(files, chosen.here["machine_id"], chosen.out_dir) if files else (None, None)
     estimator = Estimator(roofs, measured=measured)
     described = dict(line.split("\t", 1) for line in git(chosen.repo, "show", "-s", "--format=%H%x09%cs %s", *chosen.commits).splitlines())
